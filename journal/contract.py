@@ -1,0 +1,120 @@
+"""The journal contract: what every backend must do, independent of SQL.
+
+One operation = the events of one or more streams (handles) that commit together or
+not at all. `append` takes many operations and commits them in one transaction
+(group commit); each operation's guards are checked on their own, so a stale one is
+rejected while the others commit. The guarded head update is the linearization point.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+
+import msgspec
+
+from schemas.events import Event
+from schemas.receipts import Receipt
+
+
+class Guard(msgspec.Struct, frozen=True):
+    """The head a write was decided against. Stream position is part of it because
+    events that do not advance the snapshot (output_emit, finish, append_start) still
+    change what is legal next."""
+
+    generation: int
+    snapshot_version: int
+    stream_position: int
+
+
+class HeadFacts(msgspec.Struct, frozen=True):
+    """The indexed facts of a handle's head row, written with its newest event."""
+
+    request_id: str
+    generation: int
+    snapshot_version: int
+    stream_position: int
+    committed_length: int
+    phase: str
+    prefix_identity_sha256: str
+    cache_abi_sha256: str
+
+
+class StreamWrite(msgspec.Struct, frozen=True):
+    handle_id: str
+    expected: Guard | None  # None: the stream must not exist yet
+    head: HeadFacts
+    events: tuple[Event, ...]
+
+
+class Check(msgspec.Struct, frozen=True):
+    """A guard with no write: a fork reads its parent's snapshot without mutating it."""
+
+    handle_id: str
+    expected: Guard
+
+
+class Operation(msgspec.Struct, frozen=True):
+    operation_id: str
+    fingerprint: str
+    writes: tuple[StreamWrite, ...]
+    checks: tuple[Check, ...] = ()
+    manifests: tuple[tuple[str, bytes], ...] = ()  # (manifest_sha256, canonical JSON)
+
+
+class Rejection(msgspec.Struct, frozen=True):
+    operation_id: str
+    code: str  # STALE_BASE, HANDLE_EXISTS or CONFLICT
+    handle_id: str | None
+    message: str
+
+
+class Journal(abc.ABC):
+    """Abstract recorder. Implementations: journal.sql.SqlJournal (SQLite, PostgreSQL)."""
+
+    @abc.abstractmethod
+    def append(self, operations: Sequence[Operation]) -> list[Receipt | Rejection]:
+        """Commit every operation whose guards hold, in one transaction, in order.
+        Results are positional. Nothing is acknowledged before the commit returns."""
+
+    @abc.abstractmethod
+    def read_stream(self, handle_id: str, after: int = 0) -> list[Event]:
+        """Events of one handle with stream_position > after, in order."""
+
+    @abc.abstractmethod
+    def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
+        """Events with global_position > after, in global order."""
+
+    @abc.abstractmethod
+    def read_raw(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
+        """(global_position, stored bytes), exactly as written: for export and audit."""
+
+    @abc.abstractmethod
+    def head(self, handle_id: str) -> HeadFacts | None: ...
+
+    @abc.abstractmethod
+    def heads(self, *, prefix_identity_sha256: str | None = None) -> dict[str, HeadFacts]: ...
+
+    @abc.abstractmethod
+    def receipt(self, operation_id: str) -> Receipt | None: ...
+
+    @abc.abstractmethod
+    def last_position(self) -> int: ...
+
+    @abc.abstractmethod
+    def manifest(self, manifest_sha256: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def save_checkpoint(self, name: str, position: int, state: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def load_checkpoint(self, name: str) -> tuple[int, bytes] | None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

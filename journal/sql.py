@@ -1,0 +1,396 @@
+"""The SQL journal: one implementation of the contract for SQLite and PostgreSQL.
+
+The algorithm lives here; journal.sqlite and journal.postgres supply the few
+statements whose best form differs (per-row statements in-process vs. one set-based
+statement per batch over the network). All SQL uses bound parameters.
+
+One transaction per `append` call:
+  1. take the writer lock and read the last global position (gapless, commit-ordered);
+  2. look up receipts: a retry returns its original receipt, a changed retry is CONFLICT;
+  3. guarded head updates, per round of operations on disjoint handles; an operation
+     with a failed guard writes nothing (savepoint when an operation spans handles);
+  4. insert events with their global positions, receipts and manifests;
+  5. commit. Nothing is acknowledged before the commit returns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import NullPool, StaticPool
+
+from journal.contract import Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
+from journal.tables import SCHEMA_REVISION, VERSION_TABLE
+from journal.url import parse_url, redact, unreachable
+from schemas.codec import decode_event, encode_event
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.events import CURRENT_VERSION, Event
+from schemas.receipts import HandleResult, Receipt, receipt_decoder, receipt_encoder
+
+READ_PAGE = 5000
+
+
+def make_engine(url: URL) -> Engine:
+    if url.drivername.startswith("sqlite"):
+        memory = url.database in (None, "", ":memory:")
+        engine = create_engine(
+            url,
+            poolclass=StaticPool if memory else NullPool,
+            connect_args={"check_same_thread": False, "timeout": 60},
+        )
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    # WAL lets readers run beside the writer; FULL fsyncs the WAL at every commit, which
+    # is what makes an acknowledged commit survive power loss (kill -9 alone can't tell).
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")
+    cur.execute("PRAGMA busy_timeout=60000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def open_journal(raw_url: str) -> SqlJournal:
+    """Open a migrated journal. An un-migrated database is NOT_MIGRATED (run `kvledger init`)."""
+    url = parse_url(raw_url)
+    return SqlJournal(url)
+
+
+class SqlJournal(Journal):
+    def __init__(self, url: URL) -> None:
+        self.url = url
+        self.display_url = redact(url)
+        self.engine = make_engine(url)
+        self.dialect = url.get_backend_name()
+        if self.dialect == "sqlite":
+            from journal.sqlite import SqliteStatements as backend
+        else:
+            from journal.postgres import PostgresStatements as backend
+        try:
+            self._proxy = self.engine.raw_connection()
+        except (DBAPIError, SQLAlchemyError) as exc:
+            self.engine.dispose()
+            raise unreachable(exc, url) from None
+        self.conn = self._proxy.driver_connection
+        self.sql = backend(self.conn)
+        self._pid = os.getpid()
+        self._lock = threading.RLock()
+        try:
+            revision = self.sql.schema_revision(VERSION_TABLE)
+        except Exception as exc:  # noqa: BLE001 - any driver failure here means "cannot use"
+            self.close()
+            raise unreachable(exc, url) from None
+        if revision != SCHEMA_REVISION:
+            self.close()
+            found = f"revision {revision}" if revision else "no kvledger tables"
+            raise KvLedgerError(
+                ErrorCode.NOT_MIGRATED,
+                f"{self.display_url} has {found}; run `kvledger init --db URL` "
+                f"to migrate it to {SCHEMA_REVISION}",
+            )
+
+    # -- writing -----------------------------------------------------------------
+
+    def append(self, operations: Sequence[Operation]) -> list[Receipt | Rejection]:
+        if not operations:
+            return []
+        for op in operations:
+            _validate(op)
+        self._check_process()
+        with self._lock:
+            try:
+                return self.sql.transaction(lambda cur: self._append(cur, operations))
+            except KvLedgerError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise self._driver_error(exc) from None
+
+    def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
+        last = self.sql.lock_and_last_position(cur)
+        results: list[Receipt | Rejection | None] = [None] * len(ops)
+        stored = self.sql.fetch_receipts(cur, list({op.operation_id for op in ops}))
+        first_in_batch: dict[str, int] = {}
+        pending: list[int] = []
+        for i, op in enumerate(ops):
+            if op.operation_id in stored:
+                fingerprint, body = stored[op.operation_id]
+                results[i] = _replay(op, fingerprint, body)
+            elif op.operation_id in first_in_batch:
+                continue  # resolved against the first occurrence after the rounds
+            else:
+                first_in_batch[op.operation_id] = i
+                pending.append(i)
+
+        for round_ in _rounds(ops, pending):
+            for i, rejection in self._apply_round(cur, ops, round_).items():
+                results[i] = rejection
+
+        now = time.time_ns()
+        event_rows: list[tuple] = []
+        receipt_rows: list[tuple] = []
+        manifest_rows: dict[str, bytes] = {}
+        position = last
+        for i in pending:
+            if results[i] is not None:
+                continue
+            op = ops[i]
+            first = position + 1
+            ids: list[str] = []
+            for write in op.writes:
+                for ev in write.events:
+                    position += 1
+                    body = encode_event(msgspec.structs.replace(ev, global_position=position))
+                    event_rows.append(
+                        (position, ev.event_id, ev.stream_id, ev.stream_position, ev.event_type,
+                         ev.schema_version, ev.operation_id, body)
+                    )
+                    ids.append(ev.event_id)
+            receipt = Receipt(
+                operation_id=op.operation_id,
+                fingerprint=op.fingerprint,
+                handles=tuple(_handle_result(w) for w in op.writes),
+                event_ids=tuple(ids),
+                first_global_position=first,
+                last_global_position=position,
+                committed_wall_ns=now,
+            )
+            receipt_rows.append(
+                (op.operation_id, op.fingerprint, first, position, receipt_encoder.encode(receipt))
+            )
+            manifest_rows.update(op.manifests)
+            results[i] = receipt
+        for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
+            if results[i] is None:
+                original = results[first_in_batch[op.operation_id]]
+                results[i] = (
+                    original
+                    if isinstance(original, Receipt) and original.fingerprint == op.fingerprint
+                    else _conflict(op)
+                )
+        if event_rows:
+            self.sql.insert_events(cur, event_rows)
+            self.sql.insert_receipts(cur, receipt_rows)
+        if manifest_rows:
+            self.sql.insert_manifests(cur, list(manifest_rows.items()))
+        return results  # type: ignore[return-value]
+
+    def _apply_round(self, cur: Any, ops: Sequence[Operation], round_: list[int]) -> dict[int, Rejection]:
+        """Apply the guards of operations on disjoint handles. Returns the rejected ones;
+        a rejected operation leaves no row changed."""
+        spans = any(len(ops[i].writes) + len(ops[i].checks) > 1 for i in round_)
+        if spans:
+            self.sql.savepoint(cur)
+        rejected: dict[int, Rejection] = {}
+        live = list(round_)
+        while True:
+            updates = [(w, w.expected) for i in live for w in ops[i].writes if w.expected]
+            creates = [w for i in live for w in ops[i].writes if w.expected is None]
+            checks = [(c.handle_id, c.expected) for i in live for c in ops[i].checks]
+            ok = self.sql.guarded_update(cur, updates)
+            ok |= self.sql.create_heads(cur, creates)
+            checked = self.sql.check_heads(cur, checks)
+            partial = False
+            for i in live:
+                op = ops[i]
+                failed = [w for w in op.writes if w.handle_id not in ok]
+                failed_checks = [c for c in op.checks if c.handle_id not in checked]
+                if not failed and not failed_checks:
+                    continue
+                if len(failed) < len(op.writes):
+                    partial = True  # some rows of this operation changed: undo the round
+                if failed:
+                    w = failed[0]
+                    code = ErrorCode.STALE_BASE if w.expected else ErrorCode.HANDLE_EXISTS
+                    handle = w.handle_id
+                else:
+                    code, handle = ErrorCode.STALE_BASE, failed_checks[0].handle_id
+                rejected[i] = Rejection(
+                    operation_id=op.operation_id,
+                    code=code.value,
+                    handle_id=handle,
+                    message=(
+                        f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
+                        else f"head of {handle} moved past the expected base"
+                    ),
+                )
+            if not partial:
+                break
+            self.sql.rollback_to_savepoint(cur)
+            live = [i for i in live if i not in rejected]
+        if spans:
+            self.sql.release_savepoint(cur)
+        return rejected
+
+    # -- reading -----------------------------------------------------------------
+
+    def read_stream(self, handle_id: str, after: int = 0) -> list[Event]:
+        with self._lock:
+            rows = self._read(lambda cur: self.sql.stream_bodies(cur, handle_id, after))
+        return [decode_event(body) for body in rows]
+
+    def read_raw(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
+        remaining = limit
+        while remaining is None or remaining > 0:
+            page = READ_PAGE if remaining is None else min(READ_PAGE, remaining)
+            with self._lock:
+                rows = self._read(lambda cur: self.sql.bodies_after(cur, after, page))
+            yield from rows
+            if len(rows) < page:
+                return
+            after = rows[-1][0]
+            if remaining is not None:
+                remaining -= len(rows)
+
+    def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
+        for _, body in self.read_raw(after, limit):
+            yield decode_event(body)
+
+    def head(self, handle_id: str) -> HeadFacts | None:
+        found = self.heads(handle_id=handle_id)
+        return found.get(handle_id)
+
+    def heads(
+        self, *, prefix_identity_sha256: str | None = None, handle_id: str | None = None
+    ) -> dict[str, HeadFacts]:
+        with self._lock:
+            rows = self._read(lambda cur: self.sql.heads(cur, prefix_identity_sha256, handle_id))
+        return {row[0]: HeadFacts(*row[1:]) for row in rows}
+
+    def receipt(self, operation_id: str) -> Receipt | None:
+        with self._lock:
+            found = self._read(lambda cur: self.sql.fetch_receipts(cur, [operation_id]))
+        if operation_id not in found:
+            return None
+        return receipt_decoder.decode(found[operation_id][1])
+
+    def last_position(self) -> int:
+        with self._lock:
+            return self._read(self.sql.last_position)
+
+    def manifest(self, manifest_sha256: str) -> bytes | None:
+        with self._lock:
+            return self._read(lambda cur: self.sql.manifest(cur, manifest_sha256))
+
+    def save_checkpoint(self, name: str, position: int, state: bytes) -> None:
+        self._check_process()
+        with self._lock:
+            try:
+                self.sql.transaction(
+                    lambda cur: self.sql.upsert_checkpoint(cur, name, position, state, time.time_ns())
+                )
+            except Exception as exc:  # noqa: BLE001
+                raise self._driver_error(exc) from None
+
+    def load_checkpoint(self, name: str) -> tuple[int, bytes] | None:
+        with self._lock:
+            return self._read(lambda cur: self.sql.checkpoint(cur, name))
+
+    def close(self) -> None:
+        proxy, self._proxy = getattr(self, "_proxy", None), None
+        if proxy is not None and os.getpid() == getattr(self, "_pid", os.getpid()):
+            try:
+                proxy.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection is best effort
+                pass
+        self.engine.dispose(close=os.getpid() == getattr(self, "_pid", os.getpid()))
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _read(self, fn: Any) -> Any:
+        self._check_process()
+        try:
+            return self.sql.read(fn)
+        except Exception as exc:  # noqa: BLE001
+            raise self._driver_error(exc) from None
+
+    def _check_process(self) -> None:
+        if self._proxy is None:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "journal is closed")
+        if os.getpid() != self._pid:
+            # A connection shared across fork() corrupts both sides' protocol state.
+            raise KvLedgerError(
+                ErrorCode.INVALID_ARGUMENT, "journal opened in another process; open it after fork()"
+            )
+
+    def _driver_error(self, exc: BaseException) -> KvLedgerError:
+        if isinstance(exc, KvLedgerError):
+            return exc
+        return unreachable(exc, self.url)
+
+
+def _rounds(ops: Sequence[Operation], indexes: list[int]) -> Iterator[list[int]]:
+    """Split in order into rounds whose operations touch disjoint handles, so one
+    set-based statement per round has sequential semantics."""
+    current: list[int] = []
+    touched: set[str] = set()
+    for i in indexes:
+        handles = {w.handle_id for w in ops[i].writes} | {c.handle_id for c in ops[i].checks}
+        if handles & touched:
+            yield current
+            current, touched = [], set()
+        current.append(i)
+        touched |= handles
+    if current:
+        yield current
+
+
+def _validate(op: Operation) -> None:
+    def bad(msg: str) -> KvLedgerError:
+        return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"operation {op.operation_id}: {msg}")
+
+    if not op.writes:
+        raise bad("writes nothing")
+    seen: set[str] = set()
+    for w in op.writes:
+        if w.handle_id in seen:
+            raise bad(f"writes {w.handle_id} twice")
+        seen.add(w.handle_id)
+        if not w.events:
+            raise bad(f"write to {w.handle_id} has no events")
+        position = w.expected.stream_position if w.expected else 0
+        for ev in w.events:
+            position += 1
+            if ev.stream_id != w.handle_id or ev.stream_position != position:
+                raise bad(f"event {ev.event_id} is not at {w.handle_id}:{position}")
+            if ev.global_position != 0:
+                raise bad("global_position is assigned by the journal")
+            if ev.schema_version != CURRENT_VERSION[ev.event_type]:
+                raise bad(f"{ev.event_type} must be written at schema_version "
+                          f"{CURRENT_VERSION[ev.event_type]}")
+        if w.head.stream_position != position:
+            raise bad(f"head of {w.handle_id} does not end at its last event")
+
+
+def _replay(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:
+    if fingerprint != op.fingerprint:
+        return _conflict(op)
+    return receipt_decoder.decode(body)
+
+
+def _conflict(op: Operation) -> Rejection:
+    return Rejection(
+        operation_id=op.operation_id,
+        code=ErrorCode.CONFLICT.value,
+        handle_id=op.writes[0].handle_id,
+        message=f"operation {op.operation_id} was committed with another fingerprint",
+    )
+
+
+def _handle_result(w: StreamWrite) -> HandleResult:
+    h = w.head
+    return HandleResult(w.handle_id, h.generation, h.snapshot_version, h.stream_position, h.committed_length)
+
+
+__all__ = ["Guard", "SqlJournal", "make_engine", "open_journal"]

@@ -1,0 +1,45 @@
+"""SQLite specifics: an in-process database, so per-row statements are cheap and the
+writer lock is the database's own (BEGIN IMMEDIATE)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from journal.statements import Statements
+
+
+class SqliteStatements(Statements):
+    def __init__(self, conn: Any) -> None:
+        super().__init__(conn)
+        # Transactions are explicit: a deferred transaction that upgrades to a writer
+        # gets SQLITE_BUSY that no busy timeout fixes, so every write starts IMMEDIATE.
+        conn.isolation_level = None
+
+    def transaction(self, fn: Callable[[Any], Any]) -> Any:
+        cur = self.conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(cur)
+        except BaseException:
+            cur.execute("ROLLBACK")
+            cur.close()
+            raise
+        cur.execute("COMMIT")
+        cur.close()
+        return result
+
+    def schema_revision(self, version_table: str) -> str | None:
+        cur = self.conn.cursor()
+        try:
+            cur.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (version_table,))
+            if cur.fetchone() is None:
+                return None
+            cur.execute(f"SELECT version_num FROM {version_table}")  # constant table name
+            row = cur.fetchone()
+            return None if row is None else row[0]
+        finally:
+            cur.close()
+
+    def lock_and_last_position(self, cur: Any) -> int:
+        return self.last_position(cur)  # BEGIN IMMEDIATE already holds the writer lock

@@ -1,0 +1,77 @@
+"""SQLAlchemy Core tables of the journal. Migrations create them (migrations/versions);
+this module is the code's view of the same columns."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    UniqueConstraint,
+)
+
+SCHEMA_REVISION = "0001"  # alembic head this code reads and writes
+VERSION_TABLE = "kvl_alembic_version"
+
+metadata = MetaData()
+
+events = Table(
+    "kvl_events",
+    metadata,
+    Column("global_position", BigInteger, primary_key=True, autoincrement=False),
+    Column("event_id", String(256), nullable=False, unique=True),
+    Column("stream_id", String(256), nullable=False),
+    Column("stream_position", BigInteger, nullable=False),
+    Column("event_type", String(64), nullable=False),
+    Column("schema_version", Integer, nullable=False),
+    Column("operation_id", String(256)),
+    Column("body", LargeBinary, nullable=False),
+    UniqueConstraint("stream_id", "stream_position", name="kvl_events_stream_uq"),
+    Index("kvl_events_operation_ix", "operation_id"),
+)
+
+heads = Table(
+    "kvl_heads",
+    metadata,
+    Column("handle_id", String(256), primary_key=True),
+    Column("request_id", String(256), nullable=False),
+    Column("generation", BigInteger, nullable=False),
+    Column("snapshot_version", BigInteger, nullable=False),
+    Column("stream_position", BigInteger, nullable=False),
+    Column("committed_length", BigInteger, nullable=False),
+    Column("phase", String(32), nullable=False),
+    Column("prefix_identity_sha256", String(64), nullable=False),
+    Column("cache_abi_sha256", String(64), nullable=False),
+    Index("kvl_heads_prefix_ix", "prefix_identity_sha256"),
+)
+
+receipts = Table(
+    "kvl_receipts",
+    metadata,
+    Column("operation_id", String(256), primary_key=True),
+    Column("fingerprint", String(128), nullable=False),
+    Column("first_global_position", BigInteger, nullable=False),
+    Column("last_global_position", BigInteger, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+)
+
+manifests = Table(
+    "kvl_manifests",
+    metadata,
+    Column("manifest_sha256", String(64), primary_key=True),
+    Column("body", LargeBinary, nullable=False),
+)
+
+checkpoints = Table(
+    "kvl_checkpoints",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("position", BigInteger, nullable=False),
+    Column("state", LargeBinary, nullable=False),
+    Column("updated_wall_ns", BigInteger, nullable=False),
+)

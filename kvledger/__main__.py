@@ -1,0 +1,3 @@
+from kvledger.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""The `kvledger` command line.
+
+Exit status: 0 success, 1 findings (verify, reconcile, crash-test), 2 bad input or an
+error with a stable code (one line on stderr, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from schemas.errors import ErrorCode, KvLedgerError
+
+DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    from journal import redact, resolve_url
+    from kvledger.storage import init_database
+
+    revision = init_database(args.db)
+    target = redact(resolve_url(args.db))
+    if args.json:
+        print(json.dumps({"database": target, "revision": revision}))
+    else:
+        print(f"{target} is at revision {revision}")
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from schemas.events import Event
+
+    print(json.dumps(msgspec.json.schema(Event), indent=None if args.compact else 2))
+    return 0
+
+
+def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        raise KvLedgerError(ErrorCode.NOT_BUILT, f"`kvledger {name}` is not built yet")
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvledger",
+        description=(
+            "Event-sourced, durable source of truth for per-request KV-cache state: every "
+            "allocate/append/fork/truncate/cancel/finish/release is a journaled event, "
+            "committed by one conditional write, replayable at any position."
+        ),
+        epilog="Exit status: 0 ok, 1 findings, 2 bad input or error (one line with a stable code).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("init", help="create or migrate the journal tables to the head revision")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_cmd_init)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of the event union")
+    p.add_argument("--compact", action="store_true", help="one line instead of indented")
+    p.set_defaults(run=_cmd_schema)
+
+    p = sub.add_parser(
+        "demo",
+        help="run the main job: a torch GQA worker serving ~32 requests under the journal",
+    )
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--requests", type=int, default=32, help="number of requests (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts and sampling")
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: small random model)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_not_built("demo"))
+
+    p = sub.add_parser("generate", help="greedy completion of one prompt, journaled")
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: small random model)")
+    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_not_built("generate"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KvLedgerError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

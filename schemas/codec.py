@@ -1,0 +1,88 @@
+"""Event encoding and decoding, with upcasting and stable error codes for bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.events import CURRENT_VERSION, Event
+from schemas.upcast import UPCASTERS
+
+MAX_EVENT_BYTES = 64 << 20
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Event)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes | str) -> Event:
+    """Decode one stored event. Old payload versions are upcast; bad input raises
+    KvLedgerError with MALFORMED_EVENT, UNKNOWN_EVENT_TYPE, UNKNOWN_SCHEMA_VERSION or
+    FIELD_TOO_LARGE."""
+    if len(data) > MAX_EVENT_BYTES:
+        raise KvLedgerError(ErrorCode.FIELD_TOO_LARGE, f"event of {len(data)} bytes")
+    try:
+        event = _decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return _decode_slow(data, exc)
+    if event.schema_version != CURRENT_VERSION[event.event_type]:
+        return _decode_slow(data, None)
+    return event
+
+
+def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, f"not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "an event must be a JSON object")
+    event_type = raw.get("event_type")
+    if event_type not in CURRENT_VERSION:
+        raise KvLedgerError(
+            ErrorCode.UNKNOWN_EVENT_TYPE, f"unknown event_type {str(event_type)[:64]!r}"
+        )
+    version = raw.get("schema_version")
+    current = CURRENT_VERSION[event_type]
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, f"bad schema_version {str(version)[:32]!r}")
+    if version > current:
+        raise KvLedgerError(
+            ErrorCode.UNKNOWN_SCHEMA_VERSION,
+            f"{event_type} schema_version {version} is newer than this kvledger knows ({current})",
+        )
+    if version == current:
+        raise _validation_error(typed_error)
+    payload = raw.get("payload")
+    if not isinstance(payload, dict):
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "payload must be a JSON object")
+    try:
+        for v in range(version, current):
+            step = UPCASTERS.get((event_type, v))
+            if step is None:
+                raise KvLedgerError(
+                    ErrorCode.UNKNOWN_SCHEMA_VERSION, f"no upcaster for {event_type} v{v}"
+                )
+            payload = step(payload, raw)
+    except KvLedgerError:
+        raise
+    except Exception as exc:  # a v1 payload that is not even valid v1
+        raise KvLedgerError(
+            ErrorCode.MALFORMED_EVENT, f"{event_type} v{version} payload cannot be upcast: {exc}"
+        ) from None
+    upgraded: dict[str, Any] = {**raw, "payload": payload, "schema_version": current}
+    try:
+        return msgspec.convert(upgraded, Event)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: Exception | None) -> KvLedgerError:
+    text = str(exc)
+    code = ErrorCode.FIELD_TOO_LARGE if "length <=" in text else ErrorCode.MALFORMED_EVENT
+    return KvLedgerError(code, text)

@@ -1,0 +1,240 @@
+"""Journal events: one envelope (spec 0x07) and one payload type per event type.
+
+The envelope is a msgspec tagged union on `event_type`, so a stored line decodes into
+the right class in one pass. Payloads evolve by `schema_version`: an older stored
+payload is upcast when read (schemas.upcast), a newer one is refused.
+Times are integer nanoseconds; byte counts are integers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+from schemas.manifest import Manifest
+
+# Bounds keep a forged or corrupt line from becoming an unbounded allocation.
+Id = Annotated[str, Meta(min_length=1, max_length=256)]
+Digest = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+Text = Annotated[str, Meta(max_length=4096)]
+Count = Annotated[int, Meta(ge=0)]
+TokenIds = Annotated[tuple[Annotated[int, Meta(ge=0)], ...], Meta(max_length=1 << 20)]
+
+AppendKind = Literal["prefill", "chunk", "decode", "repair", "verify"]
+FailureOutcome = Literal["failed", "aborted", "rejected"]
+
+
+class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class RequestAllocate(_Payload):
+    manifest: Manifest
+    manifest_sha256: Digest
+    cache_abi_sha256: Digest
+    prefix_identity_sha256: Digest
+    b_token: Annotated[int, Meta(gt=0)]
+    reserved_capacity: Count  # C_i: token slots reserved per materialized copy
+    copy_tiers: Annotated[tuple[Id, ...], Meta(min_length=1, max_length=64)]  # r_i = len
+    allocator_bytes_per_copy: Count = 0  # declared allocator metadata policy
+
+
+class AppendStart(_Payload):
+    txn_id: Id
+    kind: AppendKind
+    base_snapshot_version: Count
+    interval_start: Count  # T
+    interval_count: Annotated[int, Meta(gt=0)]  # n: the interval is [T, T+n)
+    token_ids: TokenIds
+    cache_positions: TokenIds
+    mask_key_extent: Count  # must be T + n
+    cache_abi_sha256: Digest
+
+
+class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    layer: Count
+    start: Count
+    count: Count
+    k_complete: bool
+    v_complete: bool
+    rows_sha256: Digest | None = None  # digest of the K and V rows this layer adds
+
+
+class AppendPublish(_Payload):
+    txn_id: Id
+    base_snapshot_version: Count
+    result_snapshot_version: Count
+    committed_length: Count  # K_c after publication
+    accepted_count: Count  # rows committed; < interval_count only for verify
+    layers: Annotated[tuple[LayerRows, ...], Meta(max_length=4096)]
+    logits_ready: bool  # False for repair: its logits are discarded, never an output
+    workspace_bytes: Count = 0  # temporary workspace live at this event
+
+
+class Failure(_Payload):
+    txn_id: Id
+    outcome: FailureOutcome
+    code: Id
+    base_snapshot_version: Count
+    detail: Text = ""
+
+
+class OutputEmit(_Payload):
+    output_index: Count
+    token_id: Annotated[int, Meta(ge=0)]
+    snapshot_version: Count  # the snapshot whose logits produced this token
+
+
+class Fork(_Payload):
+    """Written on the child's stream: the parent is not mutated by a fork."""
+
+    parent_handle_id: Id
+    parent_generation: Count
+    parent_snapshot_version: Count
+    prefix_length: Count
+    child_index: Count
+    token_ids: TokenIds  # inherited logical tokens (prompt + outputs) of the child
+    prompt_length: Count
+    logits_ready: bool
+    manifest_sha256: Digest
+    cache_abi_sha256: Digest
+    prefix_identity_sha256: Digest
+    b_token: Annotated[int, Meta(gt=0)]
+    reserved_capacity: Count
+    copy_tiers: Annotated[tuple[Id, ...], Meta(min_length=1, max_length=64)]
+    allocator_bytes_per_copy: Count = 0
+
+
+class Truncate(_Payload):
+    base_snapshot_version: Count
+    result_snapshot_version: Count
+    new_length: Count
+    output_count: Count  # outputs kept: ids beyond the cut are rolled back with the rows
+
+
+class Reorder(_Payload):
+    group_id: Id
+    rows: Annotated[tuple[Id, ...], Meta(max_length=4096)]  # handle per row, before
+    permutation: Annotated[tuple[Count, ...], Meta(max_length=4096)]  # new[i] = old[perm[i]]
+    row_index: Count  # this handle's row after the reorder
+
+
+class CancelRequest(_Payload):
+    base_snapshot_version: Count
+    result_snapshot_version: Count
+    aborted_txn_ids: tuple[Id, ...] = ()
+    reason: Text = ""
+
+
+class Finish(_Payload):
+    reason: Literal["eos", "max_tokens", "stop", "client", "length"]
+    output_count: Count
+    committed_length: Count
+
+
+class Release(_Payload):
+    base_snapshot_version: Count
+    result_generation: Count
+    result_snapshot_version: Count
+    released_length: Count
+
+
+class Envelope(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="event_type", forbid_unknown_fields=True
+):
+    event_id: Id
+    global_position: Count = 0  # assigned by the journal at commit
+    stream_id: Id  # = handle_id
+    stream_position: Count
+    schema_version: Annotated[int, Meta(ge=1)]
+    request_id: Id
+    handle_generation: Count  # the generation the event was decided against
+    operation_id: Id | None = None
+    caused_by_event_id: Id | None = None
+    source_instance: Id = "kvledger"
+    local_sequence: Count = 0
+    monotonic_ns: Count = 0
+    observed_wall_time: Count = 0  # wall clock, ns since the epoch
+
+
+class RequestAllocateEvent(Envelope, tag="request_allocate"):
+    event_type: ClassVar[str] = "request_allocate"
+    payload: RequestAllocate
+
+
+class AppendStartEvent(Envelope, tag="append_start"):
+    event_type: ClassVar[str] = "append_start"
+    payload: AppendStart
+
+
+class AppendPublishEvent(Envelope, tag="append_publish"):
+    event_type: ClassVar[str] = "append_publish"
+    payload: AppendPublish
+
+
+class FailureEvent(Envelope, tag="failure"):
+    event_type: ClassVar[str] = "failure"
+    payload: Failure
+
+
+class OutputEmitEvent(Envelope, tag="output_emit"):
+    event_type: ClassVar[str] = "output_emit"
+    payload: OutputEmit
+
+
+class ForkEvent(Envelope, tag="fork"):
+    event_type: ClassVar[str] = "fork"
+    payload: Fork
+
+
+class TruncateEvent(Envelope, tag="truncate"):
+    event_type: ClassVar[str] = "truncate"
+    payload: Truncate
+
+
+class ReorderEvent(Envelope, tag="reorder"):
+    event_type: ClassVar[str] = "reorder"
+    payload: Reorder
+
+
+class CancelRequestEvent(Envelope, tag="cancel_request"):
+    event_type: ClassVar[str] = "cancel_request"
+    payload: CancelRequest
+
+
+class FinishEvent(Envelope, tag="finish"):
+    event_type: ClassVar[str] = "finish"
+    payload: Finish
+
+
+class ReleaseEvent(Envelope, tag="release"):
+    event_type: ClassVar[str] = "release"
+    payload: Release
+
+
+Event = Union[
+    RequestAllocateEvent,
+    AppendStartEvent,
+    AppendPublishEvent,
+    FailureEvent,
+    OutputEmitEvent,
+    ForkEvent,
+    TruncateEvent,
+    ReorderEvent,
+    CancelRequestEvent,
+    FinishEvent,
+    ReleaseEvent,
+]
+
+EVENT_CLASSES: dict[str, type] = {cls.event_type: cls for cls in Event.__args__}  # type: ignore[attr-defined]
+PAYLOAD_CLASSES: dict[str, type] = {
+    name: next(f.type for f in msgspec.structs.fields(cls) if f.name == "payload")
+    for name, cls in EVENT_CLASSES.items()
+}
+
+# The schema version this code writes for each payload. Bump it together with an
+# upcaster from the previous version in schemas.upcast.
+CURRENT_VERSION: dict[str, int] = {name: 1 for name in EVENT_CLASSES}
+CURRENT_VERSION["append_start"] = 2  # v1 stored interval as a [start, end) pair

@@ -1,0 +1,38 @@
+"""Upcasters: read a stored payload written under an older schema_version.
+
+Stored rows are never rewritten. Each upcaster lifts one version to the next; the
+chain runs when an event is read. A version newer than the code knows is refused
+(UNKNOWN_SCHEMA_VERSION): guessing at a future schema would be silent corruption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Upcaster = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+
+# (event_type, from_version) -> function(payload, envelope) returning the next version.
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcaster(event_type: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
+    def register(fn: Upcaster) -> Upcaster:
+        UPCASTERS[(event_type, from_version)] = fn
+        return fn
+
+    return register
+
+
+@upcaster("append_start", 1)
+def _append_start_v1(payload: dict[str, Any], envelope: dict[str, Any]) -> dict[str, Any]:
+    # v1 stored the interval as one half-open pair and had no explicit mask extent or
+    # positions: under v1 the mask always covered exactly [0, end) and positions were
+    # the interval itself, so both are derivable without guessing.
+    p = dict(payload)
+    start, end = p.pop("interval")
+    p["interval_start"] = start
+    p["interval_count"] = end - start
+    p.setdefault("cache_positions", list(range(start, end)))
+    p.setdefault("mask_key_extent", end)
+    return p

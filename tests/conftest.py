@@ -1,0 +1,94 @@
+"""Shared fixtures: a real PostgreSQL server (throwaway, or KVLEDGER_TEST_POSTGRES_URL)
+and a `db_url` fixture that runs a test once per backend."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvledger.pgserver import ThrowawayPostgres, find_bin  # noqa: E402
+from kvledger.storage import init_database  # noqa: E402
+
+REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
+_names = itertools.count()
+
+
+class PgAdmin:
+    """Creates one fresh, migrated database per test from a migrated template."""
+
+    def __init__(self, admin_url: str, server: ThrowawayPostgres | None) -> None:
+        self.admin_url = admin_url  # postgresql+psycopg://user@host:port/db
+        self.server = server
+        self.template: str | None = None
+
+    def _conninfo(self) -> str:
+        from sqlalchemy.engine import make_url
+
+        u = make_url(self.admin_url)
+        return psycopg.conninfo.make_conninfo(
+            host=u.host, port=u.port, user=u.username, password=u.password, dbname=u.database
+        )
+
+    def url_for(self, name: str) -> str:
+        from sqlalchemy.engine import make_url
+
+        return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
+
+    def create(self, migrated: bool = True) -> str:
+        name = f"kvl_test_{os.getpid()}_{next(_names)}"
+        with psycopg.connect(self._conninfo(), autocommit=True) as conn:
+            if migrated:
+                if self.template is None:
+                    self.template = f"kvl_template_{os.getpid()}"
+                    conn.execute(f'DROP DATABASE IF EXISTS "{self.template}"')
+                    conn.execute(f'CREATE DATABASE "{self.template}"')
+                    init_database(self.url_for(self.template))
+                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"')
+            else:
+                conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url_for(name)
+
+
+@pytest.fixture(scope="session")
+def pg_admin():
+    url = os.environ.get("KVLEDGER_TEST_POSTGRES_URL")
+    if url:
+        yield PgAdmin(url, None)
+        return
+    reason = None
+    if find_bin() is None:
+        reason = "no PostgreSQL server binaries (set KVLEDGER_TEST_POSTGRES_URL)"
+    server = None
+    if reason is None:
+        try:
+            server = ThrowawayPostgres(fsync=False).start()
+        except Exception as exc:  # noqa: BLE001
+            reason = f"cannot start a throwaway PostgreSQL: {exc}"
+    if reason:
+        if REQUIRE_PG:
+            pytest.fail(f"KVLEDGER_REQUIRE_POSTGRES=1 but {reason}")
+        pytest.skip(reason)
+    yield PgAdmin(server.url(), server)
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def db_url(backend, tmp_path, request) -> str:
+    """A fresh, migrated journal database on the parametrized backend."""
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path}/journal.db"
+        init_database(url)
+        return url
+    return request.getfixturevalue("pg_admin").create()

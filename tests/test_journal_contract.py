@@ -1,0 +1,235 @@
+"""The journal contract, run against every backend (SQLite file and a real PostgreSQL)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from factories import allocate_op, envelope, guard_of, head, publish_op
+
+from journal import Check, Guard, Operation, Rejection, StreamWrite
+from kvledger.storage import open_journal
+from schemas import events as ev
+from schemas.canonical import canonical_json
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.receipts import Receipt
+
+
+@pytest.fixture
+def journal(db_url):
+    j = open_journal(db_url)
+    yield j
+    j.close()
+
+
+def snapshot_of(j):
+    """Everything the journal stores, to prove a rejected call changed nothing."""
+    return (list(j.read_raw()), j.heads(), j.last_position())
+
+
+def test_allocate_then_publish_reads_back(journal):
+    [r] = journal.append([allocate_op("h1")])
+    assert isinstance(r, Receipt) and r.first_global_position == 1 == r.last_global_position
+    base = guard_of(journal.head("h1"))
+    assert base == Guard(0, 0, 1)
+    [p] = journal.append([publish_op("h1", base, "op-1")])
+    assert isinstance(p, Receipt)
+    assert p.handles[0].snapshot_version == 1 and p.handles[0].stream_position == 2
+    stream = journal.read_stream("h1")
+    assert [e.event_type for e in stream] == ["request_allocate", "append_publish"]
+    assert [e.global_position for e in stream] == [1, 2]
+    assert [e.stream_position for e in journal.read_stream("h1", after=1)] == [2]
+    assert [e.global_position for e in journal.read_all(after=1)] == [2]
+    assert journal.receipt("op-1") == p
+    assert journal.receipt("nope") is None
+    assert journal.last_position() == 2
+    m = stream[0].payload.manifest
+    assert journal.manifest(stream[0].payload.manifest_sha256) == canonical_json(m)
+
+
+def test_stale_base_writes_nothing(journal):
+    journal.append([allocate_op("h1")])
+    base = guard_of(journal.head("h1"))
+    assert isinstance(journal.append([publish_op("h1", base, "win")])[0], Receipt)
+    before = snapshot_of(journal)
+    [r] = journal.append([publish_op("h1", base, "lose")])
+    assert isinstance(r, Rejection) and r.code == ErrorCode.STALE_BASE
+    assert snapshot_of(journal) == before
+    assert journal.receipt("lose") is None
+
+
+def test_retry_returns_identical_receipt_and_writes_nothing(journal):
+    journal.append([allocate_op("h1")])
+    base = guard_of(journal.head("h1"))
+    op = publish_op("h1", base, "op-1")
+    [first] = journal.append([op])
+    before = snapshot_of(journal)
+    [again] = journal.append([op])  # the base is stale now: the receipt still comes back
+    assert again == first
+    assert msgspec.json.encode(again) == msgspec.json.encode(first)
+    assert snapshot_of(journal) == before
+
+
+def test_changed_retry_is_conflict(journal):
+    journal.append([allocate_op("h1")])
+    base = guard_of(journal.head("h1"))
+    journal.append([publish_op("h1", base, "op-1")])
+    before = snapshot_of(journal)
+    [r] = journal.append([publish_op("h1", guard_of(journal.head("h1")), "op-1", fingerprint="other")])
+    assert isinstance(r, Rejection) and r.code == ErrorCode.CONFLICT
+    assert snapshot_of(journal) == before
+
+
+def test_batch_checks_each_guard_on_its_own(journal):
+    handles = [f"h{i}" for i in range(6)]
+    journal.append([allocate_op(h) for h in handles])
+    bases = {h: guard_of(journal.head(h)) for h in handles}
+    # h2's base is made stale first; the rest of the batch must still commit.
+    journal.append([publish_op("h2", bases["h2"], "pre")])
+    results = journal.append([publish_op(h, bases[h], f"b-{h}") for h in handles])
+    kinds = {h: type(r).__name__ for h, r in zip(handles, results)}
+    assert kinds == {h: ("Rejection" if h == "h2" else "Receipt") for h in handles}
+    committed = [r for r in results if isinstance(r, Receipt)]
+    positions = [r.first_global_position for r in committed]
+    assert positions == sorted(positions) and len(set(positions)) == 5
+    assert journal.head("h2").snapshot_version == 1  # only "pre"
+    assert all(journal.head(h).snapshot_version == 1 for h in handles)
+
+
+def test_same_handle_twice_in_a_batch_is_sequential(journal):
+    journal.append([allocate_op("h1")])
+    b0 = guard_of(journal.head("h1"))
+    first = publish_op("h1", b0, "a")
+    b1 = Guard(b0.generation, 1, 2)
+    second = publish_op("h1", b1, "b")
+    stale = publish_op("h1", b0, "c")
+    r = journal.append([first, second, stale])
+    assert [type(x).__name__ for x in r] == ["Receipt", "Receipt", "Rejection"]
+    assert journal.head("h1").snapshot_version == 2
+    # a repeat of one operation id inside a batch is a retry of the first occurrence
+    b2 = guard_of(journal.head("h1"))
+    d = publish_op("h1", b2, "d")
+    r2 = journal.append([d, d])
+    assert r2[0] == r2[1] and isinstance(r2[0], Receipt)
+
+
+def test_multi_stream_operation_is_all_or_nothing(journal):
+    journal.append([allocate_op("a"), allocate_op("b")])
+    ga, gb = guard_of(journal.head("a")), guard_of(journal.head("b"))
+    journal.append([publish_op("b", gb, "move-b")])  # b is now stale for gb
+    pa, pb = publish_op("a", ga, "x"), publish_op("b", gb, "x")
+    both = Operation("both", "fp-both", writes=pa.writes + pb.writes)
+    other = publish_op("a", ga, "other")  # a separate op later in the batch, on a
+    before = snapshot_of(journal)
+    [r] = journal.append([both])
+    assert isinstance(r, Rejection) and r.code == ErrorCode.STALE_BASE and r.handle_id == "b"
+    assert snapshot_of(journal) == before  # a's half was rolled back
+    # in a batch, the spanning op fails alone and later ops still commit
+    r = journal.append([both, other])
+    assert isinstance(r[0], Rejection) and isinstance(r[1], Receipt)
+
+
+def test_check_guards_a_parent_without_writing_it(journal):
+    journal.append([allocate_op("parent")])
+    pg = guard_of(journal.head("parent"))
+    child = allocate_op("child", op_id="fork-1")
+    op = Operation("fork-1", "fp", writes=child.writes, checks=(Check("parent", pg),))
+    assert isinstance(journal.append([op])[0], Receipt)
+    assert journal.head("parent") is not None and guard_of(journal.head("parent")) == pg
+    journal.append([publish_op("parent", pg, "p1")])
+    child2 = allocate_op("child2", op_id="fork-2")
+    op2 = Operation("fork-2", "fp", writes=child2.writes, checks=(Check("parent", pg),))
+    [r] = journal.append([op2])
+    assert isinstance(r, Rejection) and r.code == ErrorCode.STALE_BASE and r.handle_id == "parent"
+    assert journal.head("child2") is None
+
+
+def test_creating_an_existing_handle_is_rejected(journal):
+    journal.append([allocate_op("h1")])
+    before = snapshot_of(journal)
+    [r] = journal.append([allocate_op("h1", op_id="again")])
+    assert isinstance(r, Rejection) and r.code == ErrorCode.HANDLE_EXISTS
+    assert snapshot_of(journal) == before
+
+
+def test_malformed_operations_are_refused_before_writing(journal):
+    journal.append([allocate_op("h1")])
+    base = guard_of(journal.head("h1"))
+    good = publish_op("h1", base, "op")
+    w = good.writes[0]
+    gap = msgspec.structs.replace(w.events[0], stream_position=base.stream_position + 2)
+    bad_ops = [
+        Operation("x", "f", writes=()),
+        Operation("x", "f", writes=(msgspec.structs.replace(w, events=(gap,)),)),
+        Operation("x", "f", writes=(msgspec.structs.replace(
+            w, events=(msgspec.structs.replace(w.events[0], global_position=9),)),)),
+        Operation("x", "f", writes=(msgspec.structs.replace(
+            w, events=(msgspec.structs.replace(w.events[0], schema_version=99),)),)),
+        Operation("x", "f", writes=(msgspec.structs.replace(w, head=head("h1", 0, 1, 7, 1)),)),
+    ]
+    before = snapshot_of(journal)
+    for op in bad_ops:
+        with pytest.raises(KvLedgerError) as err:
+            journal.append([good, op])
+        assert err.value.code is ErrorCode.INVALID_ARGUMENT
+    assert snapshot_of(journal) == before
+
+
+def test_gapless_positions_and_heads_listing(journal):
+    journal.append([allocate_op(f"h{i}") for i in range(5)])
+    for round_ in range(3):
+        journal.append([publish_op(h, guard_of(f), f"{h}-{round_}") for h, f in journal.heads().items()])
+    positions = [p for p, _ in journal.read_raw()]
+    assert positions == list(range(1, 21))
+    assert [p for p, _ in journal.read_raw(after=5, limit=4)] == [6, 7, 8, 9]
+    assert set(journal.heads()) == {f"h{i}" for i in range(5)}
+    assert journal.heads(prefix_identity_sha256="0" * 64).keys() == journal.heads().keys()
+
+
+def test_checkpoints_round_trip(journal):
+    assert journal.load_checkpoint("proj") is None
+    journal.save_checkpoint("proj", 5, b"state-5")
+    journal.save_checkpoint("proj", 9, b"state-9")
+    assert journal.load_checkpoint("proj") == (9, b"state-9")
+
+
+def test_old_schema_version_is_read_back_upgraded(journal):
+    """A row stored by an older kvledger (append_start v1: interval as a pair) reads as v2."""
+    journal.append([allocate_op("h1")])
+    v1 = {
+        "event_type": "append_start", "event_id": "old-1", "stream_id": "h1", "stream_position": 2,
+        "schema_version": 1, "request_id": "h1", "handle_generation": 0, "global_position": 2,
+        "payload": {"txn_id": "t1", "kind": "prefill", "base_snapshot_version": 0,
+                    "interval": [0, 4], "token_ids": [11, 22, 33, 44], "cache_abi_sha256": "0" * 64},
+    }
+    body = msgspec.json.encode(v1)
+    journal.sql.transaction(lambda cur: journal.sql.insert_events(
+        cur, [(2, "old-1", "h1", 2, "append_start", 1, None, body)]))
+    [start] = journal.read_stream("h1", after=1)
+    assert isinstance(start, ev.AppendStartEvent) and start.schema_version == 2
+    p = start.payload
+    assert (p.interval_start, p.interval_count, p.mask_key_extent) == (0, 4, 4)
+    assert p.cache_positions == (0, 1, 2, 3)
+    assert [raw for _, raw in journal.read_raw(after=1)] == [body]  # stored bytes untouched
+
+
+def test_event_written_and_read_is_byte_stable(journal):
+    op = allocate_op("h1")
+    journal.append([op])
+    [(pos, raw)] = list(journal.read_raw())
+    [event] = journal.read_stream("h1")
+    assert msgspec.json.encode(event) == raw
+    assert msgspec.structs.replace(event, global_position=0) == op.writes[0].events[0]
+
+
+def test_journal_refuses_use_after_close(db_url):
+    j = open_journal(db_url)
+    j.close()
+    with pytest.raises(KvLedgerError):
+        j.last_position()
+
+
+def test_envelope_helper_matches_writes():
+    e = envelope(ev.FinishEvent, "h", 3, ev.Finish(reason="eos", output_count=1, committed_length=4))
+    assert e.schema_version == 1 and e.stream_position == 3
+    w = StreamWrite("h", Guard(0, 0, 2), head("h", 0, 0, 3, 4, "FINISHED_RETAINED"), (e,))
+    assert w.head.phase == "FINISHED_RETAINED"
