@@ -1,0 +1,37 @@
+"""Process bodies for the race tests (imported by spawned children, so top level)."""
+
+from __future__ import annotations
+
+import time
+
+from factories import guard_of, publish_op
+
+from kvledger.storage import open_journal
+from schemas.receipts import Receipt
+
+
+def publisher(url: str, handle: str, worker: int, attempts: int, out) -> None:
+    """Publish on one handle from whatever base this process last read."""
+    results = []
+    with open_journal(url) as j:
+        for n in range(attempts):
+            base = guard_of(j.head(handle))
+            [r] = j.append([publish_op(handle, base, f"w{worker}-{n}")])
+            results.append((base.snapshot_version, isinstance(r, Receipt), getattr(r, "code", None)))
+    out.put((worker, results))
+
+
+def tailer(url: str, stop, out) -> None:
+    """Follow global_position; record every event seen, in the order seen."""
+    seen: list[tuple[int, str]] = []
+    last = 0
+    with open_journal(url) as j:
+        while True:
+            stopping = stop.is_set()
+            for e in j.read_all(after=last):
+                seen.append((e.global_position, e.event_id))
+                last = e.global_position
+            if stopping:
+                break
+            time.sleep(0.001)
+    out.put(seen)

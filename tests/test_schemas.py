@@ -1,0 +1,158 @@
+"""Manifest digests, B_token, canonical JSON, event decoding and bad input."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from factories import allocate_op, make_manifest
+
+from schemas import events as ev
+from schemas.canonical import canonical_json, digest
+from schemas.codec import decode_event, encode_event
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.manifest import (
+    CacheSchema,
+    ScalarType,
+    b_token,
+    cache_abi_sha256,
+    manifest_sha256,
+    prefix_identity_sha256,
+    prompt_token_ids_sha256,
+    validate_manifest,
+)
+
+FP16, INT8 = ScalarType("fp16", 2), ScalarType("int8", 1)
+
+
+def test_canonical_json_sorts_keys_and_drops_whitespace():
+    assert canonical_json({"b": 1, "a": [1, 2], "é": "ü"}) == '{"a":[1,2],"b":1,"é":"ü"}'.encode()
+    assert digest([11, 22]) == prompt_token_ids_sha256((11, 22))
+
+
+def test_adapter_changes_cache_abi():
+    a, b = make_manifest(), make_manifest(adapters=("lora-x",))
+    assert cache_abi_sha256(a) != cache_abi_sha256(b)
+    assert prefix_identity_sha256(a) != prefix_identity_sha256(b)
+
+
+def test_request_id_does_not_change_prefix_identity():
+    a, b = make_manifest(request_id="r1"), make_manifest(request_id="r2")
+    assert prefix_identity_sha256(a) == prefix_identity_sha256(b)
+    assert cache_abi_sha256(a) == cache_abi_sha256(b)
+    assert manifest_sha256(a) != manifest_sha256(b)
+
+
+def test_one_prompt_token_changes_prompt_and_prefix_but_not_abi():
+    a, b = make_manifest(prompt=(11, 22, 33, 44)), make_manifest(prompt=(11, 22, 33, 45))
+    ia, ib = a.input_identity, b.input_identity
+    assert ia.prompt_token_ids_sha256 != ib.prompt_token_ids_sha256
+    assert prefix_identity_sha256(a) != prefix_identity_sha256(b)
+    assert cache_abi_sha256(a) == cache_abi_sha256(b)
+
+
+def test_digest_definitions_follow_the_spec_formulas():
+    import hashlib
+    import json
+
+    m = make_manifest()
+    projection = {
+        "artifact_identity": msgspec.to_builtins(m.artifact_identity),
+        "cache_schema": msgspec.to_builtins(m.cache_schema),
+        "position_contract": msgspec.to_builtins(m.position_contract),
+    }
+    text = json.dumps(projection, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert cache_abi_sha256(m) == hashlib.sha256(text.encode()).hexdigest()
+    tokens = json.dumps([11, 22, 33, 44], separators=(",", ":"))
+    assert m.input_identity.prompt_token_ids_sha256 == hashlib.sha256(tokens.encode()).hexdigest()
+
+
+def schema(layers, kv_heads, head_dim, k=FP16, v=FP16, q=0):
+    return CacheSchema(num_cache_layers=layers, kv_heads_per_rank=kv_heads, head_dim=head_dim,
+                       key_dtype=k, value_dtype=v, num_query_heads=q)
+
+
+def test_b_token_reproduces_the_spec():
+    assert b_token(schema(2, 2, 4)) == 64
+    big = b_token(schema(32, 8, 128))
+    assert big == 131_072 and 4096 * big == 536_870_912
+    assert 4096 * b_token(schema(32, 32, 128)) == 2 * 1024**3
+    assert b_token(schema(2, 2, 4, INT8, INT8)) == 32
+    assert b_token(schema(2, 2, 4, q=4)) == b_token(schema(2, 2, 4, q=8)) == 64
+
+
+def test_validate_manifest_catches_drift():
+    m = make_manifest()
+    validate_manifest(m)
+    drift = msgspec.structs.replace(
+        m, input_identity=msgspec.structs.replace(m.input_identity, prompt_token_ids=(1, 2, 3, 4))
+    )
+    with pytest.raises(KvLedgerError) as e:
+        validate_manifest(drift)
+    assert e.value.code is ErrorCode.DIGEST_MISMATCH
+    zero = msgspec.structs.replace(m, cache_schema=schema(0, 2, 4))
+    with pytest.raises(KvLedgerError) as e:
+        validate_manifest(zero)
+    assert e.value.code is ErrorCode.INVALID_MANIFEST
+
+
+def _allocate_event_dict():
+    e = allocate_op("h1").writes[0].events[0]
+    return msgspec.to_builtins(e)
+
+
+def test_encode_decode_round_trip():
+    e = allocate_op("h1").writes[0].events[0]
+    assert decode_event(encode_event(e)) == e
+
+
+@pytest.mark.parametrize(
+    "mutate, code",
+    [
+        (lambda d: d.update(event_type="teleport"), ErrorCode.UNKNOWN_EVENT_TYPE),
+        (lambda d: d.update(schema_version=2), ErrorCode.UNKNOWN_SCHEMA_VERSION),
+        (lambda d: d.update(schema_version="one"), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d.update(stream_position="x"), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d.update(stream_position=-1), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d["payload"].update(b_token="64"), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d["payload"].update(unexpected=1), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d["payload"].pop("manifest"), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d.update(request_id="r" * 10_000), ErrorCode.FIELD_TOO_LARGE),
+        (lambda d: d["payload"].update(cache_abi_sha256="XYZ"), ErrorCode.MALFORMED_EVENT),
+    ],
+)
+def test_bad_events_get_stable_codes(mutate, code):
+    d = _allocate_event_dict()
+    mutate(d)
+    with pytest.raises(KvLedgerError) as e:
+        decode_event(msgspec.json.encode(d))
+    assert e.value.code is code
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"[1,2]", b'"x"', b"{"])
+def test_non_objects_are_malformed(raw):
+    with pytest.raises(KvLedgerError) as e:
+        decode_event(raw)
+    assert e.value.code is ErrorCode.MALFORMED_EVENT
+
+
+def test_newer_version_of_upcast_type_is_refused():
+    d = {"event_type": "append_start", "schema_version": 3, "payload": {}}
+    with pytest.raises(KvLedgerError) as e:
+        decode_event(msgspec.json.encode(d))
+    assert e.value.code is ErrorCode.UNKNOWN_SCHEMA_VERSION
+
+
+def test_v1_append_start_that_is_not_valid_v1_is_malformed():
+    d = {"event_type": "append_start", "schema_version": 1, "event_id": "e", "stream_id": "h",
+         "stream_position": 1, "request_id": "h", "handle_generation": 0, "payload": {"kind": "prefill"}}
+    with pytest.raises(KvLedgerError) as e:
+        decode_event(msgspec.json.encode(d))
+    assert e.value.code is ErrorCode.MALFORMED_EVENT
+
+
+def test_every_event_type_has_a_payload_and_a_schema_entry():
+    s = msgspec.json.schema(ev.Event)
+    assert set(s["discriminator"]["mapping"]) == set(ev.EVENT_CLASSES) == {
+        "request_allocate", "append_start", "append_publish", "failure", "output_emit", "fork",
+        "truncate", "reorder", "cancel_request", "finish", "release",
+    }
