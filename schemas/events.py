@@ -101,6 +101,7 @@ class Fork(_Payload):
     manifest_sha256: Digest
     cache_abi_sha256: Digest
     prefix_identity_sha256: Digest
+    num_layers: Annotated[int, Meta(gt=0)]
     b_token: Annotated[int, Meta(gt=0)]
     reserved_capacity: Count
     copy_tiers: Annotated[tuple[Id, ...], Meta(min_length=1, max_length=64)]

@@ -53,7 +53,7 @@ def make_manifest(
             key_dtype=key_dtype, value_dtype=value_dtype, num_query_heads=query_heads,
         ),
         position_contract=PositionContract(rope=RopeConfig(theta=10000.0)),
-        request_policy=RequestPolicy(max_context_tokens=64, max_new_tokens=8),
+        request_policy=RequestPolicy(max_context_tokens=len(prompt) + 64, max_new_tokens=8),
     )
 
 

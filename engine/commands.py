@@ -1,0 +1,134 @@
+"""Commands: what a caller asks for. Each names the base it was decided against, so a
+late or stale command can be fenced. A command's canonical JSON is its fingerprint."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.canonical import digest
+from schemas.events import AppendKind, FailureOutcome, LayerRows
+from schemas.manifest import Manifest
+
+
+class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    operation_id: str | None = None  # idempotency key; the service makes one if absent
+
+    def fingerprint(self) -> str:
+        # The whole command minus the key itself: a retry must ask for the same thing.
+        return digest(msgspec.structs.replace(self, operation_id=None))
+
+
+class Allocate(_Command):
+    handle_id: str
+    manifest: Manifest
+    reserved_capacity: int
+    copy_tiers: tuple[str, ...] = ("gpu",)
+    allocator_bytes_per_copy: int = 0
+    generation: int = 0
+
+
+class BeginAppend(_Command):
+    handle_id: str
+    txn_id: str
+    kind: AppendKind
+    base_generation: int
+    base_snapshot_version: int
+    interval_start: int
+    interval_count: int
+    token_ids: tuple[int, ...]
+    cache_positions: tuple[int, ...]
+    mask_key_extent: int
+    cache_abi_sha256: str
+
+
+class Publish(_Command):
+    handle_id: str
+    txn_id: str
+    base_generation: int
+    base_snapshot_version: int
+    # None: the caller asserts every cache layer staged complete K and V over the
+    # interval (expanded by decide); the worker names each layer with its row digest.
+    layers: tuple[LayerRows, ...] | None = None
+    accepted_count: int | None = None  # verify only: rows of accepted drafts
+    workspace_bytes: int = 0
+
+
+class Fail(_Command):
+    handle_id: str
+    txn_id: str
+    outcome: FailureOutcome
+    code: str = "FAILED"
+    detail: str = ""
+
+
+class EmitOutput(_Command):
+    handle_id: str
+    base_generation: int
+    snapshot_version: int
+    output_index: int
+    token_id: int
+
+
+class Fork(_Command):
+    parent_handle_id: str
+    base_generation: int
+    base_snapshot_version: int
+    child_handle_ids: tuple[str, ...]
+    prefix_length: int
+    child_request_ids: tuple[str, ...] = ()  # default: "<parent request>.<i>"
+
+
+class Truncate(_Command):
+    handle_id: str
+    base_generation: int
+    base_snapshot_version: int
+    new_length: int
+
+
+class Reorder(_Command):
+    """One permutation over coupled rows: new row i takes old row permutation[i]. The
+    per-component permutations exist only so a split reorder can be named and refused."""
+
+    group_id: str
+    rows: tuple[str, ...]
+    bases: tuple[tuple[int, int], ...]  # (generation, snapshot_version) per row
+    permutation: tuple[int, ...]
+    token_permutation: tuple[int, ...] | None = None
+    cache_permutation: tuple[int, ...] | None = None
+    position_permutation: tuple[int, ...] | None = None
+    sampler_permutation: tuple[int, ...] | None = None
+
+
+class CancelRequest(_Command):
+    handle_id: str
+    base_generation: int
+    reason: str = ""
+
+
+class Finish(_Command):
+    handle_id: str
+    base_generation: int
+    reason: Literal["eos", "max_tokens", "stop", "client", "length"] = "max_tokens"
+
+
+class Release(_Command):
+    handle_id: str
+    base_generation: int
+    base_snapshot_version: int | None = None
+
+
+Command = (
+    Allocate | BeginAppend | Publish | Fail | EmitOutput | Fork | Truncate | Reorder
+    | CancelRequest | Finish | Release
+)
+
+
+def handles_of(cmd: Command) -> tuple[str, ...]:
+    """The handles a command reads (and possibly writes)."""
+    if isinstance(cmd, Fork):
+        return (cmd.parent_handle_id, *cmd.child_handle_ids)
+    if isinstance(cmd, Reorder):
+        return cmd.rows
+    return (cmd.handle_id,)

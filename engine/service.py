@@ -1,0 +1,191 @@
+"""The command service: load state, decide, stamp, append through the conditional write.
+
+State is cached per handle and trusted only as far as the journal's guard agrees: a
+STALE_BASE from the journal means another writer moved the head, so the service
+re-reads that stream and decides again. If the command itself named the old base,
+the second decide rejects it; otherwise it commits against the new head.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine import commands as c
+from engine.decide import Draft, decide
+from engine.evolve import evolve, fold
+from engine.state import HandleState
+from journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
+from schemas import events as ev
+from schemas.canonical import canonical_json
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.receipts import Receipt
+
+MAX_ATTEMPTS = 64
+
+
+class SystemClock:
+    def monotonic_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def wall_ns(self) -> int:
+        return time.time_ns()
+
+
+@dataclass
+class Plan:
+    op: Operation
+    states: dict[str, HandleState]
+    events: list[ev.Event]
+
+
+CommitHook = Callable[[Receipt, list[ev.Event]], None]
+
+
+@dataclass
+class CommandService:
+    journal: Journal
+    source_instance: str = "kvledger"
+    clock: object = field(default_factory=SystemClock)
+    on_commit: list[CommitHook] = field(default_factory=list)
+    states: dict[str, HandleState] = field(default_factory=dict)
+    local_sequence: int = 0
+
+    # -- state -------------------------------------------------------------------
+
+    def state(self, handle_id: str, *, refresh: bool = False) -> HandleState | None:
+        cached = self.states.get(handle_id)
+        if cached is not None and not refresh:
+            return cached
+        after = cached.stream_position if cached is not None else 0
+        state = fold(self.journal.read_stream(handle_id, after=after), cached)
+        if state is not None:
+            self.states[handle_id] = state
+        return state
+
+    # -- commands ----------------------------------------------------------------
+
+    def execute(self, cmd: c.Command) -> Receipt:
+        [result] = self.execute_many([cmd])
+        if isinstance(result, KvLedgerError):
+            raise result
+        return result
+
+    def execute_many(self, cmds: Sequence[c.Command]) -> list[Receipt | KvLedgerError]:
+        """Decide every command and commit the accepted ones in one journal transaction.
+        Commands on the same handle apply in order. Results are positional."""
+        cmds = [c_ if c_.operation_id else msgspec.structs.replace(c_, operation_id=uuid.uuid4().hex)
+                for c_ in cmds]
+        results: list[Receipt | KvLedgerError | None] = [None] * len(cmds)
+        pending = list(range(len(cmds)))
+        for _ in range(MAX_ATTEMPTS):
+            local: dict[str, HandleState | None] = {}
+            planned: list[tuple[int, Plan]] = []
+            todo, pending = pending, []
+            for i in todo:
+                try:
+                    plan = self._plan(cmds[i], local)
+                except KvLedgerError as exc:
+                    results[i] = self._explain(cmds[i], exc)
+                    continue
+                local.update(plan.states)
+                planned.append((i, plan))
+            if not planned:
+                break
+            outcomes = self.journal.append([p.op for _, p in planned])
+            for (i, plan), out in zip(planned, outcomes):
+                if isinstance(out, Receipt):
+                    results[i] = out
+                    if out.event_ids == tuple(e.event_id for e in plan.events):
+                        self.states.update(plan.states)
+                        for hook in self.on_commit:
+                            hook(out, plan.events)
+                    else:  # a retry answered with the original receipt: nothing new written
+                        for h in plan.states:
+                            self.state(h, refresh=True)
+                elif out.code == ErrorCode.CONFLICT:
+                    results[i] = KvLedgerError(ErrorCode.CONFLICT, out.message)
+                else:  # the head moved under us: re-read and decide again
+                    for h in c.handles_of(cmds[i]):
+                        self.state(h, refresh=True)
+                    pending.append(i)
+            if not pending:
+                break
+        for i in pending:
+            results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: gave up after "
+                                                             f"{MAX_ATTEMPTS} contended attempts")
+        return results  # type: ignore[return-value]
+
+    def _explain(self, cmd: c.Command, exc: KvLedgerError) -> Receipt | KvLedgerError:
+        """A command that no longer decides may be a retry of one already committed."""
+        receipt = self.journal.receipt(cmd.operation_id)
+        if receipt is None:
+            return exc
+        if receipt.fingerprint == cmd.fingerprint():
+            return receipt
+        return KvLedgerError(ErrorCode.CONFLICT, f"operation {cmd.operation_id} was committed "
+                                                 "with another fingerprint")
+
+    def _plan(self, cmd: c.Command, local: Mapping[str, HandleState | None]) -> Plan:
+        before = {h: local[h] if h in local else self.state(h) for h in c.handles_of(cmd)}
+        drafts = decide(before, cmd)
+        now_mono, now_wall = self.clock.monotonic_ns(), self.clock.wall_ns()
+        after: dict[str, HandleState | None] = dict(before)
+        events: list[ev.Event] = []
+        by_handle: dict[str, list[ev.Event]] = {}
+        for d in drafts:
+            event = self._stamp(d, after.get(d.handle_id), cmd, before, now_mono, now_wall)
+            after[d.handle_id] = evolve(after.get(d.handle_id), event)
+            events.append(event)
+            by_handle.setdefault(d.handle_id, []).append(event)
+        writes = tuple(
+            StreamWrite(h, _guard(before[h]), _head(after[h]), tuple(evs))
+            for h, evs in by_handle.items()
+        )
+        checks = tuple(Check(h, _guard(s)) for h, s in before.items()
+                       if h not in by_handle and s is not None)
+        manifests = ()
+        if isinstance(cmd, c.Allocate):
+            p = drafts[0].payload
+            manifests = ((p.manifest_sha256, canonical_json(cmd.manifest)),)
+        op = Operation(cmd.operation_id, cmd.fingerprint(), writes, checks, manifests)
+        return Plan(op, {h: after[h] for h in by_handle}, events)
+
+    def _stamp(self, d: Draft, state: HandleState | None, cmd: c.Command,
+               before: Mapping[str, HandleState | None], mono: int, wall: int) -> ev.Event:
+        if state is not None:
+            generation, request_id, position = state.generation, state.request_id, state.stream_position
+        elif isinstance(cmd, c.Allocate):
+            generation, position = cmd.generation, 0
+            request_id = cmd.manifest.request_identity.request_id
+        else:  # a fork child
+            assert isinstance(cmd, c.Fork)
+            parent = before[cmd.parent_handle_id]
+            i = d.payload.child_index
+            request_id = (cmd.child_request_ids[i] if cmd.child_request_ids
+                          else f"{parent.request_id}.{i}")
+            generation, position = 0, 0
+        self.local_sequence += 1
+        return d.event_cls(
+            event_id=uuid.uuid4().hex, stream_id=d.handle_id, stream_position=position + 1,
+            schema_version=ev.CURRENT_VERSION[d.event_cls.event_type], request_id=request_id,
+            handle_generation=generation, operation_id=cmd.operation_id,
+            source_instance=self.source_instance, local_sequence=self.local_sequence,
+            monotonic_ns=mono, observed_wall_time=wall, payload=d.payload,
+        )
+
+
+def _guard(s: HandleState | None) -> Guard | None:
+    return None if s is None else Guard(s.generation, s.snapshot_version, s.stream_position)
+
+
+def _head(s: HandleState) -> HeadFacts:
+    return HeadFacts(s.request_id, s.generation, s.snapshot_version, s.stream_position,
+                     s.committed_length, s.lifecycle, s.prefix_identity_sha256, s.cache_abi_sha256)
+
+
+__all__ = ["CommandService", "Rejection", "SystemClock"]

@@ -1,0 +1,162 @@
+"""`kvledger.Ledger`: the public Python API over the command service and the journal.
+
+    with Ledger.open("sqlite:///kv.db") as ledger:
+        ledger.allocate("h1", manifest, reserved_capacity=64)
+        s = ledger.state("h1")
+        ledger.begin_append("h1", txn_id="t1", kind="prefill", base=(s.generation, s.snapshot_version),
+                            start=0, token_ids=prompt)
+        ...
+
+Every mutating method returns the durable Receipt or raises KvLedgerError with a
+stable code; a rejected command leaves the journal unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine import commands as c
+from engine.decide import full_layers
+from engine.service import CommandService
+from engine.state import HandleState
+from engine.view import ServiceStateView, view_of
+from journal import SqlJournal
+from kvledger.storage import open_journal
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.events import LayerRows
+from schemas.manifest import Manifest
+from schemas.receipts import Receipt
+
+Base = tuple[int, int]  # (generation, snapshot_version)
+
+
+class Ledger:
+    def __init__(self, journal: SqlJournal, *, source_instance: str = "kvledger", clock=None) -> None:
+        self.journal = journal
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.service = CommandService(journal, source_instance=source_instance, **kwargs)
+
+    @classmethod
+    def open(cls, url: str | None = None, **kwargs) -> Ledger:
+        return cls(open_journal(url), **kwargs)
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reads -------------------------------------------------------------------
+    def state(self, handle_id: str, *, refresh: bool = True) -> HandleState:
+        s = self.service.state(handle_id, refresh=refresh)
+        if s is None:
+            raise KvLedgerError(ErrorCode.UNKNOWN_HANDLE, f"no handle {handle_id}")
+        return s
+
+    def view(self, handle_id: str) -> ServiceStateView:
+        return view_of(self.state(handle_id))
+
+    def prefix_owners(self, prefix_identity_sha256: str) -> tuple[str, ...]:
+        """Live handles holding a prefix identity. Empty means eviction-eligible; which
+        physical bytes that frees is the allocator's business, not the ledger's."""
+        heads = self.journal.heads(prefix_identity_sha256=prefix_identity_sha256)
+        return tuple(sorted(h for h, f in heads.items() if f.phase != "RELEASED"))
+
+    def require_evictable(self, prefix_identity_sha256: str) -> None:
+        owners = self.prefix_owners(prefix_identity_sha256)
+        if owners:
+            raise KvLedgerError(ErrorCode.PREFIX_STILL_OWNED,
+                                f"prefix {prefix_identity_sha256[:12]} is owned by {', '.join(owners)}")
+
+    # -- commands ----------------------------------------------------------------
+    def execute(self, cmd: c.Command) -> Receipt:
+        return self.service.execute(cmd)
+
+    def execute_many(self, cmds: Sequence[c.Command]) -> list[Receipt | KvLedgerError]:
+        """Many commands (e.g. one iteration's publications) in one journal commit."""
+        return self.service.execute_many(cmds)
+
+    def allocate(self, handle_id: str, manifest: Manifest, *, reserved_capacity: int,
+                 copy_tiers: tuple[str, ...] = ("gpu",), allocator_bytes_per_copy: int = 0,
+                 generation: int = 0, operation_id: str | None = None) -> Receipt:
+        return self.execute(c.Allocate(
+            handle_id=handle_id, manifest=manifest, reserved_capacity=reserved_capacity,
+            copy_tiers=copy_tiers, allocator_bytes_per_copy=allocator_bytes_per_copy,
+            generation=generation, operation_id=operation_id))
+
+    def begin_append(self, handle_id: str, *, txn_id: str, kind: str, base: Base, start: int,
+                     token_ids: Sequence[int], cache_abi_sha256: str | None = None,
+                     cache_positions: Sequence[int] | None = None, mask_key_extent: int | None = None,
+                     operation_id: str | None = None) -> Receipt:
+        n = len(token_ids)
+        abi = cache_abi_sha256 or self.state(handle_id, refresh=False).cache_abi_sha256
+        return self.execute(c.BeginAppend(
+            handle_id=handle_id, txn_id=txn_id, kind=kind, base_generation=base[0],
+            base_snapshot_version=base[1], interval_start=start, interval_count=n,
+            token_ids=tuple(token_ids),
+            cache_positions=tuple(cache_positions) if cache_positions is not None
+            else tuple(range(start, start + n)),
+            mask_key_extent=start + n if mask_key_extent is None else mask_key_extent,
+            cache_abi_sha256=abi, operation_id=operation_id))
+
+    def publish(self, handle_id: str, *, txn_id: str, base: Base,
+                layers: tuple[LayerRows, ...] | None = None, accepted_count: int | None = None,
+                workspace_bytes: int = 0, operation_id: str | None = None) -> Receipt:
+        """Publish an open append. `layers=None` asserts every layer staged complete K
+        and V; name the layers (with row digests) to have each one checked."""
+        return self.execute(c.Publish(
+            handle_id=handle_id, txn_id=txn_id, base_generation=base[0], base_snapshot_version=base[1],
+            layers=layers, accepted_count=accepted_count, workspace_bytes=workspace_bytes,
+            operation_id=operation_id))
+
+    def fail(self, handle_id: str, *, txn_id: str, outcome: str = "failed", code: str = "FAILED",
+             detail: str = "", operation_id: str | None = None) -> Receipt:
+        return self.execute(c.Fail(handle_id=handle_id, txn_id=txn_id, outcome=outcome, code=code,
+                                   detail=detail, operation_id=operation_id))
+
+    def emit(self, handle_id: str, *, base: Base, output_index: int, token_id: int,
+             operation_id: str | None = None) -> Receipt:
+        return self.execute(c.EmitOutput(
+            handle_id=handle_id, base_generation=base[0], snapshot_version=base[1],
+            output_index=output_index, token_id=token_id, operation_id=operation_id))
+
+    def fork(self, parent_handle_id: str, *, base: Base, child_handle_ids: Sequence[str],
+             prefix_length: int, child_request_ids: Sequence[str] = (),
+             operation_id: str | None = None) -> Receipt:
+        return self.execute(c.Fork(
+            parent_handle_id=parent_handle_id, base_generation=base[0], base_snapshot_version=base[1],
+            child_handle_ids=tuple(child_handle_ids), prefix_length=prefix_length,
+            child_request_ids=tuple(child_request_ids), operation_id=operation_id))
+
+    def truncate(self, handle_id: str, *, base: Base, new_length: int,
+                 operation_id: str | None = None) -> Receipt:
+        return self.execute(c.Truncate(handle_id=handle_id, base_generation=base[0],
+                                       base_snapshot_version=base[1], new_length=new_length,
+                                       operation_id=operation_id))
+
+    def reorder(self, group_id: str, *, rows: Sequence[str], permutation: Sequence[int],
+                bases: Sequence[Base] | None = None, operation_id: str | None = None, **parts) -> Receipt:
+        if bases is None:
+            bases = [(s.generation, s.snapshot_version) for s in map(self.state, rows)]
+        return self.execute(c.Reorder(
+            group_id=group_id, rows=tuple(rows), bases=tuple(tuple(b) for b in bases),
+            permutation=tuple(permutation), operation_id=operation_id,
+            **{k: tuple(v) for k, v in parts.items()}))
+
+    def cancel(self, handle_id: str, *, generation: int, reason: str = "",
+               operation_id: str | None = None) -> Receipt:
+        return self.execute(c.CancelRequest(handle_id=handle_id, base_generation=generation,
+                                            reason=reason, operation_id=operation_id))
+
+    def finish(self, handle_id: str, *, generation: int, reason: str = "max_tokens",
+               operation_id: str | None = None) -> Receipt:
+        return self.execute(c.Finish(handle_id=handle_id, base_generation=generation, reason=reason,
+                                     operation_id=operation_id))
+
+    def release(self, handle_id: str, *, generation: int, snapshot_version: int | None = None,
+                operation_id: str | None = None) -> Receipt:
+        return self.execute(c.Release(handle_id=handle_id, base_generation=generation,
+                                      base_snapshot_version=snapshot_version, operation_id=operation_id))

@@ -1,0 +1,216 @@
+"""The worked traces of the spec, run through kvledger.Ledger on every backend."""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_helpers import ManualClock, allocate, base, decode, emit, prefill
+
+from engine.view import view_of
+from kvledger import Ledger, full_layers
+from schemas.errors import ErrorCode, KvLedgerError
+
+
+@pytest.fixture
+def ledger(db_url):
+    with Ledger.open(db_url, clock=ManualClock()) as led:
+        yield led
+
+
+def rejected(code: ErrorCode, fn, *args, **kwargs) -> KvLedgerError:
+    with pytest.raises(KvLedgerError) as err:
+        fn(*args, **kwargs)
+    assert err.value.code is code, err.value
+    return err.value
+
+
+def test_runtime_trace_0x07(ledger):
+    """Worked Failure, Retry, Fork, And Release Trace: seq 0-13, generation 7 -> 8."""
+    allocate(ledger, "R", capacity=8, generation=7)                         # seq 0
+    b0 = base(ledger, "R")
+    prompt = ledger.state("R").prompt
+    ledger.begin_append("R", txn_id="prefill-1", kind="prefill", base=b0, start=0, token_ids=prompt)
+    ledger.publish("R", txn_id="prefill-1", base=b0)                       # seq 2
+    emit(ledger, "R", 101)                                                  # seq 3
+    b1 = base(ledger, "R")
+    ledger.begin_append("R", txn_id="decode-1", kind="decode", base=b1, start=4, token_ids=(101,))
+    ledger.fail("R", txn_id="decode-1", outcome="failed", code="WORKER_FAILED")  # seq 5
+    ledger.begin_append("R", txn_id="decode-2", kind="decode", base=b1, start=4, token_ids=(101,))
+    ledger.publish("R", txn_id="decode-2", base=b1)                        # seq 7
+    ledger.fork("R", base=base(ledger, "R"), child_handle_ids=["R.branch"], prefix_length=5,
+                child_request_ids=["R.branch"])                             # seq 8
+    ledger.truncate("R.branch", base=base(ledger, "R.branch"), new_length=3)  # seq 9
+    ledger.finish("R", generation=7)                                        # seq 10
+    ledger.release("R", generation=7)                                       # seq 11
+    ledger.finish("R.branch", generation=0)                                 # seq 12
+    ledger.release("R.branch", generation=0)                                # seq 13
+
+    events = list(ledger.journal.read_all())
+    assert len(events) == 14
+    states, table = {}, []
+    from engine.evolve import evolve
+
+    for e in events:
+        states[e.stream_id] = evolve(states.get(e.stream_id), e)
+        s = states[e.stream_id]
+        table.append((e.event_type, e.stream_id, s.generation, s.snapshot_version, s.committed_length))
+    assert table == [
+        ("request_allocate", "R", 7, 0, 0),
+        ("append_start", "R", 7, 0, 0),
+        ("append_publish", "R", 7, 1, 4),
+        ("output_emit", "R", 7, 1, 4),
+        ("append_start", "R", 7, 1, 4),
+        ("failure", "R", 7, 1, 4),
+        ("append_start", "R", 7, 1, 4),
+        ("append_publish", "R", 7, 2, 5),
+        ("fork", "R.branch", 0, 0, 5),
+        ("truncate", "R.branch", 0, 1, 3),
+        ("finish", "R", 7, 2, 5),
+        ("release", "R", 8, 3, 0),
+        ("finish", "R.branch", 0, 1, 3),
+        ("release", "R.branch", 1, 2, 0),
+    ]
+    # failure carries no result snapshot and leaves the base visible
+    failure = events[5].payload
+    assert failure.outcome == "failed" and failure.base_snapshot_version == 1
+    assert not hasattr(failure, "result_snapshot_version")
+    # the retry preserved the base of the failed attempt
+    assert events[6].payload.base_snapshot_version == events[4].payload.base_snapshot_version == 1
+    # the output frontier and the committed length are separate counters
+    assert view_of(states["R"]).emitted_output_tokens == 1
+    assert events[3].payload.output_index == 0 and events[7].payload.committed_length == 5
+
+
+def test_lifecycle_trace_0x01(ledger):
+    """Worked Synthetic Lifecycle Trace, steps 1-5 (the spec's 'generation' is our
+    snapshot_version; our generation advances on release)."""
+    allocate(ledger, "H", capacity=16)
+    prefill(ledger, "H")
+    emit(ledger, "H", 55)  # the Loop 2 snapshot: logical 5, committed 4
+    s1 = base(ledger, "H")
+    assert ledger.state("H").committed_length == 4 and ledger.state("H").logical_length == 5
+
+    # 1. two transactions capture the same base; txn-win stages layer 0 only
+    ledger.begin_append("H", txn_id="txn-win", kind="decode", base=s1, start=4, token_ids=(55,))
+    ledger.begin_append("H", txn_id="txn-lose", kind="decode", base=s1, start=4, token_ids=(55,))
+    layer0_only = full_layers(2, 4, 1)[:1]
+    rejected(ErrorCode.PARTIAL_LAYER_SET, ledger.publish, "H", txn_id="txn-win", base=s1,
+             layers=layer0_only)
+    assert ledger.state("H").committed_length == 4  # an intervening read sees [4,4]
+    win = ledger.publish("H", txn_id="txn-win", base=s1, operation_id="pub-txn-win")
+    assert win.handles[0].snapshot_version == 2 and win.handles[0].committed_length == 5
+
+    # 2. retrying txn-win returns its receipt; the competitor is stale
+    before = list(ledger.journal.read_raw())
+    again = ledger.publish("H", txn_id="txn-win", base=s1, operation_id="pub-txn-win")
+    assert again == win and list(ledger.journal.read_raw()) == before
+    rejected(ErrorCode.STALE_BASE, ledger.publish, "H", txn_id="txn-lose", base=s1)
+    ledger.fail("H", txn_id="txn-lose", outcome="rejected", code="STALE_BASE")
+
+    # 3. fork into A and B; reorder swaps their coupled rows; A truncates; B cancels
+    s2 = base(ledger, "H")
+    ledger.fork("H", base=s2, child_handle_ids=["A", "B"], prefix_length=5)
+    assert base(ledger, "H") == s2  # parent unchanged
+    a, b = ledger.state("A"), ledger.state("B")
+    assert (a.generation, a.snapshot_version, a.committed_length) == (0, 0, 5)
+    assert a.handle_id != b.handle_id and a.request_id != b.request_id
+    ledger.reorder("beam", rows=["A", "B"], permutation=[1, 0])
+    assert (ledger.state("A").row_index, ledger.state("B").row_index) == (1, 0)
+    ledger.truncate("A", base=base(ledger, "A"), new_length=3)
+    assert ledger.state("A").committed_length == 3
+    emit(ledger, "B", 77)
+    bb = base(ledger, "B")
+    ledger.begin_append("B", txn_id="b-txn", kind="decode", base=bb, start=5, token_ids=(77,))
+    ledger.cancel("B", generation=0)
+
+    # 4. B's staged transaction was aborted by the cancel: late completion and publish fail
+    assert ledger.state("B").open_txns == ()
+    rejected(ErrorCode.STALE_BASE, ledger.publish, "B", txn_id="b-txn", base=bb,
+             layers=full_layers(2, 5, 1)[:1])
+    rejected(ErrorCode.STALE_BASE, ledger.publish, "B", txn_id="b-txn", base=bb)
+    rejected(ErrorCode.HANDLE_TERMINAL, ledger.begin_append, "B", txn_id="b-2", kind="decode",
+             base=base(ledger, "B"), start=5, token_ids=(77,))
+
+    # 5. a fully prepared parent append loses to finish + release: fenced on generation
+    emit(ledger, "H", 66)
+    sp = base(ledger, "H")
+    ledger.begin_append("H", txn_id="late", kind="decode", base=sp, start=5, token_ids=(66,))
+    ledger.finish("H", generation=sp[0])
+    ledger.release("H", generation=sp[0])
+    assert ledger.state("H").generation == sp[0] + 1
+    allocate(ledger, "J")  # another owner takes a slot: the handle name check alone would pass
+    err = rejected(ErrorCode.STALE_BASE, ledger.publish, "H", txn_id="late", base=sp)
+    assert "generation" in err.message
+
+
+def test_speculative_verify_100_102_103(ledger):
+    prompt = tuple(range(1, 101))
+    allocate(ledger, "S", prompt=prompt, capacity=128)
+    ledger.state("S")
+    m = ledger.state("S")
+    assert len(m.prompt) == 100
+    prefill(ledger, "S")
+    b = base(ledger, "S")
+    drafts = (501, 502, 503, 504)
+    ledger.begin_append("S", txn_id="v1", kind="verify", base=b, start=100, token_ids=drafts)
+    # committing the rejected d2's row is refused
+    rejected(ErrorCode.REJECTED_SUFFIX, ledger.publish, "S", txn_id="v1", base=b, accepted_count=2,
+             layers=full_layers(2, 100, 3))
+    ledger.publish("S", txn_id="v1", base=b, accepted_count=2)
+    s = ledger.state("S")
+    assert s.committed_length == 102 and s.outputs == (501, 502)
+    emit(ledger, "S", 999)  # the correction token c2
+    s = ledger.state("S")
+    assert len(s.outputs) == 3 and s.committed_length == 102 and s.has_frontier
+    assert view_of(s).phase == "DECODE_FRONTIER_READY" and view_of(s).output_frontier_count == 1
+    decode(ledger, "S", "c2")
+    assert ledger.state("S").committed_length == 103
+
+
+def test_repair_keeps_outputs_and_adds_one_row(ledger):
+    allocate(ledger, "P", capacity=16)
+    prefill(ledger, "P")
+    emit(ledger, "P", 5)
+    decode(ledger, "P", "d1")
+    emit(ledger, "P", 6)
+    ledger.finish("P", generation=0, reason="eos")
+    before = ledger.state("P")
+    assert before.committed_length == 5 and before.outputs == (5, 6)
+    v = view_of(before)
+    assert v.phase == "FINISHED_RETAINED" and v.terminal_retained_logical_payload_bytes == 5 * 64
+    decode(ledger, "P", "repair-1", kind="repair")
+    after = ledger.state("P")
+    assert after.outputs == before.outputs and after.committed_length == 6
+    assert not after.logits_ready  # repair logits are discarded, never an output
+    rejected(ErrorCode.HANDLE_TERMINAL, emit, ledger, "P", 7)
+
+
+def test_shared_prefix_release_is_an_ownership_handoff(ledger):
+    allocate(ledger, "A")
+    allocate(ledger, "B")
+    p = ledger.state("A").prefix_identity_sha256
+    assert p == ledger.state("B").prefix_identity_sha256
+    assert ledger.prefix_owners(p) == ("A", "B")
+    for h in ("A", "B"):
+        ledger.finish(h, generation=0)
+    ledger.release("A", generation=0)
+    assert ledger.prefix_owners(p) == ("B",)
+    rejected(ErrorCode.PREFIX_STILL_OWNED, ledger.require_evictable, p)
+    ledger.release("B", generation=0)
+    assert ledger.prefix_owners(p) == ()
+    ledger.require_evictable(p)
+
+
+def test_phases_across_a_chunked_prefill(ledger):
+    allocate(ledger, "C", prompt=tuple(range(10, 20)), capacity=32)
+    assert view_of(ledger.state("C")).phase == "WAITING_PREFILL"
+    b = base(ledger, "C")
+    ledger.begin_append("C", txn_id="c1", kind="prefill", base=b, start=0, token_ids=range(10, 16))
+    assert view_of(ledger.state("C")).phase == "PREFILL_IN_FLIGHT"
+    ledger.publish("C", txn_id="c1", base=b)
+    v = view_of(ledger.state("C"))
+    assert v.phase == "WAITING_PREFILL" and v.prompt_rows_remaining == 4
+    rejected(ErrorCode.OUTPUT_NOT_READY, emit, ledger, "C", 1)
+    b = base(ledger, "C")
+    ledger.begin_append("C", txn_id="c2", kind="chunk", base=b, start=6, token_ids=range(16, 20))
+    ledger.publish("C", txn_id="c2", base=b)
+    assert view_of(ledger.state("C")).phase == "OUTPUT_READY"
