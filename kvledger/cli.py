@@ -7,6 +7,7 @@ error with a stable code (one line on stderr, never a traceback).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -14,6 +15,9 @@ from collections.abc import Callable
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
+
+# Modules with a `register(subparsers)` function, one per command family.
+COMMAND_MODULES: list[str] = []
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -87,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_not_built("generate"))
+
+    # Each command family registers its own subcommands (kvledger/cmd_*.py).
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"kvledger.{name}").register(sub)
     return parser
 
 
