@@ -8,7 +8,7 @@ from typing import Literal
 import msgspec
 
 from schemas.canonical import digest
-from schemas.events import AppendKind, FailureOutcome, LayerRows
+from schemas.events import AppendKind, FailureOutcome, ForwardCall, LayerRows
 from schemas.manifest import Manifest
 
 
@@ -41,6 +41,7 @@ class BeginAppend(_Command):
     cache_positions: tuple[int, ...]
     mask_key_extent: int
     cache_abi_sha256: str
+    call: ForwardCall | None = None
 
 
 class Publish(_Command):

@@ -119,7 +119,7 @@ def _begin_append(states, cmd: c.BeginAppend) -> list[Draft]:
         txn_id=cmd.txn_id, kind=cmd.kind, base_snapshot_version=cmd.base_snapshot_version,
         interval_start=t, interval_count=n, token_ids=cmd.token_ids,
         cache_positions=cmd.cache_positions, mask_key_extent=cmd.mask_key_extent,
-        cache_abi_sha256=cmd.cache_abi_sha256))]
+        cache_abi_sha256=cmd.cache_abi_sha256, call=cmd.call))]
 
 
 def _check_frontier(s: HandleState, cmd: c.BeginAppend) -> None:

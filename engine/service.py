@@ -44,6 +44,7 @@ class Plan:
 
 
 CommitHook = Callable[[Receipt, list[ev.Event]], None]
+Builder = Callable[[Callable[[str], HandleState | None]], c.Command]
 
 
 @dataclass
@@ -75,11 +76,15 @@ class CommandService:
             raise result
         return result
 
-    def execute_many(self, cmds: Sequence[c.Command]) -> list[Receipt | KvLedgerError]:
+    def execute_many(self, cmds: Sequence[c.Command | Builder]) -> list[Receipt | KvLedgerError]:
         """Decide every command and commit the accepted ones in one journal transaction.
-        Commands on the same handle apply in order. Results are positional."""
-        cmds = [c_ if c_.operation_id else msgspec.structs.replace(c_, operation_id=uuid.uuid4().hex)
-                for c_ in cmds]
+        Commands on the same handle apply in order. Results are positional.
+
+        A Builder is called once, with the states left by the commands before it in
+        this batch, to make a command that chains on them (publish, then emit from that
+        publication, then start the next append). It names concrete bases when built, so
+        a retry after contention is still fenced like any other command."""
+        cmds = list(cmds)
         results: list[Receipt | KvLedgerError | None] = [None] * len(cmds)
         pending = list(range(len(cmds)))
         for _ in range(MAX_ATTEMPTS):
@@ -88,9 +93,14 @@ class CommandService:
             todo, pending = pending, []
             for i in todo:
                 try:
+                    if not isinstance(cmds[i], c.Command):
+                        cmds[i] = cmds[i](lambda h: local[h] if h in local else self.state(h))
+                    if cmds[i].operation_id is None:
+                        cmds[i] = msgspec.structs.replace(cmds[i], operation_id=uuid.uuid4().hex)
                     plan = self._plan(cmds[i], local)
                 except KvLedgerError as exc:
-                    results[i] = self._explain(cmds[i], exc)
+                    built = isinstance(cmds[i], c.Command)
+                    results[i] = self._explain(cmds[i], exc) if built else exc
                     continue
                 local.update(plan.states)
                 planned.append((i, plan))

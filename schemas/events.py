@@ -41,6 +41,18 @@ class RequestAllocate(_Payload):
     allocator_bytes_per_copy: Count = 0  # declared allocator metadata policy
 
 
+class ForwardCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The model call an append ran in. Floating-point results depend on the call's
+    shape (batch size, padded query rows, padded key extent), so re-executing a journal
+    bit-for-bit needs the same shapes: recovery rebuilds each call from these."""
+
+    call_id: Id
+    index: Count  # this append's row in the batch
+    size: Annotated[int, Meta(gt=0)]
+    new_pad: Annotated[int, Meta(gt=0)]  # padded query rows per sequence
+    key_extent: Annotated[int, Meta(gt=0)]  # padded key columns
+
+
 class AppendStart(_Payload):
     txn_id: Id
     kind: AppendKind
@@ -51,6 +63,7 @@ class AppendStart(_Payload):
     cache_positions: TokenIds
     mask_key_extent: Count  # must be T + n
     cache_abi_sha256: Digest
+    call: ForwardCall | None = None  # set by a worker that executes the append
 
 
 class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

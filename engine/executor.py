@@ -1,0 +1,84 @@
+"""One model call over a ragged batch of appends, staged into the K/V store.
+
+The worker and crash recovery both run appends through `run_call`, so a journal's
+appends re-execute with exactly the shapes they first ran with (batch size, padded
+query rows, padded key extent): on CPU fp32 that reproduces every row bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from engine.kvstore import KVStore
+from engine.model import Transformer
+
+
+class Member(NamedTuple):
+    handle_id: str
+    past: int  # rows already in the slot (committed, or staged by a pipelined call)
+    token_ids: tuple[int, ...]
+
+
+class CallShape(NamedTuple):
+    size: int
+    new_pad: int
+    key_extent: int
+
+
+def shape_of(members: list[Member]) -> CallShape:
+    return CallShape(len(members), max(len(m.token_ids) for m in members),
+                     max(m.past + len(m.token_ids) for m in members))
+
+
+class _SlabView:
+    """KVView over the store: stage this call's rows in place past each slot's
+    frontier (invisible until commit), then attend over the slab's prefix."""
+
+    def __init__(self, store: KVStore, members: list[Member], shape: CallShape, device) -> None:
+        self.store = store
+        self.members = members
+        self.slots = torch.tensor([store.slot[m.handle_id] for m in members], device=device)
+        self.past = torch.tensor([m.past for m in members], device=device)
+        self.extent = shape.key_extent
+        self.decode = shape.new_pad == 1
+        q_pos = self.past[:, None] + torch.arange(shape.new_pad, device=device)[None, :]
+        keys = torch.arange(shape.key_extent, device=device)
+        self.mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T_new, T_kv]
+
+    def __call__(self, layer: int, k_new: Tensor, v_new: Tensor):
+        K, V = self.store.k[layer], self.store.v[layer]
+        if self.decode:
+            K[self.slots, :, self.past] = k_new[:, :, 0]
+            V[self.slots, :, self.past] = v_new[:, :, 0]
+        else:
+            for b, m in enumerate(self.members):
+                s, n = int(self.slots[b]), len(m.token_ids)
+                K[s, :, m.past:m.past + n] = k_new[b, :, :n]
+                V[s, :, m.past:m.past + n] = v_new[b, :, :n]
+        return K[self.slots, :, : self.extent], V[self.slots, :, : self.extent], self.mask
+
+
+@torch.inference_mode()
+def run_call(model: Transformer, store: KVStore, members: list[Member], shape: CallShape,
+             *, all_rows: bool = False) -> Tensor:
+    """Run one forward over `members` with exactly `shape`; stage their rows.
+
+    Returns logits [B, R, V]: R = new_pad when all_rows (speculative verify needs every
+    row), else R = 1, the last real row of each member."""
+    device = store.k.device
+    assert shape.size == len(members)
+    ids = torch.zeros((shape.size, shape.new_pad), dtype=torch.long, device=device)
+    pos = torch.zeros_like(ids)
+    for b, m in enumerate(members):
+        n = len(m.token_ids)
+        ids[b, :n] = torch.tensor(m.token_ids, device=device)
+        pos[b, :] = torch.arange(m.past, m.past + shape.new_pad, device=device)
+    view = _SlabView(store, members, shape, device)
+    rows = "all" if all_rows else torch.tensor([len(m.token_ids) - 1 for m in members], device=device)
+    logits = model(ids, pos, kv=view, logits_rows=rows)
+    for m in members:
+        store.staged(m.handle_id, m.past + len(m.token_ids))
+    return logits

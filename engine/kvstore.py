@@ -1,0 +1,104 @@
+"""The worker's K/V store: committed rows per handle in preallocated slots.
+
+One slab per layer, [slots, H_kv, capacity, d_h], K and V apart: the stored cache stays
+at H_kv heads (query heads share them by broadcast inside attention). A handle owns
+one slot. Row r of a handle is visible only if r < committed: rows in [committed,
+pending) are staged by appends whose publication has not committed. `commit` moves
+the frontier only after the journal said yes; `discard` drops the staged rows. So a
+reader never sees half a publication, and a rejected one changes nothing visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+from engine.model import ModelConfig
+from schemas.errors import ErrorCode, KvLedgerError
+
+
+class KVStore:
+    def __init__(self, cfg: ModelConfig, *, slots: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, capacity, cfg.head_dim)
+        # zeros, not empty: masked-out slots are multiplied by an exact 0 in attention,
+        # which is only exact for finite values.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self._free = list(range(slots - 1, -1, -1))
+        self.slot: dict[str, int] = {}
+        self.committed: dict[str, int] = {}
+        self.pending: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+
+    # -- ownership ---------------------------------------------------------------
+    def open(self, handle_id: str, reserved: int) -> int:
+        if handle_id in self.slot:
+            return self.slot[handle_id]
+        if reserved > self.capacity:
+            raise KvLedgerError(ErrorCode.CAPACITY_EXCEEDED,
+                                f"{handle_id} reserves {reserved} rows, slots hold {self.capacity}")
+        if not self._free:
+            raise KvLedgerError(ErrorCode.CAPACITY_EXCEEDED, "no free K/V slot")
+        s = self._free.pop()
+        self.slot[handle_id], self.committed[handle_id], self.pending[handle_id] = s, 0, 0
+        self.reserved[handle_id] = reserved
+        return s
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def release(self, handle_id: str) -> None:
+        s = self.slot.pop(handle_id, None)
+        if s is not None:
+            self._free.append(s)
+            for d in (self.committed, self.pending, self.reserved):
+                d.pop(handle_id, None)
+
+    def fork(self, parent: str, child: str, prefix: int) -> None:
+        """A logical fork realized as a copy of the committed prefix into a new slot."""
+        s = self.open(child, self.reserved[parent])
+        p = self.slot[parent]
+        self.k[:, s, :, :prefix] = self.k[:, p, :, :prefix]
+        self.v[:, s, :, :prefix] = self.v[:, p, :, :prefix]
+        self.committed[child] = self.pending[child] = prefix
+
+    # -- staging and publication ---------------------------------------------------
+    def staged(self, handle_id: str, until: int) -> None:
+        self.pending[handle_id] = until
+
+    def commit(self, handle_id: str, length: int) -> None:
+        """The journal committed a publication ending at `length`."""
+        self.committed[handle_id] = length
+        self.pending[handle_id] = max(self.pending[handle_id], length)
+
+    def discard(self, handle_id: str) -> None:
+        self.pending[handle_id] = self.committed[handle_id]
+
+    def truncate(self, handle_id: str, length: int) -> None:
+        self.committed[handle_id] = self.pending[handle_id] = length
+
+    # -- reads ---------------------------------------------------------------------
+    def read(self, handle_id: str) -> tuple[Tensor, Tensor]:
+        """The visible K and V: [L, H_kv, committed, d_h] copies."""
+        s, t = self.slot[handle_id], self.committed[handle_id]
+        return self.k[:, s, :, :t].clone(), self.v[:, s, :, :t].clone()
+
+    def rows_sha256(self, handle_id: str, layer: int, start: int, count: int) -> str:
+        """Digest of the K then V rows [start, start+count) of one layer, as stored."""
+        s = self.slot[handle_id]
+        h = hashlib.sha256()
+        for t in (self.k, self.v):
+            rows = t[layer, s, :, start:start + count].contiguous()
+            h.update(rows.view(torch.uint8).cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def payload_bytes(self, handle_id: str) -> int:
+        """Bytes of the visible rows: committed x B_token (H_kv heads, never H_q)."""
+        t = self.committed[handle_id]
+        layers, _, heads, _, dim = self.k.shape
+        return t * layers * heads * dim * (self.k.element_size() + self.v.element_size())

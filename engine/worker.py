@@ -1,0 +1,436 @@
+"""The serving worker: an iteration-level loop (first come, first served) whose every
+state change goes through the journal.
+
+One iteration = one journal commit + the model calls it authorizes:
+  commit:  publications of the calls that just ran, the outputs sampled from them,
+           forks, truncates, cancels, finishes, releases, new arrivals, and the
+           append_start of every append the next calls will run;
+  calls:   one prefill call (ragged chunks), one decode call (one row per request),
+           one verify call (speculative drafts), each staged into the K/V store.
+K/V rows become visible only when the commit that publishes them returns; an output
+is emitted in the same commit as the publication whose logits chose it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+import torch
+from torch import Tensor
+
+from engine import commands as c
+from engine.executor import CallShape, Member, run_call
+from engine.kvstore import KVStore
+from engine.model import Transformer
+from engine.service import CommandService
+from schemas.events import ForwardCall, LayerRows
+from schemas.manifest import (
+    ArtifactIdentity,
+    CacheSchema,
+    InputIdentity,
+    Manifest,
+    PositionContract,
+    RequestIdentity,
+    RequestPolicy,
+    RopeConfig,
+    SamplingPolicy,
+    ScalarType,
+    prompt_token_ids_sha256,
+)
+from schemas.receipts import Receipt
+
+log = structlog.get_logger("kvledger.worker")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class RequestSpec(msgspec.Struct, frozen=True):
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0
+    arrival_step: int = 0
+    n: int = 1  # parallel samples: n - 1 forks at the prompt
+    cancel_after: int | None = None  # cancel once this many outputs exist
+    truncate_after: int | None = None  # roll back `truncate_rows` rows once, at this many outputs
+    truncate_rows: int = 2
+    repair: bool = False  # close the final output frontier before release
+    speculate: int = 0  # drafts per verify (prompt lookup); greedy only
+
+
+@dataclass
+class Live:
+    handle: str
+    spec: RequestSpec
+    gen: torch.Generator
+    outputs: list[int] = field(default_factory=list)
+    logits: Tensor | None = None  # next-token logits of the newest publication
+    forked: bool = False
+    truncated: bool = False
+    done: str | None = None  # finish reason, "cancelled", or None while running
+
+
+@dataclass
+class Planned:
+    handle: str
+    txn: str
+    kind: str
+    past: int
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class Ran:
+    planned: Planned
+    logits: Tensor  # [R, V]: last row, or every row for verify
+    accepted: int
+    layers: tuple[LayerRows, ...]
+    correction: int | None = None  # verify: the token chosen after the accepted drafts
+
+
+Entry = tuple[object, Callable[[Receipt | None], None] | None, Callable[[Exception], None] | None]
+
+
+class Worker:
+    def __init__(self, model: Transformer, *, service: CommandService | None, artifact: ArtifactIdentity,
+                 max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
+                 capacity: int = 512, device: str = "cpu") -> None:
+        self.model, self.service, self.artifact = model, service, artifact
+        self.cfg = model.cfg
+        self.dtype = next(model.parameters()).dtype
+        self.max_running, self.prefill_chunk, self.prefill_tokens = max_running, prefill_chunk, prefill_tokens
+        # one scratch slot stands in for a member whose start was refused, so a call
+        # still runs with the shape its journal record names
+        self.store = KVStore(self.cfg, slots=max_running * 2 + 1, capacity=capacity, dtype=self.dtype,
+                             device=device)
+        self.scratch = "__scratch__"
+        self.store.open(self.scratch, capacity)
+        self.capacity = capacity
+        self.pending: list[RequestSpec] = []
+        self.live: dict[str, Live] = {}
+        self.order: list[str] = []  # FCFS
+        self.ran: list[Ran] = []
+        self.step_no = 0
+        self.errors: list[str] = []
+        self.calls = 0
+
+    # -- public --------------------------------------------------------------------
+    def submit(self, spec: RequestSpec) -> None:
+        self.pending.append(spec)
+
+    def run(self, on_step: Callable[[Worker], None] | None = None, max_steps: int = 100_000) -> dict[str, list[int]]:
+        while (self.pending or self.ran or any(lv.done is None for lv in self.live.values())) \
+                and self.step_no < max_steps:
+            self.step()
+            if on_step:
+                on_step(self)
+        return {h: lv.outputs for h, lv in self.live.items()}
+
+    # -- one iteration -------------------------------------------------------------
+    def step(self) -> None:
+        batch: list[Entry] = []
+        nxt: list[Planned] = []
+        for ran in self.ran:
+            self._publish(ran, batch, nxt)
+        self.ran = []
+        for spec in [s for s in self.pending if s.arrival_step <= self.step_no]:
+            self.pending.remove(spec)
+            self._arrive(spec, batch)
+        self._plan_prefill(nxt)
+        calls = self._group(nxt)
+        for call_id, members in calls:
+            for i, p in enumerate(members):
+                batch.append(self._start(p, call_id, i, members))
+        self._submit(batch)
+        for call_id, members in calls:
+            self._run(call_id, members)
+        self.step_no += 1
+
+    def _submit(self, batch: list[Entry]) -> None:
+        if self.service is None:  # journaling off: the same loop, nothing durable
+            for _, ok, _ in batch:
+                if ok:
+                    ok(None)
+            return
+        results = self.service.execute_many([e[0] for e in batch])
+        for (_, ok, err), r in zip(batch, results):
+            if isinstance(r, Exception):
+                if err:
+                    err(r)
+                else:
+                    self.errors.append(str(r))
+                    log.warning("command rejected", error=str(r))
+            elif ok:
+                ok(r)
+
+    # -- what the last calls produced ----------------------------------------------
+    def _publish(self, ran: Ran, batch: list[Entry], nxt: list[Planned]) -> None:
+        p, lv = ran.planned, self.live[ran.planned.handle]
+        end = p.past + ran.accepted
+        accepted = ran.accepted if p.kind == "verify" else None
+
+        def publish(state):
+            s = state(p.handle)
+            return c.Publish(handle_id=p.handle, txn_id=p.txn, base_generation=s.generation,
+                             base_snapshot_version=s.snapshot_version, layers=ran.layers,
+                             accepted_count=accepted, workspace_bytes=self._workspace(p))
+
+        def failed(exc: Exception, h=p.handle) -> None:
+            self.store.discard(h)
+            self.errors.append(str(exc))
+            self.live[h].done = self.live[h].done or "failed"
+
+        batch.append((publish, lambda r, h=p.handle: self.store.commit(h, end), failed))
+        if p.kind == "repair":
+            batch.append(self._release(lv))
+            return
+        if p.kind == "verify":
+            drafts = p.tokens[: ran.accepted]
+            lv.outputs.extend(drafts)
+            self._emit(lv, ran.correction, batch, nxt)
+            return
+        if end < len(lv.spec.prompt):
+            return  # more prompt chunks: planned with the other prefills
+        lv.logits = ran.logits[-1]
+        self._on_ready(lv, batch, nxt)
+
+    def _on_ready(self, lv: Live, batch: list[Entry], nxt: list[Planned]) -> None:
+        """Logits of a publication are ready: fork, speculate or emit."""
+        spec = lv.spec
+        if spec.n > 1 and not lv.forked and not lv.outputs:
+            lv.forked = True
+            kids = [f"{lv.handle}.{i}" for i in range(1, spec.n)]
+            batch.append(self._fork(lv, kids))
+            for i, k in enumerate(kids, 1):
+                kid = Live(k, msgspec.structs.replace(spec, n=1), _generator(spec.seed + i))
+                kid.logits = lv.logits
+                self.live[k] = kid
+                self.order.append(k)
+                self._on_ready(kid, batch, nxt)
+        remaining = spec.max_new_tokens - len(lv.outputs)
+        if spec.speculate and spec.temperature == 0 and remaining > 1 and self._free_rows(lv) > 1:
+            drafts = self._draft(lv, min(spec.speculate, remaining - 1, self._free_rows(lv) - 1))
+            if drafts:
+                nxt.append(Planned(lv.handle, _txn(), "verify", len(spec.prompt) + len(lv.outputs), drafts))
+                return
+        self._emit(lv, self._sample(lv), batch, nxt)
+
+    def _emit(self, lv: Live, token: int, batch: list[Entry], nxt: list[Planned]) -> None:
+        spec = lv.spec
+        index = len(lv.outputs)
+
+        def emit(state, h=lv.handle):
+            s = state(h)
+            return c.EmitOutput(handle_id=h, base_generation=s.generation,
+                                snapshot_version=s.snapshot_version, output_index=index, token_id=token)
+
+        batch.append((emit, None, None))
+        lv.outputs.append(token)
+        lv.logits = None
+        eos = self.cfg.eos_token_id
+        if (eos is not None and token == eos) or len(lv.outputs) >= spec.max_new_tokens:
+            lv.done = "eos" if token == eos else "max_tokens"
+            batch.append(self._simple(lv, lambda s: c.Finish(handle_id=lv.handle, base_generation=s.generation,
+                                                            reason=lv.done)))
+            if spec.repair:
+                nxt.append(Planned(lv.handle, _txn(), "repair", self._length(lv), (token,)))
+            else:
+                batch.append(self._release(lv))
+        elif spec.cancel_after is not None and len(lv.outputs) >= spec.cancel_after:
+            lv.done = "cancelled"
+            batch.append(self._simple(lv, lambda s: c.CancelRequest(
+                handle_id=lv.handle, base_generation=s.generation, reason="client cancelled")))
+            batch.append(self._release(lv))
+        elif spec.truncate_after is not None and not lv.truncated and len(lv.outputs) >= spec.truncate_after:
+            lv.truncated = True
+            new_len = max(len(spec.prompt), self._length(lv) - spec.truncate_rows)
+            keep = new_len - len(spec.prompt) + 1  # the output at new_len stays as the frontier
+            del lv.outputs[keep:]
+            batch.append(self._simple(lv, lambda s: c.Truncate(
+                handle_id=lv.handle, base_generation=s.generation,
+                base_snapshot_version=s.snapshot_version, new_length=new_len),
+                ok=lambda r, h=lv.handle: self.store.truncate(h, new_len)))
+            nxt.append(Planned(lv.handle, _txn(), "decode", new_len, (lv.outputs[-1],)))
+        else:
+            nxt.append(Planned(lv.handle, _txn(), "decode", self._length(lv), (token,)))
+
+    # -- new work ------------------------------------------------------------------
+    def _arrive(self, spec: RequestSpec, batch: list[Entry]) -> None:
+        h = spec.request_id
+        self.live[h] = Live(h, spec, _generator(spec.seed))
+        self.order.append(h)
+        reserved = len(spec.prompt) + spec.max_new_tokens + 1  # +1: room to repair the frontier
+        batch.append((c.Allocate(handle_id=h, manifest=self.manifest(spec), reserved_capacity=reserved),
+                      None, lambda exc, h=h: self._drop(h, exc)))
+
+    def _plan_prefill(self, nxt: list[Planned]) -> None:
+        budget = self.prefill_tokens
+        busy = {p.handle for p in nxt}
+        running = sum(1 for h, lv in self.live.items() if h in self.store.slot and lv.done is None)
+        for h in self.order:
+            lv = self.live[h]
+            if lv.done is not None or h in busy or lv.outputs or lv.logits is not None:
+                continue
+            done = self.store.pending.get(h, 0)
+            rest = len(lv.spec.prompt) - done
+            if rest <= 0 or budget <= 0:
+                continue
+            if h not in self.store.slot:
+                if running >= self.max_running or self.store.free_slots < lv.spec.n:
+                    continue  # FCFS: wait for a slot
+                self.store.open(h, len(lv.spec.prompt) + lv.spec.max_new_tokens + 1)
+                running += 1
+            n = min(rest, self.prefill_chunk, budget)
+            budget -= n
+            nxt.append(Planned(h, _txn(), "prefill" if done == 0 else "chunk", done,
+                               lv.spec.prompt[done:done + n]))
+
+    def _group(self, planned: list[Planned]) -> list[tuple[str, list[Planned]]]:
+        groups = {"prefill": [], "decode": [], "verify": []}
+        for p in planned:
+            groups["decode" if p.kind in ("decode", "repair") else
+                   "prefill" if p.kind in ("prefill", "chunk") else "verify"].append(p)
+        return [(uuid.uuid4().hex, g) for g in groups.values() if g]
+
+    def _start(self, p: Planned, call_id: str, index: int, members: list[Planned]) -> Entry:
+        shape = _shape(members)
+        call = ForwardCall(call_id=call_id, index=index, size=shape.size, new_pad=shape.new_pad,
+                           key_extent=shape.key_extent)
+        n = len(p.tokens)
+
+        def start(state):
+            s = state(p.handle)
+            return c.BeginAppend(
+                handle_id=p.handle, txn_id=p.txn, kind=p.kind, base_generation=s.generation,
+                base_snapshot_version=s.snapshot_version, interval_start=p.past, interval_count=n,
+                token_ids=p.tokens, cache_positions=tuple(range(p.past, p.past + n)),
+                mask_key_extent=p.past + n, cache_abi_sha256=s.cache_abi_sha256, call=call)
+
+        def refused(exc: Exception) -> None:
+            p.txn = ""  # runs as a placeholder row only
+            self.errors.append(str(exc))
+            self.live[p.handle].done = self.live[p.handle].done or "failed"
+
+        return (start, None, refused)
+
+    def _run(self, call_id: str, planned: list[Planned]) -> None:
+        shape = _shape(planned)
+        members = [Member(p.handle, p.past, p.tokens) if p.txn else Member(self.scratch, 0, p.tokens)
+                   for p in planned]
+        verify = planned[0].kind == "verify"
+        logits = run_call(self.model, self.store, members, shape, all_rows=verify)
+        self.calls += 1
+        for b, p in enumerate(planned):
+            if not p.txn:
+                continue
+            n = len(p.tokens)
+            accepted = n
+            if verify:
+                accepted = _accepted(self.live[p.handle].logits, logits[b, :n], p.tokens)
+                self.store.staged(p.handle, p.past + accepted)  # rejected drafts' rows are dropped
+            layers = tuple(
+                LayerRows(layer=i, start=p.past, count=accepted, k_complete=True, v_complete=True,
+                          rows_sha256=self.store.rows_sha256(p.handle, i, p.past, accepted))
+                for i in range(self.cfg.num_layers))
+            correction = None
+            if verify:  # the target's own choice after the accepted drafts
+                after = self.live[p.handle].logits if accepted == 0 else logits[b, accepted - 1]
+                correction = int(after.argmax())
+            self.ran.append(Ran(p, logits[b], accepted, layers, correction))
+
+    # -- helpers -------------------------------------------------------------------
+    def manifest(self, spec: RequestSpec) -> Manifest:
+        cfg, width = self.cfg, torch.tensor([], dtype=self.dtype).element_size()
+        dt = ScalarType(DTYPE_NAMES.get(self.dtype, str(self.dtype)), width)
+        return Manifest(
+            request_identity=RequestIdentity(namespace="kvledger", request_id=spec.request_id,
+                                             lineage_id=spec.request_id),
+            artifact_identity=self.artifact,
+            input_identity=InputIdentity(prompt_token_ids=spec.prompt,
+                                         prompt_token_ids_sha256=prompt_token_ids_sha256(spec.prompt)),
+            cache_schema=CacheSchema(num_cache_layers=cfg.num_layers, kv_heads_per_rank=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, key_dtype=dt, value_dtype=dt,
+                                     num_query_heads=cfg.num_heads),
+            position_contract=PositionContract(rope=RopeConfig(theta=cfg.rope_theta)),
+            request_policy=RequestPolicy(
+                max_context_tokens=len(spec.prompt) + spec.max_new_tokens + 1,
+                max_new_tokens=spec.max_new_tokens,
+                stop_token_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,),
+                sampling=SamplingPolicy(kind="greedy" if spec.temperature == 0 else "temperature",
+                                        temperature=spec.temperature or 1.0, seed=spec.seed)),
+        )
+
+    def _length(self, lv: Live) -> int:
+        """Rows the handle will hold once the appends already planned commit."""
+        return len(lv.spec.prompt) + len(lv.outputs) - (1 if lv.outputs else 0)
+
+    def _free_rows(self, lv: Live) -> int:
+        return self.store.reserved.get(lv.handle, 0) - len(lv.spec.prompt) - len(lv.outputs)
+
+    def _workspace(self, p: Planned) -> int:
+        # The append's own K/V rows are the temporary workspace until publication.
+        return len(p.tokens) * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * 2 \
+            * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _sample(self, lv: Live) -> int:
+        logits = lv.logits
+        if lv.spec.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / lv.spec.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=lv.gen))
+
+    def _draft(self, lv: Live, k: int) -> tuple[int, ...]:
+        """Prompt-lookup drafts: what followed the last occurrence of the newest token."""
+        seq = list(lv.spec.prompt) + lv.outputs
+        nxt = int(lv.logits.argmax())  # the target's own next token anchors the lookup
+        for i in range(len(seq) - 1, -1, -1):
+            if seq[i] == nxt and i + 1 < len(seq):
+                return (nxt, *seq[i + 1:i + k])[:k]
+        return (nxt,)[:k]
+
+    def _simple(self, lv: Live, build, ok=None) -> Entry:
+        return (lambda state, h=lv.handle: build(state(h)), ok, None)
+
+    def _release(self, lv: Live) -> Entry:
+        return self._simple(lv, lambda s: c.Release(handle_id=lv.handle, base_generation=s.generation),
+                            ok=lambda r, h=lv.handle: self.store.release(h))
+
+    def _fork(self, lv: Live, kids: list[str]) -> Entry:
+        def ok(r, parent=lv.handle):
+            for k in kids:
+                self.store.fork(parent, k, self.store.pending[parent])
+
+        return self._simple(lv, lambda s: c.Fork(
+            parent_handle_id=lv.handle, base_generation=s.generation, base_snapshot_version=s.snapshot_version,
+            child_handle_ids=tuple(kids), prefix_length=s.committed_length,
+            child_request_ids=tuple(kids)), ok=ok)
+
+    def _drop(self, h: str, exc: Exception) -> None:
+        self.errors.append(str(exc))
+        self.live[h].done = "failed"
+
+
+def _accepted(prev_logits: Tensor, rows: Tensor, drafts: tuple[int, ...]) -> int:
+    """Greedy acceptance: draft j stands if it is what the target would have chosen."""
+    predictions = [int(prev_logits.argmax())] + [int(r.argmax()) for r in rows[:-1]]
+    a = 0
+    while a < len(drafts) and drafts[a] == predictions[a]:
+        a += 1
+    return a
+
+
+def _shape(members: list[Planned]) -> CallShape:
+    return CallShape(len(members), max(len(p.tokens) for p in members),
+                     max(p.past + len(p.tokens) for p in members))
+
+
+def _txn() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
