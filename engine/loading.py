@@ -1,0 +1,54 @@
+"""Model loading with its artifact identity: what the cache ABI says produced the rows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import msgspec
+import torch
+
+from engine.model import DEFAULT_CONFIG, ModelConfig, Transformer
+from schemas.canonical import digest
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.manifest import ArtifactIdentity
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_model(model_dir: str | None = None, *, device: str = "cpu", dtype: str = "fp32",
+               seed: int = 0, config: ModelConfig = DEFAULT_CONFIG) -> tuple[Transformer, ArtifactIdentity]:
+    """The default small random model (seeded), or a Hugging Face checkpoint directory."""
+    if dtype not in DTYPES:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"dtype must be one of {', '.join(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--device cuda but no CUDA device is available")
+    torch_dtype = DTYPES[dtype]
+    if model_dir is None:
+        model = Transformer.from_config(config, seed=seed, dtype=torch_dtype, device=device)
+        cfg_digest = digest(msgspec.to_builtins(config))
+        artifact = ArtifactIdentity(
+            model_artifact_sha256=digest({"init": "kvledger-random-normal-0.02", "seed": seed,
+                                          "config_sha256": cfg_digest}),
+            model_config_sha256=cfg_digest,
+            weight_transforms=() if dtype == "fp32" else (f"cast:{dtype}",))
+        return model, artifact
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{path} has no config.json")
+    try:
+        model = Transformer.from_pretrained(path, dtype=torch_dtype, device=device)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot load {path}: {exc}") from None
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    artifact = ArtifactIdentity(
+        model_artifact_sha256=h.hexdigest(),
+        model_config_sha256=digest(json.loads((path / "config.json").read_text())),
+        weight_transforms=() if dtype == "fp32" else (f"cast:{dtype}",))
+    return model, artifact

@@ -1,0 +1,185 @@
+"""`kvledger demo` and `kvledger generate`: the worker under the journal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+
+from journal import redact, resolve_url
+from schemas.errors import ErrorCode, KvLedgerError
+
+DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    # The parsers for demo and generate are declared in cli.py (their command lines are
+    # part of the foundation); this module supplies what they run.
+    for name, run in (("demo", _cmd_demo), ("generate", _cmd_generate)):
+        sub.choices[name].set_defaults(run=run)
+    demo = sub.choices["demo"]
+    demo.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT limit for goodput (ms)")
+    demo.add_argument("--slo-tbt-ms", type=float, default=250.0, help="max TBT limit for goodput (ms)")
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float) -> dict:
+    from replay.metrics import WindowSpec
+    from replay.projector import ProjectionState, Projector
+    from replay.report import build
+
+    # This run touched only handles it created, so a fold of its own events is complete.
+    projector = Projector(ProjectionState(position=after)).feed(journal.read_all(after=after))
+    report = build(projector, WindowSpec(slo_ttft_ns=int(slo_ttft_ms * 1e6), slo_tbt_ns=int(slo_tbt_ms * 1e6)))
+    ttft = [r.ttft_ns / 1e6 for r in report.requests if r.ttft_ns is not None]
+    tpot = [r.tpot_ns / 1e6 for r in report.requests if r.tpot_ns is not None]
+    w = report.window
+    return {
+        "ledger_peaks_bytes": {k: p.value for k, p in report.peaks.items()},
+        "ttft_ms": {"p50": _percentile(ttft, 0.5), "p99": _percentile(ttft, 0.99)},
+        "tpot_ms": {"p50": _percentile(tpot, 0.5), "p99": _percentile(tpot, 0.99)},
+        "goodput": {"completed": w.completed, "slo_valid": w.slo_valid, "fraction": w.goodput_fraction,
+                    "requests_per_s": w.goodput_rps, "tokens_per_s": w.token_goodput_tps,
+                    "slo_ttft_ms": slo_ttft_ms, "slo_tbt_ms": slo_tbt_ms},
+        "cancelled": sum(1 for r in report.requests if r.outcome == "cancelled"),
+    }
+
+
+def _progress(total: int):
+    if not sys.stderr.isatty():
+        return None, None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                   TimeElapsedColumn(), transient=True, console=None)
+    task = bar.add_task("demo", total=total)
+
+    def on_step(worker) -> None:
+        done = sum(1 for lv in worker.live.values() if lv.done is not None and "." not in lv.handle[-2:])
+        bar.update(task, completed=min(done, total))
+
+    return bar, on_step
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvledger.demo import run_demo
+    from kvledger.storage import open_journal
+
+    if args.requests < 1 or args.max_new_tokens < 1:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--requests and --max-new-tokens must be >= 1")
+    url = resolve_url(args.db)
+    with open_journal(url) as journal:
+        first = journal.last_position()
+        bar, on_step = _progress(args.requests)
+        if bar:
+            bar.start()
+        try:
+            result = run_demo(journal, requests=args.requests, max_new_tokens=args.max_new_tokens,
+                              seed=args.seed, model_dir=args.model, device=args.device, on_step=on_step,
+                              run_id=uuid.uuid4().hex[:8])
+        finally:
+            if bar:
+                bar.stop()
+        summary = summarize(journal, first, args.slo_ttft_ms, args.slo_tbt_ms)
+        position = journal.last_position()
+    out = {
+        "journal": redact(url), "position": position, "requests": result["requests"],
+        "handles": result["handles"], "tokens": result["tokens"], "events_written": result["events_written"],
+        "iterations": result["iterations"], "model_calls": result["model_calls"],
+        "seconds": round(result["seconds"], 3),
+        "tokens_per_s": round(result["tokens"] / result["seconds"], 1) if result["seconds"] else None,
+        "errors": result["errors"], **summary,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print_demo(out)
+    return 0 if not result["errors"] else 1
+
+
+def _fmt(v, unit: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:,.2f}{unit}"
+    return f"{v:,}{unit}"
+
+
+def _print_demo(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="kvledger demo", show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    rows = [
+        ("requests (handles incl. forks)", f"{out['requests']} ({out['handles']})"),
+        ("cancelled", _fmt(out["cancelled"])),
+        ("tokens generated", _fmt(out["tokens"])),
+        ("wall time / tokens per s", f"{out['seconds']:.2f} s / {_fmt(out['tokens_per_s'])}"),
+        ("iterations / model calls", f"{out['iterations']} / {out['model_calls']}"),
+        ("events written", _fmt(out["events_written"])),
+    ]
+    for k, v in out["ledger_peaks_bytes"].items():
+        rows.append((f"peak {k} bytes", _fmt(v)))
+    rows += [
+        ("TTFT p50 / p99", f"{_fmt(out['ttft_ms']['p50'], ' ms')} / {_fmt(out['ttft_ms']['p99'], ' ms')}"),
+        ("TPOT p50 / p99", f"{_fmt(out['tpot_ms']['p50'], ' ms')} / {_fmt(out['tpot_ms']['p99'], ' ms')}"),
+        (f"goodput (TTFT<={out['goodput']['slo_ttft_ms']:.0f} ms, TBT<={out['goodput']['slo_tbt_ms']:.0f} ms)",
+         f"{out['goodput']['slo_valid']}/{out['goodput']['completed']} requests, "
+         f"{_fmt(out['goodput']['requests_per_s'], ' req/s')}"),
+        ("journal", f"{out['journal']} (position {out['position']})"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+    if out["errors"]:
+        print(f"{len(out['errors'])} rejected commands, first: {out['errors'][0]}", file=sys.stderr)
+    print(f"next: kvledger verify --db {out['journal']}  |  kvledger replay --db {out['journal']}")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine.loading import load_model
+    from engine.service import CommandService
+    from engine.worker import RequestSpec, Worker
+    from kvledger.storage import open_journal
+
+    try:
+        prompt = tuple(int(x) for x in args.prompt_ids.split(",") if x.strip())
+    except ValueError:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--prompt-ids must be comma-separated integers") from None
+    if not prompt or any(t < 0 for t in prompt):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--prompt-ids needs at least one non-negative id")
+    if args.max_new_tokens < 1:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--max-new-tokens must be >= 1")
+    model, artifact = load_model(args.model, device=args.device)
+    if max(prompt) >= model.cfg.vocab_size:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"token id {max(prompt)} >= vocab {model.cfg.vocab_size}")
+    url = resolve_url(args.db)
+    handle = f"gen-{uuid.uuid4().hex[:12]}"
+    with open_journal(url) as journal:
+        first = journal.last_position()
+        worker = Worker(model, service=CommandService(journal, source_instance="kvledger-generate"),
+                        artifact=artifact, max_running=1, capacity=len(prompt) + args.max_new_tokens + 1,
+                        prefill_chunk=max(64, len(prompt)), prefill_tokens=max(256, len(prompt)),
+                        device=args.device)
+        worker.submit(RequestSpec(request_id=handle, prompt=prompt, max_new_tokens=args.max_new_tokens))
+        outputs = worker.run()[handle]
+        position = journal.last_position()
+    if worker.errors:
+        raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"generation rejected: {worker.errors[0]}")
+    if args.json:
+        print(json.dumps({"handle_id": handle, "prompt_ids": list(prompt), "output_ids": outputs,
+                          "events_written": position - first, "journal": redact(url), "position": position}))
+    else:
+        print(",".join(map(str, outputs)))
+    return 0
