@@ -107,7 +107,17 @@ class CommandService:
             if not planned:
                 break
             outcomes = self.journal.append([p.op for _, p in planned])
+            # A command decided on the planned effects of an earlier one in this batch must
+            # not be retried alone when that one was refused: its base never existed, and
+            # a later successor could carry the same version numbers (the ABA shape).
+            broken: set[str] = set()
             for (i, plan), out in zip(planned, outcomes):
+                touched = set(c.handles_of(cmds[i]))
+                if touched & broken:
+                    broken |= touched
+                    results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: an "
+                                               "earlier command of this batch on the same handle was refused")
+                    continue
                 if isinstance(out, Receipt):
                     results[i] = out
                     if out.event_ids == tuple(e.event_id for e in plan.events):
@@ -118,9 +128,11 @@ class CommandService:
                         for h in plan.states:
                             self.state(h, refresh=True)
                 elif out.code == ErrorCode.CONFLICT:
+                    broken |= touched
                     results[i] = KvLedgerError(ErrorCode.CONFLICT, out.message)
                 else:  # the head moved under us: re-read and decide again
-                    for h in c.handles_of(cmds[i]):
+                    broken |= touched
+                    for h in touched:
                         self.state(h, refresh=True)
                     pending.append(i)
             if not pending:

@@ -1,0 +1,168 @@
+"""The torch worker under journal events: parity, staging, determinism, lifecycle paths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.executor import Member, run_call, shape_of
+from engine.kvstore import KVStore
+from engine.loading import load_model
+from engine.model import DEFAULT_CONFIG, Transformer
+from engine.reexec import reexecute
+from engine.service import CommandService
+from engine.worker import RequestSpec, Worker
+from kvledger import Ledger
+from kvledger.demo import demo_workload
+from kvledger.storage import open_journal
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer.from_config(DEFAULT_CONFIG, seed=0)
+
+
+def _tokens(n, seed=0):
+    rng = random.Random(seed)
+    return tuple(rng.randrange(DEFAULT_CONFIG.vocab_size) for _ in range(n))
+
+
+def test_cached_decode_matches_full_forward(model):
+    """Prefill + 32 decode steps through the K/V store equal a full forward (fp32, 1e-4)."""
+    store = KVStore(model.cfg, slots=2, capacity=128)
+    store.open("h", 128)
+    seq = list(_tokens(12))
+    logits = run_call(model, store, [Member("h", 0, tuple(seq))], shape_of([Member("h", 0, tuple(seq))]))
+    store.commit("h", len(seq))
+    worst = 0.0
+    for _ in range(32):
+        with torch.inference_mode():
+            full = model(torch.tensor([seq]), torch.arange(len(seq))[None], logits_rows="last")[0, -1]
+        worst = max(worst, (logits[0, -1] - full).abs().max().item())
+        tok = int(logits[0, -1].argmax())
+        m = Member("h", len(seq), (tok,))
+        logits = run_call(model, store, [m], shape_of([m]))
+        seq.append(tok)
+        store.commit("h", len(seq))
+    assert worst < 1e-4
+
+
+def test_whole_prefill_equals_chunked_prefill(model):
+    prompt = _tokens(40, seed=1)
+    whole, chunked = (KVStore(model.cfg, slots=1, capacity=64) for _ in range(2))
+    whole.open("h", 64)
+    chunked.open("h", 64)
+    m = Member("h", 0, prompt)
+    a = run_call(model, whole, [m], shape_of([m]))
+    whole.commit("h", 40)
+    past = 0
+    for n in (13, 7, 20):
+        m = Member("h", past, prompt[past:past + n])
+        b = run_call(model, chunked, [m], shape_of([m]))
+        past += n
+        chunked.commit("h", past)
+    assert (a[0, -1] - b[0, -1]).abs().max().item() < 1e-4
+    for x, y in zip(whole.read("h"), chunked.read("h")):
+        assert x.shape == y.shape == (model.cfg.num_layers, model.cfg.num_kv_heads, 40, model.cfg.head_dim)
+        assert (x - y).abs().max().item() < 1e-4
+
+
+def test_ragged_batch_equals_each_alone(model):
+    members = [Member(f"h{i}", 0, _tokens(n, seed=i)) for i, n in enumerate((5, 17, 9))]
+    batch = KVStore(model.cfg, slots=3, capacity=32)
+    for m in members:
+        batch.open(m.handle_id, 32)
+    together = run_call(model, batch, members, shape_of(members))
+    for b, m in enumerate(members):
+        alone = KVStore(model.cfg, slots=1, capacity=32)
+        alone.open(m.handle_id, 32)
+        single = run_call(model, alone, [m], shape_of([m]))
+        assert (together[b, -1] - single[0, -1]).abs().max().item() < 1e-4
+
+
+def test_staged_rows_are_invisible_and_a_stale_publication_changes_nothing(model, tmp_path):
+    ledger = Ledger.open(f"sqlite:///{tmp_path}/j.db")
+    other = Ledger.open(f"sqlite:///{tmp_path}/j.db")  # a second writer on the same journal
+    _, artifact = load_model()
+    worker = Worker(model, service=ledger.service, artifact=artifact, capacity=64)
+    worker.submit(RequestSpec(request_id="r", prompt=_tokens(8), max_new_tokens=4))
+    worker.step()  # allocate + start prefill; the call ran and staged 8 rows
+    store = worker.store
+    assert store.committed["r"] == 0 and store.pending["r"] == 8
+    k, v = store.read("r")
+    assert k.shape[2] == 0 and ledger.state("r").committed_length == 0  # nothing visible yet
+    worker.step()  # prefill publishes; the first output's decode is started and staged
+    assert store.committed["r"] == 8 and ledger.state("r").committed_length == 8
+    assert store.pending["r"] == 9  # staged, not visible: a reader sees 8 rows
+    before_k, before_v = store.read("r")
+    assert before_k.shape[2] == 8
+    # another writer moves the head, so the in-flight decode's publication is stale
+    s = other.state("r")
+    other.truncate("r", base=(s.generation, s.snapshot_version), new_length=8)
+    worker.step()  # publish rejected as stale: its staged rows are discarded
+    assert store.committed["r"] == 8 and store.pending["r"] == 8
+    after_k, after_v = store.read("r")
+    assert torch.equal(before_k, after_k) and torch.equal(before_v, after_v)
+    assert any("STALE_BASE" in e for e in worker.errors)
+    ledger.close()
+    other.close()
+
+
+def run_workload(url, specs, model, *, journal_on=True):
+    _, artifact = load_model()
+    with open_journal(url) as j:
+        service = CommandService(j) if journal_on else None
+        capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
+        w = Worker(model, service=service, artifact=artifact, capacity=capacity)
+        for s in specs:
+            w.submit(s)
+        out = w.run()
+        assert w.errors == []
+        events = list(j.read_all())
+    return out, events
+
+
+def test_demo_journal_reexecutes_bit_for_bit(model, db_url):
+    specs = demo_workload(16, 8, seed=3, vocab=model.cfg.vocab_size)
+    out, events = run_workload(db_url, specs, model)
+    kinds = {e.payload.kind for e in events if e.event_type == "append_start"}
+    assert kinds == {"prefill", "chunk", "decode", "repair", "verify"}
+    assert {e.event_type for e in events} >= {"fork", "truncate", "cancel_request", "finish", "release"}
+    r = reexecute(model, events, capacity=256)
+    assert r.verified_rows > 500 and r.mismatches == [] and not r.skipped
+    published = sum(e.payload.accepted_count for e in events if e.event_type == "append_publish")
+    assert r.verified_rows == published
+
+
+def test_paths_keep_greedy_outputs(model, tmp_path):
+    """Speculation, truncate-and-redo, repair and journaling itself change no greedy output."""
+    prompts = [_tokens(n, seed=10 + n) for n in (6, 11, 30)]
+    plain = [RequestSpec(request_id=f"p{i}", prompt=p, max_new_tokens=12) for i, p in enumerate(prompts)]
+    variants = [RequestSpec(request_id=f"p{i}", prompt=p, max_new_tokens=12, speculate=3 if i == 0 else 0,
+                            truncate_after=5 if i == 1 else None, repair=i == 2)
+                for i, p in enumerate(prompts)]
+    a, _ = run_workload(f"sqlite:///{tmp_path}/a.db", plain, model)
+    b, events = run_workload(f"sqlite:///{tmp_path}/b.db", variants, model)
+    c, _ = run_workload(f"sqlite:///{tmp_path}/c.db", plain, model, journal_on=False)
+    assert a == b == c
+    verify = [e for e in events if e.event_type == "append_publish" and e.payload.accepted_count > 1
+              and e.stream_id == "p0"]
+    assert verify, "speculation never accepted more than the anchor draft"
+    repair = [e for e in events if e.event_type == "append_start" and e.payload.kind == "repair"]
+    assert len(repair) == 1
+    finish = next(e for e in events if e.event_type == "finish" and e.stream_id == "p2")
+    publish = next(e for e in events if e.event_type == "append_publish" and e.payload.txn_id ==
+                   repair[0].payload.txn_id)
+    assert publish.payload.committed_length == finish.payload.committed_length + 1
+    assert not publish.payload.logits_ready
+
+
+def test_fork_gives_two_sampled_branches(model, tmp_path):
+    spec = RequestSpec(request_id="f", prompt=_tokens(9), max_new_tokens=10, n=2, temperature=1.0, seed=5)
+    out, events = run_workload(f"sqlite:///{tmp_path}/f.db", [spec], model)
+    assert set(out) == {"f", "f.1"} and len(out["f"]) == len(out["f.1"]) == 10
+    assert out["f"] != out["f.1"]
+    fork = next(e for e in events if e.event_type == "fork")
+    assert fork.stream_id == "f.1" and fork.payload.prefix_length == 9
