@@ -335,3 +335,24 @@ def test_from_pretrained_errors(hf_models, tmp_path):
         empty.mkdir()
         (empty / "config.json").write_text(json.dumps(cfg))
         Transformer.from_pretrained(empty)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_kvledger_generate_matches_transformers(hf_models, kind, tmp_path):
+    """`kvledger generate` (journaled, through the worker) returns transformers' greedy ids."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    hf, d, _ = hf_models[kind]
+    prompt = [5, 17, 3, 88, 41, 9, 60]
+    ids = torch.tensor([prompt])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                      min_new_tokens=12, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    r = subprocess.run([sys.executable, "-m", "kvledger", "generate", "--model", str(d), "--prompt-ids",
+                        ",".join(map(str, prompt)), "--max-new-tokens", "12", "--json",
+                        "--db", f"sqlite:///{tmp_path}/g.db"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["output_ids"] == ref
