@@ -88,14 +88,18 @@ class KVStore:
         s, t = self.slot[handle_id], self.committed[handle_id]
         return self.k[:, s, :, :t].clone(), self.v[:, s, :, :t].clone()
 
-    def rows_sha256(self, handle_id: str, layer: int, start: int, count: int) -> str:
-        """Digest of the K then V rows [start, start+count) of one layer, as stored."""
+    def rows_sha256(self, handle_id: str, start: int, count: int) -> list[str]:
+        """Per layer, the digest of its K then V rows [start, start+count), as stored."""
         s = self.slot[handle_id]
-        h = hashlib.sha256()
-        for t in (self.k, self.v):
-            rows = t[layer, s, :, start:start + count].contiguous()
-            h.update(rows.view(torch.uint8).cpu().numpy().tobytes())
-        return h.hexdigest()
+        # one copy per tensor for all layers, then hash per-layer slices of it
+        k = self.k[:, s, :, start:start + count].contiguous().view(torch.uint8).cpu().numpy()
+        v = self.v[:, s, :, start:start + count].contiguous().view(torch.uint8).cpu().numpy()
+        digests = []
+        for layer in range(k.shape[0]):
+            h = hashlib.sha256(k[layer].data)
+            h.update(v[layer].data)
+            digests.append(h.hexdigest())
+        return digests
 
     def payload_bytes(self, handle_id: str) -> int:
         """Bytes of the visible rows: committed x B_token (H_kv heads, never H_q)."""

@@ -96,8 +96,10 @@ def reexecute(model: Transformer, events: Iterable[ev.Event], *, slots: int = 64
                 store.discard(h)
                 continue
             p = e.payload
+            recomputed = store.rows_sha256(h, start.payload.interval_start, p.accepted_count)
             for rows in p.layers:
-                got = store.rows_sha256(h, rows.layer, rows.start, rows.count)
+                got = recomputed[rows.layer] if rows.start == start.payload.interval_start \
+                    and rows.count == p.accepted_count else "interval differs from the start"
                 if got != rows.rows_sha256:
                     out.mismatches.append(Mismatch(h, p.txn_id, rows.layer, e.global_position,
                                                    rows.rows_sha256, got))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -98,7 +99,7 @@ Entry = tuple[object, Callable[[Receipt | None], None] | None, Callable[[Excepti
 class Worker:
     def __init__(self, model: Transformer, *, service: CommandService | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
-                 capacity: int = 512, device: str = "cpu") -> None:
+                 capacity: int = 512, device: str = "cpu", pipeline: bool = True) -> None:
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         self.dtype = next(model.parameters()).dtype
@@ -117,17 +118,24 @@ class Worker:
         self.step_no = 0
         self.errors: list[str] = []
         self.calls = 0
+        self.pipeline = pipeline
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
+        self._structural = False  # a fork or truncate this iteration: commit before running
 
     # -- public --------------------------------------------------------------------
     def submit(self, spec: RequestSpec) -> None:
         self.pending.append(spec)
 
     def run(self, on_step: Callable[[Worker], None] | None = None, max_steps: int = 100_000) -> dict[str, list[int]]:
-        while (self.pending or self.ran or any(lv.done is None for lv in self.live.values())) \
-                and self.step_no < max_steps:
-            self.step()
-            if on_step:
-                on_step(self)
+        try:
+            while (self.pending or self.ran or any(lv.done is None for lv in self.live.values())) \
+                    and self.step_no < max_steps:
+                self.step()
+                if on_step:
+                    on_step(self)
+        finally:
+            self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
         return {h: lv.outputs for h, lv in self.live.items()}
 
     # -- one iteration -------------------------------------------------------------
@@ -145,9 +153,22 @@ class Worker:
         for call_id, members in calls:
             for i, p in enumerate(members):
                 batch.append(self._start(p, call_id, i, members))
-        self._submit(batch)
-        for call_id, members in calls:
-            self._run(call_id, members)
+        if self.pipeline and self.service is not None and not self._structural:
+            # Hide the commit's fsync behind the model: run this iteration's calls while
+            # the commit that starts them (and publishes the previous ones) is in flight.
+            # Nothing they stage is published before a later commit, which is only sent
+            # after this one returned; a refused start's rows are dropped below.
+            commit = self._pool.submit(self._submit, batch)
+            ran = [r for call_id, members in calls for r in self._run(call_id, members)]
+            commit.result()
+        else:
+            self._submit(batch)
+            ran = [r for call_id, members in calls for r in self._run(call_id, members)]
+        for r in ran:
+            if not r.planned.txn:
+                self.store.discard(r.planned.handle)
+        self.ran = [r for r in ran if r.planned.txn]
+        self._structural = False
         self.step_no += 1
 
     def _submit(self, batch: list[Entry]) -> None:
@@ -205,6 +226,7 @@ class Worker:
             lv.forked = True
             kids = [f"{lv.handle}.{i}" for i in range(1, spec.n)]
             batch.append(self._fork(lv, kids))
+            self._structural = True
             for i, k in enumerate(kids, 1):
                 kid = Live(k, msgspec.structs.replace(spec, n=1), _generator(spec.seed + i))
                 kid.logits = lv.logits
@@ -247,6 +269,7 @@ class Worker:
             batch.append(self._release(lv))
         elif spec.truncate_after is not None and not lv.truncated and len(lv.outputs) >= spec.truncate_after:
             lv.truncated = True
+            self._structural = True
             new_len = max(len(spec.prompt), self._length(lv) - spec.truncate_rows)
             keep = new_len - len(spec.prompt) + 1  # the output at new_len stays as the frontier
             del lv.outputs[keep:]
@@ -317,15 +340,17 @@ class Worker:
 
         return (start, None, refused)
 
-    def _run(self, call_id: str, planned: list[Planned]) -> None:
+    def _run(self, call_id: str, planned: list[Planned]) -> list[Ran]:
         shape = _shape(planned)
-        members = [Member(p.handle, p.past, p.tokens) if p.txn else Member(self.scratch, 0, p.tokens)
-                   for p in planned]
+        real = [bool(p.txn) for p in planned]  # read once: a pipelined commit may refuse one meanwhile
+        members = [Member(p.handle, p.past, p.tokens) if ok else Member(self.scratch, 0, p.tokens)
+                   for p, ok in zip(planned, real)]
         verify = planned[0].kind == "verify"
         logits = run_call(self.model, self.store, members, shape, all_rows=verify)
         self.calls += 1
+        ran = []
         for b, p in enumerate(planned):
-            if not p.txn:
+            if not real[b]:
                 continue
             n = len(p.tokens)
             accepted = n
@@ -334,13 +359,14 @@ class Worker:
                 self.store.staged(p.handle, p.past + accepted)  # rejected drafts' rows are dropped
             layers = tuple(
                 LayerRows(layer=i, start=p.past, count=accepted, k_complete=True, v_complete=True,
-                          rows_sha256=self.store.rows_sha256(p.handle, i, p.past, accepted))
-                for i in range(self.cfg.num_layers))
+                          rows_sha256=d)
+                for i, d in enumerate(self.store.rows_sha256(p.handle, p.past, accepted)))
             correction = None
             if verify:  # the target's own choice after the accepted drafts
                 after = self.live[p.handle].logits if accepted == 0 else logits[b, accepted - 1]
                 correction = int(after.argmax())
-            self.ran.append(Ran(p, logits[b], accepted, layers, correction))
+            ran.append(Ran(p, logits[b], accepted, layers, correction))
+        return ran
 
     # -- helpers -------------------------------------------------------------------
     def manifest(self, spec: RequestSpec) -> Manifest:

@@ -1,0 +1,116 @@
+"""3. Decode: worker tokens/s with the journal on vs off, and vs transformers `generate`
+on the same weights, at batch 1 and 16; on the default demo model and a larger one.
+
+Each run serves B requests (32-token prompts, G greedy tokens each) end to end,
+prefill included, for all three contenders alike; runs are interleaved and repeated
+and the best rate of each is kept (noise on a shared machine only slows a run down).
+Journal on = SQLite WAL, synchronous=FULL (an fsync per iteration, pipelined behind
+the next model call); off = the same worker loop with no command service at all.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+
+from bench import Context, best_rate
+
+GOALS = {"decode_journal_overhead": ("<=", 0.10), "decode_vs_transformers": (">=", 1.0)}
+NOTES = {
+    "decode_journal_overhead": "worst case over models and batch sizes: (off rate / on rate) - 1; "
+                               "bounded by the commit (fsync + Python per command) that the "
+                               "next model call must hide, and by the GIL the two share",
+    "decode_vs_transformers": "worst case of worker (journal on) / transformers generate, same weights",
+}
+
+LARGE = dict(vocab_size=2048, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
+             head_dim=64, intermediate_size=2816)
+
+
+def _hf_twin(model) -> Any:
+    """transformers' LlamaForCausalLM carrying exactly our weights."""
+    import transformers as tf
+
+    c = model.cfg
+    cfg = tf.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                         head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                         max_position_embeddings=c.max_position_embeddings,
+                         tie_word_embeddings=c.tie_word_embeddings, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=0)
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    state = {(k if k.startswith("lm_head") else f"model.{k}"): v for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf
+
+
+def _prompts(b: int, vocab: int) -> list[tuple[int, ...]]:
+    rng = random.Random(b)
+    return [tuple(rng.randrange(1, vocab) for _ in range(32)) for _ in range(b)]
+
+
+def _worker_rate(ctx: Context, model, artifact, prompts, g: int, journal_on: bool) -> float:
+    from engine.service import CommandService
+    from engine.worker import RequestSpec, Worker
+    from kvledger.storage import open_journal
+
+    url = ctx.sqlite_journal_url("decode")
+    with open_journal(url) as j:
+        w = Worker(model, service=CommandService(j) if journal_on else None, artifact=artifact,
+                   max_running=len(prompts), capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
+        for i, p in enumerate(prompts):
+            w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
+        t0 = time.perf_counter()
+        w.run()
+        dt = time.perf_counter() - t0
+        assert not w.errors, w.errors[:3]
+    return len(prompts) * g / dt
+
+
+def _hf_rate(hf, prompts, g: int) -> float:
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=g,
+                    min_new_tokens=g, eos_token_id=None, pad_token_id=0)
+        dt = time.perf_counter() - t0
+    return len(prompts) * g / dt
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    from engine.loading import load_model
+    from engine.model import DEFAULT_CONFIG, ModelConfig
+
+    out: dict[str, Any] = {}
+    overheads, vs_hf = [], []
+    cases = [("default", DEFAULT_CONFIG, 1, ctx.size(smoke=8, quick=64, full=128)),
+             ("default", DEFAULT_CONFIG, 16, ctx.size(smoke=8, quick=64, full=128))]
+    if ctx.mode != "smoke":
+        cases.append(("large", ModelConfig(**LARGE), 16, ctx.size(smoke=4, quick=24, full=64)))
+    for name, cfg, b, g in cases:
+        model, artifact = load_model(config=cfg)
+        hf = _hf_twin(model)
+        prompts = _prompts(b, cfg.vocab_size)
+        on, off, ref = [], [], []
+        for _ in range(ctx.repeats):
+            off.append(_worker_rate(ctx, model, artifact, prompts, g, journal_on=False))
+            on.append(_worker_rate(ctx, model, artifact, prompts, g, journal_on=True))
+            ref.append(_hf_rate(hf, prompts, g))
+        r_on, r_off, r_hf = best_rate(on), best_rate(off), best_rate(ref)
+        tag = f"{name}_b{b}"
+        out[f"decode_tokens_per_s_journal_on_{tag}"] = round(r_on, 1)
+        out[f"decode_tokens_per_s_journal_off_{tag}"] = round(r_off, 1)
+        out[f"decode_tokens_per_s_transformers_{tag}"] = round(r_hf, 1)
+        out[f"decode_journal_overhead_{tag}"] = round(r_off / r_on - 1, 4)
+        out[f"decode_vs_transformers_{tag}"] = round(r_on / r_hf, 3)
+        overheads.append(r_off / r_on - 1)
+        vs_hf.append(r_on / r_hf)
+        ctx.log(f"   {tag}: on {r_on:.0f} tok/s, off {r_off:.0f}, transformers {r_hf:.0f}")
+    out["decode_journal_overhead"] = round(max(overheads), 4)
+    out["decode_vs_transformers"] = round(min(vs_hf), 3)
+    return out
