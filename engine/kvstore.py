@@ -90,19 +90,43 @@ class KVStore:
 
     def rows_sha256(self, handle_id: str, start: int, count: int) -> list[str]:
         """Per layer, the digest of its K then V rows [start, start+count), as stored."""
-        s = self.slot[handle_id]
-        # one copy per tensor for all layers, then hash per-layer slices of it
-        k = self.k[:, s, :, start:start + count].contiguous().view(torch.uint8).cpu().numpy()
-        v = self.v[:, s, :, start:start + count].contiguous().view(torch.uint8).cpu().numpy()
-        digests = []
-        for layer in range(k.shape[0]):
-            h = hashlib.sha256(k[layer].data)
-            h.update(v[layer].data)
-            digests.append(h.hexdigest())
-        return digests
+        return self.rows_sha256_many([(handle_id, start, count)])[0]
+
+    def rows_sha256_many(self, spans: list[tuple[str, int, int]]) -> list[list[str]]:
+        """rows_sha256 for many (handle, start, count) at once. Single-row spans (a decode
+        step) are gathered in one copy for the whole batch, then hashed per layer."""
+        out: list[list[str] | None] = [None] * len(spans)
+        single = [i for i, (_, _, n) in enumerate(spans) if n == 1]
+        if single:
+            slots = torch.tensor([self.slot[spans[i][0]] for i in single], device=self.k.device)
+            rows = torch.tensor([spans[i][1] for i in single], device=self.k.device)
+            k = _bytes(self.k[:, slots, :, rows])  # [B, L, H, d_h] as bytes
+            v = _bytes(self.v[:, slots, :, rows])
+            for j, i in enumerate(single):
+                out[i] = _per_layer(k[j], v[j])
+        for i, (h, start, n) in enumerate(spans):
+            if out[i] is None:
+                s = self.slot[h]
+                k = _bytes(self.k[:, s, :, start:start + n])  # [L, H, n, d_h]
+                v = _bytes(self.v[:, s, :, start:start + n])
+                out[i] = _per_layer(k, v)
+        return out  # type: ignore[return-value]
 
     def payload_bytes(self, handle_id: str) -> int:
         """Bytes of the visible rows: committed x B_token (H_kv heads, never H_q)."""
         t = self.committed[handle_id]
         layers, _, heads, _, dim = self.k.shape
         return t * layers * heads * dim * (self.k.element_size() + self.v.element_size())
+
+
+def _bytes(t: Tensor):
+    return t.contiguous().view(torch.uint8).cpu().numpy()
+
+
+def _per_layer(k, v) -> list[str]:
+    digests = []
+    for layer in range(k.shape[0]):
+        h = hashlib.sha256(k[layer].data)
+        h.update(v[layer].data)
+        digests.append(h.hexdigest())
+    return digests

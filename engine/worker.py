@@ -70,6 +70,7 @@ class Live:
     gen: torch.Generator
     outputs: list[int] = field(default_factory=list)
     logits: Tensor | None = None  # next-token logits of the newest publication
+    greedy: int | None = None  # their argmax, when the call computed it
     forked: bool = False
     truncated: bool = False
     done: str | None = None  # finish reason, "cancelled", or None while running
@@ -91,6 +92,7 @@ class Ran:
     accepted: int
     layers: tuple[LayerRows, ...]
     correction: int | None = None  # verify: the token chosen after the accepted drafts
+    greedy: int | None = None  # argmax of the last row, computed for the whole call at once
 
 
 Entry = tuple[object, Callable[[Receipt | None], None] | None, Callable[[Exception], None] | None]
@@ -151,8 +153,10 @@ class Worker:
         self._plan_prefill(nxt)
         calls = self._group(nxt)
         for call_id, members in calls:
+            shape = _shape(members)
             for i, p in enumerate(members):
-                batch.append(self._start(p, call_id, i, members))
+                batch.append(self._start(p, ForwardCall(call_id=call_id, index=i, size=shape.size,
+                                                        new_pad=shape.new_pad, key_extent=shape.key_extent)))
         if self.pipeline and self.service is not None and not self._structural:
             # Hide the commit's fsync behind the model: run this iteration's calls while
             # the commit that starts them (and publishes the previous ones) is in flight.
@@ -217,6 +221,7 @@ class Worker:
         if end < len(lv.spec.prompt):
             return  # more prompt chunks: planned with the other prefills
         lv.logits = ran.logits[-1]
+        lv.greedy = ran.greedy
         self._on_ready(lv, batch, nxt)
 
     def _on_ready(self, lv: Live, batch: list[Entry], nxt: list[Planned]) -> None:
@@ -252,7 +257,7 @@ class Worker:
 
         batch.append((emit, None, None))
         lv.outputs.append(token)
-        lv.logits = None
+        lv.logits, lv.greedy = None, None
         eos = self.cfg.eos_token_id
         if (eos is not None and token == eos) or len(lv.outputs) >= spec.max_new_tokens:
             lv.done = "eos" if token == eos else "max_tokens"
@@ -319,10 +324,7 @@ class Worker:
                    "prefill" if p.kind in ("prefill", "chunk") else "verify"].append(p)
         return [(uuid.uuid4().hex, g) for g in groups.values() if g]
 
-    def _start(self, p: Planned, call_id: str, index: int, members: list[Planned]) -> Entry:
-        shape = _shape(members)
-        call = ForwardCall(call_id=call_id, index=index, size=shape.size, new_pad=shape.new_pad,
-                           key_extent=shape.key_extent)
+    def _start(self, p: Planned, call: ForwardCall) -> Entry:
         n = len(p.tokens)
 
         def start(state):
@@ -348,24 +350,28 @@ class Worker:
         verify = planned[0].kind == "verify"
         logits = run_call(self.model, self.store, members, shape, all_rows=verify)
         self.calls += 1
+        accepted = {}
+        for b, p in enumerate(planned):
+            if real[b]:
+                accepted[b] = len(p.tokens)
+                if verify:
+                    accepted[b] = _accepted(self.live[p.handle].logits, logits[b, :len(p.tokens)], p.tokens)
+                    self.store.staged(p.handle, p.past + accepted[b])  # rejected drafts' rows are dropped
+        greedy = logits[:, -1].argmax(-1).tolist() if not verify else None  # one op for the batch
+        digests = dict(zip(accepted, self.store.rows_sha256_many(
+            [(planned[b].handle, planned[b].past, n) for b, n in accepted.items()])))
         ran = []
         for b, p in enumerate(planned):
             if not real[b]:
                 continue
-            n = len(p.tokens)
-            accepted = n
-            if verify:
-                accepted = _accepted(self.live[p.handle].logits, logits[b, :n], p.tokens)
-                self.store.staged(p.handle, p.past + accepted)  # rejected drafts' rows are dropped
-            layers = tuple(
-                LayerRows(layer=i, start=p.past, count=accepted, k_complete=True, v_complete=True,
-                          rows_sha256=d)
-                for i, d in enumerate(self.store.rows_sha256(p.handle, p.past, accepted)))
+            layers = tuple(LayerRows(layer=i, start=p.past, count=accepted[b], k_complete=True,
+                                     v_complete=True, rows_sha256=d) for i, d in enumerate(digests[b]))
             correction = None
             if verify:  # the target's own choice after the accepted drafts
-                after = self.live[p.handle].logits if accepted == 0 else logits[b, accepted - 1]
+                after = self.live[p.handle].logits if accepted[b] == 0 else logits[b, accepted[b] - 1]
                 correction = int(after.argmax())
-            ran.append(Ran(p, logits[b], accepted, layers, correction))
+            ran.append(Ran(p, logits[b], accepted[b], layers, correction,
+                           greedy[b] if greedy is not None else None))
         return ran
 
     # -- helpers -------------------------------------------------------------------
@@ -405,7 +411,7 @@ class Worker:
     def _sample(self, lv: Live) -> int:
         logits = lv.logits
         if lv.spec.temperature == 0:
-            return int(logits.argmax())
+            return lv.greedy if lv.greedy is not None else int(logits.argmax())
         probs = torch.softmax(logits.float() / lv.spec.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=lv.gen))
 
