@@ -67,7 +67,7 @@ class RequestSpec(msgspec.Struct, frozen=True):
 class Live:
     handle: str
     spec: RequestSpec
-    gen: torch.Generator
+    seed: int  # sampling seed; each draw is seeded by (seed, output index): no hidden RNG state
     outputs: list[int] = field(default_factory=list)
     logits: Tensor | None = None  # next-token logits of the newest publication
     greedy: int | None = None  # their argmax, when the call computed it
@@ -233,7 +233,7 @@ class Worker:
             batch.append(self._fork(lv, kids))
             self._structural = True
             for i, k in enumerate(kids, 1):
-                kid = Live(k, msgspec.structs.replace(spec, n=1), _generator(spec.seed + i))
+                kid = Live(k, msgspec.structs.replace(spec, n=1, seed=spec.seed + i), spec.seed + i)
                 kid.logits = lv.logits
                 self.live[k] = kid
                 self.order.append(k)
@@ -289,7 +289,7 @@ class Worker:
     # -- new work ------------------------------------------------------------------
     def _arrive(self, spec: RequestSpec, batch: list[Entry]) -> None:
         h = spec.request_id
-        self.live[h] = Live(h, spec, _generator(spec.seed))
+        self.live[h] = Live(h, spec, spec.seed)
         self.order.append(h)
         reserved = len(spec.prompt) + spec.max_new_tokens + 1  # +1: room to repair the frontier
         batch.append((c.Allocate(handle_id=h, manifest=self.manifest(spec), reserved_capacity=reserved),
@@ -413,7 +413,9 @@ class Worker:
         if lv.spec.temperature == 0:
             return lv.greedy if lv.greedy is not None else int(logits.argmax())
         probs = torch.softmax(logits.float() / lv.spec.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=lv.gen))
+        # Seeded per draw, so a run recovered from its journal samples what it would have.
+        gen = torch.Generator().manual_seed(lv.seed * 1_000_003 + len(lv.outputs))
+        return int(torch.multinomial(probs, 1, generator=gen))
 
     def _draft(self, lv: Live, k: int) -> tuple[int, ...]:
         """Prompt-lookup drafts: what followed the last occurrence of the newest token."""
@@ -463,6 +465,3 @@ def _shape(members: list[Planned]) -> CallShape:
 def _txn() -> str:
     return uuid.uuid4().hex[:16]
 
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
