@@ -9,7 +9,7 @@ rejected while the others commit. The guarded head update is the linearization p
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -118,3 +118,22 @@ class Journal(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- audit copies (replay/import, verify) --------------------------------------
+
+    @abc.abstractmethod
+    def import_events(
+        self,
+        events: Sequence[tuple[Event, bytes]],
+        heads: Mapping[str, HeadFacts],
+        receipts: Sequence[Receipt],
+        manifests: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        """Load an exported journal into this empty one in one transaction: each stored
+        body verbatim at its envelope's global position, plus the head rows, receipts
+        and manifests the caller derived from those events. A journal that already has
+        events, heads or receipts is refused (INVALID_ARGUMENT) and left untouched."""
+
+    @abc.abstractmethod
+    def read_receipts(self) -> Iterator[Receipt]:
+        """Every stored receipt, in order of first global position."""

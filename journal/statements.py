@@ -9,11 +9,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from journal import faults
 from journal.contract import Guard, StreamWrite
+
+_json_encode = msgspec.json.Encoder().encode
 
 
 class Statements:
     placeholder = "?"
+    # True when append_if exists: a whole append in one round trip, committed only if
+    # its predictions hold (journal.sql.SqlJournal._append_speculative).
+    speculative = False
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -38,6 +46,15 @@ class Statements:
     def lock_and_last_position(self, cur: Any) -> int:
         raise NotImplementedError
 
+    def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[tuple],
+                  receipt_rows: list[tuple], last: int) -> bool:
+        raise NotImplementedError
+
+    def begin_append(self, cur: Any, operation_ids: list[str]) -> tuple[int, dict[str, tuple[str, bytes]]]:
+        """Take the writer lock; return the last global position and the stored receipts
+        of `operation_ids`. PostgreSQL does both in one round trip."""
+        return self.lock_and_last_position(cur), self.fetch_receipts(cur, operation_ids)
+
     def savepoint(self, cur: Any) -> None:
         cur.execute("SAVEPOINT kvl_round")
 
@@ -58,17 +75,37 @@ class Statements:
         "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (handle_id) DO NOTHING"
     )
+    # test-only mutant (journal.faults.UNGUARDED): the same update with its guard ignored
+    UNGUARDED_UPDATE = (
+        "UPDATE kvl_heads SET generation = ?, snapshot_version = ?, stream_position = ?, "
+        "committed_length = ?, phase = ? "
+        "WHERE handle_id = ? AND ? IS NOT NULL AND ? IS NOT NULL AND ? IS NOT NULL"
+    )
     CHECK_HEAD = (
         "SELECT 1 FROM kvl_heads WHERE handle_id = ? AND generation = ? "
         "AND snapshot_version = ? AND stream_position = ?"
     )
 
     def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]]) -> set[str]:
-        sql, ok = self.q(self.GUARDED_UPDATE), set()
-        for w, g in rows:
-            h = w.head
-            cur.execute(sql, (h.generation, h.snapshot_version, h.stream_position, h.committed_length,
-                              h.phase, w.handle_id, g.generation, g.snapshot_version, g.stream_position))
+        """Handles in `rows` are distinct. Many rows go through one executemany under a
+        savepoint: a summed rowcount equal to the row count means every guard held (a
+        handle matches at most one row); otherwise the savepoint undoes it and the rows
+        are redone one by one to learn which guards failed."""
+        sql = self.q(self.UNGUARDED_UPDATE if faults.UNGUARDED else self.GUARDED_UPDATE)
+        params = [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
+                   w.head.committed_length, w.head.phase, w.handle_id, g.generation,
+                   g.snapshot_version, g.stream_position) for w, g in rows]
+        if len(rows) >= 4:
+            cur.execute("SAVEPOINT kvl_guards")
+            cur.executemany(sql, params)
+            if cur.rowcount == len(rows):
+                cur.execute("RELEASE SAVEPOINT kvl_guards")
+                return {w.handle_id for w, _ in rows}
+            cur.execute("ROLLBACK TO SAVEPOINT kvl_guards")
+            cur.execute("RELEASE SAVEPOINT kvl_guards")
+        ok = set()
+        for (w, _), p in zip(rows, params):
+            cur.execute(sql, p)
             if cur.rowcount == 1:
                 ok.add(w.handle_id)
         return ok
@@ -82,6 +119,7 @@ class Statements:
         return ok
 
     def check_heads(self, cur: Any, rows: list[tuple[str, Guard]]) -> set[str]:
+        if faults.UNGUARDED: return {h for h, _ in rows}  # test-only mutant
         sql, ok = self.q(self.CHECK_HEAD), set()
         for handle_id, g in rows:
             cur.execute(sql, (handle_id, g.generation, g.snapshot_version, g.stream_position))
@@ -111,15 +149,22 @@ class Statements:
             rows,
         )
 
+    FETCH_RECEIPT = "SELECT operation_id, fingerprint, body FROM kvl_receipts WHERE operation_id = ?"
+    # Many ids in one statement: the ids travel as one bound JSON array (json_each), and
+    # each is an index lookup; one statement instead of one per operation.
+    FETCH_RECEIPTS = (
+        "SELECT operation_id, fingerprint, body FROM kvl_receipts "
+        "WHERE operation_id IN (SELECT value FROM json_each(?))"
+    )
+
     def fetch_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
-        sql = self.q("SELECT operation_id, fingerprint, body FROM kvl_receipts WHERE operation_id = ?")
-        found = {}
-        for op_id in operation_ids:
-            cur.execute(sql, (op_id,))
-            row = cur.fetchone()
-            if row is not None:
-                found[row[0]] = (row[1], bytes(row[2]))
-        return found
+        if not operation_ids:
+            return {}
+        if len(operation_ids) == 1:
+            cur.execute(self.q(self.FETCH_RECEIPT), (operation_ids[0],))
+        else:
+            cur.execute(self.q(self.FETCH_RECEIPTS), (_json_encode(operation_ids),))
+        return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
 
     # -- reads -------------------------------------------------------------------
     def last_position(self, cur: Any) -> int:
@@ -169,11 +214,29 @@ class Statements:
                    "state = excluded.state, updated_wall_ns = excluded.updated_wall_ns"),
             (name, position, state, now),
         )
+        faults.fault("checkpoint")
 
     def checkpoint(self, cur: Any, name: str) -> tuple[int, bytes] | None:
         cur.execute(self.q("SELECT position, state FROM kvl_checkpoints WHERE name = ?"), (name,))
         row = cur.fetchone()
         return None if row is None else (int(row[0]), bytes(row[1]))
+
+    # -- audit copies --------------------------------------------------------------
+    def has_rows(self, cur: Any) -> bool:
+        """Any event, head or receipt: an import needs a journal with none."""
+        for table in ("kvl_events", "kvl_heads", "kvl_receipts"):  # constant names, no input
+            cur.execute(f"SELECT 1 FROM {table} LIMIT 1")
+            if cur.fetchone() is not None:
+                return True
+        return False
+
+    def receipt_bodies_after(self, cur: Any, after: int, limit: int) -> list[tuple[int, bytes]]:
+        cur.execute(
+            self.q("SELECT first_global_position, body FROM kvl_receipts "
+                   "WHERE first_global_position > ? ORDER BY first_global_position LIMIT ?"),
+            (after, limit),
+        )
+        return [(int(p), bytes(b)) for p, b in cur.fetchall()]
 
 
 def _head_columns(w: StreamWrite) -> tuple:

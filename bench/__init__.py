@@ -1,0 +1,151 @@
+"""kvledger benchmarks: `python -m bench [--quick|--smoke] [--json] [--only NAME ...]`.
+
+Every benchmark runs in this one process tree (plus the throwaway PostgreSQL it
+starts), and every headline figure is a ratio against a baseline measured in the same
+run, because absolute times on shared machines move. Absolute rates are reported too.
+
+Adding a section (the hook for replay/decode):
+  1. write `bench/NAME.py` with `def run(ctx: bench.Context) -> dict[str, float | int | None]`
+     returning flat keys (headline keys and any absolute figures), and optionally
+     `GOALS = {"key": (">=", 0.8), ...}` and `NOTES = {"key": "what limits it"}`;
+  2. list it in SECTIONS below with the headline keys it promises. Until the module
+     exists its keys are reported as null with status "missing" (never a crash).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    module: str  # defines run(ctx) -> dict; optional GOALS, NOTES
+    title: str
+    keys: tuple[str, ...]  # headline keys the section promises
+
+
+SECTIONS: list[Section] = [
+    Section("journal", "bench.journal", "1. Journal append", (
+        "journal_vs_raw_sqlite", "journal_vs_raw_postgres",
+        "journal_vs_eventsourcing_sqlite", "journal_vs_eventsourcing_postgres",
+        "postgres_batched_events_per_s",
+    )),
+    Section("replay", "bench.replay", "2. Replay", ("replay_cost_ratio_1m_vs_100k", "replay_peak_rss_mb_1m")),
+    Section("decode", "bench.decode", "3. Decode", ("decode_journal_overhead", "decode_vs_transformers")),
+    Section("scale", "bench.scale", "4. Append scale", ("append_cost_ratio_10k_vs_1k_handles",)),
+]
+
+MODES = ("smoke", "quick", "full")
+
+
+@dataclass
+class Context:
+    """What a section gets: the run mode, sizes, a temp dir, the shared PostgreSQL."""
+
+    mode: str = "quick"  # smoke | quick | full
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvledger-bench-")))
+    _pg: Any = None
+    _pg_error: str | None = None
+    _pg_template: str | None = None
+    _names: int = 0
+
+    @property
+    def repeats(self) -> int:
+        return self.size(smoke=1, quick=3, full=5)
+
+    def size(self, *, smoke: Any, quick: Any, full: Any) -> Any:
+        return {"smoke": smoke, "quick": quick, "full": full}[self.mode]
+
+    def name(self, stem: str) -> str:
+        self._names += 1
+        return f"{stem}_{self._names}"
+
+    # -- SQLite ------------------------------------------------------------------
+    def sqlite_path(self, stem: str) -> Path:
+        return self.tmp / f"{self.name(stem)}.db"
+
+    def sqlite_journal_url(self, stem: str) -> str:
+        """A fresh, migrated kvledger SQLite file (copied from one migrated template)."""
+        template = self.tmp / "template.db"
+        if not template.exists():
+            from kvledger.storage import init_database
+
+            init_database(f"sqlite:///{template}")
+        path = self.sqlite_path(stem)
+        shutil.copyfile(template, path)
+        return f"sqlite:///{path}"
+
+    # -- PostgreSQL ----------------------------------------------------------------
+    def postgres(self) -> Any:
+        """The one throwaway PostgreSQL of this run (fsync on), started on first use.
+        Raises RuntimeError when it cannot start."""
+        if self._pg is None and self._pg_error is None:
+            from kvledger.pgserver import ThrowawayPostgres
+
+            self.log("starting a throwaway PostgreSQL (fsync=on)")
+            try:
+                self._pg = ThrowawayPostgres(fsync=True).start()
+            except Exception as exc:  # noqa: BLE001
+                self._pg_error = f"cannot start PostgreSQL: {exc}"
+        if self._pg is None:
+            raise RuntimeError(self._pg_error)
+        return self._pg
+
+    def pg_conninfo(self, dbname: str) -> str:
+        return f"host=127.0.0.1 port={self.postgres().port} user=postgres dbname={dbname}"
+
+    def pg_database(self, stem: str) -> str:
+        """A fresh empty database; returns its name."""
+        name = self.name(stem)
+        self.postgres().create_database(name)
+        return name
+
+    def pg_journal_url(self, stem: str) -> str:
+        """A fresh, migrated kvledger database (from one migrated template)."""
+        pg = self.postgres()
+        if self._pg_template is None:
+            from kvledger.storage import init_database
+
+            self._pg_template = "kvl_bench_template"
+            init_database(pg.create_database(self._pg_template))
+        return pg.create_database(self.name(stem), template=self._pg_template)
+
+    def postgres_version(self) -> str | None:
+        if self._pg is None:
+            return None
+        import psycopg
+
+        with psycopg.connect(self.pg_conninfo("postgres")) as conn:
+            return conn.execute("SHOW server_version").fetchone()[0]
+
+    def close(self) -> None:
+        if self._pg is not None:
+            self._pg.stop()
+            self._pg = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def best_rate(samples: list[float]) -> float:
+    """The best of repeated rates: noise on a shared machine only ever slows a run down."""
+    return max(samples) if samples else float("nan")
+
+
+@contextlib.contextmanager
+def stopwatch() -> Iterator[list[float]]:
+    out: list[float] = []
+    t0 = time.perf_counter()
+    yield out
+    out.append(time.perf_counter() - t0)
+
+
+__all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "stopwatch"]

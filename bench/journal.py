@@ -1,0 +1,428 @@
+"""1. Journal append: conditional-write publications per second.
+
+One publication = a guarded head update (`WHERE handle_id AND generation AND
+snapshot_version AND stream_position`), one event row (a ~660-byte JSON body with a
+~280-byte payload), one receipt row, and the commit. Measured single (one publication
+per commit) and in batches of 64 publications on 64 distinct handles (one commit), for:
+
+- kvledger: `SqlJournal.append` with real `Operation`s. Timed per batch: building the
+  operations (msgspec structs; ids are 32-hex counters, not uuid4), validation,
+  encoding, the guarded transaction and receipts, and the commit.
+- raw: the same rows on the same tables through the bare driver, the fastest correct
+  way: sqlite3 `executemany` per statement inside one `BEGIN IMMEDIATE`; psycopg one
+  pipelined round trip per batch (BEGIN, LOCK, one data-modifying statement that
+  updates the guarded heads and inserts the events and receipts of the rows whose
+  guard held, COMMIT). Bodies are pre-encoded bytes of the same length as kvledger's.
+- eventsourcing: its SQLite and PostgreSQL `ApplicationRecorder.insert_events` (the
+  recorder an eventsourcing application uses: optimistic concurrency on
+  (originator_id, originator_version) and a global notification id), with
+  `StoredEvent`s of the same state length; a batch is one call with 64 originators.
+
+Durable settings throughout: SQLite WAL + synchronous=FULL, PostgreSQL fsync=on.
+Ratios are best-of-N rates measured interleaved in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from bench import Context, best_rate
+from bench.ops import Head, Ids, allocate_op, handle_ids, publish_op
+
+BATCH = 64
+
+GOALS = {
+    "journal_vs_raw_sqlite": (">=", 0.8),
+    "journal_vs_raw_postgres": (">=", 0.8),
+    "journal_vs_eventsourcing_sqlite": (">=", 1.3),
+    "journal_vs_eventsourcing_postgres": (">=", 2.0),
+    "journal_vs_eventsourcing_sqlite_single": (">=", 1.0),
+    "journal_vs_eventsourcing_postgres_single": (">=", 1.0),
+    "postgres_batched_events_per_s": (">=", 20000),
+}
+
+NOTES = {
+    "journal_vs_raw_sqlite": "batches of 64: Python per publication (build, validate, encode, "
+    "receipt) against sqlite3 executemany; single commits are fsync-bound",
+    "journal_vs_raw_postgres": "batches of 64: round trips per batch and psycopg array adaptation "
+    "against one pipelined round trip; single commits are fsync-bound",
+    "journal_vs_eventsourcing_sqlite": "eventsourcing writes one row per event (no head, no receipt) "
+    "with a per-row execute",
+    "journal_vs_eventsourcing_postgres": "eventsourcing's pipelined LOCK + NOTIFY + unnest insert of "
+    "a composite-type array",
+    "postgres_batched_events_per_s": "WAL fsync per commit, loopback round trips, Python per event",
+}
+
+
+# -- systems under test -------------------------------------------------------------
+
+
+class System:
+    """One database prepared with `handles` live handles; `write(idx)` commits one
+    publication per handle index in `idx`, in one transaction."""
+
+    backend = ""
+    name = ""
+
+    def write(self, idx: list[int]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Kvledger(System):
+    name = "kvledger"
+
+    def __init__(self, ctx: Context, backend: str, handles: int) -> None:
+        from journal import open_journal
+        from schemas.receipts import Receipt
+
+        self.backend = backend
+        url = ctx.sqlite_journal_url("kvl") if backend == "sqlite" else ctx.pg_journal_url("kvl")
+        self.journal = open_journal(url)
+        self.ids = Ids()
+        self.heads = [Head(h) for h in handle_ids(handles)]
+        self._receipt = Receipt
+        for i in range(0, handles, 256):
+            ops = [allocate_op(h.handle, self.ids) for h in self.heads[i:i + 256]]
+            self._check(self.journal.append(ops))
+
+    def _check(self, results: list[Any]) -> None:
+        receipt = self._receipt
+        for r in results:
+            if r.__class__ is not receipt:
+                raise RuntimeError(f"benchmark publication rejected: {r}")
+
+    def write(self, idx: list[int]) -> None:
+        heads, ids = self.heads, self.ids
+        self._check(self.journal.append([publish_op(heads[i], ids) for i in idx]))
+
+    def close(self) -> None:
+        self.journal.close()
+
+
+def _sample_bodies() -> tuple[bytes, bytes]:
+    """An event body and a receipt body exactly as kvledger stores them for one publication."""
+    import msgspec
+
+    from schemas.codec import encode_event
+    from schemas.receipts import HandleResult, Receipt, receipt_encoder
+
+    ids, h = Ids(), Head("h0000000")
+    op = publish_op(h, ids)
+    e = op.writes[0].events[0]
+    body = encode_event(msgspec.structs.replace(e, global_position=123456))
+    receipt = Receipt(op.operation_id, op.fingerprint, (HandleResult(h.handle, 0, 1, 2, 1),),
+                      (e.event_id,), 123456, 123456, time.time_ns())
+    return body, receipt_encoder.encode(receipt)
+
+
+EVENT_BODY, RECEIPT_BODY = _sample_bodies()
+
+
+class RawSqlite(System):
+    backend, name = "sqlite", "raw"
+    UPDATE = (
+        "UPDATE kvl_heads SET generation = ?, snapshot_version = ?, stream_position = ?, "
+        "committed_length = ?, phase = ? "
+        "WHERE handle_id = ? AND generation = ? AND snapshot_version = ? AND stream_position = ?"
+    )
+    EVENTS = (
+        "INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "
+        "event_type, schema_version, operation_id, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    )
+    RECEIPTS = (
+        "INSERT INTO kvl_receipts (operation_id, fingerprint, first_global_position, "
+        "last_global_position, body) VALUES (?, ?, ?, ?, ?)"
+    )
+    HEAD = (
+        "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
+        "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
+        "VALUES (?, ?, 0, 0, 1, 0, 'DECODING', ?, ?)"
+    )
+
+    def __init__(self, ctx: Context, handles: int) -> None:
+        import sqlite3
+
+        url = ctx.sqlite_journal_url("raw")
+        self.conn = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None,
+                                    check_same_thread=False, timeout=60)
+        for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=60000", "foreign_keys=ON"):
+            self.conn.execute(f"PRAGMA {pragma}")
+        self.cur = self.conn.cursor()
+        self.ids = Ids()
+        self.heads = [Head(h) for h in handle_ids(handles)]
+        z = "0" * 64
+        self.cur.execute("BEGIN IMMEDIATE")
+        self.cur.executemany(self.HEAD, [(h.handle, h.handle, z, z) for h in self.heads])
+        self.cur.executemany(self.EVENTS, [
+            (i + 1, self.ids(), h.handle, 1, "request_allocate", 1, None, EVENT_BODY)
+            for i, h in enumerate(self.heads)
+        ])
+        self.cur.execute("COMMIT")
+
+    def write(self, idx: list[int]) -> None:
+        cur, ids, heads, body, rbody = self.cur, self.ids, self.heads, EVENT_BODY, RECEIPT_BODY
+        cur.execute("BEGIN IMMEDIATE")
+        cur.execute("SELECT coalesce(max(global_position), 0) FROM kvl_events")
+        pos = cur.fetchone()[0]
+        updates, events, receipts = [], [], []
+        for i in idx:
+            h = heads[i]
+            g, s, p = h.generation, h.snapshot, h.position
+            pos += 1
+            op = ids()
+            updates.append((g, s + 1, p + 1, s + 1, "DECODING", h.handle, g, s, p))
+            events.append((pos, ids(), h.handle, p + 1, "append_publish", 1, op, body))
+            receipts.append((op, op, pos, pos, rbody))
+        cur.executemany(self.UPDATE, updates)
+        if cur.rowcount != len(idx):  # a stale guard: a real caller would redo per row
+            cur.execute("ROLLBACK")
+            raise RuntimeError("raw sqlite: guard failed")
+        cur.executemany(self.EVENTS, events)
+        cur.executemany(self.RECEIPTS, receipts)
+        cur.execute("COMMIT")
+        for i in idx:
+            h = heads[i]
+            h.snapshot += 1
+            h.position += 1
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class RawPostgres(System):
+    backend, name = "postgres", "raw"
+    # One statement: the guarded head updates, then the events and receipts of exactly
+    # the rows whose guard held, at gapless positions after the current last one.
+    WRITE = (
+        "WITH v AS (SELECT * FROM unnest(%b::text[], %b::bigint[], %b::bigint[], %b::bigint[], "
+        "%b::text[], %b::text[], %b::bytea[], %b::bytea[]) WITH ORDINALITY "
+        "AS v(h, g, s, p, eid, op, body, rbody, ord)), "
+        "u AS (UPDATE kvl_heads AS t SET snapshot_version = v.s + 1, stream_position = v.p + 1, "
+        "committed_length = v.s + 1, phase = 'DECODING' FROM v WHERE t.handle_id = v.h "
+        "AND t.generation = v.g AND t.snapshot_version = v.s AND t.stream_position = v.p "
+        "RETURNING v.ord), "
+        "ok AS (SELECT v.*, m.last + row_number() OVER (ORDER BY v.ord) AS pos FROM v "
+        "JOIN u ON u.ord = v.ord CROSS JOIN (SELECT coalesce(max(global_position), 0) AS last "
+        "FROM kvl_events) AS m), "
+        "e AS (INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "
+        "event_type, schema_version, operation_id, body) SELECT pos, eid, h, p + 1, "
+        "'append_publish', 1, op, body FROM ok) "
+        "INSERT INTO kvl_receipts (operation_id, fingerprint, first_global_position, "
+        "last_global_position, body) SELECT op, op, pos, pos, rbody FROM ok"
+    )
+
+    def __init__(self, ctx: Context, handles: int) -> None:
+        import psycopg
+
+        url = ctx.pg_journal_url("raw")
+        dbname = url.rsplit("/", 1)[1]
+        self.conn = psycopg.connect(ctx.pg_conninfo(dbname), autocommit=True)
+        self.ids = Ids()
+        self.heads = [Head(h) for h in handle_ids(handles)]
+        z = "0" * 64
+        with self.conn.transaction(), self.conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
+                "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
+                "VALUES (%s, %s, 0, 0, 1, 0, 'DECODING', %s, %s)",
+                [(h.handle, h.handle, z, z) for h in self.heads])
+            cur.executemany(
+                "INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "
+                "event_type, schema_version, operation_id, body) VALUES (%s, %s, %s, 1, "
+                "'request_allocate', 1, NULL, %s)",
+                [(i + 1, self.ids(), h.handle, EVENT_BODY) for i, h in enumerate(self.heads)])
+        self.cur = self.conn.cursor()
+
+    def write(self, idx: list[int]) -> None:
+        ids, heads, n = self.ids, self.heads, len(idx)
+        hs, gs, ss, ps, eids, ops = [], [], [], [], [], []
+        for i in idx:
+            h = heads[i]
+            hs.append(h.handle)
+            gs.append(h.generation)
+            ss.append(h.snapshot)
+            ps.append(h.position)
+            ops.append(ids())
+            eids.append(ids())
+        cur = self.cur
+        with self.conn.pipeline():
+            with self.conn.transaction():
+                cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
+                cur.execute(self.WRITE, (hs, gs, ss, ps, eids, ops, [EVENT_BODY] * n, [RECEIPT_BODY] * n))
+        if cur.rowcount != n:
+            raise RuntimeError(f"raw postgres: {n - cur.rowcount} guards failed")
+        for i in idx:
+            h = heads[i]
+            h.snapshot += 1
+            h.position += 1
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+TOPIC = "bench.domain:Publication"
+
+
+class EventsourcingSqlite(System):
+    backend, name = "sqlite", "eventsourcing"
+
+    def __init__(self, ctx: Context, handles: int) -> None:
+        from eventsourcing.persistence import StoredEvent
+        from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteDatastore
+
+        self.path = ctx.sqlite_path("es")
+        self.datastore = SQLiteDatastore(str(self.path))
+        # eventsourcing sets WAL itself but leaves synchronous at the library default:
+        # set FULL on every connection its pool opens, like kvledger's.
+        pool = self.datastore.pool
+        create = pool._create_connection
+
+        def durable_connection() -> Any:
+            c = create()
+            c._sqlite_conn.execute("PRAGMA synchronous=FULL")
+            return c
+
+        pool._create_connection = durable_connection
+        self.recorder = SQLiteApplicationRecorder(self.datastore)
+        self.recorder.create_table()
+        self.stored = StoredEvent
+        self.originators = [uuid.uuid4() for _ in range(handles)]
+        self.versions = [1] * handles
+        for i in range(0, handles, 256):
+            self.recorder.insert_events([StoredEvent(o, 1, TOPIC, EVENT_BODY)
+                                         for o in self.originators[i:i + 256]])
+        with self.datastore.get_connection(commit=True) as conn:
+            mode = conn._sqlite_conn.execute("PRAGMA journal_mode").fetchone()[0]
+            sync = conn._sqlite_conn.execute("PRAGMA synchronous").fetchone()[0]
+        if (mode.lower(), sync) != ("wal", 2):
+            raise RuntimeError(f"eventsourcing sqlite not durable: journal_mode={mode} synchronous={sync}")
+
+    def write(self, idx: list[int]) -> None:
+        stored, originators, versions, body = self.stored, self.originators, self.versions, EVENT_BODY
+        events = []
+        for i in idx:
+            v = versions[i] + 1
+            versions[i] = v
+            events.append(stored(originators[i], v, TOPIC, body))
+        self.recorder.insert_events(events)
+
+    def close(self) -> None:
+        self.datastore.close()
+
+
+class EventsourcingPostgres(System):
+    backend, name = "postgres", "eventsourcing"
+
+    def __init__(self, ctx: Context, handles: int) -> None:
+        from eventsourcing.persistence import StoredEvent
+        from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
+
+        dbname = ctx.pg_database("es")
+        self.datastore = PostgresDatastore(dbname, "127.0.0.1", ctx.postgres().port, "postgres", "")
+        self.recorder = PostgresApplicationRecorder(self.datastore)
+        self.recorder.create_table()
+        self.stored = StoredEvent
+        self.originators = [uuid.uuid4() for _ in range(handles)]
+        self.versions = [1] * handles
+        for i in range(0, handles, 256):
+            self.recorder.insert_events([StoredEvent(o, 1, TOPIC, EVENT_BODY)
+                                         for o in self.originators[i:i + 256]])
+
+    write = EventsourcingSqlite.write
+
+    def close(self) -> None:
+        self.datastore.close()
+
+
+# -- the section --------------------------------------------------------------------
+
+
+def batches_round_robin(handles: int, size: int, count: int, start: int = 0) -> list[list[int]]:
+    """`count` batches of `size` distinct handle indexes, cycling through all handles."""
+    out, k = [], start
+    for _ in range(count):
+        out.append([(k + j) % handles for j in range(size)])
+        k = (k + size) % handles
+    return out
+
+
+def measure(system: System, batches: list[list[int]]) -> float:
+    """Publications per second over `batches`, one commit per batch."""
+    write = system.write
+    t0 = time.perf_counter()
+    for b in batches:
+        write(b)
+    elapsed = time.perf_counter() - t0
+    return sum(len(b) for b in batches) / elapsed
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    handles = ctx.size(smoke=128, quick=1024, full=4096)
+    n_batches = ctx.size(smoke=2, quick=40, full=120)  # per repeat, batches of 64
+    n_single = ctx.size(smoke=4, quick=200, full=600)  # per repeat, one per commit
+    repeats = ctx.size(smoke=1, quick=7, full=9)  # short runs, many: best-of is robust to bursts
+    factories: dict[tuple[str, str], Callable[[], System]] = {
+        ("sqlite", "kvledger"): lambda: Kvledger(ctx, "sqlite", handles),
+        ("sqlite", "raw"): lambda: RawSqlite(ctx, handles),
+        ("sqlite", "eventsourcing"): lambda: EventsourcingSqlite(ctx, handles),
+        ("postgres", "kvledger"): lambda: Kvledger(ctx, "postgres", handles),
+        ("postgres", "raw"): lambda: RawPostgres(ctx, handles),
+        ("postgres", "eventsourcing"): lambda: EventsourcingPostgres(ctx, handles),
+    }
+    out: dict[str, Any] = {}
+    systems: dict[tuple[str, str], System] = {}
+    try:
+        for key, make in factories.items():
+            try:
+                systems[key] = make()
+            except ImportError as exc:
+                ctx.log(f"journal: {key[1]} on {key[0]} unavailable: {exc}")
+                out[f"unavailable_{key[0]}_{key[1]}"] = str(exc)
+            except RuntimeError as exc:  # no PostgreSQL
+                ctx.log(f"journal: {key[1]} on {key[0]} unavailable: {exc}")
+                out[f"unavailable_{key[0]}_{key[1]}"] = str(exc)
+        rates: dict[tuple[str, str, str], list[float]] = {}
+        cursor = {key: 0 for key in systems}
+
+        def take(key: tuple[str, str], size: int, count: int) -> list[list[int]]:
+            b = batches_round_robin(handles, size, count, cursor[key])
+            cursor[key] = (cursor[key] + size * count) % handles
+            return b
+
+        for key, system in systems.items():  # warm up: caches, prepared statements
+            measure(system, take(key, BATCH, max(1, n_batches // 10)))
+            measure(system, take(key, 1, max(1, n_single // 10)))
+        for rep in range(repeats):
+            ctx.log(f"journal: repeat {rep + 1}/{repeats}")
+            for (backend, name), system in systems.items():  # interleaved: same noise for all
+                for mode, size, count in (("batch", BATCH, n_batches), ("single", 1, n_single)):
+                    r = measure(system, take((backend, name), size, count))
+                    rates.setdefault((backend, name, mode), []).append(r)
+    finally:
+        for system in systems.values():
+            system.close()
+
+    best = {k: best_rate(v) for k, v in rates.items()}
+    for (backend, name, mode), r in sorted(best.items()):
+        out[f"{backend}_{name}_{mode}_per_s"] = round(r, 1)
+
+    def ratio(backend: str, other: str, mode: str) -> float | None:
+        a, b = best.get((backend, "kvledger", mode)), best.get((backend, other, mode))
+        return round(a / b, 3) if a and b else None
+
+    for backend in ("sqlite", "postgres"):
+        for other in ("raw", "eventsourcing"):
+            out[f"journal_vs_{other}_{backend}"] = ratio(backend, other, "batch")
+            out[f"journal_vs_{other}_{backend}_single"] = ratio(backend, other, "single")
+    pg = best.get(("postgres", "kvledger", "batch"))
+    out["postgres_batched_events_per_s"] = round(pg, 1) if pg else None
+    out["event_body_bytes"] = len(EVENT_BODY)
+    out["receipt_body_bytes"] = len(RECEIPT_BODY)
+    out["handles"] = handles
+    return out

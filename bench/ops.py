@@ -1,0 +1,127 @@
+"""Cheap builders of valid journal operations for the benchmarks.
+
+A publication here is what the engine writes when a decode step publishes: one
+`append_publish` event (payload of about 200 bytes of JSON) on one handle, guarded by
+the head it was decided against. Event and operation ids are 32-hex counters rather
+than uuid4 (which costs about 1.5 us each and is the caller's choice); everything else
+is built for real, per operation, by the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from journal import Guard, HeadFacts, Operation, StreamWrite
+from schemas import events as ev
+from schemas.canonical import canonical_json
+from schemas.manifest import (
+    ArtifactIdentity,
+    CacheSchema,
+    InputIdentity,
+    Manifest,
+    PositionContract,
+    RequestIdentity,
+    RequestPolicy,
+    RopeConfig,
+    ScalarType,
+    b_token,
+    cache_abi_sha256,
+    manifest_sha256,
+    prefix_identity_sha256,
+    prompt_token_ids_sha256,
+)
+
+ZERO = "0" * 64
+ROWS = None  # no rows digest: keeps the payload at about 200 bytes of JSON
+PUBLISH_V = ev.CURRENT_VERSION["append_publish"]
+ALLOCATE_V = ev.CURRENT_VERSION["request_allocate"]
+AppendPublish, LayerRows = ev.AppendPublish, ev.LayerRows
+
+_run = itertools.count(1)
+
+
+class Ids:
+    """Unique 32-hex ids: a per-run tag and a counter."""
+
+    def __init__(self) -> None:
+        self.tag = f"{next(_run):08x}"
+        self.n = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self.tag}{next(self.n):024x}"
+
+
+def handle_ids(n: int, prefix: str = "h") -> list[str]:
+    return [f"{prefix}{i:07d}" for i in range(n)]
+
+
+def _manifest() -> Manifest:
+    prompt = (11, 22, 33, 44)
+    fp16 = ScalarType("fp16", 2)
+    return Manifest(
+        request_identity=RequestIdentity(namespace="bench", request_id="bench", lineage_id="bench"),
+        artifact_identity=ArtifactIdentity(
+            model_artifact_sha256="a" * 64, model_config_sha256="c" * 64, adapter_set=()
+        ),
+        input_identity=InputIdentity(
+            prompt_token_ids=prompt, prompt_token_ids_sha256=prompt_token_ids_sha256(prompt)
+        ),
+        cache_schema=CacheSchema(
+            num_cache_layers=1, kv_heads_per_rank=2, head_dim=4, key_dtype=fp16,
+            value_dtype=fp16, num_query_heads=4,
+        ),
+        position_contract=PositionContract(rope=RopeConfig(theta=10000.0)),
+        request_policy=RequestPolicy(max_context_tokens=1 << 20, max_new_tokens=1 << 19),
+    )
+
+
+MANIFEST = _manifest()
+MANIFEST_SHA = manifest_sha256(MANIFEST)
+MANIFEST_JSON = canonical_json(MANIFEST)
+ALLOCATE_PAYLOAD = ev.RequestAllocate(
+    manifest=MANIFEST, manifest_sha256=MANIFEST_SHA, cache_abi_sha256=cache_abi_sha256(MANIFEST),
+    prefix_identity_sha256=prefix_identity_sha256(MANIFEST), b_token=b_token(MANIFEST.cache_schema),
+    reserved_capacity=1 << 20, copy_tiers=("gpu",),
+)
+
+
+def allocate_op(handle: str, ids: Ids) -> Operation:
+    op_id = ids()
+    e = ev.RequestAllocateEvent(
+        event_id=ids(), stream_id=handle, stream_position=1, schema_version=ALLOCATE_V,
+        request_id=handle, handle_generation=0, operation_id=op_id, payload=ALLOCATE_PAYLOAD,
+    )
+    return Operation(
+        operation_id=op_id, fingerprint=op_id,
+        writes=(StreamWrite(handle, None, HeadFacts(handle, 0, 0, 1, 0, "DECODING", ZERO, ZERO), (e,)),),
+        manifests=((MANIFEST_SHA, MANIFEST_JSON),),
+    )
+
+
+class Head:
+    """The caller's view of one handle's head: what the next publication is decided against."""
+
+    __slots__ = ("handle", "generation", "snapshot", "position")
+
+    def __init__(self, handle: str) -> None:
+        self.handle, self.generation, self.snapshot, self.position = handle, 0, 0, 1
+
+
+def publish_op(h: Head, ids: Ids) -> Operation:
+    """One publication on `h`, decided against its current head; advances `h`."""
+    s, p, g, handle = h.snapshot, h.position, h.generation, h.handle
+    op_id = ids()
+    # positional: txn_id, base_snapshot_version, result_snapshot_version, committed_length,
+    # accepted_count, layers (layer, start, count, k_complete, v_complete, rows_sha256),
+    # logits_ready
+    payload = AppendPublish(op_id, s, s + 1, s + 1, 1, (LayerRows(0, s, 1, True, True, ROWS),), True)
+    e = ev.AppendPublishEvent(
+        event_id=ids(), stream_id=handle, stream_position=p + 1, schema_version=PUBLISH_V,
+        request_id=handle, handle_generation=g, operation_id=op_id, payload=payload,
+    )
+    h.snapshot, h.position = s + 1, p + 1
+    return Operation(
+        operation_id=op_id, fingerprint=op_id,
+        writes=(StreamWrite(handle, Guard(g, s, p),
+                            HeadFacts(handle, g, s + 1, p + 1, s + 1, "DECODING", ZERO, ZERO), (e,)),),
+    )

@@ -1,0 +1,215 @@
+"""`kvledger replay | verify | export | import`: the read side on the command line.
+
+Thin: parse flags, open the source, call replay/, print. Errors are KvLedgerError
+(one line, exit 2); verify exits 1 when it has findings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from schemas.errors import ErrorCode, KvLedgerError
+
+DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
+MS = 1_000_000
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="fold the journal into snapshots, byte ledgers, byte-time "
+                                      "and service metrics")
+    _source(p)
+    p.add_argument("--at", type=int, metavar="N",
+                   help="the state after global positions 1..N (time travel)")
+    p.add_argument("--incremental", action="store_true",
+                   help="resume from the projection checkpoint stored in the database, then "
+                        "store the new one (same result as a full replay)")
+    p.add_argument("--checkpoint", default="replay", metavar="NAME",
+                   help="checkpoint name for --incremental (default: replay)")
+    p.add_argument("--window-start-ms", type=float, metavar="MS",
+                   help="observation window start, monotonic ms (default: the first event)")
+    p.add_argument("--window-ms", type=float, metavar="MS",
+                   help="observation window width (default: up to the last event)")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, metavar="MS",
+                   help="TTFT limit for goodput (default: 1000)")
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0, metavar="MS",
+                   help="limit on every time-between-tokens for goodput (default: 100)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: position, handles, ledger, peaks, byte_time, "
+                        "requests, window")
+    p.add_argument("--trajectory", action="store_true",
+                   help="with --json: add the ledgers after every event")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the byte trajectory (needs matplotlib: pip install 'kvledger[plot]')")
+    p.set_defaults(run=_cmd_replay)
+
+    p = sub.add_parser("verify", help="check every journal invariant; exit 1 on findings")
+    _source(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_cmd_verify)
+
+    p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output file ('-': stdout)")
+    p.set_defaults(run=_cmd_export)
+
+    p = sub.add_parser("import", help="load an audit file into an empty journal (all or nothing)")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("file", metavar="FILE.jsonl")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_cmd_import)
+
+
+def _source(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--db", help=DB_HELP)
+    g.add_argument("--journal", metavar="FILE.jsonl", help="an audit file; no database needed")
+
+
+# -- commands --------------------------------------------------------------------------
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from replay import WindowSpec, replay_incremental, replay_journal, replay_jsonl, to_json
+
+    if args.incremental and (args.journal or args.at is not None):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--incremental resumes a database "
+                                                        "checkpoint: not with --journal or --at")
+    if args.incremental and (args.plot or args.trajectory):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--incremental does not record a trajectory "
+                                                        "(--plot, --trajectory): replay in full")
+    window = WindowSpec(slo_ttft_ns=_ns(args.slo_ttft_ms), slo_tbt_ns=_ns(args.slo_tbt_ms),
+                        start_ns=None if args.window_start_ms is None else _ns(args.window_start_ms),
+                        width_ns=None if args.window_ms is None else _ns(args.window_ms))
+    trajectory = bool(args.plot or args.trajectory)
+    resumed = None
+    if args.journal:
+        source = args.journal
+        with _progress("replay", None) as progress:
+            report = replay_jsonl(args.journal, window, at=args.at, trajectory=trajectory,
+                                  progress=progress)
+    else:
+        with _existing_journal(args.db) as journal:
+            source = journal.display_url
+            with _progress("replay", args.at if args.at is not None else journal.last_position()) as progress:
+                if args.incremental:
+                    report, resumed = replay_incremental(journal, window, name=args.checkpoint,
+                                                         progress=progress)
+                else:
+                    report = replay_journal(journal, window, at=args.at, trajectory=trajectory,
+                                            progress=progress)
+    if args.plot:
+        from replay.plot import plot_trajectory
+
+        title = f"{Path(source).name} to position {report.position}"
+        plot_trajectory(report.trajectory or [], args.plot, title)
+    if not args.trajectory and report.trajectory is not None:
+        report = msgspec.structs.replace(report, trajectory=None)
+    if args.json:
+        sys.stdout.buffer.write(to_json(report) + b"\n")
+        sys.stdout.flush()
+    else:
+        from replay.render import print_report
+
+        console = _console()
+        print_report(report, console, source)
+        if resumed is not None:
+            console.print(f"resumed from checkpoint {args.checkpoint!r} at position {resumed}")
+        if args.plot:
+            console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from replay import verify_journal, verify_jsonl
+
+    if args.journal:
+        source, result = args.journal, verify_jsonl(args.journal)
+    else:
+        with _existing_journal(args.db) as journal:
+            source, result = journal.display_url, verify_journal(journal)
+    if args.json:
+        out = {"source": source, "events": result.events, "ok": result.ok, "findings": result.findings}
+        sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
+        sys.stdout.flush()
+    else:
+        from replay.render import print_findings
+
+        print_findings(result, _console(), source)
+    return 0 if result.ok else 1
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from replay import export_jsonl
+
+    with _existing_journal(args.db) as journal:
+        with _progress("export", journal.last_position()) as progress:
+            n = export_jsonl(journal, args.out, progress)
+        if args.out != "-":
+            print(f"exported {n} events from {journal.display_url} to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    import json
+
+    from kvledger.storage import open_journal
+    from replay import import_jsonl
+
+    with open_journal(args.db) as journal:
+        summary = import_jsonl(journal, args.file)
+        if args.json:
+            print(json.dumps({"database": journal.display_url, "events": summary.events,
+                              "handles": summary.handles, "receipts": summary.receipts,
+                              "manifests": summary.manifests}))
+        else:
+            print(f"imported {summary.events} events ({summary.handles} handles, {summary.receipts} "
+                  f"receipts) from {args.file} into {journal.display_url}")
+    return 0
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+def _ns(ms: float) -> int:
+    if ms < 0:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"negative time {ms} ms")
+    return round(ms * MS)
+
+
+def _existing_journal(raw_url: str | None):
+    """Open a journal that must already exist: reading never creates a database."""
+    from journal import open_journal, parse_url, redact, resolve_url
+
+    url = parse_url(resolve_url(raw_url))
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        if not Path(url.database).expanduser().exists():
+            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no journal at {redact(url)}")
+    return open_journal(url.render_as_string(hide_password=False))
+
+
+def _console():
+    from rich.console import Console
+
+    # Piped output has no terminal width; 80 columns would truncate ids and digests.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+@contextlib.contextmanager
+def _progress(label: str, total: int | None) -> Iterator[Callable[[int], None] | None]:
+    """A rich progress bar on stderr for long runs, only when stderr is a terminal."""
+    if not sys.stderr.isatty() or (total is not None and total < 50_000):
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.update(task, completed=n)

@@ -1,0 +1,75 @@
+"""Read side: the projector (snapshots, byte ledgers, byte-time, service metrics),
+time travel, incremental projection, audit files, and verify.
+
+Imports schemas, journal and engine; nothing below imports replay.
+
+    from replay import WindowSpec, replay_jsonl
+    report = replay_jsonl("fixtures/two_request_trajectory.jsonl",
+                          WindowSpec(slo_ttft_ns=15_000_000, slo_tbt_ns=10_000_000),
+                          at=7, trajectory=True)
+    report.ledger.physical, report.peaks["instantaneous"].value
+"""
+
+from replay.archive import ImportSummary, derive_tables, export_jsonl, import_jsonl
+from replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
+from replay.metrics import (
+    RequestMetrics,
+    SavedWork,
+    WindowMetrics,
+    WindowSpec,
+    request_metrics,
+    saved_work,
+    window_metrics,
+)
+from replay.projector import ProjectionState, Projector
+from replay.report import HandleSnapshot, Report, build, snapshot_sha256, to_json
+from replay.run import (
+    CHECKPOINT,
+    project,
+    replay_incremental,
+    replay_journal,
+    replay_jsonl,
+    resume,
+)
+from replay.sources import journal_events, jsonl_bodies, jsonl_events
+from replay.verify import Checker, Finding, VerifyResult, verify_bodies, verify_journal, verify_jsonl
+
+__all__ = [
+    "CHECKPOINT",
+    "ByteTime",
+    "Checker",
+    "Finding",
+    "HandleSnapshot",
+    "ImportSummary",
+    "LedgerPoint",
+    "LedgerValues",
+    "Peak",
+    "ProjectionState",
+    "Projector",
+    "Report",
+    "RequestMetrics",
+    "SavedWork",
+    "VerifyResult",
+    "WindowMetrics",
+    "WindowSpec",
+    "build",
+    "derive_tables",
+    "export_jsonl",
+    "import_jsonl",
+    "journal_events",
+    "jsonl_bodies",
+    "jsonl_events",
+    "project",
+    "replay_incremental",
+    "replay_journal",
+    "replay_jsonl",
+    "request_metrics",
+    "resume",
+    "saved_work",
+    "snapshot_sha256",
+    "to_json",
+    "verify_bodies",
+    "verify_journal",
+    "verify_jsonl",
+    "window_metrics",
+]

@@ -1,0 +1,124 @@
+"""The replay report: what `kvledger replay` prints, built from a projector on demand.
+
+The JSON form is one object with the keys position, handles, ledger, peaks, byte_time,
+requests, window (and trajectory, only when it was recorded). Field order and handle
+order (first appearance in the journal) are deterministic, so two replays of the same
+events print byte-identical JSON.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.state import HandleState
+from engine.view import ServiceStateView, view_of
+from replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
+from replay.metrics import (
+    RequestMetrics,
+    WindowMetrics,
+    WindowSpec,
+    request_metrics,
+    saved_work,
+    window_metrics,
+)
+from replay.projector import Projector
+from schemas.canonical import digest
+
+
+class HandleSnapshot(msgspec.Struct, frozen=True):
+    handle_id: str
+    request_id: str
+    generation: int
+    snapshot_version: int
+    stream_position: int
+    lifecycle: str
+    committed_length: int
+    logical_length: int
+    prompt_length: int
+    output_count: int
+    open_txns: int
+    owns_cache: bool  # counted in the byte ledgers right now
+    b_token: int
+    reserved_capacity: int
+    copy_tiers: tuple[str, ...]
+    allocator_bytes_per_copy: int
+    parent_handle_id: str | None
+    cache_abi_sha256: str
+    snapshot_sha256: str
+    view: ServiceStateView
+
+
+class Report(msgspec.Struct, frozen=True, omit_defaults=True):
+    position: int
+    handles: list[HandleSnapshot]
+    ledger: LedgerValues
+    peaks: dict[str, Peak]
+    byte_time: ByteTime
+    requests: list[RequestMetrics]
+    window: WindowMetrics
+    trajectory: list[LedgerPoint] | None = None
+
+
+def snapshot_sha256(s: HandleState) -> str:
+    """Identity of one committed snapshot: SHA-256 of the canonical JSON of
+
+        {"handle_id", "generation", "snapshot_version", "committed_length",
+         "cache_abi_sha256", "committed_token_ids"}
+
+    where committed_token_ids are the tokens whose K/V rows are committed, i.e. the
+    first committed_length of prompt + outputs (an unprocessed frontier output is not
+    part of it). Two handles, or two points in one handle's life, have the same digest
+    exactly when a reader would see the same rows under the same ABI and fence.
+    """
+    return digest({
+        "handle_id": s.handle_id,
+        "generation": s.generation,
+        "snapshot_version": s.snapshot_version,
+        "committed_length": s.committed_length,
+        "cache_abi_sha256": s.cache_abi_sha256,
+        "committed_token_ids": list(s.logical_tokens(0, s.committed_length)),
+    })
+
+
+def handle_snapshot(s: HandleState, owns_cache: bool) -> HandleSnapshot:
+    return HandleSnapshot(
+        handle_id=s.handle_id, request_id=s.request_id, generation=s.generation,
+        snapshot_version=s.snapshot_version, stream_position=s.stream_position,
+        lifecycle=s.lifecycle, committed_length=s.committed_length,
+        logical_length=s.logical_length, prompt_length=len(s.prompt),
+        output_count=len(s.outputs), open_txns=len(s.open_txns), owns_cache=owns_cache,
+        b_token=s.b_token, reserved_capacity=s.reserved_capacity, copy_tiers=s.copy_tiers,
+        allocator_bytes_per_copy=s.allocator_bytes_per_copy, parent_handle_id=s.parent_handle_id,
+        cache_abi_sha256=s.cache_abi_sha256, snapshot_sha256=snapshot_sha256(s), view=view_of(s),
+    )
+
+
+def build(projector: Projector, window: WindowSpec) -> Report:
+    led = projector.ledger
+    owners = led.owners
+    handles = []
+    requests = []
+    finishes = []
+    for hid, s in projector.handles.items():
+        handles.append(handle_snapshot(s, hid in owners))
+        w = projector.work.get(hid)
+        executed = (w.rows, w.pairs, w.publishes) if w else (0, 0, 0)
+        inherited = projector.inherited.get(hid)
+        own = len(s.outputs) - min(inherited or 0, len(s.outputs))
+        work = saved_work(len(s.prompt), own, *executed, from_prefill=inherited is None)
+        r = request_metrics(s, projector.outcomes.get(hid), window, work, inherited or 0)
+        requests.append(r)
+        finishes.append((r, s.finish_ns))
+    return Report(
+        position=projector.position, handles=handles, ledger=led.values(),
+        peaks=led.peak_values(), byte_time=led.byte_time(), requests=requests,
+        window=window_metrics(finishes, window, led.start_ns, led.end_ns),
+        trajectory=projector.trajectory,
+    )
+
+
+_json = msgspec.json.Encoder()
+
+
+def to_json(report: Report) -> bytes:
+    return _json.encode(report)

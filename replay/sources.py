@@ -1,0 +1,69 @@
+"""Where events come from: a journal database, or an audit JSONL file (one stored
+event body per line, in global order) read with no database at all.
+
+Bad input raises KvLedgerError with the decoder's stable code (MALFORMED_EVENT,
+UNKNOWN_EVENT_TYPE, UNKNOWN_SCHEMA_VERSION, FIELD_TOO_LARGE) and a `FILE:LINE:` prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from journal.contract import Journal
+from schemas import events as ev
+from schemas.codec import MAX_EVENT_BYTES, decode_event
+from schemas.errors import ErrorCode, KvLedgerError
+
+
+def jsonl_bodies(path: str | Path, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(line number, stored body) for each non-blank line, at most `limit` of them. A
+    line is read with a bound, so a forged one cannot become an unbounded allocation."""
+    if limit is not None and limit <= 0:
+        return
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed by the `with` below
+    except OSError as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot read {path}: {exc.strerror}") from None
+    n = lineno = 0
+    with f:
+        readline = f.readline
+        while True:
+            line = readline(MAX_EVENT_BYTES + 2)
+            if not line:
+                return
+            lineno += 1
+            if line[-1:] == b"\n":
+                line = line[:-2] if line[-2:-1] == b"\r" else line[:-1]
+            elif len(line) > MAX_EVENT_BYTES:
+                raise KvLedgerError(ErrorCode.FIELD_TOO_LARGE,
+                                    f"{path}:{lineno}: line longer than {MAX_EVENT_BYTES} bytes")
+            if not line or line.isspace():
+                continue
+            yield lineno, line
+            n += 1
+            if n == limit:
+                return
+
+
+def decode_line(path: str | Path, lineno: int, body: bytes) -> ev.Event:
+    try:
+        return decode_event(body)
+    except KvLedgerError as exc:
+        raise KvLedgerError(exc.code, f"{path}:{lineno}: {exc.message}") from None
+
+
+def jsonl_events(path: str | Path, limit: int | None = None) -> Iterator[ev.Event]:
+    for lineno, body in jsonl_bodies(path, limit):
+        try:
+            yield decode_event(body)
+        except KvLedgerError as exc:
+            raise KvLedgerError(exc.code, f"{path}:{lineno}: {exc.message}") from None
+
+
+def journal_events(journal: Journal, after: int = 0, limit: int | None = None) -> Iterator[ev.Event]:
+    for position, body in journal.read_raw(after, limit):
+        try:
+            yield decode_event(body)
+        except KvLedgerError as exc:
+            raise KvLedgerError(exc.code, f"stored event at position {position}: {exc.message}") from None

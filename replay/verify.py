@@ -1,0 +1,569 @@
+"""verify: every invariant of the journal, checked over the whole event sequence.
+
+A pure checker. It reads stored bodies (so an undecodable line is a finding, not a
+crash), folds each stream with the same `engine.evolve` the service uses, and before
+applying an event checks that the event is one `decide` could have produced from the
+state so far. Each finding names the event it points to. An event that cannot be
+applied (a publish of a transaction that never started, anything after release) is
+reported and skipped, so one bad line does not hide the rest of the journal.
+
+Codes reuse schemas.errors names where the invariant is the same rule the command
+path enforces (STALE_BASE, APPEND_HOLE, ABI_MISMATCH, ...); the others are below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import msgspec
+
+from engine.evolve import cut, evolve
+from engine.service import _head as head_facts  # the head row exactly as the service writes it
+from engine.state import HandleState
+from journal.contract import Journal
+from replay.sources import jsonl_bodies
+from schemas import events as ev
+from schemas.canonical import canonical_json, sha256_hex
+from schemas.codec import decode_event
+from schemas.errors import KvLedgerError
+from schemas.manifest import (
+    b_token,
+    cache_abi_sha256,
+    manifest_sha256,
+    prefix_identity_sha256,
+    validate_manifest,
+)
+
+# Verify-only codes (the rest are schemas.errors.ErrorCode values).
+POSITION_GAP = "POSITION_GAP"  # global positions not 1, 2, 3, ...
+STREAM_POSITION_GAP = "STREAM_POSITION_GAP"
+DUPLICATE_EVENT_ID = "DUPLICATE_EVENT_ID"
+OPERATION_NOT_CONTIGUOUS = "OPERATION_NOT_CONTIGUOUS"  # one commit = consecutive positions
+UNKNOWN_STREAM = "UNKNOWN_STREAM"  # an event before its stream's allocate or fork
+PUBLISH_WITHOUT_START = "PUBLISH_WITHOUT_START"
+DUPLICATE_TXN = "DUPLICATE_TXN"
+FAILURE_WITHOUT_START = "FAILURE_WITHOUT_START"
+FAILURE_CHANGES_STATE = "FAILURE_CHANGES_STATE"  # a failure must leave its base visible
+LAYER_LENGTH_MISMATCH = "LAYER_LENGTH_MISMATCH"  # per-layer intervals differ
+COMMITTED_LENGTH_MISMATCH = "COMMITTED_LENGTH_MISMATCH"
+COMMITTED_EXCEEDS_LOGICAL = "COMMITTED_EXCEEDS_LOGICAL"
+VISIBLE_BEYOND_COMMITTED = "VISIBLE_BEYOND_COMMITTED"
+RESERVED_BELOW_COMMITTED = "RESERVED_BELOW_COMMITTED"
+RECLAIMABLE_EXCEEDS_RESIDENT = "RECLAIMABLE_EXCEEDS_RESIDENT"
+RELEASE_LENGTH_MISMATCH = "RELEASE_LENGTH_MISMATCH"
+GENERATION_REGRESSION = "GENERATION_REGRESSION"
+GENERATION_MISMATCH = "GENERATION_MISMATCH"
+SNAPSHOT_DISCONTINUITY = "SNAPSHOT_DISCONTINUITY"
+EVENT_AFTER_RELEASE = "EVENT_AFTER_RELEASE"
+WORK_AFTER_FINISH = "WORK_AFTER_FINISH"
+OPEN_TXN_AT_CLOSE = "OPEN_TXN_AT_CLOSE"
+OUTPUT_INDEX_GAP = "OUTPUT_INDEX_GAP"
+COUNT_MISMATCH = "COUNT_MISMATCH"  # finish/truncate counters vs the fold
+REQUEST_MISMATCH = "REQUEST_MISMATCH"
+REORDER_MISMATCH = "REORDER_MISMATCH"
+B_TOKEN_MISMATCH = "B_TOKEN_MISMATCH"
+TIME_REGRESSION = "TIME_REGRESSION"  # one source's monotonic clock ran backwards
+RECEIPT_MISMATCH = "RECEIPT_MISMATCH"
+RECEIPT_MISSING = "RECEIPT_MISSING"
+HEAD_MISMATCH = "HEAD_MISMATCH"
+MANIFEST_MISSING = "MANIFEST_MISSING"
+
+# Payload fields only a state-changing event carries: on a failure they claim a change.
+_STATE_FIELDS = ("result_snapshot_version", "committed_length", "accepted_count", "layers",
+                 "new_length", "result_generation", "released_length")
+
+
+class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
+    code: str
+    message: str
+    global_position: int | None = None
+    event_id: str | None = None
+    stream_id: str | None = None
+    event_type: str | None = None
+    line: int | None = None
+
+
+class VerifyResult(msgspec.Struct, frozen=True):
+    events: int
+    findings: list[Finding]
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+
+class _Op(msgspec.Struct):
+    first: int
+    last: int
+    event_ids: list[str]
+    handles: dict[str, tuple[int, int, int, int]]  # after its last event on each handle
+
+
+class Checker:
+    """Feed stored bodies in global order (`feed`), then `finish` with what the
+    database adds (receipts, heads); read `findings`."""
+
+    def __init__(self, manifest_lookup: Callable[[str], bytes | None] | None = None) -> None:
+        self.findings: list[Finding] = []
+        self.states: dict[str, HandleState] = {}
+        self.events = 0
+        self._manifest_lookup = manifest_lookup
+        self._next = 1
+        self._ids: set[str] = set()
+        self._stream_pos: dict[str, int] = {}
+        self._txns: dict[str, set[str]] = {}
+        self._last: dict[str, tuple[int, str]] = {}  # stream -> its last (position, event id)
+        self._clock: dict[tuple[str, str], int] = {}
+        self._ops: dict[str, _Op] = {}
+        self._prev_op: str | None = None
+        self._e: ev.Event | None = None
+        self._line: int | None = None
+
+    # -- input ---------------------------------------------------------------------
+
+    def feed(self, body: bytes, *, line: int | None = None, row_position: int | None = None) -> None:
+        self.events += 1
+        self._line = line
+        try:
+            e = decode_event(body)
+        except KvLedgerError as exc:
+            e = self._undecodable(body, exc, line)
+            if e is None:
+                return
+        if row_position is not None and row_position != e.global_position:
+            self._event_finding(e, POSITION_GAP, f"stored at position {row_position} but its "
+                                                  f"envelope says {e.global_position}")
+        self.check(e)
+
+    def _undecodable(self, body: bytes, exc: KvLedgerError, line: int | None) -> ev.Event | None:
+        try:
+            raw = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            raw = None
+        if not isinstance(raw, dict):
+            self._next += 1
+            self.findings.append(Finding(exc.code.value, exc.message, line=line))
+            return None
+        payload = raw.get("payload")
+        if raw.get("event_type") == "failure" and isinstance(payload, dict):
+            claimed = [k for k in _STATE_FIELDS if k in payload]
+            if claimed:
+                # Check the rest of the event as if the claim were absent, so the fold
+                # goes on and the finding names exactly this event.
+                stripped = {**raw, "payload": {k: v for k, v in payload.items() if k not in claimed}}
+                try:
+                    e = decode_event(msgspec.json.encode(stripped))
+                except KvLedgerError:
+                    e = None
+                if e is not None:
+                    self._event_finding(e, FAILURE_CHANGES_STATE,
+                                        f"failure of {e.payload.txn_id} carries {', '.join(claimed)}: "
+                                        "a failure publishes nothing and leaves its base visible")
+                    return e
+        pos = raw.get("global_position")
+        sid = raw.get("stream_id")
+        self.findings.append(Finding(
+            exc.code.value, exc.message, global_position=pos if isinstance(pos, int) else None,
+            event_id=raw.get("event_id") if isinstance(raw.get("event_id"), str) else None,
+            stream_id=sid if isinstance(sid, str) else None,
+            event_type=raw.get("event_type") if isinstance(raw.get("event_type"), str) else None,
+            line=line))
+        self._next = (pos if isinstance(pos, int) else self._next) + 1
+        if isinstance(sid, str) and isinstance(raw.get("stream_position"), int):
+            self._stream_pos[sid] = raw["stream_position"]
+        return None
+
+    # -- one event -----------------------------------------------------------------
+
+    def check(self, e: ev.Event) -> None:
+        self._e = e
+        pos, sid = e.global_position, e.stream_id
+        if pos != self._next:
+            self._find(POSITION_GAP, f"global position {pos}, expected {self._next}")
+        self._next = pos + 1
+        if e.event_id in self._ids:
+            self._find(DUPLICATE_EVENT_ID, f"event id {e.event_id} appears twice")
+        self._ids.add(e.event_id)
+        self._track_op(e)
+        expected = self._stream_pos.get(sid, 0) + 1
+        if e.stream_position != expected:
+            self._find(STREAM_POSITION_GAP, f"stream position {e.stream_position} on {sid}, "
+                                            f"expected {expected}")
+        self._stream_pos[sid] = e.stream_position
+        clock_key = (sid, e.source_instance)
+        if e.monotonic_ns < self._clock.get(clock_key, 0):
+            self._find(TIME_REGRESSION, f"monotonic_ns {e.monotonic_ns} is before the stream's "
+                                        f"previous {self._clock[clock_key]} from {e.source_instance}")
+        self._clock[clock_key] = max(e.monotonic_ns, self._clock.get(clock_key, 0))
+
+        s = self.states.get(sid)
+        creates = isinstance(e, (ev.RequestAllocateEvent, ev.ForkEvent))
+        if s is None and not creates:
+            return self._find(UNKNOWN_STREAM, f"{e.event_type} on {sid} before its request_allocate or fork")
+        if s is not None and creates:
+            return self._find("HANDLE_EXISTS", f"{e.event_type} of {sid}, which already exists")
+        if s is not None:
+            if s.lifecycle == "RELEASED":
+                return self._find(EVENT_AFTER_RELEASE, f"{e.event_type} on {sid} after its release")
+            if e.handle_generation < s.generation:
+                self._find(GENERATION_REGRESSION, f"decided against generation {e.handle_generation}; "
+                                                  f"{sid} is at {s.generation}")
+            elif e.handle_generation > s.generation:
+                self._find(GENERATION_MISMATCH, f"decided against generation {e.handle_generation}; "
+                                                f"{sid} is at {s.generation}")
+            if e.request_id != s.request_id:
+                self._find(REQUEST_MISMATCH, f"request {e.request_id} on {sid}, which belongs to "
+                                             f"{s.request_id}")
+        if not _CHECKS[type(e)](self, s, e):
+            return None
+        try:
+            new = evolve(s, e)
+        except Exception as exc:  # noqa: BLE001 - the finding is the point
+            return self._find("CORRUPT_JOURNAL", f"cannot apply {e.event_type} to {sid}: {exc}")
+        # Checked where the committed length moves, so one violation is one finding.
+        if s is None or new.committed_length != s.committed_length:
+            if new.committed_length > new.logical_length:
+                self._find(COMMITTED_EXCEEDS_LOGICAL, f"{sid} commits {new.committed_length} rows but "
+                                                      f"holds {new.logical_length} tokens")
+            if new.committed_length > new.reserved_capacity:
+                self._find(RESERVED_BELOW_COMMITTED, f"{sid} commits {new.committed_length} rows in "
+                                                     f"{new.reserved_capacity} reserved slots")
+        self.states[sid] = new
+        self._last[sid] = (pos, e.event_id)
+        if e.operation_id is not None:
+            self._ops[e.operation_id].handles[sid] = (new.generation, new.snapshot_version,
+                                                      new.stream_position, new.committed_length)
+        return None
+
+    def _track_op(self, e: ev.Event) -> None:
+        op_id = e.operation_id
+        if op_id is None:
+            self._prev_op = None
+            return
+        op = self._ops.get(op_id)
+        if op is None:
+            self._ops[op_id] = _Op(e.global_position, e.global_position, [e.event_id], {})
+        else:
+            if op_id != self._prev_op:
+                self._find(OPERATION_NOT_CONTIGUOUS, f"operation {op_id} resumes after other "
+                                                     "operations committed")
+            op.last = e.global_position
+            op.event_ids.append(e.event_id)
+        self._prev_op = op_id
+
+    # -- per event type: return False when the event must not be applied -----------
+
+    def _allocate(self, s: None, e: ev.RequestAllocateEvent) -> bool:
+        p, m = e.payload, e.payload.manifest
+        try:
+            validate_manifest(m)
+        except KvLedgerError as exc:
+            self._find(exc.code.value, exc.message)
+        for name, want, got in (("manifest_sha256", manifest_sha256(m), p.manifest_sha256),
+                                ("cache_abi_sha256", cache_abi_sha256(m), p.cache_abi_sha256),
+                                ("prefix_identity_sha256", prefix_identity_sha256(m),
+                                 p.prefix_identity_sha256)):
+            if want != got:
+                self._find("DIGEST_MISMATCH", f"{name} {got[:12]} does not match the manifest ({want[:12]})")
+        if b_token(m.cache_schema) != p.b_token:
+            self._find(B_TOKEN_MISMATCH, f"b_token {p.b_token}, the cache schema gives "
+                                         f"{b_token(m.cache_schema)}")
+        if e.request_id != m.request_identity.request_id:
+            self._find(REQUEST_MISMATCH, f"request {e.request_id}, manifest names "
+                                         f"{m.request_identity.request_id}")
+        if self._manifest_lookup is not None:
+            stored = self._manifest_lookup(p.manifest_sha256)
+            if stored is None:
+                self._find(MANIFEST_MISSING, f"manifest {p.manifest_sha256[:12]} is not stored")
+            elif sha256_hex(stored) != p.manifest_sha256 or stored != canonical_json(m):
+                self._find("DIGEST_MISMATCH", f"stored manifest {p.manifest_sha256[:12]} does not match "
+                                              "its digest or the event's manifest")
+        return True
+
+    def _fork(self, s: None, e: ev.ForkEvent) -> bool:
+        p = e.payload
+        parent = self.states.get(p.parent_handle_id)
+        if parent is None:
+            self._find(UNKNOWN_STREAM, f"fork from unknown parent {p.parent_handle_id}")
+            return True
+        if parent.lifecycle == "RELEASED":
+            self._find(EVENT_AFTER_RELEASE, f"fork from {p.parent_handle_id} after its release")
+        if (p.parent_generation, p.parent_snapshot_version) != (parent.generation, parent.snapshot_version):
+            self._find("STALE_BASE", f"fork names parent ({p.parent_generation}, "
+                                     f"{p.parent_snapshot_version}), "
+                                     f"parent is at ({parent.generation}, {parent.snapshot_version})")
+        if p.prefix_length > parent.committed_length:
+            self._find(VISIBLE_BEYOND_COMMITTED, f"fork at {p.prefix_length}, parent committed "
+                                                 f"{parent.committed_length}")
+        elif (p.token_ids != parent.prompt + cut(parent, p.prefix_length)["outputs"]
+              or p.prompt_length != len(parent.prompt)):
+            self._find("FRONTIER_MISMATCH", "fork tokens differ from the parent's at the cut")
+        for name in ("manifest_sha256", "cache_abi_sha256", "prefix_identity_sha256"):
+            if getattr(p, name) != getattr(parent, name):
+                self._find("DIGEST_MISMATCH", f"fork {name} differs from the parent's")
+        if (p.b_token, p.num_layers) != (parent.b_token, parent.num_layers):
+            self._find(B_TOKEN_MISMATCH, "fork b_token or layer count differs from the parent's")
+        return True
+
+    def _start(self, s: HandleState, e: ev.AppendStartEvent) -> bool:
+        p = e.payload
+        t, n = p.interval_start, p.interval_count
+        seen = self._txns.setdefault(e.stream_id, set())
+        if p.txn_id in seen:
+            self._find(DUPLICATE_TXN, f"transaction {p.txn_id} started twice on {e.stream_id}")
+        seen.add(p.txn_id)
+        if p.cache_abi_sha256 != s.cache_abi_sha256:
+            self._find("ABI_MISMATCH", f"rows for ABI {p.cache_abi_sha256[:12]}, handle has "
+                                       f"{s.cache_abi_sha256[:12]}")
+        self._active(s, e, allow_finished=p.kind == "repair")
+        if p.base_snapshot_version != s.snapshot_version:
+            self._find("STALE_BASE", f"started at snapshot {p.base_snapshot_version}, handle is at "
+                                     f"{s.snapshot_version}")
+        if t > s.committed_length:
+            self._find("APPEND_HOLE", f"interval starts at {t}, committed length is {s.committed_length}")
+        elif t < s.committed_length:
+            self._find("POSITION_MASK_MISMATCH", f"interval starts at {t}, inside committed "
+                                                 f"[0, {s.committed_length})")
+        if len(p.token_ids) != n or p.cache_positions != tuple(range(t, t + n)):
+            self._find("POSITION_MASK_MISMATCH", f"token ids or cache positions do not cover [{t}, {t + n})")
+        if p.mask_key_extent > t + n:
+            self._find(VISIBLE_BEYOND_COMMITTED, f"mask key extent {p.mask_key_extent} sees past the "
+                                                 f"committed rows and this call's [{t}, {t + n})")
+        elif p.mask_key_extent < t + n:
+            self._find("POSITION_MASK_MISMATCH", f"mask key extent {p.mask_key_extent} < {t + n}")
+        if t + n > s.reserved_capacity:
+            self._find("CAPACITY_EXCEEDED", f"[{t}, {t + n}) exceeds reserved capacity {s.reserved_capacity}")
+        if p.kind == "verify":
+            if t != s.logical_length:
+                self._find("FRONTIER_MISMATCH", f"verify drafts start at {t}, the request holds "
+                                                f"{s.logical_length} tokens")
+        elif p.token_ids != s.logical_tokens(t, t + n) or t + n > s.logical_length:
+            self._find("FRONTIER_MISMATCH", f"token ids differ from the request's tokens at [{t}, {t + n})")
+        return True
+
+    def _publish(self, s: HandleState, e: ev.AppendPublishEvent) -> bool:
+        p = e.payload
+        txn = s.open_txn(p.txn_id)
+        if txn is None:
+            if p.txn_id in s.aborted_txn_ids:
+                self._find("TXN_ABORTED", f"publish of {p.txn_id} after its failure")
+            else:
+                self._find(PUBLISH_WITHOUT_START, f"publish of {p.txn_id}, which no append_start opened")
+            return False
+        self._active(s, e, allow_finished=txn.kind == "repair")
+        if p.base_snapshot_version != s.snapshot_version or txn.base_snapshot_version != s.snapshot_version:
+            self._find("STALE_BASE", f"publish from snapshot {p.base_snapshot_version} (started at "
+                                     f"{txn.base_snapshot_version}); handle is at {s.snapshot_version}")
+        if p.result_snapshot_version != p.base_snapshot_version + 1:
+            self._find(SNAPSHOT_DISCONTINUITY,
+                       f"snapshot {p.base_snapshot_version} -> {p.result_snapshot_version}")
+        accepted = p.accepted_count
+        if accepted > txn.interval_count:
+            self._find("REJECTED_SUFFIX", f"accepts {accepted} of {txn.interval_count} staged rows")
+        elif txn.kind != "verify" and accepted != txn.interval_count:
+            self._find(COMMITTED_LENGTH_MISMATCH,
+                       f"{txn.kind} commits {accepted} of {txn.interval_count} staged rows")
+        layers = sorted(r.layer for r in p.layers)
+        if layers != list(range(s.num_layers)) or not all(r.k_complete and r.v_complete for r in p.layers):
+            self._find("PARTIAL_LAYER_SET", f"layers {layers} with complete K and V != all {s.num_layers}")
+        spans = {(r.start, r.count) for r in p.layers}
+        if spans and spans != {(txn.interval_start, accepted)}:
+            self._find(LAYER_LENGTH_MISMATCH, f"per-layer intervals {sorted(spans)} != "
+                                              f"[{txn.interval_start}, +{accepted})")
+        if p.committed_length != txn.interval_start + accepted:
+            self._find(COMMITTED_LENGTH_MISMATCH, f"committed length {p.committed_length} != "
+                                                  f"{txn.interval_start} + {accepted} accepted")
+        return True
+
+    def _failure(self, s: HandleState, e: ev.FailureEvent) -> bool:
+        p = e.payload
+        txn = s.open_txn(p.txn_id)
+        if txn is None:
+            self._find(FAILURE_WITHOUT_START, f"failure of {p.txn_id}, which is not open")
+            return False
+        if p.base_snapshot_version != txn.base_snapshot_version:
+            self._find(FAILURE_CHANGES_STATE, f"failure claims base {p.base_snapshot_version}; "
+                                              f"{p.txn_id} started at {txn.base_snapshot_version}")
+        return True
+
+    def _emit(self, s: HandleState, e: ev.OutputEmitEvent) -> bool:
+        p = e.payload
+        self._active(s, e)
+        if p.snapshot_version > s.snapshot_version:
+            self._find(VISIBLE_BEYOND_COMMITTED, f"output from snapshot {p.snapshot_version}; newest "
+                                                 f"published is {s.snapshot_version}")
+        elif p.snapshot_version < s.snapshot_version:
+            self._find("STALE_BASE", f"output from snapshot {p.snapshot_version}, handle is at "
+                                     f"{s.snapshot_version}")
+        elif not s.logits_ready:
+            self._find("OUTPUT_NOT_READY", "output without logits of a published call")
+        if p.output_index != len(s.outputs):
+            self._find(OUTPUT_INDEX_GAP, f"output index {p.output_index}, next is {len(s.outputs)}")
+        return True
+
+    def _truncate(self, s: HandleState, e: ev.TruncateEvent) -> bool:
+        p = e.payload
+        self._active(s, e)
+        self._snapshot_step(s, p.base_snapshot_version, p.result_snapshot_version)
+        if p.new_length > s.committed_length:
+            self._find("TRUNCATE_GROWS", f"truncate to {p.new_length} > committed {s.committed_length}")
+        elif p.output_count != len(cut(s, p.new_length)["outputs"]):
+            self._find(COUNT_MISMATCH, f"truncate keeps {p.output_count} outputs")
+        return True
+
+    def _reorder(self, s: HandleState, e: ev.ReorderEvent) -> bool:
+        p = e.payload
+        self._active(s, e)
+        n = len(p.rows)
+        if sorted(p.permutation) != list(range(n)) or len(set(p.rows)) != n:
+            self._find("NOT_A_PERMUTATION", f"{list(p.permutation)} over {n} rows")
+        elif e.stream_id not in p.rows or p.row_index != p.permutation.index(p.rows.index(e.stream_id)):
+            self._find(REORDER_MISMATCH, f"row index {p.row_index} does not follow the permutation")
+        return True
+
+    def _cancel(self, s: HandleState, e: ev.CancelRequestEvent) -> bool:
+        self._active(s, e)
+        self._snapshot_step(s, e.payload.base_snapshot_version, e.payload.result_snapshot_version)
+        self._no_open(s)
+        return True
+
+    def _finish(self, s: HandleState, e: ev.FinishEvent) -> bool:
+        p = e.payload
+        self._active(s, e)
+        if (p.output_count, p.committed_length) != (len(s.outputs), s.committed_length):
+            self._find(COUNT_MISMATCH, f"finish records {p.output_count} outputs / "
+                                       f"{p.committed_length} rows; "
+                                       f"the fold has {len(s.outputs)} / {s.committed_length}")
+        self._no_open(s)
+        return True
+
+    def _release(self, s: HandleState, e: ev.ReleaseEvent) -> bool:
+        p = e.payload
+        if s.lifecycle == "ACTIVE":
+            self._find("RELEASE_BEFORE_FINISH", f"release of {e.stream_id} before finish or cancel")
+        self._snapshot_step(s, p.base_snapshot_version, p.result_snapshot_version)
+        if p.result_generation <= s.generation:
+            self._find(GENERATION_REGRESSION,
+                       f"release moves generation {s.generation} -> {p.result_generation}")
+        if p.released_length > s.committed_length:
+            self._find(RECLAIMABLE_EXCEEDS_RESIDENT, f"releases {p.released_length} rows; "
+                                                     f"{s.committed_length} are resident")
+        elif p.released_length < s.committed_length:
+            self._find(RELEASE_LENGTH_MISMATCH, f"releases {p.released_length} of {s.committed_length} rows")
+        self._no_open(s)
+        return True
+
+    # -- shared ----------------------------------------------------------------------
+
+    def _active(self, s: HandleState, e: ev.Event, *, allow_finished: bool = False) -> None:
+        if s.lifecycle == "CANCELLED" or (s.lifecycle == "FINISHED" and not allow_finished):
+            self._find(WORK_AFTER_FINISH, f"{e.event_type} on {e.stream_id}, which is {s.lifecycle.lower()}")
+
+    def _snapshot_step(self, s: HandleState, base: int, result: int) -> None:
+        if base != s.snapshot_version:
+            self._find("STALE_BASE", f"base snapshot {base}, handle is at {s.snapshot_version}")
+        if result != base + 1:
+            self._find(SNAPSHOT_DISCONTINUITY, f"snapshot {base} -> {result}")
+
+    def _no_open(self, s: HandleState) -> None:
+        if s.open_txns:
+            self._find(OPEN_TXN_AT_CLOSE, f"transactions {[t.txn_id for t in s.open_txns]} still open: "
+                                          "each must end in a publish or a failure first")
+
+    def _find(self, code: str, message: str) -> None:
+        self._event_finding(self._e, code, message)
+
+    def _event_finding(self, e: ev.Event, code: str, message: str) -> None:
+        self.findings.append(Finding(code, message, e.global_position, e.event_id, e.stream_id,
+                                     e.event_type, self._line))
+
+    # -- what the database adds ------------------------------------------------------
+
+    def finish(self, receipts: Iterable | None = None, heads: dict | None = None) -> list[Finding]:
+        if receipts is not None:
+            self._check_receipts(receipts)
+        if heads is not None:
+            self._check_heads(heads)
+        return self.findings
+
+    def _check_receipts(self, receipts: Iterable) -> None:
+        seen = set()
+        for r in receipts:
+            seen.add(r.operation_id)
+            op = self._ops.get(r.operation_id)
+            if op is None:
+                self.findings.append(Finding(
+                    RECEIPT_MISMATCH, f"receipt {r.operation_id} names no journaled event",
+                    r.first_global_position, r.event_ids[0] if r.event_ids else None))
+                continue
+            handles = {h.handle_id: (h.generation, h.snapshot_version, h.stream_position, h.committed_length)
+                       for h in r.handles}
+            problems = []
+            if tuple(op.event_ids) != tuple(r.event_ids):
+                problems.append("event ids")
+            if (op.first, op.last) != (r.first_global_position, r.last_global_position):
+                problems.append(f"positions [{r.first_global_position}, {r.last_global_position}] "
+                                f"vs [{op.first}, {op.last}]")
+            if handles != op.handles:
+                problems.append("handle results")
+            if problems:
+                self.findings.append(Finding(RECEIPT_MISMATCH, f"receipt {r.operation_id} differs from its "
+                                             f"events: {'; '.join(problems)}", op.first, op.event_ids[0]))
+        for op_id, op in self._ops.items():
+            if op_id not in seen:
+                self.findings.append(Finding(RECEIPT_MISSING, f"operation {op_id} has no receipt",
+                                             op.first, op.event_ids[0]))
+
+    def _check_heads(self, heads: dict) -> None:
+        for sid, s in self.states.items():
+            h = heads.get(sid)
+            pos, event_id = self._last.get(sid, (None, None))
+            if h is None or h != head_facts(s):
+                self.findings.append(Finding(HEAD_MISMATCH, f"head row of {sid} does not match its stream",
+                                             pos, event_id, sid))
+        for sid in heads:
+            if sid not in self.states:
+                self.findings.append(Finding(HEAD_MISMATCH, f"head row of {sid}, which has no events",
+                                             stream_id=sid))
+
+
+_CHECKS = {
+    ev.RequestAllocateEvent: Checker._allocate,
+    ev.ForkEvent: Checker._fork,
+    ev.AppendStartEvent: Checker._start,
+    ev.AppendPublishEvent: Checker._publish,
+    ev.FailureEvent: Checker._failure,
+    ev.OutputEmitEvent: Checker._emit,
+    ev.TruncateEvent: Checker._truncate,
+    ev.ReorderEvent: Checker._reorder,
+    ev.CancelRequestEvent: Checker._cancel,
+    ev.FinishEvent: Checker._finish,
+    ev.ReleaseEvent: Checker._release,
+}
+
+
+def verify_bodies(bodies: Iterable[tuple[int | None, bytes]], *, receipts: Iterable | None = None,
+                  heads: dict | None = None,
+                  manifest_lookup: Callable[[str], bytes | None] | None = None,
+                  rows: bool = False) -> VerifyResult:
+    """Check `(n, body)` pairs in order. n is a file line number, or with rows=True the
+    database row's global position (compared with the envelope's)."""
+    checker = Checker(manifest_lookup)
+    for n, body in bodies:
+        if rows:
+            checker.feed(body, row_position=n)
+        else:
+            checker.feed(body, line=n)
+    return VerifyResult(checker.events, checker.finish(receipts, heads))
+
+
+def verify_journal(journal: Journal) -> VerifyResult:
+    """Events, receipts, head rows and stored manifests of a journal database."""
+    return verify_bodies(journal.read_raw(), receipts=journal.read_receipts(), heads=journal.heads(),
+                         manifest_lookup=journal.manifest, rows=True)
+
+
+def verify_jsonl(path: str | Path) -> VerifyResult:
+    """An audit file: the events alone (no receipts or heads to compare)."""
+    return verify_bodies(jsonl_bodies(path))
