@@ -39,7 +39,8 @@ SECTIONS: list[Section] = [
         "journal_vs_eventsourcing_sqlite", "journal_vs_eventsourcing_postgres",
         "postgres_batched_events_per_s",
     )),
-    Section("replay", "bench.replay", "2. Replay", ("replay_cost_ratio_1m_vs_100k", "replay_peak_rss_mb_1m")),
+    Section("replay", "bench.replay", "2. Replay", ("replay_events_per_s", "replay_vs_decode_only",
+                                                   "replay_cost_ratio_1m_vs_100k", "replay_peak_rss_mb_1m")),
     Section("decode", "bench.decode", "3. Decode", ("decode_journal_overhead", "decode_vs_transformers")),
     Section("scale", "bench.scale", "4. Append scale", ("append_cost_ratio_10k_vs_1k_handles",)),
 ]
