@@ -43,6 +43,7 @@ SECTIONS: list[Section] = [
                                                    "replay_cost_ratio_1m_vs_100k", "replay_peak_rss_mb_1m")),
     Section("decode", "bench.decode", "3. Decode", ("decode_journal_overhead", "decode_vs_transformers")),
     Section("scale", "bench.scale", "4. Append scale", ("append_cost_ratio_10k_vs_1k_handles",)),
+    Section("telemetry", "bench.telemetry", "5. Telemetry", ("telemetry_overhead",)),
 ]
 
 MODES = ("smoke", "quick", "full")
@@ -141,6 +142,20 @@ def best_rate(samples: list[float]) -> float:
     return max(samples) if samples else float("nan")
 
 
+def paired_ratio(a: list[float] | None, b: list[float] | None) -> float | None:
+    """Median over repeats of a[i] / b[i], where a[i] and b[i] ran back to back in repeat
+    i: a neighbour's burst of load slows both sides of a pair, so this is steadier than
+    best(a) / best(b), which one lucky run of either side decides."""
+    if not a or not b or len(a) != len(b):
+        return None
+    ratios = sorted(x / y for x, y in zip(a, b) if y > 0)
+    if not ratios:
+        return None
+    mid = len(ratios) // 2
+    value = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return round(value, 3)
+
+
 @contextlib.contextmanager
 def stopwatch() -> Iterator[list[float]]:
     out: list[float] = []
@@ -149,4 +164,4 @@ def stopwatch() -> Iterator[list[float]]:
     out.append(time.perf_counter() - t0)
 
 
-__all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "stopwatch"]
+__all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "paired_ratio", "stopwatch"]

@@ -109,11 +109,29 @@ def render(report: dict[str, Any], file: Any) -> None:
     rates.add_column("value", justify="right")
     for name, figs in report["figures"].items():
         for key, value in figs.items():
+            if isinstance(value, (dict, list)):
+                continue  # per-run detail: in the JSON only
             rates.add_row(f"{name}.{key}", f"{value:,}" if isinstance(value, (int, float)) else str(value))
     console.print(rates)
     m = report["machine"]
     console.print(f"machine: {m.get('cpu_model')} x{m.get('cpu_count')}, python {m.get('python')}, "
                   f"sqlite {m.get('sqlite')}, postgres {m.get('postgres')}, torch {m.get('torch')}")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The headline table as Markdown (for docs/PERFORMANCE.md)."""
+    lines = ["| section | key | value | goal | met |", "|---|---|---:|---|---|"]
+    for name, section in report["sections"].items():
+        promised = next(s.keys for s in SECTIONS if s.name == name)
+        keys = list(promised) + [k for k in report["goals"] if k not in promised
+                                 and _section_of(report, k) == name]
+        for key in keys:
+            value, goal = report.get(key), report["goals"].get(key)
+            met = "" if goal is None or goal["met"] is None else ("yes" if goal["met"] else "**no**")
+            shown = section["status"] if value is None else (f"{value:,.3f}" if isinstance(value, float)
+                                                             and value < 100 else f"{value:,}")
+            lines.append(f"| {section['title']} | `{key}` | {shown} | {goal['goal'] if goal else ''} | {met} |")
+    return "\n".join(lines)
 
 
 def _section_of(report: dict[str, Any], key: str) -> str | None:
@@ -133,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--full", action="store_const", dest="mode", const="full",
                       help="longer runs, 5 repeats (the default)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--markdown", metavar="FILE", help="also write the headline table as Markdown to FILE")
     p.add_argument("--only", nargs="+", choices=[s.name for s in SECTIONS], help="run only these sections")
     args = p.parse_args(argv)
     mode = args.mode or "full"
@@ -142,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         report = run_sections(ctx, args.only)
     finally:
         ctx.close()
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(report) + "\n")
     if args.json:
         render(report, sys.stderr)
         json.dump(report, sys.stdout, indent=1, default=str)

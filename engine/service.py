@@ -44,6 +44,8 @@ class Plan:
 
 
 CommitHook = Callable[[Receipt, list[ev.Event]], None]
+# Called for each command this call refused (nothing written), after its outcome is final.
+RejectHook = Callable[[object, KvLedgerError], None]
 Builder = Callable[[Callable[[str], HandleState | None]], c.Command]
 
 
@@ -53,6 +55,7 @@ class CommandService:
     source_instance: str = "kvledger"
     clock: object = field(default_factory=SystemClock)
     on_commit: list[CommitHook] = field(default_factory=list)
+    on_reject: list[RejectHook] = field(default_factory=list)
     states: dict[str, HandleState] = field(default_factory=dict)
     local_sequence: int = 0
 
@@ -140,6 +143,11 @@ class CommandService:
         for i in pending:
             results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: gave up after "
                                                              f"{MAX_ATTEMPTS} contended attempts")
+        if self.on_reject:
+            for cmd, r in zip(cmds, results):
+                if isinstance(r, KvLedgerError):
+                    for hook in self.on_reject:
+                        hook(cmd, r)
         return results  # type: ignore[return-value]
 
     def _explain(self, cmd: c.Command, exc: KvLedgerError) -> Receipt | KvLedgerError:

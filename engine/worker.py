@@ -28,6 +28,7 @@ from engine.executor import CallShape, Member, run_call
 from engine.kvstore import KVStore
 from engine.model import Transformer
 from engine.service import CommandService
+from engine.state import HandleState
 from schemas.events import ForwardCall, LayerRows
 from schemas.manifest import (
     ArtifactIdentity,
@@ -123,6 +124,9 @@ class Worker:
         self.pipeline = pipeline
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
         self._structural = False  # a fork or truncate this iteration: commit before running
+        # Called with each receipt once its store effects are applied (telemetry observers).
+        self.on_applied: Callable[[Receipt], None] | None = None
+        self._adopted: list[tuple[Live, HandleState]] = []  # taken over after a crash (adopt)
 
     # -- public --------------------------------------------------------------------
     def submit(self, spec: RequestSpec) -> None:
@@ -130,7 +134,8 @@ class Worker:
 
     def run(self, on_step: Callable[[Worker], None] | None = None, max_steps: int = 100_000) -> dict[str, list[int]]:
         try:
-            while (self.pending or self.ran or any(lv.done is None for lv in self.live.values())) \
+            while (self.pending or self.ran or self._adopted
+                   or any(lv.done is None for lv in self.live.values())) \
                     and self.step_no < max_steps:
                 self.step()
                 if on_step:
@@ -147,6 +152,9 @@ class Worker:
         for ran in self.ran:
             self._publish(ran, batch, nxt)
         self.ran = []
+        for lv, state in self._adopted:
+            self._resume(lv, state, batch, nxt)
+        self._adopted = []
         for spec in [s for s in self.pending if s.arrival_step <= self.step_no]:
             self.pending.remove(spec)
             self._arrive(spec, batch)
@@ -189,8 +197,11 @@ class Worker:
                 else:
                     self.errors.append(str(r))
                     log.warning("command rejected", error=str(r))
-            elif ok:
-                ok(r)
+            else:
+                if ok:
+                    ok(r)
+                if self.on_applied is not None:
+                    self.on_applied(r)
 
     # -- what the last calls produced ----------------------------------------------
     def _publish(self, ran: Ran, batch: list[Entry], nxt: list[Planned]) -> None:
@@ -373,6 +384,60 @@ class Worker:
             ran.append(Ran(p, logits[b], accepted[b], layers, correction,
                            greedy[b] if greedy is not None else None))
         return ran
+
+    # -- recovery: continue handles rebuilt from the journal --------------------------
+    def adopt(self, state: HandleState, spec: RequestSpec, k: Tensor, v: Tensor,
+              logits: Tensor | None = None) -> None:
+        """Take over a live handle after a crash. `state` is its journal fold (no open
+        appends: recovery aborted them), `k`/`v` its committed rows [L, H_kv, committed,
+        d_h] rebuilt by re-execution, `logits` the next-token logits of its newest
+        publication when they are ready. The next step continues it like any request:
+        prefill the rest of the prompt, decode the emitted frontier, sample from the
+        ready logits, finish at max_new_tokens, release a finished or cancelled handle.
+        Client actions (fork, truncate, cancel, speculation) are not replayed."""
+        h, n = state.handle_id, state.committed_length
+        lv = Live(h, spec, spec.seed, outputs=list(state.outputs), forked=True, truncated=True,
+                  logits=logits if state.logits_ready else None)
+        if state.lifecycle != "ACTIVE":
+            lv.done = state.lifecycle.lower()
+        self.live[h] = lv
+        self.order.append(h)
+        self.store.open(h, state.reserved_capacity)
+        slot = self.store.slot[h]
+        self.store.k[:, slot, :, :n] = k
+        self.store.v[:, slot, :, :n] = v
+        self.store.committed[h] = self.store.pending[h] = n
+        self._adopted.append((lv, state))
+
+    def _resume(self, lv: Live, state: HandleState, batch: list[Entry], nxt: list[Planned]) -> None:
+        spec, h = lv.spec, lv.handle
+        if state.lifecycle in ("FINISHED", "CANCELLED"):
+            batch.append(self._release(lv))  # all that was left to do
+            return
+        eos = self.cfg.eos_token_id
+        if len(lv.outputs) >= spec.max_new_tokens or (eos is not None and lv.outputs and lv.outputs[-1] == eos):
+            lv.done = "eos" if eos is not None and lv.outputs and lv.outputs[-1] == eos else "max_tokens"
+            batch.append(self._simple(lv, lambda s: c.Finish(handle_id=h, base_generation=s.generation,
+                                                            reason=lv.done)))
+            batch.append(self._release(lv))
+        elif lv.logits is not None:
+            self._on_ready(lv, batch, nxt)
+        elif state.has_frontier:
+            nxt.append(Planned(h, _txn(), "decode", state.committed_length, (lv.outputs[-1],)))
+        elif state.committed_length < len(spec.prompt) and not lv.outputs:
+            pass  # _plan_prefill continues the prompt from the committed rows
+        else:
+            # Rows committed but no logits to choose from: recompute the last row.
+            from engine.evolve import cut
+
+            new_len = state.committed_length - 1
+            lv.outputs = list(cut(state, new_len)["outputs"])
+            self._structural = True
+            batch.append(self._simple(lv, lambda s: c.Truncate(
+                handle_id=h, base_generation=s.generation, base_snapshot_version=s.snapshot_version,
+                new_length=new_len), ok=lambda r: self.store.truncate(h, new_len)))
+            if new_len >= len(spec.prompt):
+                nxt.append(Planned(h, _txn(), "decode", new_len, (lv.outputs[-1],)))
 
     # -- helpers -------------------------------------------------------------------
     def manifest(self, spec: RequestSpec) -> Manifest:

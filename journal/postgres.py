@@ -2,27 +2,31 @@
 head creation and event inserts are one set-based statement per batch (unnest of
 bound arrays), and the writer lock is an explicit table lock.
 
-Over a network a write transaction runs in pipeline mode: statements whose results are
-not needed (BEGIN, LOCK, the inserts, COMMIT) travel with the next one whose results
-are, so an append is three round trips: lock + last position + stored receipts; the
-guarded updates; the inserts + commit; the common case takes one (append_if). On a
+The common append (every operation writes one existing handle) is one statement,
+`append_if`: guarded updates, a verdict and the inserts, committed only if the verdict
+holds. Anything else takes the general path: lock + last position + stored receipts;
+the guarded updates per round; the inserts; commit. Over a network a transaction runs
+in pipeline mode (statements whose results are not needed travel with the next one
+whose results are: one round trip for append_if, three for the general path). On a
 loopback or Unix-socket connection a round trip (~35 us) costs less than psycopg's
 pipeline bookkeeping (~150 us per transaction), so there statements go one by one.
 
-Columns travel as one array parameter each. psycopg adapts a list element by element in
-Python (about 20 us per 64-element array, more than the server spends on it), so integer
-and text columns are bound as array literals built in one join (`_ints`, `_texts`;
-bound values, never SQL), and bytea columns in binary (`%b`): a text-format bytea array
-costs a hex encoding of every body.
+Columns travel as one array parameter each, in binary (see `_arrays`): a text-format
+bytea array costs the client a hex encoding of every body, and the server parses
+binary arrays faster than array literals.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from contextlib import nullcontext
+from itertools import chain, repeat
 from typing import Any
 
 import psycopg
+from psycopg.adapt import Dumper
+from psycopg.pq import Format
 
 from journal import faults
 from journal.contract import Guard, StreamWrite
@@ -30,28 +34,6 @@ from journal.statements import Statements, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
-
-
-def _ints(values: list[Any]) -> Any:
-    """A bigint[]/int[] parameter: the array literal `{1,2,3}`, or the list itself when an
-    element is not an int (psycopg adapts it, or refuses it)."""
-    try:
-        return "{" + ",".join(map(int.__str__, values)) + "}"
-    except TypeError:
-        return values
-
-
-def _texts(values: list[Any]) -> Any:
-    """A text[] parameter: every element double-quoted, `{"a","b"}`, when no element holds
-    a quote or a backslash (ids do not; the literal is then exact); otherwise, or with a
-    NULL, the list itself for psycopg to escape."""
-    try:
-        joined = '","'.join(values)
-    except TypeError:  # None (NULL) or not a string
-        return values
-    if not values or "\\" in joined or joined.count('"') != 2 * (len(values) - 1):
-        return values
-    return '{"' + joined + '"}'
 
 
 class PostgresStatements(Statements):
@@ -64,6 +46,9 @@ class PostgresStatements(Statements):
         conn.autocommit = True  # reads see the newest commit; writes open their own txn
         host = conn.info.host or ""
         self.pipeline = _PIPELINE and not (host.startswith("/") or host in _LOCAL_HOSTS)
+        if conn.info.encoding not in ("utf-8", "utf8"):  # _texts sends UTF-8
+            conn.execute("SET client_encoding TO 'UTF8'")
+        _register_arrays(conn)
 
     def _pipeline(self) -> Any:
         return self.conn.pipeline() if self.pipeline else nullcontext()
@@ -89,13 +74,13 @@ class PostgresStatements(Statements):
         return self.last_position(cur)
 
     def begin_append(self, cur: Any, operation_ids: list[str]) -> tuple[int, dict[str, tuple[str, bytes]]]:
-        # The lock is pipelined with one statement that reads the last position (after the
-        # lock is granted) and the stored receipts: one round trip.
+        # The lock, then one statement that reads the last position (after the lock is
+        # granted) and the stored receipts.
         cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
         cur.execute(
             "SELECT m.last, r.operation_id, r.fingerprint, r.body FROM "
             "(SELECT coalesce(max(global_position), 0) AS last FROM kvl_events) AS m "
-            "LEFT JOIN kvl_receipts AS r ON r.operation_id = ANY(%s::text[])",
+            "LEFT JOIN kvl_receipts AS r ON r.operation_id = ANY(%b)",
             (_texts(operation_ids),),
         )
         rows = cur.fetchall()
@@ -113,34 +98,32 @@ class PostgresStatements(Statements):
     APPEND_IF = (
         "WITH u AS (UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
         "stream_position = v.np, committed_length = v.nc, phase = v.ph "
-        "FROM unnest(%(h)s::text[], %(g)s::bigint[], %(s)s::bigint[], %(p)s::bigint[], "
-        "%(ng)s::bigint[], %(ns)s::bigint[], %(np)s::bigint[], %(nc)s::bigint[], %(ph)s::text[]) "
+        "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
         "AS v(h, g, s, p, ng, ns, np, nc, ph) "
-        "WHERE h.handle_id = ANY(%(h)s::text[]) AND h.handle_id = v.h AND h.generation = v.g "
+        "WHERE h.handle_id = v.h AND h.generation = v.g "
         "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING 1), "
-        "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)s::bigint "
-        "AND (SELECT coalesce(max(global_position), 0) FROM kvl_events) = %(last)s::bigint AS ok), "
+        "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)b::bigint "
+        "AND (SELECT coalesce(max(global_position), 0) FROM kvl_events) = %(last)b::bigint AS ok), "
         "e AS (INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "
         "event_type, schema_version, operation_id, body) "
         "SELECT CASE WHEN verdict.ok THEN x.pos END, x.eid, x.sid, x.sp, x.et, x.sv, x.oid, x.body "
-        "FROM unnest(%(epos)s::bigint[], %(eid)s::text[], %(sid)s::text[], %(sp)s::bigint[], "
-        "%(et)s::text[], %(sv)s::int[], %(eop)s::text[], %(body)b::bytea[]) "
+        "FROM unnest(%(epos)b, %(eid)b, %(sid)b, %(sp)b, %(et)b, %(sv)b, %(eop)b, %(body)b) "
         "AS x(pos, eid, sid, sp, et, sv, oid, body) CROSS JOIN verdict) "
         "INSERT INTO kvl_receipts (operation_id, fingerprint, first_global_position, "
         "last_global_position, body) "
-        "SELECT * FROM unnest(%(op)s::text[], %(fp)s::text[], %(first)s::bigint[], "
-        "%(lastpos)s::bigint[], %(rbody)b::bytea[])"
+        "SELECT * FROM unnest(%(op)b, %(fp)b, %(first)b, %(lastpos)b, %(rbody)b)"
     )
 
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[tuple],
                   receipt_rows: list[tuple], last: int) -> bool:
         params = _guarded_update_params(updates)
-        epos, eid, sid, sp, et, sv, eop, body = map(list, zip(*event_rows))
-        op, fp, first, lastpos, rbody = map(list, zip(*receipt_rows))
+        epos, eid, sid, sp, et, sv, eop, body = zip(*event_rows)
+        op, fp, first, lastpos, rbody = zip(*receipt_rows)
         params.update(
-            epos=_ints(epos), eid=_texts(eid), sid=_texts(sid), sp=_ints(sp), et=_texts(et),
-            sv=_ints(sv), eop=_texts(eop), body=body, op=_texts(op), fp=_texts(fp),
-            first=_ints(first), lastpos=_ints(lastpos), rbody=rbody, n=len(updates), last=last,
+            epos=_int8s(epos), eid=_texts(eid), sid=_texts(sid), sp=_int8s(sp), et=_texts(et),
+            sv=_int4s(sv), eop=_texts(eop), body=_byteas(body), op=_texts(op), fp=_texts(fp),
+            first=_int8s(first), lastpos=_int8s(lastpos), rbody=_byteas(rbody), n=len(updates),
+            last=last,
         )
         conn = self.conn
         try:
@@ -153,22 +136,21 @@ class PostgresStatements(Statements):
             return False
         return True
 
+    # A join on unnest (no `handle_id = ANY(handles)` filter: in a generic plan a scan
+    # would test every head against the whole array, one comparison per element).
     GUARDED_UPDATE_SET = (
-        # `handle_id = ANY(handles)` lets the planner find the rows by primary key at any
-        # table size (a join on unnest alone is estimated blind: small tables get a
-        # sequential scan of every head).
         "UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
         "stream_position = v.np, committed_length = v.nc, phase = v.ph "
-        "FROM unnest(%(h)s::text[], %(g)s::bigint[], %(s)s::bigint[], %(p)s::bigint[], "
-        "%(ng)s::bigint[], %(ns)s::bigint[], %(np)s::bigint[], %(nc)s::bigint[], %(ph)s::text[]) "
+        "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
         "AS v(h, g, s, p, ng, ns, np, nc, ph) "
-        "WHERE h.handle_id = ANY(%(h)s::text[]) AND h.handle_id = v.h AND h.generation = v.g "
+        "WHERE h.handle_id = v.h AND h.generation = v.g "
         "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING h.handle_id"
     )
 
     # test-only mutant (journal.faults.UNGUARDED): the same update with its guard ignored
     UNGUARDED_UPDATE_SET = GUARDED_UPDATE_SET.replace(
         " AND h.generation = v.g AND h.snapshot_version = v.s AND h.stream_position = v.p", "")
+    assert UNGUARDED_UPDATE_SET != GUARDED_UPDATE_SET
 
     def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]]) -> set[str]:
         if not rows:
@@ -180,14 +162,13 @@ class PostgresStatements(Statements):
     def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]:
         if not writes:
             return set()
-        h, r, g, s, p, c, ph, pre, abi = map(list, zip(*[(w.handle_id, *_head_columns(w)) for w in writes]))
+        h, r, g, s, p, c, ph, pre, abi = zip(*[(w.handle_id, *_head_columns(w)) for w in writes])
         cur.execute(
             f"INSERT INTO kvl_heads ({self.HEAD_COLUMNS}) "
-            "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::bigint[], "
-            "%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::text[]) "
+            "SELECT * FROM unnest(%b, %b, %b, %b, %b, %b, %b, %b, %b) "
             "ON CONFLICT (handle_id) DO NOTHING RETURNING handle_id",
-            (_texts(h), _texts(r), _ints(g), _ints(s), _ints(p), _ints(c), _texts(ph), _texts(pre),
-             _texts(abi)),
+            (_texts(h), _texts(r), _int8s(g), _int8s(s), _int8s(p), _int8s(c), _texts(ph),
+             _texts(pre), _texts(abi)),
         )
         return {r[0] for r in cur.fetchall()}
 
@@ -195,47 +176,157 @@ class PostgresStatements(Statements):
         if not rows:
             return set()
         if faults.UNGUARDED: return {h for h, _ in rows}  # test-only mutant
-        h, g, s, p = map(list, zip(*[(h, g.generation, g.snapshot_version, g.stream_position) for h, g in rows]))
+        h, g, s, p = zip(*[(h, g.generation, g.snapshot_version, g.stream_position) for h, g in rows])
         cur.execute(
-            "SELECT h.handle_id FROM kvl_heads h JOIN unnest(%s::text[], %s::bigint[], "
-            "%s::bigint[], %s::bigint[]) AS v(h, g, s, p) ON h.handle_id = v.h "
-            "AND h.generation = v.g AND h.snapshot_version = v.s AND h.stream_position = v.p",
-            (_texts(h), _ints(g), _ints(s), _ints(p)),
+            "SELECT h.handle_id FROM kvl_heads h JOIN unnest(%b, %b, %b, %b) AS v(h, g, s, p) "
+            "ON h.handle_id = v.h AND h.generation = v.g AND h.snapshot_version = v.s "
+            "AND h.stream_position = v.p",
+            (_texts(h), _int8s(g), _int8s(s), _int8s(p)),
         )
         return {r[0] for r in cur.fetchall()}
 
     def insert_events(self, cur: Any, rows: list[tuple]) -> None:
-        pos, eid, sid, sp, et, sv, op, body = map(list, zip(*rows))
+        pos, eid, sid, sp, et, sv, op, body = zip(*rows)
         cur.execute(
             "INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "
-            "event_type, schema_version, operation_id, body) SELECT * FROM unnest("
-            "%s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[], %s::int[], "
-            "%s::text[], %b::bytea[])",
-            (_ints(pos), _texts(eid), _texts(sid), _ints(sp), _texts(et), _ints(sv), _texts(op), body),
+            "event_type, schema_version, operation_id, body) "
+            "SELECT * FROM unnest(%b, %b, %b, %b, %b, %b, %b, %b)",
+            (_int8s(pos), _texts(eid), _texts(sid), _int8s(sp), _texts(et), _int4s(sv), _texts(op),
+             _byteas(body)),
         )
 
     def insert_receipts(self, cur: Any, rows: list[tuple]) -> None:
-        op, fp, first, last, body = map(list, zip(*rows))
+        op, fp, first, last, body = zip(*rows)
         cur.execute(
             "INSERT INTO kvl_receipts (operation_id, fingerprint, first_global_position, "
-            "last_global_position, body) SELECT * FROM unnest(%s::text[], %s::text[], "
-            "%s::bigint[], %s::bigint[], %b::bytea[])",
-            (_texts(op), _texts(fp), _ints(first), _ints(last), body),
+            "last_global_position, body) SELECT * FROM unnest(%b, %b, %b, %b, %b)",
+            (_texts(op), _texts(fp), _int8s(first), _int8s(last), _byteas(body)),
         )
 
     def fetch_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         cur.execute(
-            "SELECT operation_id, fingerprint, body FROM kvl_receipts WHERE operation_id = ANY(%s::text[])",
+            "SELECT operation_id, fingerprint, body FROM kvl_receipts WHERE operation_id = ANY(%b)",
             (_texts(operation_ids),),
         )
         return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
 
 
 def _guarded_update_params(rows: list[tuple[StreamWrite, Guard]]) -> dict[str, Any]:
-    h, g, s, p, ng, ns, np_, nc, ph = map(list, zip(*[
+    h, g, s, p, ng, ns, np_, nc, ph = zip(*[
         (w.handle_id, g.generation, g.snapshot_version, g.stream_position, w.head.generation,
          w.head.snapshot_version, w.head.stream_position, w.head.committed_length, w.head.phase)
         for w, g in rows
-    ]))
-    return {"h": _texts(h), "g": _ints(g), "s": _ints(s), "p": _ints(p), "ng": _ints(ng),
-            "ns": _ints(ns), "np": _ints(np_), "nc": _ints(nc), "ph": _texts(ph)}
+    ])
+    return {"h": _texts(h), "g": _int8s(g), "s": _int8s(s), "p": _int8s(p), "ng": _int8s(ng),
+            "ns": _int8s(ns), "np": _int8s(np_), "nc": _int8s(nc), "ph": _texts(ph)}
+
+
+# -- arrays ---------------------------------------------------------------------------
+#
+# psycopg adapts a list element by element in Python (about 20 us for 64 elements, more
+# than the server spends reading it). These build PostgreSQL's binary array format
+# (array_send: ndim, has-null flag, element type, then per dimension size and lower
+# bound, then per element a length, -1 for NULL, and the bytes) in a few C-level calls,
+# and a dumper per element type hands the bytes to libpq as a typed binary parameter.
+
+_HEAD = struct.Struct(">iiiii")
+
+
+class _Array:
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class _Int8Array(_Array):
+    __slots__ = ()
+    oid, elem = 1016, 20
+
+
+class _Int4Array(_Array):
+    __slots__ = ()
+    oid, elem = 1007, 23
+
+
+class _TextArray(_Array):
+    __slots__ = ()
+    oid, elem = 1009, 25
+
+
+class _ByteaArray(_Array):
+    __slots__ = ()
+    oid, elem = 1001, 17
+
+
+_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
+
+
+def _ints(cls: type[_Array], code: str, size: int, values: tuple | list) -> _Array:
+    n = len(values)
+    if not n:
+        return cls(struct.pack(">iii", 0, 0, cls.elem))
+    packer = _STRUCTS.get((code, n))
+    if packer is None:
+        packer = struct.Struct(">" + ("i" + code) * n)
+        if len(_STRUCTS) < 512:
+            _STRUCTS[code, n] = packer
+    try:
+        body = packer.pack(*chain.from_iterable(zip(repeat(size, n), values)))
+    except struct.error:  # NULL or not an integer of this size: let the server say so
+        raise psycopg.DataError(f"cannot bind {values[:3]!r}... as an integer array") from None
+    return cls(_HEAD.pack(1, 0, cls.elem, n, 1) + body)
+
+
+def _int8s(values: tuple | list) -> _Array:
+    return _ints(_Int8Array, "q", 8, values)
+
+
+def _int4s(values: tuple | list) -> _Array:
+    return _ints(_Int4Array, "i", 4, values)
+
+
+def _varlena(cls: type[_Array], values: tuple | list, encode: bool) -> _Array:
+    n = len(values)
+    if not n:
+        return cls(struct.pack(">iii", 0, 0, cls.elem))
+    parts: list[bytes] = [b""]
+    add = parts.append
+    nulls = 0
+    for v in values:
+        if v is None:
+            nulls = 1
+            add(b"\xff\xff\xff\xff")
+            continue
+        b = v.encode() if encode else v
+        add(len(b).to_bytes(4, "big"))
+        add(b)
+    parts[0] = _HEAD.pack(1, nulls, cls.elem, n, 1)
+    return cls(b"".join(parts))
+
+
+def _texts(values: tuple | list) -> _Array:
+    return _varlena(_TextArray, values, True)
+
+
+def _byteas(values: tuple | list) -> _Array:
+    return _varlena(_ByteaArray, values, False)
+
+
+def _dumper(cls: type[_Array]) -> type[Dumper]:
+    class ArrayDumper(Dumper):
+        format = Format.BINARY
+        oid = cls.oid
+
+        def dump(self, obj: _Array) -> bytes:
+            return obj.data
+
+    return ArrayDumper
+
+
+_DUMPERS = {cls: _dumper(cls) for cls in (_Int8Array, _Int4Array, _TextArray, _ByteaArray)}
+
+
+def _register_arrays(conn: Any) -> None:
+    for cls, dumper in _DUMPERS.items():
+        conn.adapters.register_dumper(cls, dumper)

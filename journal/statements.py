@@ -157,14 +157,27 @@ class Statements:
         "WHERE operation_id IN (SELECT value FROM json_each(?))"
     )
 
+    json_each = True  # cleared when this SQLite was built without JSON functions
+
     def fetch_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         if not operation_ids:
             return {}
-        if len(operation_ids) == 1:
-            cur.execute(self.q(self.FETCH_RECEIPT), (operation_ids[0],))
-        else:
-            cur.execute(self.q(self.FETCH_RECEIPTS), (_json_encode(operation_ids),))
-        return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
+        if len(operation_ids) > 1 and self.json_each:
+            try:
+                cur.execute(self.q(self.FETCH_RECEIPTS), (_json_encode(operation_ids),))
+                return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
+            except Exception as exc:  # noqa: BLE001 - driver-specific error class
+                if "json_each" not in str(exc):
+                    raise
+                self.json_each = False
+        found = {}
+        sql = self.q(self.FETCH_RECEIPT)
+        for op_id in operation_ids:
+            cur.execute(sql, (op_id,))
+            row = cur.fetchone()
+            if row is not None:
+                found[row[0]] = (row[1], bytes(row[2]))
+        return found
 
     # -- reads -------------------------------------------------------------------
     def last_position(self, cur: Any) -> int:

@@ -17,7 +17,7 @@ from schemas.errors import ErrorCode, KvLedgerError
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 # Modules with a `register(subparsers)` function, one per command family.
-COMMAND_MODULES: list[str] = ["cmd_serve", "cmd_replay"]
+COMMAND_MODULES: list[str] = ["cmd_serve", "cmd_replay", "cmd_telemetry", "cmd_recover"]
 
 
 def _cmd_init(args: argparse.Namespace) -> int:

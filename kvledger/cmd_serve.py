@@ -71,6 +71,7 @@ def _progress(total: int):
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvledger.cmd_telemetry import demo_telemetry, finish_demo_telemetry
     from kvledger.demo import run_demo
     from kvledger.storage import open_journal
 
@@ -79,16 +80,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     url = resolve_url(args.db)
     with open_journal(url) as journal:
         first = journal.last_position()
+        telemetry = demo_telemetry(args)
         bar, on_step = _progress(args.requests)
         if bar:
             bar.start()
         try:
             result = run_demo(journal, requests=args.requests, max_new_tokens=args.max_new_tokens,
                               seed=args.seed, model_dir=args.model, device=args.device, on_step=on_step,
-                              run_id=uuid.uuid4().hex[:8])
+                              run_id=uuid.uuid4().hex[:8], telemetry=telemetry)
         finally:
             if bar:
                 bar.stop()
+            telemetry_out = finish_demo_telemetry(telemetry, args)
         summary = summarize(journal, first, args.slo_ttft_ms, args.slo_tbt_ms)
         position = journal.last_position()
     out = {
@@ -99,10 +102,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "tokens_per_s": round(result["tokens"] / result["seconds"], 1) if result["seconds"] else None,
         "errors": result["errors"], **summary,
     }
+    if telemetry_out is not None:
+        out["telemetry"] = telemetry_out
     if args.json:
         print(json.dumps(out))
     else:
         _print_demo(out)
+        if telemetry_out is not None:
+            print(f"telemetry: {telemetry_out['written']} of {telemetry_out['records']} records written "
+                  f"to {telemetry_out['file']}, {telemetry_out['dropped']} dropped", file=sys.stderr)
     return 0 if not result["errors"] else 1
 
 

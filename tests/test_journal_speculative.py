@@ -103,3 +103,26 @@ def test_awkward_ids_round_trip(pg_url, name):
             assert [e.stream_position for e in j.read_stream(h)] == [1, 2]
             assert j.head(h).snapshot_version == 1
             assert j.receipt(f"p{name}{h}").handles[0].handle_id == h
+
+
+def test_binary_arrays_round_trip(pg_admin):
+    """The hand-built binary array parameters read back as the values they carry."""
+    import psycopg
+
+    from journal.postgres import _byteas, _int4s, _int8s, _register_arrays, _texts
+
+    url = pg_admin.create(migrated=False)
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database) as conn:
+        _register_arrays(conn)
+        texts = ["a", None, "é✓", "", 'q"\\', "NULL"]
+        ints = [0, -1, 2**63 - 1, -(2**63), 42]
+        row = conn.execute("SELECT %b, %b, %b, %b, %b, %b, cardinality(%b)",
+                           (_texts(texts), _int8s(ints), _int4s([1, -2, 2**31 - 1]),
+                            _byteas([b"\x00\xff", b"", None]), _texts([]), _int8s(()),
+                            _texts(["x"] * 300))).fetchone()
+        assert row == (texts, ints, [1, -2, 2**31 - 1], [b"\x00\xff", b"", None], [], [], 300)
+        with pytest.raises(psycopg.DataError):
+            _int8s([2**63])

@@ -1,0 +1,773 @@
+"""Telemetry and metrics for the command service and the worker (spec 0x07).
+
+    telemetry = Telemetry("telemetry.jsonl")          # or a binary file object, or None
+    telemetry.attach(service, worker)                 # hooks; writes the header
+    port = telemetry.serve(9100)                      # /metrics on 127.0.0.1
+    ... worker.run() ...
+    telemetry.close()                                 # drain, trailer, stop
+
+Emission follows the transition, never precedes it: records come from the service's
+`on_commit` hook (called after the journal commit returned) and from the worker's
+`on_applied` hook (after a committed receipt's store effects were applied). Refused
+commands come from `on_reject` as outcome "refused" records.
+
+The hot path is an enqueue: a hook assigns the source's gapless `local_sequence`,
+puts one tuple on a bounded queue and returns. A background thread builds the record
+dicts and renders each drained batch through a structlog logger bound to the sink
+(processor chain ending in a msgspec JSON-lines renderer; one structlog call per
+batch, not per record, to keep the exporter's share of the GIL small). A full queue
+or a failing sink drops records and counts them (`dropped`, and
+`kvledger_telemetry_dropped_records_total{reason}`); the service and the worker never
+wait for, or fail because of, telemetry.
+
+Metrics are plain integers updated in the hooks and exposed by a prometheus_client
+collector on a dedicated CollectorRegistry, with bounded labels only (event type,
+append kind, outcome, error code, ledger, drop reason, source component). Every
+series exists from the start, so the series count never grows with traffic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, BinaryIO
+
+import msgspec
+import structlog
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from engine import commands as c
+from engine.service import SystemClock
+from schemas import events as ev
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.receipts import Receipt
+from schemas.telemetry import (
+    ALLOCATOR,
+    BLOCK_SIZE,
+    OBSERVED_EVENT_TYPES,
+    REFUSED,
+    RESIDENCY,
+    SERVICE,
+    SUCCESS,
+    TELEMETRY_SCHEMA_VERSION,
+    Header,
+    Trailer,
+)
+
+log = structlog.get_logger("kvledger.telemetry")
+
+EVENT_TYPES = tuple(ev.EVENT_CLASSES)
+APPEND_KINDS = ("prefill", "chunk", "decode", "repair", "verify")
+APPEND_OUTCOMES = ("success", "failed", "aborted", "rejected", "cancelled", "stale", "conflict")
+LEDGERS = ("logical", "reserved", "physical")
+DROP_REASONS = ("queue_full", "sink_error")
+COMPONENTS = (SERVICE, ALLOCATOR, RESIDENCY)
+REJECTION_CODES = (*(code.value for code in ErrorCode), "other")
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_OBSERVED = frozenset(OBSERVED_EVENT_TYPES)
+
+# The event a refused command would have written (for its outcome record).
+_COMMAND_EVENT = {
+    c.Allocate: "request_allocate", c.BeginAppend: "append_start", c.Publish: "append_publish",
+    c.Fail: "failure", c.EmitOutput: "output_emit", c.Fork: "fork", c.Truncate: "truncate",
+    c.Reorder: "reorder", c.CancelRequest: "cancel_request", c.Finish: "finish", c.Release: "release",
+}
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+class _Histogram:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        cumulative, running = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            running += n
+            cumulative.append((bound, running))
+        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.sum)
+
+
+class Metrics:
+    """The Prometheus surface: integers the hooks update (one thread writes each), read
+    by a collector at scrape time. Several instances can coexist (own registries)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.events = dict.fromkeys(EVENT_TYPES, 0)
+        self.attempts = dict.fromkeys(APPEND_KINDS, 0)
+        self.outcomes = dict.fromkeys(APPEND_OUTCOMES, 0)
+        self.rejections = dict.fromkeys(REJECTION_CODES, 0)
+        self.records = dict.fromkeys(COMPONENTS, 0)
+        self.dropped_queue = 0  # written by producers (under the Telemetry lock)
+        self.dropped_sink = 0  # written by the exporter thread
+        self.running = self.waiting = 0
+        self.kv = dict.fromkeys(LEDGERS, 0)
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.itl = _Histogram(ITL_BUCKETS)
+        self.queue_depth = lambda: 0
+        self.registry.register(self)
+
+    def scrape(self) -> bytes:
+        """The text exposition `/metrics` serves."""
+        return generate_latest(self.registry)
+
+    # prometheus_client collector protocol
+    def describe(self):
+        return list(self._families(empty=True))
+
+    def collect(self):
+        return list(self._families())
+
+    def _families(self, empty: bool = False):
+        def counter(name, doc, label, values):
+            f = CounterMetricFamily(name, doc, labels=[label])
+            if not empty:
+                for k, v in list(values.items()):
+                    f.add_metric([k], v)
+            return f
+
+        def gauge(name, doc, value=None, label=None, values=None):
+            f = GaugeMetricFamily(name, doc, labels=[label] if label else None)
+            if not empty:
+                if values is None:
+                    f.add_metric([], value)
+                else:
+                    for k, v in list(values.items()):
+                        f.add_metric([k], v)
+            return f
+
+        yield counter("kvledger_append_attempts", "Appends started (committed append_start), by kind: "
+                      "the denominator of append outcomes", "kind", self.attempts)
+        yield counter("kvledger_append_outcomes", "Append outcomes: success (published), failed/"
+                      "aborted/rejected (failure event), cancelled (aborted by a cancel), "
+                      "stale/conflict (refused publish or start)", "outcome", self.outcomes)
+        yield counter("kvledger_journal_events", "Journal events committed through this service",
+                      "event_type", self.events)
+        yield counter("kvledger_command_rejections", "Commands refused before anything was written, "
+                      "by stable error code", "code", self.rejections)
+        yield gauge("kvledger_requests_running", "Handles with work started and not yet finished, "
+                    "cancelled or released", self.running)
+        yield gauge("kvledger_requests_waiting", "Allocated handles whose first append has not "
+                    "started", self.waiting)
+        yield gauge("kvledger_kv_bytes", "KV-cache byte ledgers of the handles this service "
+                    "committed (spec 0x02): logical = committed x B_token, reserved = copies x C x "
+                    "B_token, physical = reserved + allocator", label="ledger", values=self.kv)
+        if empty:
+            yield HistogramMetricFamily("kvledger_time_to_first_token_seconds", "")
+            yield HistogramMetricFamily("kvledger_inter_token_latency_seconds", "")
+        else:
+            yield self.ttft.family("kvledger_time_to_first_token_seconds", "Arrival (request_allocate) "
+                                   "to first output_emit, on the service's monotonic clock")
+            yield self.itl.family("kvledger_inter_token_latency_seconds", "Between consecutive "
+                                  "output_emit events of one handle")
+        yield counter("kvledger_telemetry_records", "Audit records emitted (queued for export)",
+                      "source_component", self.records)
+        yield counter("kvledger_telemetry_dropped_records", "Audit records never written: queue "
+                      "full or sink error", "reason",
+                      {"queue_full": self.dropped_queue, "sink_error": self.dropped_sink})
+        yield gauge("kvledger_telemetry_queue_depth", "Audit records waiting for the exporter",
+                    0 if empty else self.queue_depth())
+
+
+# -- export: a bounded queue, one thread, structlog rendering -----------------------------
+
+_encoder = msgspec.json.Encoder()
+
+
+class _SinkLogger:
+    """structlog's wrapped logger for the exporter: the sink itself."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+
+    def msg(self, lines: bytes) -> None:
+        self.file.write(lines)
+        self.file.flush()
+
+
+def _json_lines(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
+    """The renderer: the batch's records, one JSON object per line."""
+    return _encoder.encode_lines(event_dict["records"])
+
+
+_STOP = object()
+
+
+class _MutationLine(msgspec.Struct, gc=False):
+    """Rendering shape of schemas.telemetry.Mutation (same keys, built positionally)."""
+
+    record: str
+    event_id: str
+    trace_id: str
+    source_instance: str
+    source_component: str
+    local_sequence: int
+    monotonic_ns: int
+    observed_wall_time: int
+    request_id: str
+    handle_id: str
+    handle_generation: int
+    operation_id: str | None
+    event_type: str
+    base_snapshot: int | None
+    result_snapshot: int | None
+    outcome: str
+    journal_watermark: int | None
+    committed_length: int | None
+
+
+class _ObservationLine(msgspec.Struct, gc=False, omit_defaults=True):
+    """Rendering shape of schemas.telemetry.AllocatorObservation / ResidencyObservation."""
+
+    record: str
+    event_id: str
+    trace_id: str
+    source_instance: str
+    source_component: str
+    local_sequence: int
+    monotonic_ns: int
+    observed_wall_time: int
+    request_id: str
+    handle_id: str
+    handle_generation: int
+    operation_id: str | None
+    event_type: str
+    result_snapshot: int | None
+    outcome: str
+    caused_by_event_id: str
+    blocks: int = -1
+    slots: int = -1
+    used_slots: int = -1
+    block_size: int = -1
+    resident_payload_bytes: dict[str, int] | None = None
+
+
+class Exporter:
+    """A bounded queue drained by one daemon thread into a binary sink.
+
+    `put` never blocks: beyond `capacity` queued records it drops and counts. The
+    thread turns a drained batch into records and writes them with one structlog
+    call; a batch the sink refuses is counted as dropped (sink_error)."""
+
+    def __init__(self, sink: str | os.PathLike | BinaryIO, *, capacity: int, metrics: Metrics,
+                 linger: float = 0.05) -> None:
+        if isinstance(sink, (str, os.PathLike)):
+            self._file: BinaryIO = open(sink, "wb")  # noqa: SIM115 - closed by stop()
+            self._owns = True
+        else:
+            self._file, self._owns = sink, False
+        self.capacity = capacity
+        self.metrics = metrics
+        self.linger = linger  # seconds a batch may wait before it is written
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._in = 0  # audit records queued (producers hold the Telemetry lock)
+        self._out = 0  # audit records taken off the queue (exporter thread only)
+        self.written = 0
+        self.error: str | None = None
+        self._traces: dict[str, str] = {}
+        self._log = structlog.wrap_logger(_SinkLogger(self._file), processors=[_json_lines],
+                                          wrapper_class=structlog.BoundLogger, context_class=dict,
+                                          cache_logger_on_first_use=True)
+        metrics.queue_depth = lambda: self._in - self._out
+        self._thread = threading.Thread(target=self._run, name="kvledger-telemetry", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped_queue(self) -> int:
+        return self.metrics.dropped_queue
+
+    @property
+    def dropped_sink(self) -> int:
+        return self.metrics.dropped_sink
+
+    @property
+    def dropped(self) -> int:
+        return self.metrics.dropped_queue + self.metrics.dropped_sink
+
+    def put(self, item: tuple, records: int) -> bool:
+        if records and self._in - self._out + records > self.capacity:
+            self.metrics.dropped_queue += records
+            return False
+        self._in += records
+        self._q.put((item, records))
+        return True
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+        if self._owns:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+
+    def render(self, items: list[tuple]) -> bytes:
+        """Queued items -> JSON lines, without writing: what the exporter thread does
+        with a batch, minus the sink (for measuring it)."""
+        records: list[Any] = []
+        for item in items:
+            _render(records, item, self)
+        return _json_lines(None, "msg", {"records": records})
+
+    def trace_id(self, request_id: str) -> str:
+        t = self._traces.get(request_id)
+        if t is None:
+            if len(self._traces) > 65536:
+                self._traces.clear()
+            t = self._traces[request_id] = trace_id_of(request_id)
+        return t
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._q.get()]
+            if batch[0] is not _STOP and self.linger:
+                # Let a batch accumulate: one wake-up, one render call and one write per
+                # linger period instead of per commit keeps the exporter off the GIL.
+                time.sleep(self.linger)
+            while len(batch) < 65536:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = False
+            audit = 0
+            records: list[dict[str, Any]] = []
+            for entry in batch:
+                if entry is _STOP:
+                    stop = True
+                    continue
+                item, n = entry
+                try:
+                    _render(records, item, self)
+                except Exception as exc:  # noqa: BLE001 - a bad record must not kill export
+                    log.error("telemetry record not rendered", error=repr(exc))
+                audit += n
+            self._out += audit
+            if records:
+                try:
+                    self._log.msg(records=records)
+                    self.written += audit
+                except Exception as exc:  # noqa: BLE001 - any sink failure is a counted drop
+                    self.metrics.dropped_sink += audit
+                    if self.error is None:
+                        self.error = repr(exc)
+                        log.warning("telemetry sink failed: records are dropped and counted",
+                                    error=self.error)
+            if stop:
+                return
+
+
+# -- records -----------------------------------------------------------------------------
+
+def trace_id_of(request_id: str) -> str:
+    """One trace per request: a stable W3C-sized (16-byte) id derived from it."""
+    return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+
+
+def event_snapshots(e: ev.Event) -> tuple[int | None, int | None, int | None]:
+    """(base snapshot, result snapshot, committed length) a journal event states."""
+    p = e.payload
+    t = e.event_type
+    if t == "request_allocate":
+        return None, 0, 0
+    if t in ("append_start", "failure"):
+        return p.base_snapshot_version, None, None
+    if t == "append_publish":
+        return p.base_snapshot_version, p.result_snapshot_version, p.committed_length
+    if t == "output_emit":
+        return p.snapshot_version, p.snapshot_version, None
+    if t == "fork":
+        return p.parent_snapshot_version, 0, p.prefix_length
+    if t == "truncate":
+        return p.base_snapshot_version, p.result_snapshot_version, p.new_length
+    if t == "cancel_request":
+        return p.base_snapshot_version, p.result_snapshot_version, None
+    if t == "finish":
+        return None, None, p.committed_length
+    if t == "release":
+        return p.base_snapshot_version, p.result_snapshot_version, 0
+    return None, None, None
+
+
+def event_outcome(e: ev.Event) -> str:
+    """A committed event's outcome: a failure's own outcome, else success."""
+    return e.payload.outcome if e.event_type == "failure" else SUCCESS
+
+
+def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
+    """Exporter thread: one queued tuple -> records, in envelope order."""
+    kind = item[0]
+    if kind == "m":
+        _, source, seq, watermark, mono, wall, events = item
+        trace = exporter.trace_id
+        for e in events:
+            seq += 1
+            base, result, committed = event_snapshots(e)
+            out.append(_MutationLine(
+                "mutation", e.event_id, trace(e.request_id), source, SERVICE, seq, mono, wall,
+                e.request_id, e.stream_id, e.handle_generation, e.operation_id, e.event_type, base,
+                result, event_outcome(e), watermark, committed))
+    elif kind == "o":
+        _, source, nonce, seq_a, seq_r, block_size, mono, wall, rows = item
+        for (cause, op, handle, request, generation, tier, snapshot, slots, used, payload) in rows:
+            seq_a += 1
+            seq_r += 1
+            trace = exporter.trace_id(request)
+            out.append(_ObservationLine(
+                ALLOCATOR, f"{nonce}1{seq_a:015x}", trace, source, ALLOCATOR, seq_a, mono, wall, request,
+                handle, generation, op, "allocator_observation", snapshot, "observed", cause,
+                blocks=-(-slots // block_size), slots=slots, used_slots=used, block_size=block_size))
+            out.append(_ObservationLine(
+                RESIDENCY, f"{nonce}2{seq_r:015x}", trace, source, RESIDENCY, seq_r, mono, wall, request,
+                handle, generation, op, "residency_observation", snapshot, "observed", cause,
+                resident_payload_bytes={tier: payload}))
+    elif kind == "r":
+        out.append(item[1])
+    elif kind == "h":
+        out.append({"record": "header", **msgspec.structs.asdict(item[1])})
+    elif kind == "t":
+        _, source, last_position, records, wall = item
+        out.append({"record": "trailer", **msgspec.structs.asdict(Trailer(
+            source_instance=source, last_position=last_position, records=records,
+            dropped=exporter.dropped, observed_wall_time=wall))})
+
+
+# -- the telemetry source ----------------------------------------------------------------
+
+class _Handle:
+    """What the metrics need about one live handle (dropped at release)."""
+
+    __slots__ = ("b_token", "capacity_bytes", "allocator", "copies", "tier", "committed", "owning",
+                 "state", "arrival", "last_output")
+
+    def __init__(self, b_token: int, capacity: int, allocator: int, tiers: tuple[str, ...],
+                 arrival: int | None) -> None:
+        self.b_token, self.capacity_bytes, self.allocator = b_token, capacity * b_token, allocator
+        self.copies, self.tier = len(tiers), tiers[0]
+        self.committed, self.owning, self.state = 0, False, 0  # 0 waiting, 1 running, 2 terminal
+        self.arrival, self.last_output = arrival, None
+
+
+class Telemetry:
+    """The telemetry source of one command service (and optionally its worker).
+
+    sink: a path or a binary file object for the JSON lines; None for metrics only.
+    sample_rate < 1 keeps whole traces (requests) by a hash of the request id and
+    says so in the header, so a reader never concludes absence from it."""
+
+    def __init__(self, sink: str | os.PathLike | BinaryIO | None = None, *,
+                 registry: CollectorRegistry | None = None, queue_size: int = 65536,
+                 sample_rate: float = 1.0, block_size: int = BLOCK_SIZE) -> None:
+        if not 0.0 < sample_rate <= 1.0:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"sample_rate {sample_rate} not in (0, 1]")
+        if queue_size < 1 or block_size < 1:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "queue_size and block_size must be >= 1")
+        self.metrics = Metrics(registry)
+        self.exporter = Exporter(sink, capacity=queue_size, metrics=self.metrics) if sink is not None else None
+        self.sample_rate = sample_rate
+        self.block_size = block_size
+        self.source_instance = "kvledger"
+        self.service: Any = None
+        self.store: Any = None
+        self.metrics_port: int | None = None
+        self._clock: Any = SystemClock()
+        self._nonce = os.urandom(8).hex()  # observation ids: nonce, component (1, 2), sequence
+        self._lock = threading.Lock()
+        self._seq = {SERVICE: 0, ALLOCATOR: 0, RESIDENCY: 0}
+        self._handles: dict[str, _Handle] = {}
+        self._stash: OrderedDict[str, list[tuple]] = OrderedDict()  # op id -> events to observe
+        self._server: Any = None
+        self._closed = False
+        self._logical = self._reserved = self._allocator = 0
+        self._row_bytes = 0
+
+    # -- wiring --------------------------------------------------------------------
+    def attach(self, service: Any, worker: Any = None) -> Telemetry:
+        """Hook into a CommandService (and its Worker) and write the header. The file
+        covers the journal events of this service's source_instance committed after
+        the journal's current last position."""
+        self.service = service
+        self.source_instance = service.source_instance
+        self._clock = service.clock  # the clock the journal's events are stamped with
+        components: tuple[str, ...] = (SERVICE,)
+        if worker is not None:
+            self.store = worker.store
+            # payload bytes per committed row of the store: what KVStore.payload_bytes counts
+            layers, _, heads, _, dim = self.store.k.shape
+            self._row_bytes = layers * heads * dim * (self.store.k.element_size()
+                                                      + self.store.v.element_size())
+            worker.on_applied = self._on_applied
+            components = COMPONENTS
+        if self.exporter is not None:
+            header = Header(schema_version=TELEMETRY_SCHEMA_VERSION, source_instance=self.source_instance,
+                            components=components, sample_rate=self.sample_rate,
+                            after_position=service.journal.last_position(),
+                            observed_event_types=OBSERVED_EVENT_TYPES if worker is not None else (),
+                            block_size=self.block_size, observed_wall_time=self._clock.wall_ns())
+            with self._lock:
+                self.exporter.put(("h", header), 0)
+        service.on_commit.append(self._on_commit)
+        service.on_reject.append(self._on_reject)
+        return self
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve `/metrics` from this registry; returns the bound port (0 picks one)."""
+        from prometheus_client import start_http_server
+
+        try:
+            self._server, _ = start_http_server(port, addr=addr, registry=self.metrics.registry)
+        except OSError as exc:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
+                                f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from None
+        self.metrics_port = self._server.server_port
+        return self.metrics_port
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Detach, drain the queue, write the trailer, stop the exporter and the server."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.service is not None:
+            for hooks, fn in ((self.service.on_commit, self._on_commit),
+                              (self.service.on_reject, self._on_reject)):
+                if fn in hooks:
+                    hooks.remove(fn)
+        if self.exporter is not None:
+            if self.service is not None:  # a trailer closes only a file that has a header
+                with self._lock:
+                    self.exporter.put(("t", self.source_instance, self.service.journal.last_position(),
+                                       self.exporter._in, self._clock.wall_ns()), 0)
+            self.exporter.stop(timeout)
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def dropped(self) -> int:
+        return self.exporter.dropped if self.exporter is not None else 0
+
+    @property
+    def emitted(self) -> int:
+        """Audit records emitted: queued, or dropped because the queue was full."""
+        return self.exporter._in + self.exporter.dropped_queue if self.exporter is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        x = self.exporter
+        if x is None:
+            return {"records": 0, "written": 0, "dropped": 0}
+        return {"records": self.emitted, "written": x.written, "dropped": x.dropped,
+                "dropped_queue_full": x.dropped_queue, "dropped_sink_error": x.dropped_sink,
+                "sink_error": x.error}
+
+    def _sampled(self, request_id: str) -> bool:
+        if self.sample_rate >= 1.0:
+            return True
+        h = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
+        return h < self.sample_rate * 2**64
+
+    # -- hooks (the committing thread; each returns after an enqueue) ------------------
+    def _on_commit(self, receipt: Receipt, events: list[ev.Event]) -> None:
+        x = self.exporter
+        if x is not None:
+            audit = events if self.sample_rate >= 1.0 else [e for e in events if self._sampled(e.request_id)]
+            if audit:
+                if self.store is not None:
+                    observe = [(e.event_id, e.operation_id, e.stream_id, e.request_id, self._tier(e))
+                               for e in audit if e.event_type in _OBSERVED]
+                    if observe:
+                        self._stash[receipt.operation_id] = observe
+                        if len(self._stash) > 4096:  # receipts no worker applied: forget them
+                            self._stash.popitem(last=False)
+                n = len(audit)
+                mono, wall = self._clock.monotonic_ns(), self._clock.wall_ns()
+                with self._lock:
+                    seq = self._seq[SERVICE]
+                    self._seq[SERVICE] = seq + n
+                    x.put(("m", self.source_instance, seq, receipt.last_global_position, mono, wall,
+                           audit), n)
+                self.metrics.records[SERVICE] += n
+        self._account(events)
+
+    def _tier(self, e: ev.Event) -> str:
+        h = self._handles.get(e.stream_id)
+        if h is not None:
+            return h.tier
+        tiers = getattr(e.payload, "copy_tiers", None)
+        return tiers[0] if tiers else "gpu"
+
+    def _on_applied(self, receipt: Receipt) -> None:
+        pending = self._stash.pop(receipt.operation_id, None)
+        x = self.exporter
+        if not pending or x is None:
+            return
+        store, row_bytes = self.store, self._row_bytes
+        results = {r.handle_id: r for r in receipt.handles}
+        rows = []
+        for cause, op, handle, request, tier in pending:
+            r = results.get(handle)
+            used = store.committed.get(handle, 0) if handle in store.slot else None
+            rows.append((cause, op, handle, request, r.generation if r else 0, tier,
+                         r.snapshot_version if r else None, 0 if used is None else store.capacity,
+                         used or 0, (used or 0) * row_bytes))
+        n = len(rows)
+        mono, wall = self._clock.monotonic_ns(), self._clock.wall_ns()
+        with self._lock:
+            seq_a, seq_r = self._seq[ALLOCATOR], self._seq[RESIDENCY]
+            self._seq[ALLOCATOR], self._seq[RESIDENCY] = seq_a + n, seq_r + n
+            x.put(("o", self.source_instance, self._nonce, seq_a, seq_r, self.block_size, mono, wall,
+                   rows), 2 * n)
+        self.metrics.records[ALLOCATOR] += n
+        self.metrics.records[RESIDENCY] += n
+
+    def _on_reject(self, cmd: Any, exc: KvLedgerError) -> None:
+        if not isinstance(cmd, c.Command):
+            return  # a chained command that could not even be built
+        m = self.metrics
+        code = exc.code.value if exc.code.value in m.rejections else "other"
+        m.rejections[code] += 1
+        if isinstance(cmd, (c.BeginAppend, c.Publish)):
+            m.outcomes["conflict" if code == "CONFLICT" else "stale" if code == "STALE_BASE"
+                       else "rejected"] += 1
+        x = self.exporter
+        if x is None:
+            return
+        handle = c.handles_of(cmd)[0]
+        state = self.service.states.get(handle) if self.service is not None else None
+        if isinstance(cmd, c.Allocate):
+            request = cmd.manifest.request_identity.request_id
+        else:
+            request = state.request_id if state is not None else handle
+        if not self._sampled(request):
+            return
+        generation = getattr(cmd, "base_generation", getattr(cmd, "generation", None))
+        if generation is None:
+            generation = state.generation if state is not None else 0
+        base = getattr(cmd, "base_snapshot_version", None)
+        if base is None and not isinstance(cmd, c.Allocate) and state is not None:
+            base = state.snapshot_version
+        fields = {"record": "mutation", "event_id": uuid.uuid4().hex, "trace_id": trace_id_of(request),
+                  "source_instance": self.source_instance, "source_component": SERVICE,
+                  "local_sequence": 0, "monotonic_ns": self._clock.monotonic_ns(),
+                  "observed_wall_time": self._clock.wall_ns(), "request_id": request,
+                  "handle_id": handle, "handle_generation": generation,
+                  "operation_id": cmd.operation_id, "event_type": _COMMAND_EVENT[type(cmd)],
+                  "base_snapshot": base, "result_snapshot": None, "outcome": REFUSED,
+                  "journal_watermark": None, "committed_length": None, "code": exc.code.value}
+        with self._lock:
+            self._seq[SERVICE] += 1
+            fields["local_sequence"] = self._seq[SERVICE]
+            x.put(("r", fields), 1)
+        m.records[SERVICE] += 1
+
+    # -- metrics from committed events ---------------------------------------------
+    def _account(self, events: list[ev.Event]) -> None:
+        """Counters, gauges and histograms from every committed event (sampling thins
+        the audit stream, never the metrics). The byte ledgers follow replay.ledger:
+        a handle owns bytes from its first publication (or its fork) to its release."""
+        m = self.metrics
+        handles = self._handles
+        moved = False
+        for e in events:
+            t = e.event_type
+            m.events[t] += 1
+            sid = e.stream_id
+            h = handles.get(sid)
+            p = e.payload
+            if t == "output_emit":
+                if h is None:
+                    continue
+                now = e.monotonic_ns
+                if h.last_output is None:
+                    if h.arrival is not None:
+                        m.ttft.observe(max(0, now - h.arrival) / 1e9)
+                else:
+                    m.itl.observe(max(0, now - h.last_output) / 1e9)
+                h.last_output = now
+            elif t == "append_start":
+                m.attempts[p.kind] += 1
+                if h is not None and h.state == 0:
+                    h.state = 1
+                    m.waiting -= 1
+                    m.running += 1
+            elif t == "append_publish":
+                m.outcomes["success"] += 1
+                if h is not None:
+                    self._own(h, p.committed_length)
+                    moved = True
+            elif t == "request_allocate":
+                handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
+                                       p.copy_tiers, e.monotonic_ns)
+                m.waiting += 1
+            elif t == "fork":
+                h = handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
+                                           p.copy_tiers, None)
+                h.state, h.last_output = 1, e.monotonic_ns
+                m.running += 1
+                self._own(h, p.prefix_length)
+                moved = True
+            elif t == "failure":
+                m.outcomes[p.outcome] += 1
+            elif h is None:
+                continue  # allocated before this telemetry started: counted, not tracked
+            elif t == "truncate":
+                if h.owning:
+                    self._own(h, p.new_length)
+                    moved = True
+            elif t in ("cancel_request", "finish"):
+                if t == "cancel_request" and p.aborted_txn_ids:
+                    m.outcomes["cancelled"] += len(p.aborted_txn_ids)
+                self._terminal(h)
+            elif t == "release":
+                self._terminal(h)
+                if h.owning:
+                    self._logical -= h.committed * h.b_token
+                    self._reserved -= h.copies * h.capacity_bytes
+                    self._allocator -= h.copies * h.allocator
+                    moved = True
+                del handles[sid]
+        if moved:
+            kv = m.kv
+            kv["logical"], kv["reserved"] = self._logical, self._reserved
+            kv["physical"] = self._reserved + self._allocator
+
+    def _own(self, h: _Handle, committed: int) -> None:
+        if not h.owning:
+            h.owning = True
+            self._reserved += h.copies * h.capacity_bytes
+            self._allocator += h.copies * h.allocator
+        self._logical += (committed - h.committed) * h.b_token
+        h.committed = committed
+
+    def _terminal(self, h: _Handle) -> None:
+        if h.state == 0:
+            self.metrics.waiting -= 1
+        elif h.state == 1:
+            self.metrics.running -= 1
+        h.state = 2
+
+
+__all__ = ["Exporter", "Metrics", "Telemetry", "event_outcome", "event_snapshots", "trace_id_of"]

@@ -1,0 +1,161 @@
+"""`kvledger reconcile`, and the `--telemetry/--metrics-port/--metrics-out` flags of
+`kvledger demo`.
+
+    kvledger demo --db sqlite:///kv.db --telemetry t.jsonl --metrics-port 9100 --metrics-out m.txt
+    kvledger reconcile --telemetry t.jsonl --metrics m.txt --db sqlite:///kv.db [--json]
+
+Exit status of reconcile: 0 clean (informational notes allowed), 1 findings, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from schemas.errors import ErrorCode, KvLedgerError
+
+DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "reconcile",
+        help="compare telemetry (audit records, allocator/residency observations, a metrics "
+             "scrape) with the journal; exit 1 on findings",
+        description="Each finding names its class, the telemetry record(s) (line, id) and the "
+                    "journal event(s) (position, id) it points to. Absence is concluded only from "
+                    "a complete (unsampled) telemetry file, within the scope its header declares.")
+    p.add_argument("--telemetry", required=True, metavar="FILE.jsonl",
+                   help="telemetry JSON lines (from `kvledger demo --telemetry`)")
+    p.add_argument("--metrics", metavar="SCRAPE.txt", help="a Prometheus text scrape to check labels")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--db", help=DB_HELP)
+    g.add_argument("--journal", metavar="FILE.jsonl", help="an audit file (kvledger export); no database")
+    p.add_argument("--json", action="store_true", help="print one JSON object: summary, findings")
+    p.set_defaults(run=_cmd_reconcile)
+
+    demo = sub.choices.get("demo")
+    if demo is not None:
+        demo.add_argument("--telemetry", metavar="FILE.jsonl",
+                          help="write telemetry JSON lines here (after each commit; never blocks)")
+        demo.add_argument("--metrics-port", type=int, metavar="P",
+                          help="serve Prometheus /metrics on 127.0.0.1:P during the run (0: any port)")
+        demo.add_argument("--metrics-out", metavar="SCRAPE.txt",
+                          help="write the final /metrics scrape here (for `kvledger reconcile --metrics`)")
+
+
+# -- demo wiring (called by kvledger.cmd_serve) ------------------------------------------
+
+def demo_telemetry(args: argparse.Namespace):
+    """A Telemetry for `kvledger demo` when any telemetry flag is set, else None."""
+    path = getattr(args, "telemetry", None)
+    port = getattr(args, "metrics_port", None)
+    if path is None and port is None and getattr(args, "metrics_out", None) is None:
+        return None
+    from engine.telemetry import Telemetry
+
+    if path is not None and not Path(path).expanduser().parent.is_dir():
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"directory of {path} does not exist")
+    if port is not None and not 0 <= port <= 65535:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--metrics-port {port} is not a port")
+    telemetry = Telemetry(Path(path).expanduser() if path else None)
+    if port is not None:
+        try:
+            bound = telemetry.serve(port)
+        except BaseException:
+            telemetry.close()
+            raise
+        print(f"serving metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
+    return telemetry
+
+
+def finish_demo_telemetry(telemetry, args: argparse.Namespace) -> dict | None:
+    """Close the telemetry (drain, trailer), write --metrics-out; a summary for the output."""
+    if telemetry is None:
+        return None
+    telemetry.close()
+    out = getattr(args, "metrics_out", None)
+    if out is not None:
+        Path(out).expanduser().write_bytes(telemetry.metrics.scrape())
+    stats = telemetry.stats()
+    return {"file": getattr(args, "telemetry", None), "metrics_port": telemetry.metrics_port,
+            "metrics_out": out, "records": stats["records"], "written": stats["written"],
+            "dropped": stats["dropped"]}
+
+
+# -- reconcile -------------------------------------------------------------------------
+
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from replay.reconcile import reconcile
+    from replay.sources import journal_events, jsonl_bodies, jsonl_events
+
+    if not Path(args.telemetry).is_file():
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"no telemetry file {args.telemetry}")
+    scrape = None
+    if args.metrics:
+        try:
+            scrape = Path(args.metrics).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot read {args.metrics}: {exc}") from None
+    if args.journal:
+        source = args.journal
+        result = reconcile(jsonl_events(args.journal), jsonl_bodies(args.telemetry), scrape)
+    else:
+        with _existing_journal(args.db) as journal:
+            source = journal.display_url
+            result = reconcile(journal_events(journal), jsonl_bodies(args.telemetry), scrape)
+    if args.json:
+        doc = {"journal": source, "telemetry": args.telemetry, "metrics": args.metrics, "ok": result.ok,
+               "summary": result.summary, "findings": result.findings}
+        sys.stdout.buffer.write(msgspec.json.encode(doc) + b"\n")
+        sys.stdout.flush()
+    else:
+        _print(result, source, args.telemetry)
+    return 0 if result.ok else 1
+
+
+def _existing_journal(raw_url: str | None):
+    """Open a journal that must already exist: reading never creates a database."""
+    from journal import open_journal, parse_url, redact, resolve_url
+
+    url = parse_url(resolve_url(raw_url))
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        if not Path(url.database).expanduser().exists():
+            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no journal at {redact(url)}")
+    return open_journal(url.render_as_string(hide_password=False))
+
+
+def _print(result, source: str, telemetry: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    s = result.summary
+    scope = (f"{s.in_scope} in scope" if s.complete else
+             "sampled: absence not concluded" if s.sample_rate is not None else "no header")
+    console.print(f"{escape(telemetry)} vs {escape(source)}: {s.journal_events} journal events ({scope}), "
+                  f"{s.mutations} mutation records ({s.paired} paired, {s.refused} refused), "
+                  f"{s.observations} observations, {s.duplicates} duplicate(s) deduplicated"
+                  + (f", {s.metric_series} metric series" if s.metric_series is not None else ""))
+    if not result.findings:
+        console.print("clean: every plane agrees with the journal")
+        return
+    t = Table(title=f"{len(result.errors)} finding(s), {len(result.findings) - len(result.errors)} note(s)",
+              title_justify="left")
+    for col in ("class", "code", "telemetry", "journal", "message"):
+        t.add_column(col, overflow="fold")
+    for f in result.findings:
+        tele = ", ".join(f"line {n}" for n in f.lines[:3]) or (
+            ", ".join(f"scrape line {n}" for n in f.scrape_lines[:3]) if f.scrape_lines else "-")
+        if f.record_ids:
+            tele += f" ({f.record_ids[0][:12]})"
+        jour = ", ".join(f"pos {p}" for p in f.positions[:3]) or "-"
+        if f.event_ids:
+            jour += f" ({f.event_ids[0][:12]})"
+        code = f.code if f.severity == "error" else f"{f.code} (info)"
+        t.add_row(f.finding_class, code, tele, jour, escape(f.message))
+    console.print(t)

@@ -1,0 +1,78 @@
+"""CI smoke run of the benchmark harness: `python -m bench --smoke --json` at tiny sizes
+must finish, and print every headline key as a number (no thresholds here: CI machines
+are too noisy to hold a performance goal; docs/PERFORMANCE.md has the measured ones)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvledger.pgserver import find_bin
+
+ROOT = Path(__file__).resolve().parent.parent
+# Figures that need the optional `bench` extra (eventsourcing, psycopg_pool).
+PEER_KEYS = {"journal_vs_eventsourcing_sqlite", "journal_vs_eventsourcing_postgres",
+             "journal_vs_eventsourcing_sqlite_single", "journal_vs_eventsourcing_postgres_single"}
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if find_bin() is None and os.environ.get("KVLEDGER_REQUIRE_POSTGRES") != "1":
+        pytest.skip("no PostgreSQL server binaries: the harness starts its own server")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--json"], cwd=ROOT,
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_section_runs(report):
+    from bench import SECTIONS
+
+    assert report["mode"] == "smoke"
+    assert set(report["sections"]) == {s.name for s in SECTIONS}
+    for name, section in report["sections"].items():
+        # a section whose module is not written yet is reported, never a crash
+        assert section["status"] in ("ok", "missing"), (name, section)
+
+
+def test_every_key_is_present_and_numeric(report):
+    from bench import SECTIONS
+
+    peers = _has("eventsourcing") and _has("psycopg_pool")
+    for section in SECTIONS:
+        status = report["sections"][section.name]["status"]
+        keys = set(section.keys) | {k for k in report["goals"] if k in report and status == "ok"}
+        for key in keys:
+            assert key in report, key
+            value = report[key]
+            if status == "missing" or (key in PEER_KEYS and not peers):
+                assert value is None, (key, value)
+                continue
+            assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
+            assert math.isfinite(value), (key, value)
+
+
+def test_goals_and_absolute_figures_are_reported(report):
+    journal = report["figures"]["journal"]
+    for backend in ("sqlite", "postgres"):
+        for system in ("kvledger", "raw"):
+            for mode in ("batch", "single"):
+                assert journal[f"{backend}_{system}_{mode}_per_s"] > 0
+    for key, goal in report["goals"].items():
+        assert goal["op"] in (">=", "<=") and "value" in goal and "met" in goal, key
+    machine = report["machine"]
+    for field in ("cpu_model", "cpu_count", "python", "sqlite", "postgres", "torch"):
+        assert machine[field], field

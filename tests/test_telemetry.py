@@ -1,0 +1,384 @@
+"""Telemetry and metrics (issue 6): emitted only after the commit they describe, never
+blocking the service or the worker, drops counted, bounded metric labels, and a demo's
+own telemetry reconciling against its own journal with no finding on both backends."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+import time
+import urllib.request
+from collections import Counter as Count
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import commands as c
+from engine.service import CommandService
+from engine.telemetry import Telemetry
+from factories import make_manifest
+from kvledger.cli import main
+from kvledger.demo import run_demo
+from kvledger.storage import init_database, open_journal
+from replay.reconcile import reconcile
+from replay.sources import journal_events, jsonl_bodies
+from replay.verify import verify_journal
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.telemetry import IDENTITY_LABELS, Mutation, record_decoder
+
+
+def _records(path: Path) -> list:
+    return [record_decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def _scalar(scrape: bytes, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(scrape.decode()):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"no sample {name} {labels}")
+
+
+def _series_per_family(scrape: bytes) -> dict[str, int]:
+    return {f.name: len(f.samples) for f in text_string_to_metric_families(scrape.decode())}
+
+
+# -- the demo's own telemetry against its own journal -----------------------------------
+
+def test_demo_telemetry_reconciles_with_its_journal(db_url, tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    with open_journal(db_url) as journal:
+        telemetry = Telemetry(path)
+        port = telemetry.serve(0)
+        result = run_demo(journal, requests=6, max_new_tokens=3, seed=1, telemetry=telemetry)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            served = resp.read()
+        telemetry.close()
+        assert result["errors"] == []
+        events = list(journal_events(journal))
+        scrape = telemetry.metrics.scrape()
+        rec = reconcile(iter(events), jsonl_bodies(path), scrape.decode())
+    assert rec.findings == [], rec.findings[:5]
+    s = rec.summary
+    assert s.complete and s.paired == s.in_scope == len(events) and s.refused == 0
+    assert telemetry.dropped == 0 and telemetry.stats()["written"] == s.mutations + s.observations
+    # every observed event type got one allocator and one residency observation
+    observed = sum(1 for e in events if e.event_type in
+                   ("append_publish", "fork", "truncate", "cancel_request", "finish", "release"))
+    assert s.observations == 2 * observed
+    # each source's local_sequence is gapless from 1, in file order
+    by_source: dict[str, list[int]] = {}
+    for r in _records(path):
+        if hasattr(r, "local_sequence"):
+            by_source.setdefault(r.source_component, []).append(r.local_sequence)
+    assert set(by_source) == {"command_service", "allocator", "residency"}
+    assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in by_source.values())
+    # metrics agree with the journal they were counted from
+    types = Count(e.event_type for e in events)
+    assert b"kvledger_journal_events_total" in served
+    for t in ("request_allocate", "append_start", "append_publish", "output_emit", "fork", "release"):
+        assert _scalar(scrape, "kvledger_journal_events_total", event_type=t) == types[t]
+    starts = Count(e.payload.kind for e in events if e.event_type == "append_start")
+    for kind, n in starts.items():
+        assert _scalar(scrape, "kvledger_append_attempts_total", kind=kind) == n
+    assert _scalar(scrape, "kvledger_append_outcomes_total", outcome="success") == types["append_publish"]
+    # TTFT once per allocated request that produced output; ITL for every later output
+    outputs = Count(e.stream_id for e in events if e.event_type == "output_emit")
+    firsts = sum(1 for e in events if e.event_type == "request_allocate" and outputs[e.stream_id])
+    assert _scalar(scrape, "kvledger_time_to_first_token_seconds_count") == firsts
+    assert _scalar(scrape, "kvledger_inter_token_latency_seconds_count") == types["output_emit"] - firsts
+    for gauge in ("kvledger_requests_running", "kvledger_requests_waiting"):
+        assert _scalar(scrape, gauge) == 0
+    for ledger in ("logical", "reserved", "physical"):
+        assert _scalar(scrape, "kvledger_kv_bytes", ledger=ledger) == 0  # everything released
+
+
+def test_gauges_follow_live_handles(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    init_database(url)
+    with open_journal(url) as journal:
+        service = CommandService(journal)
+        telemetry = Telemetry(None).attach(service)
+        m = make_manifest(request_id="g1")
+        service.execute(c.Allocate(handle_id="g1", manifest=m, reserved_capacity=8))
+        scrape = telemetry.metrics.scrape()
+        assert _scalar(scrape, "kvledger_requests_waiting") == 1
+        assert _scalar(scrape, "kvledger_kv_bytes", ledger="reserved") == 0  # arrival owns nothing
+        s = service.state("g1")
+        service.execute(c.BeginAppend(handle_id="g1", txn_id="t", kind="prefill", base_generation=0,
+                                      base_snapshot_version=0, interval_start=0, interval_count=4,
+                                      token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3),
+                                      mask_key_extent=4, cache_abi_sha256=s.cache_abi_sha256))
+        service.execute(c.Publish(handle_id="g1", txn_id="t", base_generation=0, base_snapshot_version=0))
+        scrape = telemetry.metrics.scrape()
+        assert _scalar(scrape, "kvledger_requests_waiting") == 0
+        assert _scalar(scrape, "kvledger_requests_running") == 1
+        assert _scalar(scrape, "kvledger_kv_bytes", ledger="logical") == 4 * s.b_token
+        assert _scalar(scrape, "kvledger_kv_bytes", ledger="reserved") == 8 * s.b_token
+        telemetry.close()
+
+
+# -- never before the commit; refused commands; failed commits ---------------------------
+
+def test_records_are_enqueued_only_after_their_commit_returned(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    init_database(url)
+    path = tmp_path / "t.jsonl"
+    with open_journal(url) as journal:
+        service = CommandService(journal)
+        telemetry = Telemetry(path).attach(service)
+        committed: set[str] = set()
+        real_append, real_put = journal.append, telemetry.exporter.put
+        fail_next = {"on": False}
+
+        def append(ops):
+            if fail_next["on"]:
+                fail_next["on"] = False
+                raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, "injected commit failure")
+            results = real_append(ops)
+            for op, r in zip(ops, results):
+                if hasattr(r, "event_ids"):
+                    committed.update(r.event_ids)
+            return results
+
+        early: list[str] = []
+
+        def put(item, records):
+            if item[0] == "m":
+                early.extend(e.event_id for e in item[-1] if e.event_id not in committed)
+            return real_put(item, records)
+
+        journal.append = append
+        telemetry.exporter.put = put
+        m = make_manifest(request_id="a")
+        service.execute(c.Allocate(handle_id="a", manifest=m, reserved_capacity=8))
+        fail_next["on"] = True
+        with pytest.raises(KvLedgerError):  # the commit failed: nothing may be claimed
+            service.execute(c.Allocate(handle_id="b", manifest=make_manifest(request_id="b"),
+                                       reserved_capacity=8))
+        s = service.state("a")
+        # a stale base and a conflicting retry are refused: outcome records, no journal event
+        with pytest.raises(KvLedgerError):
+            service.execute(c.BeginAppend(handle_id="a", txn_id="t", kind="prefill", base_generation=0,
+                                          base_snapshot_version=5, interval_start=0, interval_count=4,
+                                          token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3),
+                                          mask_key_extent=4, cache_abi_sha256=s.cache_abi_sha256))
+        with pytest.raises(KvLedgerError):
+            service.execute(c.Allocate(handle_id="a", manifest=m, reserved_capacity=9, operation_id="x"))
+        service.execute(c.CancelRequest(handle_id="a", base_generation=0))
+        service.execute(c.Release(handle_id="a", base_generation=0))
+        telemetry.close()
+        rec = reconcile(journal_events(journal), jsonl_bodies(path), telemetry.metrics.scrape().decode())
+    assert early == []
+    records = [r for r in _records(path) if isinstance(r, Mutation)]
+    assert all(r.request_id != "b" for r in records)  # the failed commit left no claim
+    refused = [r for r in records if r.outcome == "refused"]
+    assert [(r.event_type, r.code) for r in refused] == [("append_start", "STALE_BASE"),
+                                                         ("request_allocate", "HANDLE_EXISTS")]
+    assert rec.findings == [] and rec.summary.refused == 2 and rec.summary.paired == 3
+    scrape = telemetry.metrics.scrape()
+    assert _scalar(scrape, "kvledger_command_rejections_total", code="STALE_BASE") == 1
+    assert _scalar(scrape, "kvledger_append_outcomes_total", outcome="stale") == 1
+
+
+# -- export never blocks; drops are counted and reconcile reports exactly those ----------
+
+class KillableSink:
+    """A binary sink that fails every write once killed (a dead collector)."""
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "wb")  # noqa: SIM115
+        self.killed = threading.Event()
+
+    def write(self, data: bytes) -> int:
+        if self.killed.is_set():
+            raise OSError(errno.EPIPE, "telemetry collector is gone")
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        if self.killed.is_set():
+            raise OSError(errno.EPIPE, "telemetry collector is gone")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def test_killed_sink_loses_only_counted_records(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    init_database(url)
+    path = tmp_path / "t.jsonl"
+    sink = KillableSink(path)
+    telemetry = Telemetry(sink)
+
+    def kill(worker) -> None:
+        if worker.step_no == 4:
+            time.sleep(0.2)  # let the exporter write what it has: the sink dies mid-run
+            sink.killed.set()
+
+    with open_journal(url) as journal:
+        result = run_demo(journal, requests=6, max_new_tokens=4, seed=2, telemetry=telemetry, on_step=kill)
+        telemetry.close()
+        sink.close()
+        assert result["errors"] == []
+        events = list(journal_events(journal))
+        assert verify_journal(journal).ok
+        heads = journal.heads()
+    # the journal is complete: every request (and the fork child) ran to its release
+    assert len(heads) == result["handles"] == 7 and all(h.phase == "RELEASED" for h in heads.values())
+    assert sum(1 for e in events if e.event_type == "output_emit") >= 6 * 4
+    written = _records(path)
+    stats = telemetry.stats()
+    assert stats["dropped_sink_error"] == telemetry.dropped > 0 and stats["written"] > 0
+    assert stats["written"] + telemetry.dropped == telemetry.emitted
+    assert not any(getattr(r, "record", None) == "trailer" for r in written)
+    rec = reconcile(iter(events), jsonl_bodies(path))
+    assert {f.code for f in rec.findings} == {"LOST_AUDIT"}
+    assert len(rec.findings) == telemetry.dropped
+    # what was lost is exactly the tail after the sink died
+    seen = {r.event_id for r in written if isinstance(r, Mutation)}
+    last = max(e.global_position for e in events if e.event_id in seen)
+    lost = {f.event_ids[0] for f in rec.findings if f.source.endswith("/command_service")}
+    assert lost == {e.event_id for e in events if e.global_position > last}
+    scrape = telemetry.metrics.scrape()
+    assert _scalar(scrape, "kvledger_telemetry_dropped_records_total", reason="sink_error") == telemetry.dropped
+
+
+class SlowSink:
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "wb")  # noqa: SIM115
+
+    def write(self, data: bytes) -> int:
+        time.sleep(0.03)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _drive(service: CommandService, start: int, n: int, batch: int = 10, prefix: str = "r") -> None:
+    """n tiny requests (allocate, prefill, publish, emit, finish, release), `batch`
+    requests per journal commit, through the command service: no model needed."""
+
+    def state(h):
+        return lambda st: st(h)
+
+    for lo in range(start, start + n, batch):
+        cmds = []
+        for i in range(lo, min(lo + batch, start + n)):
+            h = f"{prefix}{i}"
+            cmds.append(c.Allocate(handle_id=h, manifest=make_manifest(request_id=h), reserved_capacity=8))
+            cmds.append(lambda st, h=h: c.BeginAppend(
+                handle_id=h, txn_id=f"t{h}", kind="prefill", base_generation=st(h).generation,
+                base_snapshot_version=st(h).snapshot_version, interval_start=0, interval_count=4,
+                token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
+                cache_abi_sha256=st(h).cache_abi_sha256))
+            cmds.append(lambda st, h=h: c.Publish(handle_id=h, txn_id=f"t{h}", base_generation=st(h).generation,
+                                                  base_snapshot_version=st(h).snapshot_version))
+            cmds.append(lambda st, h=h: c.EmitOutput(handle_id=h, base_generation=st(h).generation,
+                                                     snapshot_version=st(h).snapshot_version,
+                                                     output_index=0, token_id=7))
+            cmds.append(lambda st, h=h: c.Finish(handle_id=h, base_generation=st(h).generation))
+            cmds.append(lambda st, h=h: c.Release(handle_id=h, base_generation=st(h).generation))
+        results = service.execute_many(cmds)
+        assert not any(isinstance(r, Exception) for r in results), results
+
+
+def test_full_queue_drops_are_counted_and_reported_as_lost_audit(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    init_database(url)
+    path = tmp_path / "t.jsonl"
+    with open_journal(url) as journal:
+        service = CommandService(journal)
+        telemetry = Telemetry(SlowSink(path), queue_size=16).attach(service)
+        # bursts faster than the sink: drops (below) prove the service never waited for it
+        _drive(service, 0, 30, batch=3)
+        time.sleep(0.5)  # the exporter catches up; the next burst is accepted again
+        _drive(service, 30, 30, batch=3)
+        telemetry.close()
+        rec = reconcile(journal_events(journal), jsonl_bodies(path))
+        n_events = journal.last_position()
+    stats = telemetry.stats()
+    assert stats["dropped_queue_full"] == telemetry.dropped > 0
+    assert stats["written"] + telemetry.dropped == telemetry.emitted == n_events
+    lost = [f for f in rec.findings if f.code == "LOST_AUDIT"]
+    assert len(lost) == telemetry.dropped
+    assert {f.finding_class for f in rec.findings} == {"lost_audit"}
+    gaps = [f for f in rec.findings if f.code == "SEQUENCE_GAP"]
+    assert gaps and sum(f.count for f in gaps) <= telemetry.dropped
+
+
+# -- bounded metric labels ----------------------------------------------------------------
+
+def test_metric_series_do_not_grow_with_traffic(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    init_database(url)
+    with open_journal(url) as journal:
+        service = CommandService(journal)
+        telemetry = Telemetry(tmp_path / "t.jsonl").attach(service)
+        port = telemetry.serve(0)
+        _drive(service, 0, 100, batch=25)
+        with pytest.raises(KvLedgerError):  # a refusal is a bounded code label too
+            service.execute(c.Release(handle_id="r0", base_generation=0))
+        after_100 = telemetry.metrics.scrape()
+        _drive(service, 100, 900, batch=25)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            after_1000 = resp.read()
+        telemetry.close()
+    assert _scalar(after_1000, "kvledger_journal_events_total", event_type="request_allocate") == 1000
+    assert _scalar(after_1000, "kvledger_append_outcomes_total", outcome="success") == 1000
+    assert _scalar(after_1000, "kvledger_time_to_first_token_seconds_count") == 1000
+    assert _series_per_family(after_100) == _series_per_family(after_1000)
+    families = list(text_string_to_metric_families(after_1000.decode()))
+    ours = [f for f in families if f.name.startswith("kvledger_")]
+    assert len(ours) >= 11
+    series = sum(len(f.samples) for f in ours)
+    assert series < 300  # a fixed set, created up front: independent of the 1,000 requests
+    ids = {f"r{i}" for i in range(1000)}
+    for f in ours:
+        for s in f.samples:
+            assert not set(s.labels) & IDENTITY_LABELS, (f.name, s.labels)
+            assert not set(s.labels.values()) & ids, (f.name, s.labels)
+
+
+# -- the demo command line ------------------------------------------------------------------
+
+def test_demo_cli_writes_telemetry_that_reconciles(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path}/cli.db"
+    tel, scrape = tmp_path / "t.jsonl", tmp_path / "m.txt"
+    rc = main(["demo", "--db", db, "--requests", "4", "--max-new-tokens", "3", "--json",
+               "--telemetry", str(tel), "--metrics-port", "0", "--metrics-out", str(scrape)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["telemetry"]["dropped"] == 0 and out["telemetry"]["written"] > 0
+    assert out["telemetry"]["metrics_port"] > 0
+    assert b"kvledger_telemetry_dropped_records_total" in scrape.read_bytes()
+    rc = main(["reconcile", "--telemetry", str(tel), "--metrics", str(scrape), "--db", db, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"] and doc["findings"] == []
+    assert doc["summary"]["paired"] == out["events_written"]
+
+
+def test_sampled_stream_keeps_whole_traces_and_proves_no_absence(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    init_database(url)
+    path = tmp_path / "t.jsonl"
+    with open_journal(url) as journal:
+        service = CommandService(journal)
+        telemetry = Telemetry(path, sample_rate=0.5).attach(service)
+        _drive(service, 0, 40)
+        telemetry.close()
+        _drive(service, 40, 10, prefix="late")  # after the trailer: outside the file's scope
+        events = list(journal_events(journal))
+    records = [r for r in _records(path) if isinstance(r, Mutation)]
+    per_request = Count(r.request_id for r in records)
+    assert 0 < len(per_request) < 40
+    assert set(per_request.values()) == {6}  # a request is kept whole or not at all
+    assert [r.local_sequence for r in records] == list(range(1, len(records) + 1))
+    rec = reconcile(iter(events), jsonl_bodies(path))
+    assert [f.code for f in rec.findings] == ["SAMPLED_NO_ABSENCE"] and rec.ok
+    assert rec.findings[0].count == 6 * (40 - len(per_request))
+    assert rec.summary.in_scope == 6 * 40 < len(events)
+    # metrics are never sampled
+    assert _scalar(telemetry.metrics.scrape(), "kvledger_journal_events_total", event_type="finish") == 40
