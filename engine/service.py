@@ -9,13 +9,13 @@ the second decide rejects it; otherwise it commits against the new head.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from engine import commands as c
+from engine.ids import new_id
 from engine.decide import Draft, decide
 from engine.evolve import evolve, fold
 from engine.state import HandleState
@@ -99,7 +99,7 @@ class CommandService:
                     if not isinstance(cmds[i], c.Command):
                         cmds[i] = cmds[i](lambda h: local[h] if h in local else self.state(h))
                     if cmds[i].operation_id is None:
-                        cmds[i] = msgspec.structs.replace(cmds[i], operation_id=uuid.uuid4().hex)
+                        cmds[i] = msgspec.structs.replace(cmds[i], operation_id=new_id())
                     plan = self._plan(cmds[i], local)
                 except KvLedgerError as exc:
                     built = isinstance(cmds[i], c.Command)
@@ -201,7 +201,7 @@ class CommandService:
             generation, position = 0, 0
         self.local_sequence += 1
         return d.event_cls(
-            event_id=uuid.uuid4().hex, stream_id=d.handle_id, stream_position=position + 1,
+            event_id=new_id(), stream_id=d.handle_id, stream_position=position + 1,
             schema_version=ev.CURRENT_VERSION[d.event_cls.event_type], request_id=request_id,
             handle_generation=generation, operation_id=cmd.operation_id,
             source_instance=self.source_instance, local_sequence=self.local_sequence,

@@ -13,7 +13,6 @@ is emitted in the same commit as the publication whose logits chose it.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 
 from engine import commands as c
+from engine.ids import new_id
 from engine.executor import CallShape, Member, run_call
 from engine.kvstore import KVStore
 from engine.model import Transformer
@@ -333,7 +333,7 @@ class Worker:
         for p in planned:
             groups["decode" if p.kind in ("decode", "repair") else
                    "prefill" if p.kind in ("prefill", "chunk") else "verify"].append(p)
-        return [(uuid.uuid4().hex, g) for g in groups.values() if g]
+        return [(new_id(), g) for g in groups.values() if g]
 
     def _start(self, p: Planned, call: ForwardCall) -> Entry:
         n = len(p.tokens)
@@ -528,5 +528,5 @@ def _shape(members: list[Planned]) -> CallShape:
 
 
 def _txn() -> str:
-    return uuid.uuid4().hex[:16]
+    return new_id()
 
