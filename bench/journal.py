@@ -1,21 +1,21 @@
 """1. Journal append: conditional-write publications per second.
 
 One publication = a guarded head update (`WHERE handle_id AND generation AND
-snapshot_version AND stream_position`), one event row (a ~660-byte JSON body with a
+snapshot_version AND stream_position`), one event row (a ~700-byte JSON body with a
 ~280-byte payload), one receipt row, and the commit. Measured single (one publication
 per commit) and in batches of 64 publications on 64 distinct handles (one commit),
 cycling through 1,024 live handles, for:
 
 - kvledger: `SqlJournal.append` with real `Operation`s. Timed per batch: building the
   operations (msgspec structs), validation, encoding, the guarded transaction and
-  receipts, and the commit. Handle, event and operation ids are random 32-hex strings
-  (like uuid4), drawn from a pool filled outside the per-id cost (see bench.ops).
+  receipts, and the commit. Event and operation ids are made as the engine makes them
+  (a random prefix per writer and a counter); handle ids are random (see bench.ops).
 - raw: the same rows on the same tables through the bare driver, the fastest correct
   way: sqlite3 `executemany` per statement inside one `BEGIN IMMEDIATE`; psycopg one
   data-modifying statement per batch (it updates the guarded heads and inserts the
   events and receipts of exactly the rows whose guard held) between LOCK and COMMIT,
   pipelined in one round trip or sent plainly, whichever is faster. Bodies are
-  pre-encoded bytes of the same length as kvledger's, ids from the same random pool.
+  pre-encoded bytes of the same length as kvledger's, ids made the same way.
 - eventsourcing: its SQLite and PostgreSQL `ApplicationRecorder.insert_events` (the
   recorder an eventsourcing application uses: optimistic concurrency on
   (originator_id, originator_version) and a global notification id), with
@@ -23,8 +23,9 @@ cycling through 1,024 live handles, for:
   originators; a batch is one call with 64 originators.
 
 Durable settings throughout: SQLite WAL + synchronous=FULL (set on eventsourcing's
-connections too, and checked), PostgreSQL fsync=on. Each figure is the best of several
-short runs, interleaved across systems in the same run; ratios are kvledger / other.
+connections too, and checked), PostgreSQL fsync=on. Several short runs per figure,
+interleaved across systems (alternating order); a ratio is the median of the per-run
+ratios kvledger / other (see bench.paired_ratio), an absolute rate the best run.
 """
 
 from __future__ import annotations
@@ -51,18 +52,19 @@ GOALS = {
 }
 
 NOTES = {
-    "journal_vs_raw_sqlite": "SQLite's own work dominates (random-key B-tree pages, ~1 MB of WAL "
-    "per batch of 64); kvledger adds ~3 us of Python per publication plus the caller's ~2 us",
+    "journal_vs_raw_sqlite": "SQLite's own work dominates (random head and stream-index pages, "
+    "~430 KB of WAL per batch of 64); kvledger adds ~3 us of Python per publication plus the "
+    "caller's ~2 us to build the operation",
     "journal_vs_raw_postgres": "server work per batch is the same; kvledger spends 15-20 us of "
     "client CPU per publication against raw's 11-17 us; single commits are fsync-bound",
     "journal_vs_eventsourcing_sqlite": "not the same work: eventsourcing writes one row with one "
     "random-key index per event, kvledger an event with four indexes, a receipt and a head update "
-    "(~3x the WAL per batch); even raw SQL for kvledger's rows is ~0.3x",
+    "(~1.5x the WAL per batch); even raw SQL for kvledger's rows is ~0.66x",
     "journal_vs_eventsourcing_postgres": "eventsourcing pays ~50-60 us of client CPU per event "
-    "(psycopg adapting composite values); raw SQL for kvledger's rows is ~1.1-1.6x it, so 2x is out "
+    "(psycopg adapting composite values); raw SQL for kvledger's rows is ~1.3-1.6x it, so 2x is out "
     "of reach for the same work",
     "postgres_batched_events_per_s": "server work per batch (4 index inserts per event, head "
-    "updates, WAL flush): raw reaches 24-27k/s on a quiet machine, kvledger 20-23k/s",
+    "updates, WAL flush): raw reaches 24-27k/s on a quiet machine, kvledger 20-24k/s",
 }
 
 

@@ -2,13 +2,18 @@
 
 A random 64-bit process prefix and a counter: unique like uuid4 for our purposes, but
 without a getrandom() syscall per id (the worker makes several per token). The
-prefix is redrawn in a forked child, so parent and child never collide.
+prefix is redrawn in a forked child, so parent and child never collide. `seeded`
+makes ids reproducible, for fixtures that must regenerate byte for byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import random
+import uuid
+from collections.abc import Callable, Iterator
 
 _prefix = ""
 _counter = itertools.count()
@@ -24,6 +29,26 @@ _reseed()
 os.register_at_fork(after_in_child=_reseed)
 
 
+def _unique() -> str:
+    return f"{_prefix}{next(_counter):016x}"
+
+
+_next: Callable[[], str] = _unique
+
+
 def new_id() -> str:
     """32 hex characters, unique across processes and forks."""
-    return f"{_prefix}{next(_counter):016x}"
+    return _next()
+
+
+@contextlib.contextmanager
+def seeded(seed: str) -> Iterator[None]:
+    """Within the block, ids come from a generator seeded by `seed` (uuid4 format)."""
+    global _next
+    rng = random.Random(seed)
+    saved = _next
+    _next = lambda: uuid.UUID(int=rng.getrandbits(128), version=4).hex  # noqa: E731
+    try:
+        yield
+    finally:
+        _next = saved

@@ -160,3 +160,5 @@ class Ledger:
                 operation_id: str | None = None) -> Receipt:
         return self.execute(c.Release(handle_id=handle_id, base_generation=generation,
                                       base_snapshot_version=snapshot_version, operation_id=operation_id))
+
+__all__ = ["Ledger", "full_layers"]

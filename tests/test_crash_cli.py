@@ -1,0 +1,68 @@
+"""`kvledger crash-test`: 50 kill-and-recover trials per backend, every named fault
+point hit, zero lost acknowledged writes, zero partial operations, zero digest or
+output mismatches. Run as the CLI: it forks its trials from a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from journal import faults
+
+TRIALS = 50
+
+
+def _kvledger(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_FAULTS")}
+    return subprocess.run([sys.executable, "-m", "kvledger", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_crash_test_trials(db_url, tmp_path):
+    url = db_url if db_url.startswith("postgresql") else f"sqlite:///{tmp_path}/crash.db"
+    p = _kvledger("crash-test", "--db", url, "--trials", str(TRIALS), "--seed", "3", "--json")
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
+    r = json.loads(p.stdout)
+    summary = {k: r[k] for k in ("trials", "lost", "partial", "digest_mismatches", "output_mismatches",
+                                 "verify_findings", "unfinished", "second_recover_writes",
+                                 "checkpoint_mismatches", "recovery_errors", "child_failures",
+                                 "fault_points_hit", "crash_moments", "acknowledged_writes_checked",
+                                 "seconds", "mean_trial_ms")}
+    print(f"\ncrash-test {r['backend']}: {json.dumps(summary)}")
+    assert r["ok"] and r["violations"] == []
+    assert r["trials"] == TRIALS
+    assert (r["lost"], r["partial"], r["digest_mismatches"], r["output_mismatches"]) == (0, 0, 0, 0)
+    assert (r["verify_findings"], r["unfinished"], r["second_recover_writes"], r["checkpoint_mismatches"],
+            r["recovery_errors"], r["child_failures"]) == (0, 0, 0, 0, 0, 0)
+    assert r["fault_points_missed"] == [] and set(r["fault_points_hit"]) == set(faults.POINTS)
+    assert all(n >= 1 for n in r["fault_points_hit"].values())
+    assert r["crash_moments"]["crashed"] >= TRIALS - 5 and r["crash_moments"]["by_mode"]["sigkill"] >= 10
+    assert r["acknowledged_writes_checked"] > 20 * TRIALS
+    assert r["rows_reexecuted"] > 0 and r["aborted_appends"] > 0 and r["unacknowledged_commits"] > 0
+    # the trial journals and logs of a passing run are gone; only the named database is left
+    assert not any(tmp_path.glob("kvledger-crash-*"))
+
+
+def test_crash_test_text_report_and_bad_input(tmp_path):
+    p = _kvledger("crash-test", "--db", f"sqlite:///{tmp_path}/c.db", "--trials", "3", "--seed", "1")
+    assert p.returncode == 0, p.stderr[-2000:]
+    for line in ("trials", "crash moments", "fault points hit", "acknowledged writes checked",
+                 "lost acknowledged writes", "partial operations", "digest mismatches"):
+        assert line in p.stdout
+    assert "ok: no violation" in p.stdout
+    p = _kvledger("crash-test", "--trials", "0")
+    assert p.returncode == 2 and p.stderr.startswith("INVALID_ARGUMENT")
+    p = _kvledger("crash-test", "--db", "mysql://x/y", "--trials", "1")
+    assert p.returncode == 2 and p.stderr.startswith("BAD_DATABASE_URL")
+
+
+@pytest.mark.slow
+def test_crash_test_soak(tmp_path):
+    p = _kvledger("crash-test", "--db", f"sqlite:///{tmp_path}/soak.db", "--trials", "1000", "--json",
+                  timeout=7200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["ok"]
