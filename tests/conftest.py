@@ -92,3 +92,19 @@ def db_url(backend, tmp_path, request) -> str:
         init_database(url)
         return url
     return request.getfixturevalue("pg_admin").create()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say per backend how many parametrized cases ran, so a CI log shows PostgreSQL
+    was really exercised (not skipped)."""
+    counts: dict[str, dict[str, int]] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(rep, "nodeid", "")
+            for backend in ("sqlite", "postgres"):
+                if f"[{backend}" in nodeid or f"-{backend}]" in nodeid or f"-{backend}-" in nodeid:
+                    counts.setdefault(backend, {}).setdefault(outcome, 0)
+                    counts[backend][outcome] += 1
+    if counts:
+        parts = [f"{b}: " + ", ".join(f"{n} {o}" for o, n in sorted(c.items())) for b, c in sorted(counts.items())]
+        terminalreporter.write_line("kvledger backends -> " + " | ".join(parts))

@@ -194,6 +194,7 @@ def test_import_refuses_a_corrupt_file(db_url, capsys):
 
 
 def test_human_output_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="plotting is the optional `plot` extra")
     code, out, _ = cli(capsys, "replay", "--journal", str(FIXTURES / "phase_trace.jsonl"),
                        "--window-ms", "100", "--slo-ttft-ms", "15", "--slo-tbt-ms", "10",
                        "--plot", str(tmp_path / "bytes.png"))
