@@ -186,7 +186,7 @@ class SqlJournal(Journal):
                 pending.append(i)
 
         fault("before_update")
-        for k, round_ in enumerate(_rounds(ops, pending)):
+        for k, round_ in enumerate(_rounds(ops, _chains(ops, pending))):
             if k: fault("mid_batch")
             for i, rejection in self._apply_round(cur, ops, round_).items():
                 results[i] = rejection
@@ -250,34 +250,38 @@ class SqlJournal(Journal):
             results[i] = receipt
         return event_rows, receipt_rows, manifest_rows, position
 
-    def _apply_round(self, cur: Any, ops: Sequence[Operation], round_: list[int]) -> dict[int, Rejection]:
-        """Apply the guards of operations on disjoint handles. Returns the rejected ones;
-        a rejected operation leaves no row changed."""
+    def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]]) -> dict[int, Rejection]:
+        """Apply the guards of the units of one round (disjoint handles). A unit is one
+        operation, or a chain of single-handle operations each starting from the head the
+        previous one leaves: one guarded update from the chain's first base to its last
+        head decides all of them. Returns the rejected operations; a rejected one leaves
+        no row changed."""
         spans = False
         updates: list[tuple[StreamWrite, Guard]] = []
         creates: list[StreamWrite] = []
         checks: list[tuple[str, Guard]] = []
-        for i in round_:
-            op = ops[i]
-            writes = op.writes
-            if len(writes) == 1 and not op.checks:  # the common shape: one handle
-                w = writes[0]
-                if w.expected is None:
-                    creates.append(w)
-                else:
-                    updates.append((w, w.expected))
-                continue
-            spans = spans or len(writes) + len(op.checks) > 1
-            for w in writes:
+
+        def collect(unit: list[int]) -> None:
+            nonlocal spans
+            op = ops[unit[0]]
+            if len(unit) > 1:  # a chain: first base, last head
+                first, last = op.writes[0], ops[unit[-1]].writes[0]
+                updates.append((StreamWrite(first.handle_id, first.expected, last.head, ()), first.expected))
+                return
+            spans = spans or len(op.writes) + len(op.checks) > 1
+            for w in op.writes:
                 if w.expected is None:
                     creates.append(w)
                 else:
                     updates.append((w, w.expected))
             checks.extend((c.handle_id, c.expected) for c in op.checks)
+
+        for unit in units:
+            collect(unit)
         if spans:
             self.sql.savepoint(cur)
         rejected: dict[int, Rejection] = {}
-        live = round_
+        live = units
         while True:
             ok = self.sql.guarded_update(cur, updates)
             if creates:
@@ -286,8 +290,8 @@ class SqlJournal(Journal):
             if len(ok) == len(updates) + len(creates) and len(checked) == len(checks):
                 break  # every guard held (handles are distinct within a round)
             partial = False
-            for i in live:
-                op = ops[i]
+            for unit in live:
+                op = ops[unit[0]]
                 failed = [w for w in op.writes if w.handle_id not in ok]
                 failed_checks = [c for c in op.checks if c.handle_id not in checked]
                 if not failed and not failed_checks:
@@ -300,22 +304,24 @@ class SqlJournal(Journal):
                     handle = w.handle_id
                 else:
                     code, handle = ErrorCode.STALE_BASE, failed_checks[0].handle_id
-                rejected[i] = Rejection(
-                    operation_id=op.operation_id,
-                    code=code.value,
-                    handle_id=handle,
-                    message=(
-                        f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
-                        else f"head of {handle} moved past the expected base"
-                    ),
-                )
+                for n, i in enumerate(unit):
+                    rejected[i] = Rejection(
+                        operation_id=ops[i].operation_id,
+                        code=code.value,
+                        handle_id=handle,
+                        message=(
+                            f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
+                            else f"head of {handle} moved past the expected base" if n == 0
+                            else f"an earlier operation on {handle} in this batch was refused"
+                        ),
+                    )
             if not partial:
                 break
             self.sql.rollback_to_savepoint(cur)
-            live = [i for i in live if i not in rejected]
-            updates = [(w, w.expected) for i in live for w in ops[i].writes if w.expected]
-            creates = [w for i in live for w in ops[i].writes if w.expected is None]
-            checks = [(c.handle_id, c.expected) for i in live for c in ops[i].checks]
+            live = [u for u in live if u[0] not in rejected]
+            updates, creates, checks = [], [], []
+            for unit in live:
+                collect(unit)
         if spans:
             self.sql.release_savepoint(cur)
         return rejected
@@ -473,26 +479,53 @@ class _StoredVersion(msgspec.Struct):
 _stored_version = msgspec.json.Decoder(_StoredVersion)
 
 
-def _rounds(ops: Sequence[Operation], indexes: list[int]) -> Iterator[list[int]]:
-    """Split in order into rounds whose operations touch disjoint handles, so one
-    set-based statement per round has sequential semantics."""
-    current: list[int] = []
-    touched: set[str] = set()
+def _chains(ops: Sequence[Operation], indexes: list[int]) -> list[list[int]]:
+    """Group operations into units. Consecutive single-handle operations on a handle
+    where each names as its base exactly the head the previous one writes (what the
+    command service builds when one batch publishes, emits and starts on a handle)
+    become one chain: sequentially they succeed or fail together anyway, and one
+    guarded update instead of one per operation is what makes them cheap."""
+    units: list[list[int]] = []
+    tail: dict[str, tuple[list[int], Guard]] = {}  # handle -> (open chain, head it leaves)
     for i in indexes:
         op = ops[i]
+        if len(op.writes) == 1 and not op.checks and op.writes[0].expected is not None:
+            w = op.writes[0]
+            chain = tail.get(w.handle_id)
+            if chain is not None and chain[1] == w.expected:
+                chain[0].append(i)
+            else:
+                units.append([i])
+                chain = (units[-1], None)
+            h = w.head
+            tail[w.handle_id] = (chain[0], Guard(h.generation, h.snapshot_version, h.stream_position))
+            continue
+        units.append([i])
+        for h in [w.handle_id for w in op.writes] + [c.handle_id for c in op.checks]:
+            tail.pop(h, None)  # anything else on a handle ends its chain
+    return units
+
+
+def _rounds(ops: Sequence[Operation], units: list[list[int]]) -> Iterator[list[list[int]]]:
+    """Split units, in order, into rounds that touch disjoint handles, so one
+    set-based statement per round has sequential semantics."""
+    current: list[list[int]] = []
+    touched: set[str] = set()
+    for unit in units:
+        op = ops[unit[0]]
         if len(op.writes) == 1 and not op.checks:  # the common shape: one handle
             handle = op.writes[0].handle_id
             if handle in touched:
                 yield current
                 current, touched = [], set()
-            current.append(i)
+            current.append(unit)
             touched.add(handle)
             continue
         handles = {w.handle_id for w in op.writes} | {c.handle_id for c in op.checks}
         if handles & touched:
             yield current
             current, touched = [], set()
-        current.append(i)
+        current.append(unit)
         touched |= handles
     if current:
         yield current
