@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from kvledger.storage import open_existing_journal
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -93,7 +94,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             report = replay_jsonl(args.journal, window, at=args.at, trajectory=trajectory,
                                   progress=progress)
     else:
-        with _existing_journal(args.db) as journal:
+        with open_existing_journal(args.db) as journal:
             source = journal.display_url
             with _progress("replay", args.at if args.at is not None else journal.last_position()) as progress:
                 if args.incremental:
@@ -132,7 +133,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.journal:
         source, result = args.journal, verify_jsonl(args.journal)
     else:
-        with _existing_journal(args.db) as journal:
+        with open_existing_journal(args.db) as journal:
             source, result = journal.display_url, verify_journal(journal)
     if args.json:
         out = {"source": source, "events": result.events, "ok": result.ok, "findings": result.findings}
@@ -148,7 +149,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from replay import export_jsonl
 
-    with _existing_journal(args.db) as journal:
+    with open_existing_journal(args.db) as journal:
         with _progress("export", journal.last_position()) as progress:
             n = export_jsonl(journal, args.out, progress)
         if args.out != "-":
@@ -180,17 +181,6 @@ def _ns(ms: float) -> int:
     if ms < 0:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"negative time {ms} ms")
     return round(ms * MS)
-
-
-def _existing_journal(raw_url: str | None):
-    """Open a journal that must already exist: reading never creates a database."""
-    from journal import open_journal, parse_url, redact, resolve_url
-
-    url = parse_url(resolve_url(raw_url))
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        if not Path(url.database).expanduser().exists():
-            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no journal at {redact(url)}")
-    return open_journal(url.render_as_string(hide_password=False))
 
 
 def _console():

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvledger.storage import open_existing_journal
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -104,7 +105,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
         source = args.journal
         result = reconcile(jsonl_events(args.journal), jsonl_bodies(args.telemetry), scrape)
     else:
-        with _existing_journal(args.db) as journal:
+        with open_existing_journal(args.db) as journal:
             source = journal.display_url
             result = reconcile(journal_events(journal), jsonl_bodies(args.telemetry), scrape)
     if args.json:
@@ -115,17 +116,6 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     else:
         _print(result, source, args.telemetry)
     return 0 if result.ok else 1
-
-
-def _existing_journal(raw_url: str | None):
-    """Open a journal that must already exist: reading never creates a database."""
-    from journal import open_journal, parse_url, redact, resolve_url
-
-    url = parse_url(resolve_url(raw_url))
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        if not Path(url.database).expanduser().exists():
-            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no journal at {redact(url)}")
-    return open_journal(url.render_as_string(hide_password=False))
 
 
 def _print(result, source: str, telemetry: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -39,4 +41,13 @@ def open_journal(raw_url: str | None = None) -> SqlJournal:
     return SqlJournal(url)
 
 
-__all__ = ["init_database", "open_journal", "redact"]
+def open_existing_journal(raw_url: str | None = None) -> SqlJournal:
+    """Open a journal that must already exist: reading commands never create a database."""
+    url = parse_url(resolve_url(raw_url))
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        if not Path(url.database).expanduser().exists():
+            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no journal at {redact(url)}")
+    return SqlJournal(url)
+
+
+__all__ = ["init_database", "open_existing_journal", "open_journal", "redact"]
