@@ -7,9 +7,9 @@ an A/B of SqlJournal.append with the calls stripped shows no difference). A poin
 fires only when a rule names it.
 
     before_update   writer lock held, receipts looked up; no head row changed yet
-    mid_batch       between two rounds of guarded head updates: some operations of a
-                    batched commit have their head rows changed, later ones not yet
     after_update    every guarded head update done; no event row inserted yet
+    mid_batch       in the middle of the batched commit: every head updated and every
+                    event row inserted, no receipt row yet
     before_commit   events, receipts and manifests inserted; COMMIT not yet sent
                     (alias: after_insert)
     after_commit    the database commit returned; the receipt has not reached the caller
@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-POINTS = ("before_update", "mid_batch", "after_update", "before_commit", "after_commit", "checkpoint")
+POINTS = ("before_update", "after_update", "mid_batch", "before_commit", "after_commit", "checkpoint")
 ALIASES = {"after_insert": "before_commit"}
 EXIT_CODE = 86
 

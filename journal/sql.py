@@ -186,8 +186,7 @@ class SqlJournal(Journal):
                 pending.append(i)
 
         fault("before_update")
-        for k, round_ in enumerate(_rounds(ops, _chains(ops, pending))):
-            if k: fault("mid_batch")
+        for round_ in _rounds(ops, _chains(ops, pending)):
             for i, rejection in self._apply_round(cur, ops, round_).items():
                 results[i] = rejection
         fault("after_update")
@@ -204,6 +203,7 @@ class SqlJournal(Journal):
                     )
         if event_rows:
             self.sql.insert_events(cur, event_rows)
+            fault("mid_batch")  # the batch's events are written, its receipts not yet
             self.sql.insert_receipts(cur, receipt_rows)
         if manifest_rows:
             self.sql.insert_manifests(cur, list(manifest_rows.items()))
