@@ -20,18 +20,15 @@ from schemas.canonical import canonical_json
 from schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
-    InputIdentity,
     Manifest,
     PositionContract,
-    RequestIdentity,
-    RequestPolicy,
     RopeConfig,
     ScalarType,
     b_token,
     cache_abi_sha256,
     manifest_sha256,
+    new_manifest,
     prefix_identity_sha256,
-    prompt_token_ids_sha256,
 )
 
 ZERO = "0" * 64
@@ -65,21 +62,13 @@ def handle_ids(n: int) -> list[str]:
 def _manifest() -> Manifest:
     prompt = (11, 22, 33, 44)
     fp16 = ScalarType("fp16", 2)
-    return Manifest(
-        request_identity=RequestIdentity(namespace="bench", request_id="bench", lineage_id="bench"),
-        artifact_identity=ArtifactIdentity(
-            model_artifact_sha256="a" * 64, model_config_sha256="c" * 64, adapter_set=()
-        ),
-        input_identity=InputIdentity(
-            prompt_token_ids=prompt, prompt_token_ids_sha256=prompt_token_ids_sha256(prompt)
-        ),
-        cache_schema=CacheSchema(
-            num_cache_layers=1, kv_heads_per_rank=2, head_dim=4, key_dtype=fp16,
-            value_dtype=fp16, num_query_heads=4,
-        ),
-        position_contract=PositionContract(rope=RopeConfig(theta=10000.0)),
-        request_policy=RequestPolicy(max_context_tokens=1 << 20, max_new_tokens=1 << 19),
-    )
+    return new_manifest(
+        namespace="bench", request_id="bench", prompt=prompt,
+        artifact=ArtifactIdentity(model_artifact_sha256="a" * 64, model_config_sha256="c" * 64),
+        cache_schema=CacheSchema(num_cache_layers=1, kv_heads_per_rank=2, head_dim=4, key_dtype=fp16,
+                                 value_dtype=fp16, num_query_heads=4),
+        max_new_tokens=1 << 19, max_context_tokens=1 << 20,
+        position_contract=PositionContract(rope=RopeConfig(theta=10000.0)))
 
 
 MANIFEST = _manifest()

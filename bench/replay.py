@@ -40,10 +40,8 @@ def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, 
     from engine.model import DEFAULT_CONFIG
     from schemas import events as ev
     from schemas.codec import encode_event
-    from schemas.manifest import (ArtifactIdentity, CacheSchema, InputIdentity, Manifest,
-                                  PositionContract, RequestIdentity, RequestPolicy, ScalarType,
-                                  b_token, cache_abi_sha256, manifest_sha256, prefix_identity_sha256,
-                                  prompt_token_ids_sha256)
+    from schemas.manifest import (ArtifactIdentity, CacheSchema, ScalarType, b_token, cache_abi_sha256,
+                                  manifest_sha256, new_manifest, prefix_identity_sha256)
 
     cfg = DEFAULT_CONFIG
     fp32 = ScalarType("fp32", 4)
@@ -81,12 +79,8 @@ def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, 
         r = Req()
         r.h, r.pos, r.snap, r.step, r.committed, r.outputs, r.txn = f"r{n_req}", 0, 0, 0, 0, 0, ""
         toks = tuple((n_req * 7 + i) % cfg.vocab_size for i in range(prompt))
-        m = Manifest(
-            request_identity=RequestIdentity(namespace="bench", request_id=r.h, lineage_id=r.h),
-            artifact_identity=art,
-            input_identity=InputIdentity(prompt_token_ids=toks, prompt_token_ids_sha256=prompt_token_ids_sha256(toks)),
-            cache_schema=schema, position_contract=PositionContract(),
-            request_policy=RequestPolicy(max_context_tokens=prompt + outputs + 1, max_new_tokens=outputs))
+        m = new_manifest(namespace="bench", request_id=r.h, prompt=toks, artifact=art, cache_schema=schema,
+                         max_new_tokens=outputs, max_context_tokens=prompt + outputs + 1)
         body = envelope(ev.RequestAllocateEvent, r, ev.RequestAllocate(
             manifest=m, manifest_sha256=manifest_sha256(m), cache_abi_sha256=cache_abi_sha256(m),
             prefix_identity_sha256=prefix_identity_sha256(m), b_token=b_token(schema),

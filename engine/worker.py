@@ -33,15 +33,12 @@ from schemas.events import ForwardCall, LayerRows
 from schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
-    InputIdentity,
     Manifest,
     PositionContract,
-    RequestIdentity,
-    RequestPolicy,
     RopeConfig,
     SamplingPolicy,
     ScalarType,
-    prompt_token_ids_sha256,
+    new_manifest,
 )
 from schemas.receipts import Receipt
 
@@ -443,23 +440,17 @@ class Worker:
     def manifest(self, spec: RequestSpec) -> Manifest:
         cfg, width = self.cfg, torch.tensor([], dtype=self.dtype).element_size()
         dt = ScalarType(DTYPE_NAMES.get(self.dtype, str(self.dtype)), width)
-        return Manifest(
-            request_identity=RequestIdentity(namespace="kvledger", request_id=spec.request_id,
-                                             lineage_id=spec.request_id),
-            artifact_identity=self.artifact,
-            input_identity=InputIdentity(prompt_token_ids=spec.prompt,
-                                         prompt_token_ids_sha256=prompt_token_ids_sha256(spec.prompt)),
+        return new_manifest(
+            namespace="kvledger", request_id=spec.request_id, prompt=spec.prompt, artifact=self.artifact,
             cache_schema=CacheSchema(num_cache_layers=cfg.num_layers, kv_heads_per_rank=cfg.num_kv_heads,
                                      head_dim=cfg.head_dim, key_dtype=dt, value_dtype=dt,
                                      num_query_heads=cfg.num_heads),
+            max_new_tokens=spec.max_new_tokens,
+            max_context_tokens=len(spec.prompt) + spec.max_new_tokens + 1,  # +1: room for a repair
             position_contract=PositionContract(rope=RopeConfig(theta=cfg.rope_theta)),
-            request_policy=RequestPolicy(
-                max_context_tokens=len(spec.prompt) + spec.max_new_tokens + 1,
-                max_new_tokens=spec.max_new_tokens,
-                stop_token_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,),
-                sampling=SamplingPolicy(kind="greedy" if spec.temperature == 0 else "temperature",
-                                        temperature=spec.temperature or 1.0, seed=spec.seed)),
-        )
+            stop_token_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,),
+            sampling=SamplingPolicy(kind="greedy" if spec.temperature == 0 else "temperature",
+                                    temperature=spec.temperature or 1.0, seed=spec.seed))
 
     def _length(self, lv: Live) -> int:
         """Rows the handle will hold once the appends already planned commit."""

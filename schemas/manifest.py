@@ -103,6 +103,36 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     schema_version: int = MANIFEST_SCHEMA_VERSION
 
 
+def new_manifest(
+    *,
+    namespace: str,
+    request_id: str,
+    prompt: tuple[int, ...],
+    artifact: ArtifactIdentity,
+    cache_schema: CacheSchema,
+    max_new_tokens: int,
+    max_context_tokens: int | None = None,
+    position_contract: PositionContract = PositionContract(),
+    stop_token_ids: tuple[int, ...] = (),
+    sampling: SamplingPolicy = SamplingPolicy(),
+) -> Manifest:
+    """The manifest of a new request: its own lineage, the prompt digest computed, and a
+    context limit of prompt + max_new_tokens unless one is declared."""
+    prompt = tuple(prompt)
+    return Manifest(
+        request_identity=RequestIdentity(namespace=namespace, request_id=request_id, lineage_id=request_id),
+        artifact_identity=artifact,
+        input_identity=InputIdentity(prompt_token_ids=prompt,
+                                     prompt_token_ids_sha256=prompt_token_ids_sha256(prompt)),
+        cache_schema=cache_schema,
+        position_contract=position_contract,
+        request_policy=RequestPolicy(
+            max_context_tokens=len(prompt) + max_new_tokens if max_context_tokens is None
+            else max_context_tokens,
+            max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, sampling=sampling),
+    )
+
+
 def b_token(schema: CacheSchema) -> int:
     """Bytes per committed token on the local shard: L * H_kv,local * d_h * (b_K + b_V)."""
     return (

@@ -11,18 +11,15 @@ from schemas.canonical import canonical_json
 from schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
-    InputIdentity,
     Manifest,
     PositionContract,
-    RequestIdentity,
-    RequestPolicy,
     RopeConfig,
     ScalarType,
     b_token,
     cache_abi_sha256,
     manifest_sha256,
+    new_manifest,
     prefix_identity_sha256,
-    prompt_token_ids_sha256,
 )
 
 FP16 = ScalarType("fp16", 2)
@@ -40,21 +37,14 @@ def make_manifest(
     value_dtype: ScalarType = FP16,
     query_heads: int = 4,
 ) -> Manifest:
-    return Manifest(
-        request_identity=RequestIdentity(namespace="test", request_id=request_id, lineage_id=request_id),
-        artifact_identity=ArtifactIdentity(
-            model_artifact_sha256="a" * 64, model_config_sha256="c" * 64, adapter_set=adapters
-        ),
-        input_identity=InputIdentity(
-            prompt_token_ids=prompt, prompt_token_ids_sha256=prompt_token_ids_sha256(prompt)
-        ),
-        cache_schema=CacheSchema(
-            num_cache_layers=layers, kv_heads_per_rank=kv_heads, head_dim=head_dim,
-            key_dtype=key_dtype, value_dtype=value_dtype, num_query_heads=query_heads,
-        ),
-        position_contract=PositionContract(rope=RopeConfig(theta=10000.0)),
-        request_policy=RequestPolicy(max_context_tokens=len(prompt) + 64, max_new_tokens=8),
-    )
+    return new_manifest(
+        namespace="test", request_id=request_id, prompt=prompt,
+        artifact=ArtifactIdentity(model_artifact_sha256="a" * 64, model_config_sha256="c" * 64,
+                                  adapter_set=adapters),
+        cache_schema=CacheSchema(num_cache_layers=layers, kv_heads_per_rank=kv_heads, head_dim=head_dim,
+                                 key_dtype=key_dtype, value_dtype=value_dtype, num_query_heads=query_heads),
+        max_new_tokens=8, max_context_tokens=len(prompt) + 64,
+        position_contract=PositionContract(rope=RopeConfig(theta=10000.0)))
 
 
 def envelope(cls, handle: str, position: int, payload, generation: int = 0, op: str | None = None):
