@@ -28,22 +28,19 @@ series exists from the start, so the series count never grows with traffic.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import os
-import queue
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from typing import Any, BinaryIO
 
-import msgspec
 import structlog
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry
 
 from engine import commands as c
+from engine.export import Exporter, event_outcome, event_snapshots, trace_id_of
+from engine.metrics import COMPONENTS, Metrics
 from engine.service import SystemClock
 from schemas import events as ev
 from schemas.errors import ErrorCode, KvLedgerError
@@ -55,23 +52,12 @@ from schemas.telemetry import (
     REFUSED,
     RESIDENCY,
     SERVICE,
-    SUCCESS,
     TELEMETRY_SCHEMA_VERSION,
     Header,
-    Trailer,
 )
 
 log = structlog.get_logger("kvledger.telemetry")
 
-EVENT_TYPES = tuple(ev.EVENT_CLASSES)
-APPEND_KINDS = ("prefill", "chunk", "decode", "repair", "verify")
-APPEND_OUTCOMES = ("success", "failed", "aborted", "rejected", "cancelled", "stale", "conflict")
-LEDGERS = ("logical", "reserved", "physical")
-DROP_REASONS = ("queue_full", "sink_error")
-COMPONENTS = (SERVICE, ALLOCATOR, RESIDENCY)
-REJECTION_CODES = (*(code.value for code in ErrorCode), "other")
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _OBSERVED = frozenset(OBSERVED_EVENT_TYPES)
 
 # The event a refused command would have written (for its outcome record).
@@ -80,374 +66,6 @@ _COMMAND_EVENT = {
     c.Fail: "failure", c.EmitOutput: "output_emit", c.Fork: "fork", c.Truncate: "truncate",
     c.Reorder: "reorder", c.CancelRequest: "cancel_request", c.Finish: "finish", c.Release: "release",
 }
-
-
-# -- metrics -----------------------------------------------------------------------------
-
-class _Histogram:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        cumulative, running = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
-            running += n
-            cumulative.append((bound, running))
-        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.sum)
-
-
-class Metrics:
-    """The Prometheus surface: integers the hooks update (one thread writes each), read
-    by a collector at scrape time. Several instances can coexist (own registries)."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.events = dict.fromkeys(EVENT_TYPES, 0)
-        self.attempts = dict.fromkeys(APPEND_KINDS, 0)
-        self.outcomes = dict.fromkeys(APPEND_OUTCOMES, 0)
-        self.rejections = dict.fromkeys(REJECTION_CODES, 0)
-        self.records = dict.fromkeys(COMPONENTS, 0)
-        self.dropped_queue = 0  # written by producers (under the Telemetry lock)
-        self.dropped_sink = 0  # written by the exporter thread
-        self.running = self.waiting = 0
-        self.kv = dict.fromkeys(LEDGERS, 0)
-        self.ttft = _Histogram(TTFT_BUCKETS)
-        self.itl = _Histogram(ITL_BUCKETS)
-        self.queue_depth = lambda: 0
-        self.registry.register(self)
-
-    def scrape(self) -> bytes:
-        """The text exposition `/metrics` serves."""
-        return generate_latest(self.registry)
-
-    # prometheus_client collector protocol
-    def describe(self):
-        return list(self._families(empty=True))
-
-    def collect(self):
-        return list(self._families())
-
-    def _families(self, empty: bool = False):
-        def counter(name, doc, label, values):
-            f = CounterMetricFamily(name, doc, labels=[label])
-            if not empty:
-                for k, v in list(values.items()):
-                    f.add_metric([k], v)
-            return f
-
-        def gauge(name, doc, value=None, label=None, values=None):
-            f = GaugeMetricFamily(name, doc, labels=[label] if label else None)
-            if not empty:
-                if values is None:
-                    f.add_metric([], value)
-                else:
-                    for k, v in list(values.items()):
-                        f.add_metric([k], v)
-            return f
-
-        yield counter("kvledger_append_attempts", "Appends started (committed append_start), by kind: "
-                      "the denominator of append outcomes", "kind", self.attempts)
-        yield counter("kvledger_append_outcomes", "Append outcomes: success (published), failed/"
-                      "aborted/rejected (failure event), cancelled (aborted by a cancel), "
-                      "stale/conflict (refused publish or start)", "outcome", self.outcomes)
-        yield counter("kvledger_journal_events", "Journal events committed through this service",
-                      "event_type", self.events)
-        yield counter("kvledger_command_rejections", "Commands refused before anything was written, "
-                      "by stable error code", "code", self.rejections)
-        yield gauge("kvledger_requests_running", "Handles with work started and not yet finished, "
-                    "cancelled or released", self.running)
-        yield gauge("kvledger_requests_waiting", "Allocated handles whose first append has not "
-                    "started", self.waiting)
-        yield gauge("kvledger_kv_bytes", "KV-cache byte ledgers of the handles this service "
-                    "committed (spec 0x02): logical = committed x B_token, reserved = copies x C x "
-                    "B_token, physical = reserved + allocator", label="ledger", values=self.kv)
-        if empty:
-            yield HistogramMetricFamily("kvledger_time_to_first_token_seconds", "")
-            yield HistogramMetricFamily("kvledger_inter_token_latency_seconds", "")
-        else:
-            yield self.ttft.family("kvledger_time_to_first_token_seconds", "Arrival (request_allocate) "
-                                   "to first output_emit, on the service's monotonic clock")
-            yield self.itl.family("kvledger_inter_token_latency_seconds", "Between consecutive "
-                                  "output_emit events of one handle")
-        yield counter("kvledger_telemetry_records", "Audit records emitted (queued for export)",
-                      "source_component", self.records)
-        yield counter("kvledger_telemetry_dropped_records", "Audit records never written: queue "
-                      "full or sink error", "reason",
-                      {"queue_full": self.dropped_queue, "sink_error": self.dropped_sink})
-        yield gauge("kvledger_telemetry_queue_depth", "Audit records waiting for the exporter",
-                    0 if empty else self.queue_depth())
-
-
-# -- export: a bounded queue, one thread, structlog rendering -----------------------------
-
-_encoder = msgspec.json.Encoder()
-
-
-class _SinkLogger:
-    """structlog's wrapped logger for the exporter: the sink itself."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file = file
-
-    def msg(self, lines: bytes) -> None:
-        self.file.write(lines)
-        self.file.flush()
-
-
-def _json_lines(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
-    """The renderer: the batch's records, one JSON object per line."""
-    return _encoder.encode_lines(event_dict["records"])
-
-
-_STOP = object()
-
-
-class _MutationLine(msgspec.Struct, gc=False):
-    """Rendering shape of schemas.telemetry.Mutation (same keys, built positionally)."""
-
-    record: str
-    event_id: str
-    trace_id: str
-    source_instance: str
-    source_component: str
-    local_sequence: int
-    monotonic_ns: int
-    observed_wall_time: int
-    request_id: str
-    handle_id: str
-    handle_generation: int
-    operation_id: str | None
-    event_type: str
-    base_snapshot: int | None
-    result_snapshot: int | None
-    outcome: str
-    journal_watermark: int | None
-    committed_length: int | None
-
-
-class _ObservationLine(msgspec.Struct, gc=False, omit_defaults=True):
-    """Rendering shape of schemas.telemetry.AllocatorObservation / ResidencyObservation."""
-
-    record: str
-    event_id: str
-    trace_id: str
-    source_instance: str
-    source_component: str
-    local_sequence: int
-    monotonic_ns: int
-    observed_wall_time: int
-    request_id: str
-    handle_id: str
-    handle_generation: int
-    operation_id: str | None
-    event_type: str
-    result_snapshot: int | None
-    outcome: str
-    caused_by_event_id: str
-    blocks: int = -1
-    slots: int = -1
-    used_slots: int = -1
-    block_size: int = -1
-    resident_payload_bytes: dict[str, int] | None = None
-
-
-class Exporter:
-    """A bounded queue drained by one daemon thread into a binary sink.
-
-    `put` never blocks: beyond `capacity` queued records it drops and counts. The
-    thread turns a drained batch into records and writes them with one structlog
-    call; a batch the sink refuses is counted as dropped (sink_error)."""
-
-    def __init__(self, sink: str | os.PathLike | BinaryIO, *, capacity: int, metrics: Metrics,
-                 linger: float = 0.05) -> None:
-        if isinstance(sink, (str, os.PathLike)):
-            self._file: BinaryIO = open(sink, "wb")  # noqa: SIM115 - closed by stop()
-            self._owns = True
-        else:
-            self._file, self._owns = sink, False
-        self.capacity = capacity
-        self.metrics = metrics
-        self.linger = linger  # seconds a batch may wait before it is written
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._in = 0  # audit records queued (producers hold the Telemetry lock)
-        self._out = 0  # audit records taken off the queue (exporter thread only)
-        self.written = 0
-        self.error: str | None = None
-        self._traces: dict[str, str] = {}
-        self._log = structlog.wrap_logger(_SinkLogger(self._file), processors=[_json_lines],
-                                          wrapper_class=structlog.BoundLogger, context_class=dict,
-                                          cache_logger_on_first_use=True)
-        metrics.queue_depth = lambda: self._in - self._out
-        self._thread = threading.Thread(target=self._run, name="kvledger-telemetry", daemon=True)
-        self._thread.start()
-
-    @property
-    def dropped_queue(self) -> int:
-        return self.metrics.dropped_queue
-
-    @property
-    def dropped_sink(self) -> int:
-        return self.metrics.dropped_sink
-
-    @property
-    def dropped(self) -> int:
-        return self.metrics.dropped_queue + self.metrics.dropped_sink
-
-    def put(self, item: tuple, records: int) -> bool:
-        if records and self._in - self._out + records > self.capacity:
-            self.metrics.dropped_queue += records
-            return False
-        self._in += records
-        self._q.put((item, records))
-        return True
-
-    def stop(self, timeout: float | None = None) -> None:
-        self._q.put(_STOP)
-        self._thread.join(timeout)
-        if self._owns:
-            try:
-                self._file.close()
-            except OSError:
-                pass
-
-    def render(self, items: list[tuple]) -> bytes:
-        """Queued items -> JSON lines, without writing: what the exporter thread does
-        with a batch, minus the sink (for measuring it)."""
-        records: list[Any] = []
-        for item in items:
-            _render(records, item, self)
-        return _json_lines(None, "msg", {"records": records})
-
-    def trace_id(self, request_id: str) -> str:
-        t = self._traces.get(request_id)
-        if t is None:
-            if len(self._traces) > 65536:
-                self._traces.clear()
-            t = self._traces[request_id] = trace_id_of(request_id)
-        return t
-
-    def _run(self) -> None:
-        while True:
-            batch = [self._q.get()]
-            if batch[0] is not _STOP and self.linger:
-                # Let a batch accumulate: one wake-up, one render call and one write per
-                # linger period instead of per commit keeps the exporter off the GIL.
-                time.sleep(self.linger)
-            while len(batch) < 65536:
-                try:
-                    batch.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            stop = False
-            audit = 0
-            records: list[dict[str, Any]] = []
-            for entry in batch:
-                if entry is _STOP:
-                    stop = True
-                    continue
-                item, n = entry
-                try:
-                    _render(records, item, self)
-                except Exception as exc:  # noqa: BLE001 - a bad record must not kill export
-                    log.error("telemetry record not rendered", error=repr(exc))
-                audit += n
-            self._out += audit
-            if records:
-                try:
-                    self._log.msg(records=records)
-                    self.written += audit
-                except Exception as exc:  # noqa: BLE001 - any sink failure is a counted drop
-                    self.metrics.dropped_sink += audit
-                    if self.error is None:
-                        self.error = repr(exc)
-                        log.warning("telemetry sink failed: records are dropped and counted",
-                                    error=self.error)
-            if stop:
-                return
-
-
-# -- records -----------------------------------------------------------------------------
-
-def trace_id_of(request_id: str) -> str:
-    """One trace per request: a stable W3C-sized (16-byte) id derived from it."""
-    return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
-
-
-def event_snapshots(e: ev.Event) -> tuple[int | None, int | None, int | None]:
-    """(base snapshot, result snapshot, committed length) a journal event states."""
-    p = e.payload
-    t = e.event_type
-    if t == "request_allocate":
-        return None, 0, 0
-    if t in ("append_start", "failure"):
-        return p.base_snapshot_version, None, None
-    if t == "append_publish":
-        return p.base_snapshot_version, p.result_snapshot_version, p.committed_length
-    if t == "output_emit":
-        return p.snapshot_version, p.snapshot_version, None
-    if t == "fork":
-        return p.parent_snapshot_version, 0, p.prefix_length
-    if t == "truncate":
-        return p.base_snapshot_version, p.result_snapshot_version, p.new_length
-    if t == "cancel_request":
-        return p.base_snapshot_version, p.result_snapshot_version, None
-    if t == "finish":
-        return None, None, p.committed_length
-    if t == "release":
-        return p.base_snapshot_version, p.result_snapshot_version, 0
-    return None, None, None
-
-
-def event_outcome(e: ev.Event) -> str:
-    """A committed event's outcome: a failure's own outcome, else success."""
-    return e.payload.outcome if e.event_type == "failure" else SUCCESS
-
-
-def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
-    """Exporter thread: one queued tuple -> records, in envelope order."""
-    kind = item[0]
-    if kind == "m":
-        _, source, seq, watermark, mono, wall, events = item
-        trace = exporter.trace_id
-        for e in events:
-            seq += 1
-            base, result, committed = event_snapshots(e)
-            out.append(_MutationLine(
-                "mutation", e.event_id, trace(e.request_id), source, SERVICE, seq, mono, wall,
-                e.request_id, e.stream_id, e.handle_generation, e.operation_id, e.event_type, base,
-                result, event_outcome(e), watermark, committed))
-    elif kind == "o":
-        _, source, nonce, seq_a, seq_r, block_size, mono, wall, rows = item
-        for (cause, op, handle, request, generation, tier, snapshot, slots, used, payload) in rows:
-            seq_a += 1
-            seq_r += 1
-            trace = exporter.trace_id(request)
-            out.append(_ObservationLine(
-                ALLOCATOR, f"{nonce}1{seq_a:015x}", trace, source, ALLOCATOR, seq_a, mono, wall, request,
-                handle, generation, op, "allocator_observation", snapshot, "observed", cause,
-                blocks=-(-slots // block_size), slots=slots, used_slots=used, block_size=block_size))
-            out.append(_ObservationLine(
-                RESIDENCY, f"{nonce}2{seq_r:015x}", trace, source, RESIDENCY, seq_r, mono, wall, request,
-                handle, generation, op, "residency_observation", snapshot, "observed", cause,
-                resident_payload_bytes={tier: payload}))
-    elif kind == "r":
-        out.append(item[1])
-    elif kind == "h":
-        out.append({"record": "header", **msgspec.structs.asdict(item[1])})
-    elif kind == "t":
-        _, source, last_position, records, wall = item
-        out.append({"record": "trailer", **msgspec.structs.asdict(Trailer(
-            source_instance=source, last_position=last_position, records=records,
-            dropped=exporter.dropped, observed_wall_time=wall))})
-
 
 # -- the telemetry source ----------------------------------------------------------------
 
@@ -771,3 +389,4 @@ class Telemetry:
 
 
 __all__ = ["Exporter", "Metrics", "Telemetry", "event_outcome", "event_snapshots", "trace_id_of"]
+

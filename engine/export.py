@@ -1,0 +1,292 @@
+"""The telemetry exporter: a bounded queue drained by one thread that renders batches of
+records through structlog (a msgspec JSON-lines renderer) into the sink. A full queue
+or a failing sink drops records and counts them; producers never wait.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from typing import Any, BinaryIO
+
+import msgspec
+import structlog
+
+from engine.metrics import Metrics
+from schemas import events as ev
+from schemas.telemetry import (
+    ALLOCATOR,
+    RESIDENCY,
+    SERVICE,
+    SUCCESS,
+    Trailer,
+)
+
+log = structlog.get_logger("kvledger.telemetry")
+
+# -- export: a bounded queue, one thread, structlog rendering -----------------------------
+
+_encoder = msgspec.json.Encoder()
+
+
+class _SinkLogger:
+    """structlog's wrapped logger for the exporter: the sink itself."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+
+    def msg(self, lines: bytes) -> None:
+        self.file.write(lines)
+        self.file.flush()
+
+
+def _json_lines(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
+    """The renderer: the batch's records, one JSON object per line."""
+    return _encoder.encode_lines(event_dict["records"])
+
+
+_STOP = object()
+
+
+class _MutationLine(msgspec.Struct, gc=False):
+    """Rendering shape of schemas.telemetry.Mutation (same keys, built positionally)."""
+
+    record: str
+    event_id: str
+    trace_id: str
+    source_instance: str
+    source_component: str
+    local_sequence: int
+    monotonic_ns: int
+    observed_wall_time: int
+    request_id: str
+    handle_id: str
+    handle_generation: int
+    operation_id: str | None
+    event_type: str
+    base_snapshot: int | None
+    result_snapshot: int | None
+    outcome: str
+    journal_watermark: int | None
+    committed_length: int | None
+
+
+class _ObservationLine(msgspec.Struct, gc=False, omit_defaults=True):
+    """Rendering shape of schemas.telemetry.AllocatorObservation / ResidencyObservation."""
+
+    record: str
+    event_id: str
+    trace_id: str
+    source_instance: str
+    source_component: str
+    local_sequence: int
+    monotonic_ns: int
+    observed_wall_time: int
+    request_id: str
+    handle_id: str
+    handle_generation: int
+    operation_id: str | None
+    event_type: str
+    result_snapshot: int | None
+    outcome: str
+    caused_by_event_id: str
+    blocks: int = -1
+    slots: int = -1
+    used_slots: int = -1
+    block_size: int = -1
+    resident_payload_bytes: dict[str, int] | None = None
+
+
+class Exporter:
+    """A bounded queue drained by one daemon thread into a binary sink.
+
+    `put` never blocks: beyond `capacity` queued records it drops and counts. The
+    thread turns a drained batch into records and writes them with one structlog
+    call; a batch the sink refuses is counted as dropped (sink_error)."""
+
+    def __init__(self, sink: str | os.PathLike | BinaryIO, *, capacity: int, metrics: Metrics,
+                 linger: float = 0.05) -> None:
+        if isinstance(sink, (str, os.PathLike)):
+            self._file: BinaryIO = open(sink, "wb")  # noqa: SIM115 - closed by stop()
+            self._owns = True
+        else:
+            self._file, self._owns = sink, False
+        self.capacity = capacity
+        self.metrics = metrics
+        self.linger = linger  # seconds a batch may wait before it is written
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._in = 0  # audit records queued (producers hold the Telemetry lock)
+        self._out = 0  # audit records taken off the queue (exporter thread only)
+        self.written = 0
+        self.error: str | None = None
+        self._traces: dict[str, str] = {}
+        self._log = structlog.wrap_logger(_SinkLogger(self._file), processors=[_json_lines],
+                                          wrapper_class=structlog.BoundLogger, context_class=dict,
+                                          cache_logger_on_first_use=True)
+        metrics.queue_depth = lambda: self._in - self._out
+        self._thread = threading.Thread(target=self._run, name="kvledger-telemetry", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped_queue(self) -> int:
+        return self.metrics.dropped_queue
+
+    @property
+    def dropped_sink(self) -> int:
+        return self.metrics.dropped_sink
+
+    @property
+    def dropped(self) -> int:
+        return self.metrics.dropped_queue + self.metrics.dropped_sink
+
+    def put(self, item: tuple, records: int) -> bool:
+        if records and self._in - self._out + records > self.capacity:
+            self.metrics.dropped_queue += records
+            return False
+        self._in += records
+        self._q.put((item, records))
+        return True
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+        if self._owns:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+
+    def render(self, items: list[tuple]) -> bytes:
+        """Queued items -> JSON lines, without writing: what the exporter thread does
+        with a batch, minus the sink (for measuring it)."""
+        records: list[Any] = []
+        for item in items:
+            _render(records, item, self)
+        return _json_lines(None, "msg", {"records": records})
+
+    def trace_id(self, request_id: str) -> str:
+        t = self._traces.get(request_id)
+        if t is None:
+            if len(self._traces) > 65536:
+                self._traces.clear()
+            t = self._traces[request_id] = trace_id_of(request_id)
+        return t
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._q.get()]
+            if batch[0] is not _STOP and self.linger:
+                # Let a batch accumulate: one wake-up, one render call and one write per
+                # linger period instead of per commit keeps the exporter off the GIL.
+                time.sleep(self.linger)
+            while len(batch) < 65536:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = False
+            audit = 0
+            records: list[dict[str, Any]] = []
+            for entry in batch:
+                if entry is _STOP:
+                    stop = True
+                    continue
+                item, n = entry
+                try:
+                    _render(records, item, self)
+                except Exception as exc:  # noqa: BLE001 - a bad record must not kill export
+                    log.error("telemetry record not rendered", error=repr(exc))
+                audit += n
+            self._out += audit
+            if records:
+                try:
+                    self._log.msg(records=records)
+                    self.written += audit
+                except Exception as exc:  # noqa: BLE001 - any sink failure is a counted drop
+                    self.metrics.dropped_sink += audit
+                    if self.error is None:
+                        self.error = repr(exc)
+                        log.warning("telemetry sink failed: records are dropped and counted",
+                                    error=self.error)
+            if stop:
+                return
+
+
+# -- records -----------------------------------------------------------------------------
+
+def trace_id_of(request_id: str) -> str:
+    """One trace per request: a stable W3C-sized (16-byte) id derived from it."""
+    return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+
+
+def event_snapshots(e: ev.Event) -> tuple[int | None, int | None, int | None]:
+    """(base snapshot, result snapshot, committed length) a journal event states."""
+    p = e.payload
+    t = e.event_type
+    if t == "request_allocate":
+        return None, 0, 0
+    if t in ("append_start", "failure"):
+        return p.base_snapshot_version, None, None
+    if t == "append_publish":
+        return p.base_snapshot_version, p.result_snapshot_version, p.committed_length
+    if t == "output_emit":
+        return p.snapshot_version, p.snapshot_version, None
+    if t == "fork":
+        return p.parent_snapshot_version, 0, p.prefix_length
+    if t == "truncate":
+        return p.base_snapshot_version, p.result_snapshot_version, p.new_length
+    if t == "cancel_request":
+        return p.base_snapshot_version, p.result_snapshot_version, None
+    if t == "finish":
+        return None, None, p.committed_length
+    if t == "release":
+        return p.base_snapshot_version, p.result_snapshot_version, 0
+    return None, None, None
+
+
+def event_outcome(e: ev.Event) -> str:
+    """A committed event's outcome: a failure's own outcome, else success."""
+    return e.payload.outcome if e.event_type == "failure" else SUCCESS
+
+
+def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
+    """Exporter thread: one queued tuple -> records, in envelope order."""
+    kind = item[0]
+    if kind == "m":
+        _, source, seq, watermark, mono, wall, events = item
+        trace = exporter.trace_id
+        for e in events:
+            seq += 1
+            base, result, committed = event_snapshots(e)
+            out.append(_MutationLine(
+                "mutation", e.event_id, trace(e.request_id), source, SERVICE, seq, mono, wall,
+                e.request_id, e.stream_id, e.handle_generation, e.operation_id, e.event_type, base,
+                result, event_outcome(e), watermark, committed))
+    elif kind == "o":
+        _, source, nonce, seq_a, seq_r, block_size, mono, wall, rows = item
+        for (cause, op, handle, request, generation, tier, snapshot, slots, used, payload) in rows:
+            seq_a += 1
+            seq_r += 1
+            trace = exporter.trace_id(request)
+            out.append(_ObservationLine(
+                ALLOCATOR, f"{nonce}1{seq_a:015x}", trace, source, ALLOCATOR, seq_a, mono, wall, request,
+                handle, generation, op, "allocator_observation", snapshot, "observed", cause,
+                blocks=-(-slots // block_size), slots=slots, used_slots=used, block_size=block_size))
+            out.append(_ObservationLine(
+                RESIDENCY, f"{nonce}2{seq_r:015x}", trace, source, RESIDENCY, seq_r, mono, wall, request,
+                handle, generation, op, "residency_observation", snapshot, "observed", cause,
+                resident_payload_bytes={tier: payload}))
+    elif kind == "r":
+        out.append(item[1])
+    elif kind == "h":
+        out.append({"record": "header", **msgspec.structs.asdict(item[1])})
+    elif kind == "t":
+        _, source, last_position, records, wall = item
+        out.append({"record": "trailer", **msgspec.structs.asdict(Trailer(
+            source_instance=source, last_position=last_position, records=records,
+            dropped=exporter.dropped, observed_wall_time=wall))})
+
+
