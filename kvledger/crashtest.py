@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from journal import faults
 from journal.url import parse_url, redact, resolve_url
 from schemas.errors import ErrorCode, KvLedgerError
@@ -381,7 +383,7 @@ def _check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]])
         if missing:
             worker = Worker(model, service=_acking_service(j, ack_path), artifact=artifact, **WORKER)
             for s in missing:
-                worker.submit(msgspec_replace(s, arrival_step=0))
+                worker.submit(msgspec.structs.replace(s, arrival_step=0))
             worker.run()
             out["resubmit_errors"] = worker.errors
         out["verify_after"] = verify_findings(j)
@@ -406,12 +408,6 @@ def _check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]])
         incremental, _ = replay_incremental(j, window, name=CHECKPOINT)
         out["checkpoint_ok"] = to_json(incremental) == to_json(replay_journal(j, window))
     return out
-
-
-def msgspec_replace(s, **kw):
-    import msgspec
-
-    return msgspec.structs.replace(s, **kw)
 
 
 def _mismatch(model, spec, got, want) -> dict:
