@@ -33,8 +33,8 @@ class BeginAppend(_Command):
     handle_id: str
     txn_id: str
     kind: AppendKind
-    base_generation: int
-    base_snapshot_version: int
+    base_generation: int | None  # None only as a later step of a Chain (see below)
+    base_snapshot_version: int | None
     interval_start: int
     interval_count: int
     token_ids: tuple[int, ...]
@@ -47,8 +47,8 @@ class BeginAppend(_Command):
 class Publish(_Command):
     handle_id: str
     txn_id: str
-    base_generation: int
-    base_snapshot_version: int
+    base_generation: int | None
+    base_snapshot_version: int | None
     # None: the caller asserts every cache layer staged complete K and V over the
     # interval (expanded by decide); the worker names each layer with its row digest.
     layers: tuple[LayerRows, ...] | None = None
@@ -66,8 +66,8 @@ class Fail(_Command):
 
 class EmitOutput(_Command):
     handle_id: str
-    base_generation: int
-    snapshot_version: int
+    base_generation: int | None
+    snapshot_version: int | None
     output_index: int
     token_id: int
 
@@ -110,19 +110,58 @@ class CancelRequest(_Command):
 
 class Finish(_Command):
     handle_id: str
-    base_generation: int
+    base_generation: int | None
     reason: Literal["eos", "max_tokens", "stop", "client", "length"] = "max_tokens"
 
 
 class Release(_Command):
     handle_id: str
-    base_generation: int
+    base_generation: int | None
     base_snapshot_version: int | None = None
+
+
+Step = BeginAppend | Publish | EmitOutput | Finish | Release
+
+
+class Chain(_Command):
+    """Several commands on one handle as one operation: one decision, one guarded write,
+    one receipt. The first step names its base like any command; each later step may
+    leave its base as None, meaning the state the steps before it leave. That is safe
+    because the chain commits whole or not at all, fenced by the first step's base: what
+    a worker does for one sequence per iteration (publish, emit, start the next append)."""
+
+    handle_id: str
+    steps: tuple[Step, ...]
+
+
+_RELATIVE = {
+    BeginAppend: ("base_generation", "base_snapshot_version"),
+    Publish: ("base_generation", "base_snapshot_version"),
+    EmitOutput: ("base_generation", "snapshot_version"),
+    Finish: ("base_generation",),
+    Release: ("base_generation",),
+}
+
+
+def unnamed_base(cmd: object) -> str | None:
+    """The first base field a command leaves unnamed, if any."""
+    for name in _RELATIVE.get(type(cmd), ()):
+        if getattr(cmd, name) is None:
+            return name
+    return None
+
+
+def bind(step: Step, generation: int, snapshot_version: int) -> Step:
+    """A chain step with its unnamed base fields set to the given state's."""
+    values = {"base_generation": generation, "base_snapshot_version": snapshot_version,
+              "snapshot_version": snapshot_version}
+    fields = {n: values[n] for n in _RELATIVE[type(step)] if getattr(step, n) is None}
+    return msgspec.structs.replace(step, **fields) if fields else step
 
 
 Command = (
     Allocate | BeginAppend | Publish | Fail | EmitOutput | Fork | Truncate | Reorder
-    | CancelRequest | Finish | Release
+    | CancelRequest | Finish | Release | Chain
 )
 
 

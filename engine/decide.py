@@ -37,7 +37,13 @@ def reject(code: E, message: str) -> KvLedgerError:
 
 
 def decide(states: Mapping[str, HandleState | None], cmd: c.Command) -> list[Draft]:
-    handler = _HANDLERS[type(cmd)]
+    missing = c.unnamed_base(cmd)
+    if missing is not None:
+        raise reject(E.INVALID_ARGUMENT, f"{type(cmd).__name__}.{missing} must be named: only a "
+                                         "later step of a chain may leave its base to the chain")
+    handler = _HANDLERS.get(type(cmd))
+    if handler is None:  # a Chain is decided step by step by the command service
+        raise reject(E.INVALID_ARGUMENT, f"{type(cmd).__name__} is not decided on its own")
     return handler(states, cmd)
 
 

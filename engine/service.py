@@ -162,16 +162,21 @@ class CommandService:
 
     def _plan(self, cmd: c.Command, local: Mapping[str, HandleState | None]) -> Plan:
         before = {h: local[h] if h in local else self.state(h) for h in c.handles_of(cmd)}
-        drafts = decide(before, cmd)
         now_mono, now_wall = self.clock.monotonic_ns(), self.clock.wall_ns()
         after: dict[str, HandleState | None] = dict(before)
         events: list[ev.Event] = []
         by_handle: dict[str, list[ev.Event]] = {}
-        for d in drafts:
-            event = self._stamp(d, after.get(d.handle_id), cmd, before, now_mono, now_wall)
-            after[d.handle_id] = evolve(after.get(d.handle_id), event)
-            events.append(event)
-            by_handle.setdefault(d.handle_id, []).append(event)
+        for step in self._steps(cmd):
+            if step is not cmd and after[cmd.handle_id] is not None and c.unnamed_base(step):
+                s = after[cmd.handle_id]
+                step = c.bind(step, s.generation, s.snapshot_version)
+            drafts = decide(after, step)
+            for d in drafts:
+                event = self._stamp(d, after.get(d.handle_id), step, cmd.operation_id, before,
+                                    now_mono, now_wall)
+                after[d.handle_id] = evolve(after.get(d.handle_id), event)
+                events.append(event)
+                by_handle.setdefault(d.handle_id, []).append(event)
         writes = tuple(
             StreamWrite(h, _guard(before[h]), _head(after[h]), tuple(evs))
             for h, evs in by_handle.items()
@@ -185,7 +190,17 @@ class CommandService:
         op = Operation(cmd.operation_id, cmd.fingerprint(), writes, checks, manifests)
         return Plan(op, {h: after[h] for h in by_handle}, events)
 
-    def _stamp(self, d: Draft, state: HandleState | None, cmd: c.Command,
+    @staticmethod
+    def _steps(cmd: c.Command) -> tuple[c.Command, ...]:
+        if not isinstance(cmd, c.Chain):
+            return (cmd,)
+        if not cmd.steps or any(s.handle_id != cmd.handle_id for s in cmd.steps):
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a chain needs steps, all on its handle")
+        if c.unnamed_base(cmd.steps[0]) is not None:  # the first step is the chain's fence
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a chain's first step must name its base")
+        return cmd.steps
+
+    def _stamp(self, d: Draft, state: HandleState | None, cmd: c.Command, operation_id: str,
                before: Mapping[str, HandleState | None], mono: int, wall: int) -> ev.Event:
         if state is not None:
             generation, request_id, position = state.generation, state.request_id, state.stream_position
@@ -203,7 +218,7 @@ class CommandService:
         return d.event_cls(
             event_id=new_id(), stream_id=d.handle_id, stream_position=position + 1,
             schema_version=ev.CURRENT_VERSION[d.event_cls.event_type], request_id=request_id,
-            handle_generation=generation, operation_id=cmd.operation_id,
+            handle_generation=generation, operation_id=operation_id,
             source_instance=self.source_instance, local_sequence=self.local_sequence,
             monotonic_ns=mono, observed_wall_time=wall, payload=d.payload,
         )

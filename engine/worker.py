@@ -38,6 +38,7 @@ from schemas.manifest import (
     RopeConfig,
     SamplingPolicy,
     ScalarType,
+    cache_abi_sha256,
     new_manifest,
 )
 from schemas.receipts import Receipt
@@ -72,6 +73,7 @@ class Live:
     forked: bool = False
     truncated: bool = False
     done: str | None = None  # finish reason, "cancelled", or None while running
+    abi: str = ""  # cache ABI digest of the handle (chain steps name it without reading state)
 
 
 @dataclass
@@ -96,10 +98,45 @@ class Ran:
 Entry = tuple[object, Callable[[Receipt | None], None] | None, Callable[[Exception], None] | None]
 
 
+class _Chain:
+    """A handle's publication and what follows it in the same iteration (the output it
+    chose, the next append's start), submitted as one engine Chain: one decision, one
+    guarded write, one receipt. The publication names the real base; the later steps
+    leave theirs to the chain. Any other command on the handle ends the chain."""
+
+    def __init__(self, handle: str, first: Callable, ok: Callable | None, err: Callable | None) -> None:
+        self.handle, self.first = handle, first
+        self.steps: list[c.Step] = []
+        self.oks, self.errs = [ok], [err]
+
+    def add(self, step: c.Step, err: Callable | None = None) -> None:
+        self.steps.append(step)
+        self.errs.append(err)
+
+    def entry(self, worker: Worker) -> Entry:
+        if not self.steps:
+            return (self.first, self.oks[0], self.errs[0])
+
+        def build(state):
+            return c.Chain(handle_id=self.handle, steps=(self.first(state), *self.steps))
+
+        def ok(r):
+            for f in self.oks:
+                if f:
+                    f(r)
+
+        def err(exc):
+            for f in self.errs:
+                if f:
+                    f(exc)
+
+        return (build, ok, err)
+
+
 class Worker:
     def __init__(self, model: Transformer, *, service: CommandService | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
-                 capacity: int = 512, device: str = "cpu", pipeline: bool = True) -> None:
+                 capacity: int = 512, device: str = "cpu", pipeline: bool | None = None) -> None:
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         self.dtype = next(model.parameters()).dtype
@@ -118,12 +155,16 @@ class Worker:
         self.step_no = 0
         self.errors: list[str] = []
         self.calls = 0
-        self.pipeline = pipeline
+        # Overlapping the commit with the next model call pays only when the model runs off
+        # the GIL (a GPU): on CPU both sides are Python-bound, and measured here (2 cores) the
+        # pipelined loop was no faster than committing first, at batch 1 and 16 alike.
+        self.pipeline = str(device).startswith("cuda") if pipeline is None else pipeline
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
         self._structural = False  # a fork or truncate this iteration: commit before running
         # Called with each receipt once its store effects are applied (telemetry observers).
         self.on_applied: Callable[[Receipt], None] | None = None
         self._adopted: list[tuple[Live, HandleState]] = []  # taken over after a crash (adopt)
+        self._chains: dict[str, _Chain] = {}  # open chains of this iteration, by handle
 
     # -- public --------------------------------------------------------------------
     def submit(self, spec: RequestSpec) -> None:
@@ -146,6 +187,7 @@ class Worker:
     def step(self) -> None:
         batch: list[Entry] = []
         nxt: list[Planned] = []
+        self._chains = {}
         for ran in self.ran:
             self._publish(ran, batch, nxt)
         self.ran = []
@@ -160,8 +202,10 @@ class Worker:
         for call_id, members in calls:
             shape = _shape(members)
             for i, p in enumerate(members):
-                batch.append(self._start(p, ForwardCall(call_id=call_id, index=i, size=shape.size,
-                                                        new_pad=shape.new_pad, key_extent=shape.key_extent)))
+                entry = self._start(p, ForwardCall(call_id=call_id, index=i, size=shape.size,
+                                                   new_pad=shape.new_pad, key_extent=shape.key_extent))
+                if entry is not None:
+                    batch.append(entry)
         if self.pipeline and self.service is not None and not self._structural:
             # Hide the commit's fsync behind the model: run this iteration's calls while
             # the commit that starts them (and publishes the previous ones) is in flight.
@@ -180,7 +224,8 @@ class Worker:
         self._structural = False
         self.step_no += 1
 
-    def _submit(self, batch: list[Entry]) -> None:
+    def _submit(self, batch: list[Entry | _Chain]) -> None:
+        batch = [e.entry(self) if isinstance(e, _Chain) else e for e in batch]
         if self.service is None:  # journaling off: the same loop, nothing durable
             for _, ok, _ in batch:
                 if ok:
@@ -217,7 +262,9 @@ class Worker:
             self.errors.append(str(exc))
             self.live[h].done = self.live[h].done or "failed"
 
-        batch.append((publish, lambda r, h=p.handle: self.store.commit(h, end), failed))
+        chain = _Chain(p.handle, publish, lambda r, h=p.handle: self.store.commit(h, end), failed)
+        batch.append(chain)
+        self._chains[p.handle] = chain
         if p.kind == "repair":
             batch.append(self._release(lv))
             return
@@ -242,7 +289,7 @@ class Worker:
             self._structural = True
             for i, k in enumerate(kids, 1):
                 kid = Live(k, msgspec.structs.replace(spec, n=1, seed=spec.seed + i), spec.seed + i)
-                kid.logits = lv.logits
+                kid.logits, kid.abi = lv.logits, lv.abi
                 self.live[k] = kid
                 self.order.append(k)
                 self._on_ready(kid, batch, nxt)
@@ -263,7 +310,12 @@ class Worker:
             return c.EmitOutput(handle_id=h, base_generation=s.generation,
                                 snapshot_version=s.snapshot_version, output_index=index, token_id=token)
 
-        batch.append((emit, None, None))
+        chain = self._chains.get(lv.handle)
+        if chain is not None:
+            chain.add(c.EmitOutput(handle_id=lv.handle, base_generation=None, snapshot_version=None,
+                                   output_index=index, token_id=token))
+        else:
+            batch.append((emit, None, None))
         lv.outputs.append(token)
         lv.logits, lv.greedy = None, None
         eos = self.cfg.eos_token_id
@@ -297,10 +349,11 @@ class Worker:
     # -- new work ------------------------------------------------------------------
     def _arrive(self, spec: RequestSpec, batch: list[Entry]) -> None:
         h = spec.request_id
-        self.live[h] = Live(h, spec, spec.seed)
+        manifest = self.manifest(spec)
+        self.live[h] = Live(h, spec, spec.seed, abi=cache_abi_sha256(manifest))
         self.order.append(h)
         reserved = len(spec.prompt) + spec.max_new_tokens + 1  # +1: room to repair the frontier
-        batch.append((c.Allocate(handle_id=h, manifest=self.manifest(spec), reserved_capacity=reserved),
+        batch.append((c.Allocate(handle_id=h, manifest=manifest, reserved_capacity=reserved),
                       None, lambda exc, h=h: self._drop(h, exc)))
 
     def _plan_prefill(self, nxt: list[Planned]) -> None:
@@ -332,7 +385,9 @@ class Worker:
                    "prefill" if p.kind in ("prefill", "chunk") else "verify"].append(p)
         return [(new_id(), g) for g in groups.values() if g]
 
-    def _start(self, p: Planned, call: ForwardCall) -> Entry:
+    def _start(self, p: Planned, call: ForwardCall) -> Entry | None:
+        """The append_start of a planned append: a step of its handle's open chain (None
+        is returned), or an entry of its own."""
         n = len(p.tokens)
 
         def start(state):
@@ -348,6 +403,14 @@ class Worker:
             self.errors.append(str(exc))
             self.live[p.handle].done = self.live[p.handle].done or "failed"
 
+        chain, abi = self._chains.get(p.handle), self.live[p.handle].abi
+        if chain is not None and abi:
+            chain.add(c.BeginAppend(
+                handle_id=p.handle, txn_id=p.txn, kind=p.kind, base_generation=None,
+                base_snapshot_version=None, interval_start=p.past, interval_count=n,
+                token_ids=p.tokens, cache_positions=tuple(range(p.past, p.past + n)),
+                mask_key_extent=p.past + n, cache_abi_sha256=abi, call=call), err=refused)
+            return None
         return (start, None, refused)
 
     def _run(self, call_id: str, planned: list[Planned]) -> list[Ran]:
@@ -394,7 +457,7 @@ class Worker:
         Client actions (fork, truncate, cancel, speculation) are not replayed."""
         h, n = state.handle_id, state.committed_length
         lv = Live(h, spec, spec.seed, outputs=list(state.outputs), forked=True, truncated=True,
-                  logits=logits if state.logits_ready else None)
+                  logits=logits if state.logits_ready else None, abi=state.cache_abi_sha256)
         if state.lifecycle != "ACTIVE":
             lv.done = state.lifecycle.lower()
         self.live[h] = lv
@@ -483,6 +546,7 @@ class Worker:
         return (nxt,)[:k]
 
     def _simple(self, lv: Live, build, ok=None) -> Entry:
+        self._chains.pop(lv.handle, None)  # a command of its own ends the handle's chain
         return (lambda state, h=lv.handle: build(state(h)), ok, None)
 
     def _release(self, lv: Live) -> Entry:

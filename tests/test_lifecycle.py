@@ -214,3 +214,37 @@ def test_phases_across_a_chunked_prefill(ledger):
     ledger.begin_append("C", txn_id="c2", kind="chunk", base=b, start=6, token_ids=range(16, 20))
     ledger.publish("C", txn_id="c2", base=b)
     assert view_of(ledger.state("C")).phase == "OUTPUT_READY"
+
+
+def test_chain_is_one_operation_fenced_by_its_first_step(ledger):
+    from engine import commands as c
+
+    allocate(ledger, "Q")
+    prefill(ledger, "Q")
+    emit(ledger, "Q", 9)
+    s = ledger.state("Q")
+    b = (s.generation, s.snapshot_version)
+    ledger.begin_append("Q", txn_id="d1", kind="decode", base=b, start=4, token_ids=(9,))
+    before = list(ledger.journal.read_raw())
+
+    def chain(base, op="chain-1"):
+        return c.Chain(handle_id="Q", operation_id=op, steps=(
+            c.Publish(handle_id="Q", txn_id="d1", base_generation=base[0], base_snapshot_version=base[1]),
+            c.EmitOutput(handle_id="Q", base_generation=None, snapshot_version=None, output_index=1,
+                         token_id=8),
+            c.BeginAppend(handle_id="Q", txn_id="d2", kind="decode", base_generation=None,
+                          base_snapshot_version=None, interval_start=5, interval_count=1, token_ids=(8,),
+                          cache_positions=(5,), mask_key_extent=6, cache_abi_sha256=s.cache_abi_sha256)))
+
+    stale = (b[0], b[1] - 1)
+    rejected(ErrorCode.STALE_BASE, ledger.execute, chain(stale))
+    assert list(ledger.journal.read_raw()) == before  # all or nothing
+    receipt = ledger.execute(chain(b))
+    assert len(receipt.event_ids) == 3 and receipt.handles[0].committed_length == 5
+    assert ledger.execute(chain(b)) == receipt  # a retry returns the one receipt
+    after = ledger.state("Q")
+    assert after.outputs == (9, 8) and after.open_txn("d2") is not None
+    # only a later step may leave its base unnamed
+    unnamed_first = c.Chain(handle_id="Q", steps=(c.Finish(handle_id="Q", base_generation=None),))
+    rejected(ErrorCode.INVALID_ARGUMENT, ledger.execute, unnamed_first)
+    rejected(ErrorCode.INVALID_ARGUMENT, ledger.execute, c.Finish(handle_id="Q", base_generation=None))
