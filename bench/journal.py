@@ -291,11 +291,37 @@ def _originators(n: int) -> list[uuid.UUID]:
     return [uuid.UUID(h) for h in random_hex(n)]
 
 
-class EventsourcingSqlite(System):
+class _Eventsourcing(System):
+    """An eventsourcing ApplicationRecorder with `handles` originators at version 1."""
+
+    def _populate(self, recorder: Any, handles: int) -> None:
+        from eventsourcing.persistence import StoredEvent
+
+        self.recorder, self.stored = recorder, StoredEvent
+        recorder.create_table()
+        self.originators = _originators(handles)
+        self.versions = [1] * handles
+        for i in range(0, handles, 256):
+            recorder.insert_events([StoredEvent(o, 1, TOPIC, EVENT_BODY)
+                                    for o in self.originators[i:i + 256]])
+
+    def write(self, idx: list[int]) -> None:
+        stored, originators, versions, body = self.stored, self.originators, self.versions, EVENT_BODY
+        events = []
+        for i in idx:
+            v = versions[i] + 1
+            versions[i] = v
+            events.append(stored(originators[i], v, TOPIC, body))
+        self.recorder.insert_events(events)
+
+    def close(self) -> None:
+        self.datastore.close()
+
+
+class EventsourcingSqlite(_Eventsourcing):
     backend, name = "sqlite", "eventsourcing"
 
     def __init__(self, ctx: Context, handles: int) -> None:
-        from eventsourcing.persistence import StoredEvent
         from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteDatastore
 
         self.path = ctx.sqlite_path("es")
@@ -312,55 +338,23 @@ class EventsourcingSqlite(System):
             return c
 
         pool._create_connection = durable_connection
-        self.recorder = SQLiteApplicationRecorder(self.datastore)
-        self.recorder.create_table()
-        self.stored = StoredEvent
-        self.originators = _originators(handles)
-        self.versions = [1] * handles
-        for i in range(0, handles, 256):
-            self.recorder.insert_events([StoredEvent(o, 1, TOPIC, EVENT_BODY)
-                                         for o in self.originators[i:i + 256]])
+        self._populate(SQLiteApplicationRecorder(self.datastore), handles)
         with self.datastore.get_connection(commit=True) as conn:
             mode = conn._sqlite_conn.execute("PRAGMA journal_mode").fetchone()[0]
             sync = conn._sqlite_conn.execute("PRAGMA synchronous").fetchone()[0]
         if (mode.lower(), sync) != ("wal", 2):
             raise RuntimeError(f"eventsourcing sqlite not durable: journal_mode={mode} synchronous={sync}")
 
-    def write(self, idx: list[int]) -> None:
-        stored, originators, versions, body = self.stored, self.originators, self.versions, EVENT_BODY
-        events = []
-        for i in idx:
-            v = versions[i] + 1
-            versions[i] = v
-            events.append(stored(originators[i], v, TOPIC, body))
-        self.recorder.insert_events(events)
 
-    def close(self) -> None:
-        self.datastore.close()
-
-
-class EventsourcingPostgres(System):
+class EventsourcingPostgres(_Eventsourcing):
     backend, name = "postgres", "eventsourcing"
 
     def __init__(self, ctx: Context, handles: int) -> None:
-        from eventsourcing.persistence import StoredEvent
         from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 
         dbname = ctx.pg_database("es")
         self.datastore = PostgresDatastore(dbname, "127.0.0.1", ctx.postgres().port, "postgres", "")
-        self.recorder = PostgresApplicationRecorder(self.datastore)
-        self.recorder.create_table()
-        self.stored = StoredEvent
-        self.originators = _originators(handles)
-        self.versions = [1] * handles
-        for i in range(0, handles, 256):
-            self.recorder.insert_events([StoredEvent(o, 1, TOPIC, EVENT_BODY)
-                                         for o in self.originators[i:i + 256]])
-
-    write = EventsourcingSqlite.write
-
-    def close(self) -> None:
-        self.datastore.close()
+        self._populate(PostgresApplicationRecorder(self.datastore), handles)
 
 
 # -- the section --------------------------------------------------------------------
