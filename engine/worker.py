@@ -113,7 +113,7 @@ class _Chain:
         self.steps.append(step)
         self.errs.append(err)
 
-    def entry(self, worker: Worker) -> Entry:
+    def entry(self) -> Entry:
         if not self.steps:
             return (self.first, self.oks[0], self.errs[0])
 
@@ -225,7 +225,7 @@ class Worker:
         self.step_no += 1
 
     def _submit(self, batch: list[Entry | _Chain]) -> None:
-        batch = [e.entry(self) if isinstance(e, _Chain) else e for e in batch]
+        batch = [e.entry() if isinstance(e, _Chain) else e for e in batch]
         if self.service is None:  # journaling off: the same loop, nothing durable
             for _, ok, _ in batch:
                 if ok:
