@@ -9,7 +9,7 @@ import msgspec
 Lifecycle = Literal["ACTIVE", "FINISHED", "CANCELLED", "RELEASED"]
 
 
-class OpenTxn(msgspec.Struct, frozen=True):
+class OpenTxn(msgspec.Struct, frozen=True, gc=False):
     txn_id: str
     kind: str
     base_snapshot_version: int
@@ -18,7 +18,7 @@ class OpenTxn(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...]
 
 
-class HandleState(msgspec.Struct, frozen=True):
+class HandleState(msgspec.Struct, frozen=True, gc=False):
     handle_id: str
     request_id: str
     generation: int

@@ -165,25 +165,22 @@ class LedgerAccumulator:
     def resize(self, handle_id: str, h: HandleState, position: int, workspace: int = 0) -> None:
         """The handle owns state with h.committed_length tokens from now on (first
         ownership included). Sets the event's workspace and updates the peaks. Only the
-        ledgers this call can raise are compared with their peaks."""
-        dt = self.end_ns - self.mark_ns  # _integrate, inlined: this runs at every publish
+        ledgers this call can raise are compared with their peaks: this runs at every
+        publish, the hottest path of a replay."""
+        end = self.end_ns
+        dt = end - self.mark_ns  # _integrate, inlined
         if dt:
             self.logical_byte_ns += self.logical * dt
             self.physical_byte_ns += (self.reserved + self.allocator) * dt
-            self.mark_ns = self.end_ns
+            self.mark_ns = end
         own = self.owners.get(handle_id)
-        b_token = h.b_token
-        if own is None:
-            own = Owner(0, b_token, h.reserved_capacity * b_token, h.allocator_bytes_per_copy,
-                        h.copy_tiers)
-            self.owners[handle_id] = own
-            self._copies(own, 1)
-            self._raised("reserved", self.reserved, position)
-            self._raised("allocator", self.allocator, position)
-            self._raised("physical", self.reserved + self.allocator, position)
+        first = own is None
+        if first:
+            own = self._own(handle_id, h, position)
         committed = h.committed_length
         before = own.committed
         if committed != before:
+            b_token = own.b_token
             delta = (committed - before) * b_token
             self.logical += delta
             self.materialized += delta * len(own.tiers)
@@ -198,11 +195,23 @@ class LedgerAccumulator:
             elif before * b_token == self._max:
                 self._max_stale = True
         self.workspace = workspace
-        if workspace > self.peak_workspace:
-            self._raised("workspace", workspace, position)
-        instantaneous = self.reserved + self.allocator + workspace
-        if instantaneous > self.peak_instantaneous:
-            self._raised("instantaneous", instantaneous, position)
+        # With no workspace, instantaneous is physical, which only a new owner raises.
+        if workspace or first:
+            if workspace > self.peak_workspace:
+                self._raised("workspace", workspace, position)
+            instantaneous = self.reserved + self.allocator + workspace
+            if instantaneous > self.peak_instantaneous:
+                self._raised("instantaneous", instantaneous, position)
+
+    def _own(self, handle_id: str, h: HandleState, position: int) -> Owner:
+        b_token = h.b_token
+        own = Owner(0, b_token, h.reserved_capacity * b_token, h.allocator_bytes_per_copy, h.copy_tiers)
+        self.owners[handle_id] = own
+        self._copies(own, 1)
+        self._raised("reserved", self.reserved, position)
+        self._raised("allocator", self.allocator, position)
+        self._raised("physical", self.reserved + self.allocator, position)
+        return own
 
     def disown(self, handle_id: str) -> None:
         """Release: the handle's every byte leaves every ledger (no peak can rise)."""

@@ -21,7 +21,7 @@ from replay.metrics import (
     saved_work,
     window_metrics,
 )
-from replay.projector import Projector
+from replay.projector import Projector, collector_paused
 from schemas.canonical import digest
 
 
@@ -94,6 +94,11 @@ def handle_snapshot(s: HandleState, owns_cache: bool) -> HandleSnapshot:
 
 
 def build(projector: Projector, window: WindowSpec) -> Report:
+    with collector_paused():
+        return _build(projector, window)
+
+
+def _build(projector: Projector, window: WindowSpec) -> Report:
     led = projector.ledger
     owners = led.owners
     handles = []

@@ -4,14 +4,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from journal.contract import Journal
 from replay.metrics import WindowSpec
-from replay.projector import Projector
+from replay.projector import Projector, collector_paused
 from replay.report import Report, build
 from replay.sources import journal_events, jsonl_events
 from schemas import events as ev
@@ -27,7 +25,7 @@ def project(events: Iterable[ev.Event], *, projector: Projector | None = None,
             trajectory: bool = False, progress: Progress | None = None) -> Projector:
     """Fold events (in global order) into a projector, new or resumed."""
     p = projector if projector is not None else Projector(trajectory=trajectory)
-    with _collector_paused():
+    with collector_paused():
         if progress is None:
             return p.feed(events)
         batch: list[ev.Event] = []
@@ -44,18 +42,6 @@ def project(events: Iterable[ev.Event], *, projector: Projector | None = None,
     return p
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The fold keeps every handle's state alive and makes no reference cycles, so the
-    cyclic collector would only rescan a growing projection again and again (about a
-    tenth of a replay's time). Paused for the fold, restored after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _check_at(p: Projector, at: int | None) -> None:

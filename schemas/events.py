@@ -17,7 +17,18 @@ from schemas.manifest import Manifest
 
 # Bounds keep a forged or corrupt line from becoming an unbounded allocation.
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
-Digest = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+# A lowercase hex sha256. msgspec checks a `pattern` with Python's `re` on every decode
+# (about 0.45 us a digest: most of a publish event's decode), so the length is bounded in
+# C here and the alphabet checked by `_hex` from the owning struct's __post_init__.
+Digest = Annotated[str, Meta(min_length=64, max_length=64,
+                             extra_json_schema={"pattern": "^[0-9a-f]{64}$"})]
+_NOT_HEX = str.maketrans("", "", "0123456789abcdef")
+
+
+def _hex(*digests: str) -> None:
+    for d in digests:
+        if d.translate(_NOT_HEX):
+            raise ValueError(f"Expected a lowercase hex sha256, got {d[:64]!r}")
 Text = Annotated[str, Meta(max_length=4096)]
 Count = Annotated[int, Meta(ge=0)]
 TokenIds = Annotated[tuple[Annotated[int, Meta(ge=0)], ...], Meta(max_length=1 << 20)]
@@ -26,7 +37,7 @@ AppendKind = Literal["prefill", "chunk", "decode", "repair", "verify"]
 FailureOutcome = Literal["failed", "aborted", "rejected"]
 
 
-class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     pass
 
 
@@ -39,6 +50,9 @@ class RequestAllocate(_Payload):
     reserved_capacity: Count  # C_i: token slots reserved per materialized copy
     copy_tiers: Annotated[tuple[Id, ...], Meta(min_length=1, max_length=64)]  # r_i = len
     allocator_bytes_per_copy: Count = 0  # declared allocator metadata policy
+
+    def __post_init__(self) -> None:
+        _hex(self.manifest_sha256, self.cache_abi_sha256, self.prefix_identity_sha256)
 
 
 class ForwardCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -65,14 +79,22 @@ class AppendStart(_Payload):
     cache_abi_sha256: Digest
     call: ForwardCall | None = None  # set by a worker that executes the append
 
+    def __post_init__(self) -> None:
+        _hex(self.cache_abi_sha256)
 
-class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+
+class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     layer: Count
     start: Count
     count: Count
     k_complete: bool
     v_complete: bool
     rows_sha256: Digest | None = None  # digest of the K and V rows this layer adds
+
+    def __post_init__(self) -> None:
+        d = self.rows_sha256  # _hex inlined: the hottest check in a replay, once per layer
+        if d is not None and d.translate(_NOT_HEX):
+            _hex(d)
 
 
 class AppendPublish(_Payload):
@@ -120,6 +142,9 @@ class Fork(_Payload):
     copy_tiers: Annotated[tuple[Id, ...], Meta(min_length=1, max_length=64)]
     allocator_bytes_per_copy: Count = 0
 
+    def __post_init__(self) -> None:
+        _hex(self.manifest_sha256, self.cache_abi_sha256, self.prefix_identity_sha256)
+
 
 class Truncate(_Payload):
     base_snapshot_version: Count
@@ -156,7 +181,8 @@ class Release(_Payload):
 
 
 class Envelope(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="event_type", forbid_unknown_fields=True
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="event_type", forbid_unknown_fields=True,
+    gc=False,
 ):
     event_id: Id
     global_position: Count = 0  # assigned by the journal at commit

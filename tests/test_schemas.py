@@ -118,6 +118,10 @@ def test_encode_decode_round_trip():
         (lambda d: d["payload"].pop("manifest"), ErrorCode.MALFORMED_EVENT),
         (lambda d: d.update(request_id="r" * 10_000), ErrorCode.FIELD_TOO_LARGE),
         (lambda d: d["payload"].update(cache_abi_sha256="XYZ"), ErrorCode.MALFORMED_EVENT),
+        # 64 characters, but not lowercase hex: the alphabet is checked, not only the length.
+        (lambda d: d["payload"].update(cache_abi_sha256="A" * 64), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d["payload"].update(manifest_sha256="g" * 64), ErrorCode.MALFORMED_EVENT),
+        (lambda d: d["payload"].update(prefix_identity_sha256="0" * 63 + " "), ErrorCode.MALFORMED_EVENT),
     ],
 )
 def test_bad_events_get_stable_codes(mutate, code):
@@ -126,6 +130,21 @@ def test_bad_events_get_stable_codes(mutate, code):
     with pytest.raises(KvLedgerError) as e:
         decode_event(msgspec.json.encode(d))
     assert e.value.code is code
+
+
+@pytest.mark.parametrize("digest, ok", [("0123456789abcdef" * 4, True), ("0123456789ABCDEF" * 4, False),
+                                        ("z" * 64, False), ("a" * 63, False)])
+def test_layer_row_digests_must_be_lowercase_hex(digest, ok):
+    layer = ev.LayerRows(layer=0, start=0, count=1, k_complete=True, v_complete=True)
+    d = {"txn_id": "t", "base_snapshot_version": 0, "result_snapshot_version": 1, "committed_length": 1,
+         "accepted_count": 1, "layers": [{**msgspec.to_builtins(layer), "rows_sha256": digest}],
+         "logits_ready": True}
+    raw = msgspec.json.encode(d)
+    if ok:
+        assert msgspec.json.decode(raw, type=ev.AppendPublish).layers[0].rows_sha256 == digest
+    else:
+        with pytest.raises(msgspec.ValidationError, match="rows_sha256|sha256"):
+            msgspec.json.decode(raw, type=ev.AppendPublish)
 
 
 @pytest.mark.parametrize("raw", [b"", b"not json", b"[1,2]", b'"x"', b"{"])
