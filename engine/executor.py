@@ -58,7 +58,10 @@ class _SlabView:
                 s, n = int(self.slots[b]), len(m.token_ids)
                 K[s, :, m.past:m.past + n] = k_new[b, :, :n]
                 V[s, :, m.past:m.past + n] = v_new[b, :, :n]
-        return K[self.slots, :, : self.extent], V[self.slots, :, : self.extent], self.mask
+        # index_select over the key-extent view: the same contiguous copy as advanced
+        # indexing K[slots, :, :extent], at under half the cost.
+        e, slots = self.extent, self.slots
+        return K[:, :, :e].index_select(0, slots), V[:, :, :e].index_select(0, slots), self.mask
 
 
 @torch.inference_mode()
@@ -70,12 +73,12 @@ def run_call(model: Transformer, store: KVStore, members: list[Member], shape: C
     row), else R = 1, the last real row of each member."""
     device = store.k.device
     assert shape.size == len(members)
-    ids = torch.zeros((shape.size, shape.new_pad), dtype=torch.long, device=device)
-    pos = torch.zeros_like(ids)
-    for b, m in enumerate(members):
-        n = len(m.token_ids)
-        ids[b, :n] = torch.tensor(m.token_ids, device=device)
-        pos[b, :] = torch.arange(m.past, m.past + shape.new_pad, device=device)
+    # Built as Python lists and converted once: a tensor op per member cost more than the
+    # forward's attention at batch 16 on CPU.
+    pad = shape.new_pad
+    ids = torch.tensor([(*m.token_ids, *(0,) * (pad - len(m.token_ids))) for m in members],
+                       dtype=torch.long, device=device)
+    pos = torch.tensor([range(m.past, m.past + pad) for m in members], dtype=torch.long, device=device)
     view = _SlabView(store, members, shape, device)
     rows = "all" if all_rows else torch.tensor([len(m.token_ids) - 1 for m in members], device=device)
     logits = model(ids, pos, kv=view, logits_rows=rows)

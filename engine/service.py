@@ -87,68 +87,94 @@ class CommandService:
         this batch, to make a command that chains on them (publish, then emit from that
         publication, then start the next append). It names concrete bases when built, so
         a retry after contention is still fenced like any other command."""
+        return self.submit_many(cmds)()
+
+    def submit_many(self, cmds: Sequence[c.Command | Builder]) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """execute_many in two halves: decide and write now, and return a function that
+        waits for the commit to be durable and returns the results (see
+        Journal.append_deferred). The caller may compute meanwhile (the worker runs its
+        next model call), but must call it before using this service again. Nothing is
+        acknowledged, and no state or hook sees the batch, before it returns."""
         cmds = list(cmds)
         results: list[Receipt | KvLedgerError | None] = [None] * len(cmds)
-        pending = list(range(len(cmds)))
-        for _ in range(MAX_ATTEMPTS):
-            local: dict[str, HandleState | None] = {}
-            planned: list[tuple[int, Plan]] = []
-            todo, pending = pending, []
-            for i in todo:
-                try:
-                    if not isinstance(cmds[i], c.Command):
-                        cmds[i] = cmds[i](lambda h: local[h] if h in local else self.state(h))
-                    if cmds[i].operation_id is None:
-                        cmds[i] = msgspec.structs.replace(cmds[i], operation_id=new_id())
-                    plan = self._plan(cmds[i], local)
-                except KvLedgerError as exc:
-                    built = isinstance(cmds[i], c.Command)
-                    results[i] = self._explain(cmds[i], exc) if built else exc
-                    continue
-                local.update(plan.states)
-                planned.append((i, plan))
-            if not planned:
-                break
-            outcomes = self.journal.append([p.op for _, p in planned])
-            # A command decided on the planned effects of an earlier one in this batch must
-            # not be retried alone when that one was refused: its base never existed, and
-            # a later successor could carry the same version numbers (the ABA shape).
-            broken: set[str] = set()
-            for (i, plan), out in zip(planned, outcomes):
-                touched = set(c.handles_of(cmds[i]))
-                if touched & broken:
-                    broken |= touched
-                    results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: an "
-                                               "earlier command of this batch on the same handle was refused")
-                    continue
-                if isinstance(out, Receipt):
-                    results[i] = out
-                    if out.event_ids == tuple(e.event_id for e in plan.events):
-                        self.states.update(plan.states)
-                        for hook in self.on_commit:
-                            hook(out, plan.events)
-                    else:  # a retry answered with the original receipt: nothing new written
-                        for h in plan.states:
-                            self.state(h, refresh=True)
-                elif out.code == ErrorCode.CONFLICT:
-                    broken |= touched
-                    results[i] = KvLedgerError(ErrorCode.CONFLICT, out.message)
-                else:  # the head moved under us: re-read and decide again
-                    broken |= touched
-                    for h in touched:
+        planned = self._decide(cmds, results, range(len(cmds)))
+        first = self.journal.append_deferred([p.op for _, p in planned]) if planned else None
+
+        def wait() -> list[Receipt | KvLedgerError]:
+            pending = self._settle(cmds, results, planned, first()) if first is not None else []
+            for _ in range(MAX_ATTEMPTS - 1):
+                if not pending:
+                    break
+                again = self._decide(cmds, results, pending)
+                if not again:
+                    pending = []
+                    break
+                pending = self._settle(cmds, results, again, self.journal.append([p.op for _, p in again]))
+            for i in pending:
+                results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: gave up after "
+                                                                 f"{MAX_ATTEMPTS} contended attempts")
+            if self.on_reject:
+                for cmd, r in zip(cmds, results):
+                    if isinstance(r, KvLedgerError):
+                        for hook in self.on_reject:
+                            hook(cmd, r)
+            return results  # type: ignore[return-value]
+
+        return wait
+
+    def _decide(self, cmds: list, results: list, todo: Sequence[int]) -> list[tuple[int, Plan]]:
+        """Build, key and plan the commands at `todo` in order, each against the states
+        the earlier ones leave; a refused one gets its result now."""
+        local: dict[str, HandleState | None] = {}
+        planned: list[tuple[int, Plan]] = []
+        for i in todo:
+            try:
+                if not isinstance(cmds[i], c.Command):
+                    cmds[i] = cmds[i](lambda h: local[h] if h in local else self.state(h))
+                if cmds[i].operation_id is None:
+                    cmds[i] = msgspec.structs.replace(cmds[i], operation_id=new_id())
+                plan = self._plan(cmds[i], local)
+            except KvLedgerError as exc:
+                built = isinstance(cmds[i], c.Command)
+                results[i] = self._explain(cmds[i], exc) if built else exc
+                continue
+            local.update(plan.states)
+            planned.append((i, plan))
+        return planned
+
+    def _settle(self, cmds: list, results: list, planned: list[tuple[int, Plan]],
+                outcomes: Sequence[Receipt | Rejection]) -> list[int]:
+        """Record the journal's outcomes; return the commands to decide again."""
+        pending: list[int] = []
+        # A command decided on the planned effects of an earlier one in this batch must
+        # not be retried alone when that one was refused: its base never existed, and
+        # a later successor could carry the same version numbers (the ABA shape).
+        broken: set[str] = set()
+        for (i, plan), out in zip(planned, outcomes):
+            touched = set(c.handles_of(cmds[i]))
+            if touched & broken:
+                broken |= touched
+                results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: an "
+                                           "earlier command of this batch on the same handle was refused")
+                continue
+            if isinstance(out, Receipt):
+                results[i] = out
+                if out.event_ids == tuple(e.event_id for e in plan.events):
+                    self.states.update(plan.states)
+                    for hook in self.on_commit:
+                        hook(out, plan.events)
+                else:  # a retry answered with the original receipt: nothing new written
+                    for h in plan.states:
                         self.state(h, refresh=True)
-                    pending.append(i)
-            if not pending:
-                break
-        for i in pending:
-            results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: gave up after "
-                                                             f"{MAX_ATTEMPTS} contended attempts")
-        if self.on_reject:
-            for cmd, r in zip(cmds, results):
-                if isinstance(r, KvLedgerError):
-                    for hook in self.on_reject:
-                        hook(cmd, r)
-        return results  # type: ignore[return-value]
+            elif out.code == ErrorCode.CONFLICT:
+                broken |= touched
+                results[i] = KvLedgerError(ErrorCode.CONFLICT, out.message)
+            else:  # the head moved under us: re-read and decide again
+                broken |= touched
+                for h in touched:
+                    self.state(h, refresh=True)
+                pending.append(i)
+        return pending
 
     def _explain(self, cmd: c.Command, exc: KvLedgerError) -> Receipt | KvLedgerError:
         """A command that no longer decides may be a retry of one already committed."""

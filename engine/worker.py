@@ -14,7 +14,6 @@ is emitted in the same commit as the publication whose logits chose it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -136,7 +135,7 @@ class _Chain:
 class Worker:
     def __init__(self, model: Transformer, *, service: CommandService | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
-                 capacity: int = 512, device: str = "cpu", pipeline: bool | None = None) -> None:
+                 capacity: int = 512, device: str = "cpu", pipeline: bool = True) -> None:
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         self.dtype = next(model.parameters()).dtype
@@ -155,11 +154,9 @@ class Worker:
         self.step_no = 0
         self.errors: list[str] = []
         self.calls = 0
-        # Overlapping the commit with the next model call pays only when the model runs off
-        # the GIL (a GPU): on CPU both sides are Python-bound, and measured here (2 cores) the
-        # pipelined loop was no faster than committing first, at batch 1 and 16 alike.
-        self.pipeline = str(device).startswith("cuda") if pipeline is None else pipeline
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
+        # Overlap each commit's fsync with the next model call (the journal commits on its
+        # own thread; deciding and writing stay on this one, where the GIL puts them anyway).
+        self.pipeline = pipeline
         self._structural = False  # a fork or truncate this iteration: commit before running
         # Called with each receipt once its store effects are applied (telemetry observers).
         self.on_applied: Callable[[Receipt], None] | None = None
@@ -171,16 +168,12 @@ class Worker:
         self.pending.append(spec)
 
     def run(self, on_step: Callable[[Worker], None] | None = None, max_steps: int = 100_000) -> dict[str, list[int]]:
-        try:
-            while (self.pending or self.ran or self._adopted
-                   or any(lv.done is None for lv in self.live.values())) \
-                    and self.step_no < max_steps:
-                self.step()
-                if on_step:
-                    on_step(self)
-        finally:
-            self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
+        while (self.pending or self.ran or self._adopted
+               or any(lv.done is None for lv in self.live.values())) \
+                and self.step_no < max_steps:
+            self.step()
+            if on_step:
+                on_step(self)
         return {h: lv.outputs for h, lv in self.live.items()}
 
     # -- one iteration -------------------------------------------------------------
@@ -206,17 +199,17 @@ class Worker:
                                                    new_pad=shape.new_pad, key_extent=shape.key_extent))
                 if entry is not None:
                     batch.append(entry)
-        if self.pipeline and self.service is not None and not self._structural:
-            # Hide the commit's fsync behind the model: run this iteration's calls while
-            # the commit that starts them (and publishes the previous ones) is in flight.
-            # Nothing they stage is published before a later commit, which is only sent
-            # after this one returned; a refused start's rows are dropped below.
-            commit = self._pool.submit(self._submit, batch)
-            ran = [r for call_id, members in calls for r in self._run(call_id, members)]
-            commit.result()
-        else:
-            self._submit(batch)
-            ran = [r for call_id, members in calls for r in self._run(call_id, members)]
+        # Pipelined: this iteration's calls run while the commit that starts them (and
+        # publishes the previous ones) becomes durable. Nothing they stage is published
+        # before a later commit, which is only sent after this one returned; a refused
+        # start's rows are dropped below. A fork or truncate commits before running.
+        overlap = self.pipeline and not self._structural
+        done = self._submit(batch)
+        if not overlap:
+            done()
+        ran = [r for call_id, members in calls for r in self._run(call_id, members)]
+        if overlap:
+            done()
         for r in ran:
             if not r.planned.txn:
                 self.store.discard(r.planned.handle)
@@ -224,26 +217,32 @@ class Worker:
         self._structural = False
         self.step_no += 1
 
-    def _submit(self, batch: list[Entry | _Chain]) -> None:
+    def _submit(self, batch: list[Entry | _Chain]) -> Callable[[], None]:
+        """Decide and write the iteration's commands now. The returned function waits
+        until their commit is durable, then applies each result (store effects, errors)."""
         batch = [e.entry() if isinstance(e, _Chain) else e for e in batch]
         if self.service is None:  # journaling off: the same loop, nothing durable
-            for _, ok, _ in batch:
-                if ok:
-                    ok(None)
-            return
-        results = self.service.execute_many([e[0] for e in batch])
-        for (_, ok, err), r in zip(batch, results):
-            if isinstance(r, Exception):
-                if err:
-                    err(r)
+            def done_off() -> None:
+                for _, ok, _ in batch:
+                    if ok:
+                        ok(None)
+            return done_off
+        wait = self.service.submit_many([e[0] for e in batch])
+
+        def done() -> None:
+            for (_, ok, err), r in zip(batch, wait()):
+                if isinstance(r, Exception):
+                    if err:
+                        err(r)
+                    else:
+                        self.errors.append(str(r))
+                        log.warning("command rejected", error=str(r))
                 else:
-                    self.errors.append(str(r))
-                    log.warning("command rejected", error=str(r))
-            else:
-                if ok:
-                    ok(r)
-                if self.on_applied is not None:
-                    self.on_applied(r)
+                    if ok:
+                        ok(r)
+                    if self.on_applied is not None:
+                        self.on_applied(r)
+        return done
 
     # -- what the last calls produced ----------------------------------------------
     def _publish(self, ran: Ran, batch: list[Entry], nxt: list[Planned]) -> None:
@@ -415,7 +414,7 @@ class Worker:
 
     def _run(self, call_id: str, planned: list[Planned]) -> list[Ran]:
         shape = _shape(planned)
-        real = [bool(p.txn) for p in planned]  # read once: a pipelined commit may refuse one meanwhile
+        real = [bool(p.txn) for p in planned]  # a start refused by the commit runs as a placeholder
         members = [Member(p.handle, p.past, p.tokens) if ok else Member(self.scratch, 0, p.tokens)
                    for p, ok in zip(planned, real)]
         verify = planned[0].kind == "verify"

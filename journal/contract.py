@@ -9,7 +9,7 @@ rejected while the others commit. The guarded head update is the linearization p
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -76,6 +76,15 @@ class Journal(abc.ABC):
     def append(self, operations: Sequence[Operation]) -> list[Receipt | Rejection]:
         """Commit every operation whose guards hold, in one transaction, in order.
         Results are positional. Nothing is acknowledged before the commit returns."""
+
+    def append_deferred(self, operations: Sequence[Operation]) -> Callable[[], list[Receipt | Rejection]]:
+        """`append` in two halves: the transaction's statements run now, and the returned
+        function waits until the commit is durable and returns append's results. In
+        between the caller may compute (a worker runs its next model call while the fsync
+        happens), but must call it, from the same thread, before using this journal again.
+        Nothing is acknowledged before it returns. This default commits at once."""
+        results = self.append(operations)
+        return lambda: results
 
     @abc.abstractmethod
     def read_stream(self, handle_id: str, after: int = 0) -> list[Event]:

@@ -15,10 +15,12 @@ One transaction per `append` call:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -88,6 +90,7 @@ class SqlJournal(Journal):
         self.sql = backend(self.conn)
         self._pid = os.getpid()
         self._lock = threading.RLock()
+        self._committer: ThreadPoolExecutor | None = None  # append_deferred's COMMIT thread
         # The single-statement append (see _append_speculative): the last global position
         # this connection committed, and a back-off after mispredictions.
         self._predicted: int | None = None
@@ -133,6 +136,57 @@ class SqlJournal(Journal):
             except Exception as exc:  # noqa: BLE001
                 self._predicted = None
                 raise self._driver_error(exc) from None
+
+    def append_deferred(self, operations: Sequence[Operation]) -> Callable[[], list[Receipt | Rejection]]:
+        """The statements run in the caller's thread; COMMIT, an fsync under
+        synchronous=FULL, runs on a committer thread, where the driver releases the GIL,
+        so the caller's next model call overlaps it. The writer lock is held until the
+        returned function has seen the commit finish. Backends whose commit is not split
+        out commit at once."""
+        if not operations or not self.sql.deferred_commit:
+            return super().append_deferred(operations)
+        for op in operations:
+            _validate(op)
+        self._check_process()
+        self._lock.acquire()
+        try:
+            cur = self.sql.begin()
+            try:
+                results = self._append(cur, operations)
+            except BaseException:
+                self.sql.end(cur, False)
+                raise
+        except Exception as exc:  # noqa: BLE001
+            self._lock.release()
+            raise self._driver_error(exc) from None
+        except BaseException:
+            self._lock.release()
+            raise
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
+        committed = self._committer.submit(self.sql.end, cur, True)
+        waited = False
+
+        def wait() -> list[Receipt | Rejection]:
+            nonlocal waited
+            if waited:
+                return results
+            waited = True
+            try:
+                committed.result()
+            except Exception as exc:  # noqa: BLE001 - a failed COMMIT acknowledges nothing
+                with contextlib.suppress(Exception):
+                    self.conn.execute("ROLLBACK")
+                raise self._driver_error(exc) from None
+            finally:
+                self._lock.release()
+            try:
+                fault("after_commit")
+            except Exception as exc:  # noqa: BLE001 - as append: an outcome the caller cannot know
+                raise self._driver_error(exc) from None
+            return results
+
+        return wait
 
     def _append_speculative(self, ops: Sequence[Operation]) -> list[Receipt | Rejection] | None:
         """The common case in one round trip: every operation writes one existing handle,
@@ -391,6 +445,9 @@ class SqlJournal(Journal):
             return self._read(lambda cur: self.sql.checkpoint(cur, name))
 
     def close(self) -> None:
+        committer, self._committer = getattr(self, "_committer", None), None
+        if committer is not None:
+            committer.shutdown(wait=True)
         proxy, self._proxy = getattr(self, "_proxy", None), None
         if proxy is not None and os.getpid() == getattr(self, "_pid", os.getpid()):
             try:

@@ -16,17 +16,27 @@ class SqliteStatements(Statements):
         # gets SQLITE_BUSY that no busy timeout fixes, so every write starts IMMEDIATE.
         conn.isolation_level = None
 
-    def transaction(self, fn: Callable[[Any], Any]) -> Any:
+    deferred_commit = True  # COMMIT (the fsync) runs off the caller's thread: see SqlJournal
+
+    def begin(self) -> Any:
         cur = self.conn.cursor()
         cur.execute("BEGIN IMMEDIATE")
+        return cur
+
+    def end(self, cur: Any, commit: bool) -> None:
+        try:
+            cur.execute("COMMIT" if commit else "ROLLBACK")
+        finally:
+            cur.close()
+
+    def transaction(self, fn: Callable[[Any], Any]) -> Any:
+        cur = self.begin()
         try:
             result = fn(cur)
         except BaseException:
-            cur.execute("ROLLBACK")
-            cur.close()
+            self.end(cur, False)
             raise
-        cur.execute("COMMIT")
-        cur.close()
+        self.end(cur, True)
         return result
 
     def schema_revision(self, version_table: str) -> str | None:

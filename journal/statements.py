@@ -30,7 +30,18 @@ class Statements:
         return sql if self.placeholder == "?" else sql.replace("?", self.placeholder)
 
     # -- transactions (backend-specific) --------------------------------------------
+    # Whether begin()/end() let SqlJournal.append_deferred commit on another thread.
+    deferred_commit = False
+
     def transaction(self, fn: Callable[[Any], Any]) -> Any:
+        raise NotImplementedError
+
+    def begin(self) -> Any:
+        """Open a write transaction holding the writer lock; return its cursor."""
+        raise NotImplementedError
+
+    def end(self, cur: Any, commit: bool) -> None:
+        """COMMIT (or ROLLBACK) what begin() opened, and close its cursor."""
         raise NotImplementedError
 
     def read(self, fn: Callable[[Any], Any]) -> Any:

@@ -258,8 +258,15 @@ class _IntentJournal:
         self._j, self._fd = journal, fd
 
     def append(self, operations):
-        os.write(self._fd, json.dumps([op.operation_id for op in operations]).encode() + b"\n")
+        self._intend(operations)
         return self._j.append(operations)
+
+    def append_deferred(self, operations):
+        self._intend(operations)
+        return self._j.append_deferred(operations)
+
+    def _intend(self, operations) -> None:
+        os.write(self._fd, json.dumps([op.operation_id for op in operations]).encode() + b"\n")
 
     def __getattr__(self, name):
         return getattr(self._j, name)
@@ -279,15 +286,20 @@ def _acking_service(journal, ack_path: str):
     encode = msgspec.json.Encoder().encode
 
     class AckingService(CommandService):
-        def execute_many(self, cmds):
-            results = super().execute_many(cmds)
-            lines = [encode({"op": r.operation_id, "first": r.first_global_position,
-                             "last": r.last_global_position, "events": r.event_ids}) + b"\n"
-                     for r in results if isinstance(r, Receipt)]
-            if lines:
-                os.write(fd, b"".join(lines))
-                os.fsync(fd)
-            return results
+        def submit_many(self, cmds):  # execute_many is submit_many(cmds)() as well
+            wait = super().submit_many(cmds)
+
+            def acknowledged():
+                results = wait()
+                lines = [encode({"op": r.operation_id, "first": r.first_global_position,
+                                 "last": r.last_global_position, "events": r.event_ids}) + b"\n"
+                         for r in results if isinstance(r, Receipt)]
+                if lines:
+                    os.write(fd, b"".join(lines))
+                    os.fsync(fd)
+                return results
+
+            return acknowledged
 
     return AckingService(_IntentJournal(journal, intents), source_instance="kvledger-crash-test")
 

@@ -57,12 +57,19 @@ class RecordingJournal:
         self._j, self._log = journal, log
 
     def append(self, operations):
+        self._attempt(operations)
+        return self._j.append(operations)
+
+    def append_deferred(self, operations):  # the service's first attempt
+        self._attempt(operations)
+        return self._j.append_deferred(operations)
+
+    def _attempt(self, operations) -> None:
         for op in operations:
             steps = [[w.handle_id, _g(w.expected), [w.head.generation, w.head.snapshot_version,
                                                    w.head.stream_position]] for w in op.writes]
             steps += [[ch.handle_id, _g(ch.expected), None] for ch in op.checks]
             self._log(type="attempt", op=op.operation_id, steps=steps)
-        return self._j.append(operations)
 
     def __getattr__(self, name):
         return getattr(self._j, name)

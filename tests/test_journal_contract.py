@@ -233,3 +233,26 @@ def test_envelope_helper_matches_writes():
     assert e.schema_version == 1 and e.stream_position == 3
     w = StreamWrite("h", Guard(0, 0, 2), head("h", 0, 0, 3, 4, "FINISHED_RETAINED"), (e,))
     assert w.head.phase == "FINISHED_RETAINED"
+
+
+def test_deferred_append_acknowledges_only_what_it_committed(journal, db_url):
+    """append_deferred: the statements run at the call, the results come from the wait,
+    and they are the results append gives: receipts for what committed, a rejection
+    (and no row) for a stale base, each visible to another connection once waited."""
+    [r] = journal.append_deferred([allocate_op("h1")])()
+    base = guard_of(journal.head("h1"))
+    wait = journal.append_deferred([publish_op("h1", base, "win"), allocate_op("h2")])
+    win, h2 = wait()
+    assert wait() == [win, h2]  # waiting again returns the same, commits nothing more
+    assert isinstance(win, Receipt) and isinstance(h2, Receipt)
+    assert (win.first_global_position, h2.last_global_position) == (2, 3)
+    with open_journal(db_url) as other:  # durable and visible past this connection
+        assert other.last_position() == 3 and other.receipt("win") == win
+        assert [e.event_type for e in other.read_stream("h1")] == ["request_allocate", "append_publish"]
+    before = snapshot_of(journal)
+    [lose] = journal.append_deferred([publish_op("h1", base, "lose")])()
+    assert isinstance(lose, Rejection) and lose.code == ErrorCode.STALE_BASE
+    assert snapshot_of(journal) == before and journal.receipt("lose") is None
+    # after a wait the journal is free again for plain appends
+    [p2] = journal.append([publish_op("h1", guard_of(journal.head("h1")), "next")])
+    assert isinstance(p2, Receipt) and p2.first_global_position == 4
