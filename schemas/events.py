@@ -80,7 +80,8 @@ class AppendStart(_Payload):
     call: ForwardCall | None = None  # set by a worker that executes the append
 
     def __post_init__(self) -> None:
-        _hex(self.cache_abi_sha256)
+        if self.cache_abi_sha256.translate(_NOT_HEX):  # _hex inlined: one per decode step
+            _hex(self.cache_abi_sha256)
 
 
 class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -90,11 +91,6 @@ class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
     k_complete: bool
     v_complete: bool
     rows_sha256: Digest | None = None  # digest of the K and V rows this layer adds
-
-    def __post_init__(self) -> None:
-        d = self.rows_sha256  # _hex inlined: the hottest check in a replay, once per layer
-        if d is not None and d.translate(_NOT_HEX):
-            _hex(d)
 
 
 class AppendPublish(_Payload):
@@ -106,6 +102,13 @@ class AppendPublish(_Payload):
     layers: Annotated[tuple[LayerRows, ...], Meta(max_length=4096)]
     logits_ready: bool  # False for repair: its logits are discarded, never an output
     workspace_bytes: Count = 0  # temporary workspace live at this event
+
+    def __post_init__(self) -> None:
+        # The layers' row digests, checked here in one pass rather than per LayerRows:
+        # this is the hottest check of a replay (a publish per decoded token).
+        digests = [r.rows_sha256 for r in self.layers if r.rows_sha256 is not None]
+        if digests and "".join(digests).translate(_NOT_HEX):
+            _hex(*digests)
 
 
 class Failure(_Payload):
