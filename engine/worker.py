@@ -13,6 +13,7 @@ is emitted in the same commit as the publication whose logits chose it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -135,10 +136,11 @@ class _Chain:
 class Worker:
     def __init__(self, model: Transformer, *, service: CommandService | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
-                 capacity: int = 512, device: str = "cpu", pipeline: bool = True) -> None:
+                 capacity: int = 512, device: str = "cpu", pipeline: bool | None = None) -> None:
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         self.dtype = next(model.parameters()).dtype
+        self.itemsize = torch.tensor([], dtype=self.dtype).element_size()
         self.max_running, self.prefill_chunk, self.prefill_tokens = max_running, prefill_chunk, prefill_tokens
         # one scratch slot stands in for a member whose start was refused, so a call
         # still runs with the shape its journal record names
@@ -154,9 +156,15 @@ class Worker:
         self.step_no = 0
         self.errors: list[str] = []
         self.calls = 0
-        # Overlap each commit's fsync with the next model call (the journal commits on its
-        # own thread; deciding and writing stay on this one, where the GIL puts them anyway).
-        self.pipeline = pipeline
+        # Overlap each commit's fsync with the next model call: the journal commits on its
+        # own thread (deciding and writing stay on this one, where the GIL puts them
+        # anyway). That thread needs a core the model is not using: on a GPU, or when
+        # torch's CPU threads leave one free. With every core in torch's thread pool the
+        # commit preempts a spinning OpenMP worker and the forward slows by more than the
+        # fsync it hides (measured on 2 cores: 10% faster with 1 torch thread, 0-7% slower
+        # with 2), so the default commits first there.
+        self.pipeline = pipeline if pipeline is not None else (
+            str(device).startswith("cuda") or torch.get_num_threads() < (os.cpu_count() or 1))
         self._structural = False  # a fork or truncate this iteration: commit before running
         # Called with each receipt once its store effects are applied (telemetry observers).
         self.on_applied: Callable[[Receipt], None] | None = None
@@ -500,7 +508,7 @@ class Worker:
 
     # -- helpers -------------------------------------------------------------------
     def manifest(self, spec: RequestSpec) -> Manifest:
-        cfg, width = self.cfg, torch.tensor([], dtype=self.dtype).element_size()
+        cfg, width = self.cfg, self.itemsize
         dt = ScalarType(DTYPE_NAMES.get(self.dtype, str(self.dtype)), width)
         return new_manifest(
             namespace="kvledger", request_id=spec.request_id, prompt=spec.prompt, artifact=self.artifact,
@@ -523,8 +531,7 @@ class Worker:
 
     def _workspace(self, p: Planned) -> int:
         # The append's own K/V rows are the temporary workspace until publication.
-        return len(p.tokens) * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * 2 \
-            * torch.tensor([], dtype=self.dtype).element_size()
+        return len(p.tokens) * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * 2 * self.itemsize
 
     def _sample(self, lv: Live) -> int:
         logits = lv.logits
