@@ -215,9 +215,11 @@ class Worker:
         done = self._submit(batch)
         if not overlap:
             done()
-        ran = [r for call_id, members in calls for r in self._run(call_id, members)]
-        if overlap:
-            done()
+        try:
+            ran = [r for call_id, members in calls for r in self._run(call_id, members)]
+        finally:
+            if overlap:
+                done()  # even if the model call failed: the commit is waited for, never left open
         for r in ran:
             if not r.planned.txn:
                 self.store.discard(r.planned.handle)

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine.evolve import fold
 from kvledger import Ledger, full_layers
 from schemas import events as ev
-from schemas.errors import KvLedgerError
+from schemas.errors import ErrorCode, KvLedgerError
 
 LAYERS = 2
 PROMPT = (3, 1, 4, 1)
@@ -35,7 +35,8 @@ class Model:
     outputs: list[int] = field(default_factory=list)
     logits: bool = False
     lifecycle: str = "ACTIVE"
-    open: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # txn -> (start, n, kind)
+    # txn -> (start, n, kind, snapshot it started at)
+    open: dict[str, tuple[int, int, str, int]] = field(default_factory=dict)
 
     @property
     def logical(self) -> int:
@@ -114,7 +115,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         txn = self._name("t")
         if self._attempt(ok, self.ledger.begin_append, h, txn_id=txn, kind=kind,
                          base=(m.generation, snap), start=start, token_ids=toks):
-            m.open[txn] = (start, n, kind)
+            m.open[txn] = (start, n, kind, m.snapshot)
 
     @precondition(lambda self: any(m.lifecycle == "ACTIVE" for m in self.models.values()))
     @rule(data=st.data(), token=st.integers(0, 9))
@@ -150,12 +151,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         h = data.draw(st.sampled_from([h for h, m in self.models.items() if m.open]))
         m = self.models[h]
         txn = data.draw(st.sampled_from(sorted(m.open)))
-        start, n, kind = m.open[txn]
+        start, n, kind, started_at = m.open[txn]
         accepted = min(accept, n) if kind == "verify" else n
         layers = tuple(r for r in full_layers(LAYERS, start, accepted) if r.layer in layer_subset)
-        ok = (len(layer_subset) == LAYERS and start == m.committed
+        # stale when anything moved the snapshot since this txn started: another
+        # publication, or a truncate (even one to the same length: a new snapshot)
+        ok = (len(layer_subset) == LAYERS and start == m.committed and started_at == m.snapshot
               and (m.lifecycle == "ACTIVE" or (m.lifecycle == "FINISHED" and kind == "repair")))
-        # stale when another publication moved the snapshot since this txn started
         if self._attempt(ok, self.ledger.publish, h, txn_id=txn, base=(m.generation, m.snapshot),
                          layers=layers, accepted_count=accepted if kind == "verify" else None):
             del m.open[txn]
@@ -293,3 +295,18 @@ TestLifecycle.settings = settings(max_examples=12, stateful_step_count=25, deadl
 class TestLifecycleLong(LifecycleMachine.TestCase):
     settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                         suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_truncate_that_cuts_nothing_still_fences_an_open_append(tmp_path):
+    """Found by the machine above (its model had missed it): a truncate makes a new
+    snapshot even when it keeps every row, so an append started before it is stale."""
+    ledger = Ledger.open(f"sqlite:///{tmp_path}/j.db")
+    ledger.allocate("h", make_manifest("h", prompt=PROMPT), reserved_capacity=CAPACITY)
+    ledger.begin_append("h", txn_id="t", kind="prefill", base=(0, 0), start=0, token_ids=list(PROMPT[:1]))
+    ledger.truncate("h", base=(0, 0), new_length=0)
+    before = list(ledger.journal.read_raw())
+    with pytest.raises(KvLedgerError) as e:
+        ledger.publish("h", txn_id="t", base=(0, 1), layers=full_layers(LAYERS, 0, 1))
+    assert e.value.code is ErrorCode.STALE_BASE
+    assert list(ledger.journal.read_raw()) == before
+    ledger.close()

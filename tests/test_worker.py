@@ -180,6 +180,44 @@ def test_pipelined_commits_give_the_same_outputs_and_rows(model, tmp_path):
     assert r.verified_rows > 0 and r.mismatches == []
 
 
+def test_a_failing_model_call_still_waits_for_its_overlapped_commit(model, tmp_path):
+    """The commit of an iteration runs while its model call does. If the call raises,
+    the commit is still awaited and applied: the journal holds what was acknowledged,
+    its writer lock is free (another thread appends), and verify is clean."""
+    import threading
+
+    from factories import make_manifest
+
+    from engine import commands as c
+    from replay import verify_journal
+
+    url = f"sqlite:///{tmp_path}/f.db"
+    _, artifact = load_model()
+    with open_journal(url) as j:
+        w = Worker(model, service=CommandService(j), artifact=artifact, capacity=32, pipeline=True)
+        w.submit(RequestSpec(request_id="f", prompt=_tokens(6), max_new_tokens=4))
+        w.step()  # allocate + prefill start, then the prefill call
+        real_run = w._run
+
+        def broken(call_id, members):
+            raise RuntimeError("model call failed")
+
+        w._run = broken
+        with pytest.raises(RuntimeError, match="model call failed"):
+            w.step()  # publishes the prefill, emits, starts the decode: committed meanwhile
+        w._run = real_run
+        s = w.service.state("f")
+        assert s.committed_length == 6 and len(s.outputs) == 1 and len(s.open_txns) == 1
+        assert w.store.committed["f"] == 6  # the publication's rows were applied
+        done = []
+        other = c.Allocate(handle_id="other", manifest=make_manifest(request_id="other"), reserved_capacity=8)
+        t = threading.Thread(target=lambda: done.append(CommandService(j).execute(other)))
+        t.start()
+        t.join(10)
+        assert done and done[0].first_global_position > 0  # the writer lock was released
+        assert verify_journal(j).findings == []
+
+
 def test_chains_carry_publish_emit_and_start_in_one_operation(model, tmp_path):
     spec = RequestSpec(request_id="c", prompt=_tokens(7), max_new_tokens=6)
     _, events = run_workload(f"sqlite:///{tmp_path}/c.db", [spec], model)
