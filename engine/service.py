@@ -87,18 +87,27 @@ class CommandService:
         this batch, to make a command that chains on them (publish, then emit from that
         publication, then start the next append). It names concrete bases when built, so
         a retry after contention is still fenced like any other command."""
-        return self.submit_many(cmds)()
+        return self.submit_many(cmds, defer=False)()
 
-    def submit_many(self, cmds: Sequence[c.Command | Builder]) -> Callable[[], list[Receipt | KvLedgerError]]:
+    def submit_many(self, cmds: Sequence[c.Command | Builder], *,
+                    defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
         """execute_many in two halves: decide and write now, and return a function that
         waits for the commit to be durable and returns the results (see
-        Journal.append_deferred). The caller may compute meanwhile (the worker runs its
-        next model call), but must call it before using this service again. Nothing is
-        acknowledged, and no state or hook sees the batch, before it returns."""
+        Journal.append_deferred; `defer=False` commits before returning). The caller may
+        compute meanwhile (the worker runs its next model call), but must call it before
+        using this service again. Nothing is acknowledged, and no state or hook sees the
+        batch, before it returns."""
         cmds = list(cmds)
         results: list[Receipt | KvLedgerError | None] = [None] * len(cmds)
         planned = self._decide(cmds, results, range(len(cmds)))
-        first = self.journal.append_deferred([p.op for _, p in planned]) if planned else None
+        first = None
+        if planned:
+            ops = [p.op for _, p in planned]
+            if defer:
+                first = self.journal.append_deferred(ops)
+            else:
+                outcomes = self.journal.append(ops)
+                first = lambda: outcomes  # noqa: E731
 
         def wait() -> list[Receipt | KvLedgerError]:
             pending = self._settle(cmds, results, planned, first()) if first is not None else []

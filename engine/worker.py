@@ -212,7 +212,7 @@ class Worker:
         # before a later commit, which is only sent after this one returned; a refused
         # start's rows are dropped below. A fork or truncate commits before running.
         overlap = self.pipeline and not self._structural
-        done = self._submit(batch)
+        done = self._submit(batch, overlap)
         if not overlap:
             done()
         try:
@@ -227,9 +227,10 @@ class Worker:
         self._structural = False
         self.step_no += 1
 
-    def _submit(self, batch: list[Entry | _Chain]) -> Callable[[], None]:
-        """Decide and write the iteration's commands now. The returned function waits
-        until their commit is durable, then applies each result (store effects, errors)."""
+    def _submit(self, batch: list[Entry | _Chain], overlap: bool) -> Callable[[], None]:
+        """Decide and write the iteration's commands now (and commit them, unless
+        `overlap`). The returned function waits until their commit is durable, then
+        applies each result (store effects, errors)."""
         batch = [e.entry() if isinstance(e, _Chain) else e for e in batch]
         if self.service is None:  # journaling off: the same loop, nothing durable
             def done_off() -> None:
@@ -237,7 +238,7 @@ class Worker:
                     if ok:
                         ok(None)
             return done_off
-        wait = self.service.submit_many([e[0] for e in batch])
+        wait = self.service.submit_many([e[0] for e in batch], defer=overlap)
 
         def done() -> None:
             for (_, ok, err), r in zip(batch, wait()):

@@ -286,8 +286,8 @@ def _acking_service(journal, ack_path: str):
     encode = msgspec.json.Encoder().encode
 
     class AckingService(CommandService):
-        def submit_many(self, cmds):  # execute_many is submit_many(cmds)() as well
-            wait = super().submit_many(cmds)
+        def submit_many(self, cmds, *, defer=True):  # execute_many goes through here too
+            wait = super().submit_many(cmds, defer=defer)
 
             def acknowledged():
                 results = wait()

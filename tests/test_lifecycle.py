@@ -248,3 +248,31 @@ def test_chain_is_one_operation_fenced_by_its_first_step(ledger):
     unnamed_first = c.Chain(handle_id="Q", steps=(c.Finish(handle_id="Q", base_generation=None),))
     rejected(ErrorCode.INVALID_ARGUMENT, ledger.execute, unnamed_first)
     rejected(ErrorCode.INVALID_ARGUMENT, ledger.execute, c.Finish(handle_id="Q", base_generation=None))
+
+
+def test_submitted_commands_are_acknowledged_only_by_the_wait(ledger):
+    """submit_many (the worker's overlapped commit): the rows are written when it
+    returns, but no state, hook or receipt sees them before the wait; then the results
+    are what execute_many would have given, in order, a refused command included."""
+    from engine import commands as c
+    from factories import make_manifest
+
+    service = ledger.service
+    seen: list = []
+    service.on_commit.append(lambda receipt, events: seen.append(receipt))
+    allocate(ledger, "W")
+    seen.clear()
+    s = ledger.state("W")
+    good = c.BeginAppend(handle_id="W", txn_id="p", kind="prefill", base_generation=0,
+                         base_snapshot_version=s.snapshot_version, interval_start=0, interval_count=2,
+                         token_ids=s.prompt[:2], cache_positions=(0, 1), mask_key_extent=2,
+                         cache_abi_sha256=s.cache_abi_sha256)
+    stale = c.Finish(handle_id="W", base_generation=7)
+    other = c.Allocate(handle_id="W2", manifest=make_manifest(request_id="W2"), reserved_capacity=8)
+    wait = service.submit_many([good, stale, other])
+    assert seen == [] and service.states["W"] == s and "W2" not in service.states
+    r_good, r_stale, r_other = wait()
+    assert seen == [r_good, r_other]
+    assert isinstance(r_stale, KvLedgerError) and r_stale.code is ErrorCode.STALE_BASE
+    assert ledger.state("W").open_txn("p") is not None and ledger.state("W2").stream_position == 1
+    assert ledger.journal.receipt(r_other.operation_id) == r_other

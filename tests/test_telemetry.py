@@ -130,22 +130,18 @@ def test_records_are_enqueued_only_after_their_commit_returned(tmp_path):
         service = CommandService(journal)
         telemetry = Telemetry(path).attach(service)
         committed: set[str] = set()
-        real_deferred, real_put = journal.append_deferred, telemetry.exporter.put
+        real_append, real_put = journal.append, telemetry.exporter.put
         fail_next = {"on": False}
 
-        def append_deferred(ops):  # the service's write path (append is its retry path)
+        def append(ops):
             if fail_next["on"]:
                 fail_next["on"] = False
                 raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, "injected commit failure")
-            wait = real_deferred(ops)
-
-            def commit():
-                results = wait()
-                for r in results:
-                    if hasattr(r, "event_ids"):
-                        committed.update(r.event_ids)
-                return results
-            return commit
+            results = real_append(ops)
+            for r in results:
+                if hasattr(r, "event_ids"):
+                    committed.update(r.event_ids)
+            return results
 
         early: list[str] = []
 
@@ -154,7 +150,7 @@ def test_records_are_enqueued_only_after_their_commit_returned(tmp_path):
                 early.extend(e.event_id for e in item[-1] if e.event_id not in committed)
             return real_put(item, records)
 
-        journal.append_deferred = append_deferred
+        journal.append = append
         telemetry.exporter.put = put
         m = make_manifest(request_id="a")
         service.execute(c.Allocate(handle_id="a", manifest=m, reserved_capacity=8))
