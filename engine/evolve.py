@@ -91,11 +91,7 @@ def _without(txns: tuple[OpenTxn, ...], txn_id: str) -> tuple[tuple[OpenTxn, ...
 
 def _publish(state: HandleState, e: ev.AppendPublishEvent) -> HandleState:
     p = e.payload
-    txns = state.open_txns
-    if len(txns) == 1 and txns[0].txn_id == p.txn_id:  # _without's usual case, inlined
-        rest, txn = (), txns[0]
-    else:
-        rest, txn = _without(txns, p.txn_id)
+    rest, txn = _without(state.open_txns, p.txn_id)
     assert txn is not None, f"publish of {p.txn_id} that is not open"
     if txn.kind == "verify":  # accepted drafts become outputs as their rows commit
         accepted = txn.token_ids[: p.accepted_count]
