@@ -4,8 +4,13 @@ on the same weights, at batch 1 and 16; on the default demo model and a larger o
 Each run serves B requests (32-token prompts, G greedy tokens each) end to end,
 prefill included, for all three contenders alike; runs are interleaved and repeated
 and the best rate of each is kept (noise on a shared machine only slows a run down).
-Journal on = SQLite WAL, synchronous=FULL (an fsync per iteration, pipelined behind
-the next model call); off = the same worker loop with no command service at all.
+Journal on = SQLite WAL, synchronous=FULL, an fsync per iteration; off = the same
+worker loop with no command service at all. Journal on is measured with both writers
+a user can choose (`--writer`): `thread`, the appends in the worker's process (the
+commit overlaps the next model call only when torch leaves a core free), and
+`process`, the appends in a writer process (journal.process) with torch's pool one
+core smaller (engine.worker.leave_a_core). The headline takes the better writer per
+case; both rates are reported.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from bench import Context, best_rate
 
 GOALS = {"decode_journal_overhead": ("<=", 0.10), "decode_vs_transformers": (">=", 1.0)}
 NOTES = {
-    "decode_journal_overhead": "worst case over models and batch sizes: (off rate / on rate) - 1; "
-                               "bounded by the commit (fsync + Python per command) that the "
-                               "next model call must hide, and by the GIL the two share",
-    "decode_vs_transformers": "worst case of worker (journal on) / transformers generate, same weights",
+    "decode_journal_overhead": "worst case over models and batch sizes: (off rate / on rate) - 1, "
+                               "on = the better writer; bounded by the per-command Python the "
+                               "worker's thread still runs (deciding ~30 us per chain) and, on 2 "
+                               "cores, by the writer process competing with the model for CPU",
+    "decode_vs_transformers": "worst case of worker (journal on, better writer) / transformers "
+                              "generate, same weights",
 }
 
 LARGE = dict(vocab_size=2048, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
@@ -54,21 +61,28 @@ def _prompts(b: int, vocab: int) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(1, vocab) for _ in range(32)) for _ in range(b)]
 
 
-def _worker_rate(ctx: Context, model, artifact, prompts, g: int, journal_on: bool) -> float:
+def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | None) -> float:
+    """Tokens/s of the worker with the journal written by `writer`, or off (None)."""
     from engine.service import CommandService
-    from engine.worker import RequestSpec, Worker
+    from engine.worker import RequestSpec, Worker, leave_a_core
     from kvledger.storage import open_journal
 
     url = ctx.sqlite_journal_url("decode")
-    with open_journal(url) as j:
-        w = Worker(model, service=CommandService(j) if journal_on else None, artifact=artifact,
-                   max_running=len(prompts), capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
-        for i, p in enumerate(prompts):
-            w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
-        t0 = time.perf_counter()
-        w.run()
-        dt = time.perf_counter() - t0
-        assert not w.errors, w.errors[:3]
+    threads = torch.get_num_threads()
+    if writer == "process":
+        leave_a_core()
+    try:
+        with open_journal(url, writer=writer or "thread") as j:
+            w = Worker(model, service=CommandService(j) if writer else None, artifact=artifact,
+                       max_running=len(prompts), capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
+            for i, p in enumerate(prompts):
+                w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
+            t0 = time.perf_counter()
+            w.run()
+            dt = time.perf_counter() - t0
+            assert not w.errors, w.errors[:3]
+    finally:
+        torch.set_num_threads(threads)
     return len(prompts) * g / dt
 
 
@@ -96,21 +110,26 @@ def run(ctx: Context) -> dict[str, Any]:
         model, artifact = load_model(config=cfg)
         hf = _hf_twin(model)
         prompts = _prompts(b, cfg.vocab_size)
-        on, off, ref = [], [], []
+        on, proc, off, ref = [], [], [], []
         for _ in range(ctx.repeats):
-            off.append(_worker_rate(ctx, model, artifact, prompts, g, journal_on=False))
-            on.append(_worker_rate(ctx, model, artifact, prompts, g, journal_on=True))
+            off.append(_worker_rate(ctx, model, artifact, prompts, g, None))
+            on.append(_worker_rate(ctx, model, artifact, prompts, g, "thread"))
+            proc.append(_worker_rate(ctx, model, artifact, prompts, g, "process"))
             ref.append(_hf_rate(hf, prompts, g))
-        r_on, r_off, r_hf = best_rate(on), best_rate(off), best_rate(ref)
+        r_thread, r_proc, r_off, r_hf = best_rate(on), best_rate(proc), best_rate(off), best_rate(ref)
+        r_on = max(r_thread, r_proc)
         tag = f"{name}_b{b}"
         out[f"decode_tokens_per_s_journal_on_{tag}"] = round(r_on, 1)
+        out[f"decode_tokens_per_s_writer_thread_{tag}"] = round(r_thread, 1)
+        out[f"decode_tokens_per_s_writer_process_{tag}"] = round(r_proc, 1)
         out[f"decode_tokens_per_s_journal_off_{tag}"] = round(r_off, 1)
         out[f"decode_tokens_per_s_transformers_{tag}"] = round(r_hf, 1)
         out[f"decode_journal_overhead_{tag}"] = round(r_off / r_on - 1, 4)
         out[f"decode_vs_transformers_{tag}"] = round(r_on / r_hf, 3)
         overheads.append(r_off / r_on - 1)
         vs_hf.append(r_on / r_hf)
-        ctx.log(f"   {tag}: on {r_on:.0f} tok/s, off {r_off:.0f}, transformers {r_hf:.0f}")
+        ctx.log(f"   {tag}: on {r_on:.0f} tok/s (thread writer {r_thread:.0f}, process writer "
+                f"{r_proc:.0f}), off {r_off:.0f}, transformers {r_hf:.0f}")
     out["decode_journal_overhead"] = round(max(overheads), 4)
     out["decode_vs_transformers"] = round(min(vs_hf), 3)
     return out

@@ -1,8 +1,9 @@
 """Re-execute a journal's appends to rebuild K/V and prove it matches what was published.
 
-Appends run call by call, with the shapes their append_start recorded (ForwardCall),
-so on the same model, device and dtype every row comes out bit for bit and its digest
-must equal the one in its append_publish. Used by determinism tests and by recovery.
+Appends run call by call, with the shapes and CPU thread counts their append_start
+recorded (ForwardCall), so on the same model, device and dtype every row comes out bit
+for bit and its digest must equal the one in its append_publish. Used by determinism
+tests and by recovery.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from engine.executor import CallShape, Member, run_call
@@ -41,6 +43,14 @@ class Reexecution:
 
 def reexecute(model: Transformer, events: Iterable[ev.Event], *, slots: int = 64,
               capacity: int = 1024) -> Reexecution:
+    threads = torch.get_num_threads()
+    try:
+        return _reexecute(model, events, slots, capacity)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reexecute(model: Transformer, events: Iterable[ev.Event], slots: int, capacity: int) -> Reexecution:
     dtype = next(model.parameters()).dtype
     store = KVStore(model.cfg, slots=slots + 1, capacity=capacity, dtype=dtype,
                     device=next(model.parameters()).device)
@@ -62,6 +72,8 @@ def reexecute(model: Transformer, events: Iterable[ev.Event], *, slots: int = 64
             else:
                 members.append(Member(e.stream_id, e.payload.interval_start, e.payload.token_ids))
         verify = any(e.payload.kind == "verify" for e in members_ev)
+        if call.threads and call.threads != torch.get_num_threads():
+            torch.set_num_threads(call.threads)
         logits = run_call(model, store, members, CallShape(call.size, call.new_pad, call.key_extent),
                           all_rows=verify)
         for b, m in enumerate(members):

@@ -200,11 +200,13 @@ class Worker:
             self._arrive(spec, batch)
         self._plan_prefill(nxt)
         calls = self._group(nxt)
+        threads = torch.get_num_threads()  # part of what fixes the call's bits: see ForwardCall
         for call_id, members in calls:
             shape = _shape(members)
             for i, p in enumerate(members):
                 entry = self._start(p, ForwardCall(call_id=call_id, index=i, size=shape.size,
-                                                   new_pad=shape.new_pad, key_extent=shape.key_extent))
+                                                   new_pad=shape.new_pad, key_extent=shape.key_extent,
+                                                   threads=threads))
                 if entry is not None:
                     batch.append(entry)
         # Pipelined: this iteration's calls run while the commit that starts them (and
@@ -575,6 +577,16 @@ class Worker:
     def _drop(self, h: str, exc: Exception) -> None:
         self.errors.append(str(exc))
         self.live[h].done = "failed"
+
+
+def leave_a_core() -> int:
+    """Shrink torch's CPU thread pool by one core (never below 1) for a journal writer
+    process (journal.process) to run on; returns the thread count now set. A small model
+    loses nothing by it (one thread decodes the default model as fast as two on 2 cores);
+    the writer's commit then overlaps the model call instead of preempting it."""
+    n = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(n)
+    return n
 
 
 def _accepted(prev_logits: Tensor, rows: Tensor, drafts: tuple[int, ...]) -> int:

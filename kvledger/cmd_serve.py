@@ -8,6 +8,7 @@ import sys
 import uuid
 
 from journal import redact, resolve_url
+from kvledger.storage import WRITERS
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -18,9 +19,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     # part of the foundation); this module supplies what they run.
     for name, run in (("demo", _cmd_demo), ("generate", _cmd_generate)):
         sub.choices[name].set_defaults(run=run)
+    for name in ("demo", "generate"):
+        sub.choices[name].add_argument(
+            "--writer", choices=WRITERS, default="thread",
+            help="where the journal's appends run: thread (in this process, the default) or "
+                 "process (a writer process beside the model call, off its GIL; on a CPU, torch "
+                 "then leaves that process one core). Same durability either way")
     demo = sub.choices["demo"]
     demo.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT limit for goodput (ms)")
     demo.add_argument("--slo-tbt-ms", type=float, default=250.0, help="max TBT limit for goodput (ms)")
+
+
+def _make_room(args: argparse.Namespace) -> None:
+    if args.writer == "process" and not str(args.device).startswith("cuda"):
+        from engine.worker import leave_a_core
+
+        leave_a_core()
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -78,7 +92,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.max_new_tokens < 1:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--requests and --max-new-tokens must be >= 1")
     url = resolve_url(args.db)
-    with open_journal(url) as journal:
+    _make_room(args)
+    with open_journal(url, writer=args.writer) as journal:
         first = journal.last_position()
         telemetry = demo_telemetry(args)
         bar, on_step = _progress(args.requests)
@@ -174,7 +189,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"token id {max(prompt)} >= vocab {model.cfg.vocab_size}")
     url = resolve_url(args.db)
     handle = f"gen-{uuid.uuid4().hex[:12]}"
-    with open_journal(url) as journal:
+    _make_room(args)
+    with open_journal(url, writer=args.writer) as journal:
         first = journal.last_position()
         worker = Worker(model, service=CommandService(journal, source_instance="kvledger-generate"),
                         artifact=artifact, max_running=1, capacity=len(prompt) + args.max_new_tokens + 1,

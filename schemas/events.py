@@ -57,14 +57,18 @@ class RequestAllocate(_Payload):
 
 class ForwardCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The model call an append ran in. Floating-point results depend on the call's
-    shape (batch size, padded query rows, padded key extent), so re-executing a journal
-    bit-for-bit needs the same shapes: recovery rebuilds each call from these."""
+    shape (batch size, padded query rows, padded key extent) and on how many CPU threads
+    split its reductions, so re-executing a journal bit-for-bit needs both: recovery
+    rebuilds each call from these."""
 
     call_id: Id
     index: Count  # this append's row in the batch
     size: Annotated[int, Meta(gt=0)]
     new_pad: Annotated[int, Meta(gt=0)]  # padded query rows per sequence
     key_extent: Annotated[int, Meta(gt=0)]  # padded key columns
+    # torch's intra-op CPU threads during the call (1 and 2 give different bits on the
+    # same machine); 0: not recorded (append_start v2), re-executed with whatever is set
+    threads: Count = 0
 
 
 class AppendStart(_Payload):
@@ -280,4 +284,4 @@ PAYLOAD_CLASSES: dict[str, type] = {
 # The schema version this code writes for each payload. Bump it together with an
 # upcaster from the previous version in schemas.upcast.
 CURRENT_VERSION: dict[str, int] = {name: 1 for name in EVENT_CLASSES}
-CURRENT_VERSION["append_start"] = 2  # v1 stored interval as a [start, end) pair
+CURRENT_VERSION["append_start"] = 3  # v1: interval as a [start, end) pair; v2: no call.threads

@@ -36,3 +36,10 @@ def _append_start_v1(payload: dict[str, Any], envelope: dict[str, Any]) -> dict[
     p.setdefault("cache_positions", list(range(start, end)))
     p.setdefault("mask_key_extent", end)
     return p
+
+
+@upcaster("append_start", 2)
+def _append_start_v2(payload: dict[str, Any], envelope: dict[str, Any]) -> dict[str, Any]:
+    # v2's ForwardCall did not record the thread count; v3 reads its absence as 0 (not
+    # recorded), which is what the field's default says, so the payload stands as it is.
+    return payload

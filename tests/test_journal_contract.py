@@ -14,11 +14,17 @@ from schemas.errors import ErrorCode, KvLedgerError
 from schemas.receipts import Receipt
 
 
-@pytest.fixture
-def journal(db_url):
-    j = open_journal(db_url)
+@pytest.fixture(params=["thread", "process"])
+def journal(db_url, request):
+    """The same contract with the appends in this process or in a writer process."""
+    j = open_journal(db_url, writer=request.param)
     yield j
     j.close()
+
+
+def sql_of(j):
+    """The backend statements of this process's connection (for planting raw rows)."""
+    return getattr(j, "reader", j).sql
 
 
 def snapshot_of(j):
@@ -193,7 +199,7 @@ def test_checkpoints_round_trip(journal):
 
 
 def test_old_schema_version_is_read_back_upgraded(journal):
-    """A row stored by an older kvledger (append_start v1: interval as a pair) reads as v2."""
+    """A row stored by an older kvledger (append_start v1: interval as a pair) reads as v3."""
     journal.append([allocate_op("h1")])
     v1 = {
         "event_type": "append_start", "event_id": "old-1", "stream_id": "h1", "stream_position": 2,
@@ -202,10 +208,11 @@ def test_old_schema_version_is_read_back_upgraded(journal):
                     "interval": [0, 4], "token_ids": [11, 22, 33, 44], "cache_abi_sha256": "0" * 64},
     }
     body = msgspec.json.encode(v1)
-    journal.sql.transaction(lambda cur: journal.sql.insert_events(
+    sql = sql_of(journal)
+    sql.transaction(lambda cur: sql.insert_events(
         cur, [(2, "old-1", "h1", 2, "append_start", 1, None, body)]))
     [start] = journal.read_stream("h1", after=1)
-    assert isinstance(start, ev.AppendStartEvent) and start.schema_version == 2
+    assert isinstance(start, ev.AppendStartEvent) and start.schema_version == 3
     p = start.payload
     assert (p.interval_start, p.interval_count, p.mask_key_extent) == (0, 4, 4)
     assert p.cache_positions == (0, 1, 2, 3)

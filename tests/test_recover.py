@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -160,18 +161,52 @@ def _cli(*args, timeout=300):
                           timeout=timeout, env=env)
 
 
-def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url):
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+            assert time.monotonic() < deadline, f"process {pid} outlived its parent"
+            time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
     rng = random.Random(os.getpid())
     threshold = rng.randint(20, 200)
     demo = subprocess.Popen([sys.executable, "-m", "kvledger", "demo", "--db", db_url, "--requests", "16",
-                             "--max-new-tokens", "12", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             "--max-new-tokens", "12", "--json", "--writer", writer],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with open_journal(db_url) as j:
         deadline = time.monotonic() + 120
         while j.last_position() < threshold and demo.poll() is None and time.monotonic() < deadline:
             time.sleep(0.002)
         time.sleep(rng.uniform(0, 0.05))
+        writers = _children(demo.pid)
+        assert (len(writers) == 1) is (writer == "process"), writers
         demo.send_signal(signal.SIGKILL)
         assert demo.wait(30) == -signal.SIGKILL, "the demo finished before the kill"
+        # A writer process finishes the append it already received (a commit the dead
+        # demo never acknowledged), sees its pipe closed and exits: recover after that.
+        _wait_gone(writers)
         killed_at = j.last_position()
         live = [h for h, f in j.heads().items() if f.phase != "RELEASED"]
     assert live, f"killed at position {killed_at} with no live handle"

@@ -100,6 +100,25 @@ def _allocate_event_dict():
     return msgspec.to_builtins(e)
 
 
+def test_append_start_v2_reads_as_v3_with_no_thread_count():
+    """v2's ForwardCall had no thread count: it reads back as 0 (not recorded)."""
+    body = {
+        "event_type": "append_start", "event_id": "e1", "stream_id": "h1", "stream_position": 2,
+        "schema_version": 2, "request_id": "h1", "handle_generation": 0, "global_position": 2,
+        "payload": {"txn_id": "t1", "kind": "decode", "base_snapshot_version": 1, "interval_start": 4,
+                    "interval_count": 1, "token_ids": [7], "cache_positions": [4], "mask_key_extent": 5,
+                    "cache_abi_sha256": "0" * 64,
+                    "call": {"call_id": "c1", "index": 0, "size": 2, "new_pad": 1, "key_extent": 8}},
+    }
+    e = decode_event(msgspec.json.encode(body))
+    assert e.schema_version == 3 and e.payload.call.threads == 0 and e.payload.call.key_extent == 8
+    body["schema_version"] = 3
+    body["payload"]["call"]["threads"] = -1
+    with pytest.raises(KvLedgerError) as info:
+        decode_event(msgspec.json.encode(body))
+    assert info.value.code is ErrorCode.MALFORMED_EVENT
+
+
 def test_encode_decode_round_trip():
     e = allocate_op("h1").writes[0].events[0]
     assert decode_event(encode_event(e)) == e
@@ -155,7 +174,8 @@ def test_non_objects_are_malformed(raw):
 
 
 def test_newer_version_of_upcast_type_is_refused():
-    d = {"event_type": "append_start", "schema_version": 3, "payload": {}}
+    newer = ev.CURRENT_VERSION["append_start"] + 1
+    d = {"event_type": "append_start", "schema_version": newer, "payload": {}}
     with pytest.raises(KvLedgerError) as e:
         decode_event(msgspec.json.encode(d))
     assert e.value.code is ErrorCode.UNKNOWN_SCHEMA_VERSION

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -110,9 +111,9 @@ def test_staged_rows_are_invisible_and_a_stale_publication_changes_nothing(model
     other.close()
 
 
-def run_workload(url, specs, model, *, journal_on=True, pipeline=None):
+def run_workload(url, specs, model, *, journal_on=True, pipeline=None, writer="thread"):
     _, artifact = load_model()
-    with open_journal(url) as j:
+    with open_journal(url, writer=writer) as j:
         service = CommandService(j) if journal_on else None
         capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
         w = Worker(model, service=service, artifact=artifact, capacity=capacity, pipeline=pipeline)
@@ -134,6 +135,30 @@ def test_demo_journal_reexecutes_bit_for_bit(model, db_url):
     assert r.verified_rows > 500 and r.mismatches == [] and not r.skipped
     published = sum(e.payload.accepted_count for e in events if e.event_type == "append_publish")
     assert r.verified_rows == published
+
+
+def test_reexecution_uses_the_recorded_thread_count(model, tmp_path):
+    """CPU BLAS splits reductions by thread count, so 1 and 2 threads give different
+    bits: each call records its count (ForwardCall.threads) and re-execution runs with
+    it, whatever the re-executing process has set. Without the record it would not
+    reproduce (the second half shows the test can fail)."""
+    specs = demo_workload(8, 6, seed=4, vocab=model.cfg.vocab_size)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _, events = run_workload(f"sqlite:///{tmp_path}/t.db", specs, model)
+        torch.set_num_threads(2)
+        r = reexecute(model, events, capacity=256)
+        assert r.verified_rows > 100 and r.mismatches == []
+        assert torch.get_num_threads() == 2  # restored afterwards
+        calls = [e.payload.call for e in events if e.event_type == "append_start" and e.payload.call]
+        assert calls and {c.threads for c in calls} == {1}
+        unrecorded = [msgspec.structs.replace(e, payload=msgspec.structs.replace(
+            e.payload, call=msgspec.structs.replace(e.payload.call, threads=0)))
+            if e.event_type == "append_start" and e.payload.call else e for e in events]
+        assert reexecute(model, unrecorded, capacity=256).mismatches != []
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_paths_keep_greedy_outputs(model, tmp_path):
@@ -178,6 +203,23 @@ def test_pipelined_commits_give_the_same_outputs_and_rows(model, tmp_path):
     assert {h: o for h, o in piped.items() if h in greedy} == {h: o for h, o in sync.items() if h in greedy}
     r = reexecute(model, events, capacity=256)
     assert r.verified_rows > 0 and r.mismatches == []
+
+
+def test_a_writer_process_journals_the_same_run(model, db_url, tmp_path):
+    """Appends sent to a writer process (and overlapped with the model call) journal the
+    same greedy outputs as the in-process writer, on both backends; the journal verifies
+    clean and its rows re-execute bit for bit."""
+    from replay import verify_journal
+
+    specs = demo_workload(12, 8, seed=6, vocab=model.cfg.vocab_size)
+    here, _ = run_workload(f"sqlite:///{tmp_path}/t.db", specs, model)
+    there, events = run_workload(db_url, specs, model, pipeline=True, writer="process")
+    greedy = {s.request_id for s in specs if s.temperature == 0}
+    assert {h: o for h, o in there.items() if h in greedy} == {h: o for h, o in here.items() if h in greedy}
+    r = reexecute(model, events, capacity=256)
+    assert r.verified_rows > 0 and r.mismatches == []
+    with open_journal(db_url) as j:
+        assert verify_journal(j).findings == []
 
 
 def test_a_failing_model_call_still_waits_for_its_overlapped_commit(model, tmp_path):
