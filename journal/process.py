@@ -75,9 +75,6 @@ def _read_exact(fd: int, n: int, eof_ok: bool = True) -> bytes | None:
 class ProcessJournal(Journal):
     """`Journal` over a writer process (appends) and a local connection (everything else)."""
 
-    # Appends leave this thread free while they commit: a worker should overlap them.
-    offloaded = True
-
     def __init__(self, url: str, reader: SqlJournal | None = None) -> None:
         """`reader`: this process's connection to the same database, if already open
         (it is closed with this journal). Errors opening it (BAD_DATABASE_URL,
