@@ -7,7 +7,9 @@ from typing import Literal
 
 import msgspec
 
+from engine.state import HandleState
 from schemas.canonical import digest
+from schemas.errors import ErrorCode, KvLedgerError
 from schemas.events import AppendKind, FailureOutcome, ForwardCall, LayerRows
 from schemas.manifest import Manifest
 
@@ -163,6 +165,40 @@ Command = (
     Allocate | BeginAppend | Publish | Fail | EmitOutput | Fork | Truncate | Reorder
     | CancelRequest | Finish | Release | Chain
 )
+
+
+class Relative(msgspec.Struct, frozen=True, tag=True):
+    """A command decided against its handle's state at decision time, which fills in its
+    base (see bind_current); the base fields it carries are ignored. That state is the
+    service's view, which the journal's guard then checks against the head row, so it is
+    fenced like a command that named the same base. A worker sends these: it acts on
+    what its earlier commands leave, in this batch or the last, which it does not know
+    when it builds the batch. Being data, they can cross to a service in another process."""
+
+    command: Command
+
+
+def bind_current(cmd: Command, s: HandleState | None) -> Command:
+    """`cmd` with its base taken from `s`, the state of the handle it acts on (a fork:
+    its parent, forked at the committed length; an append start: the handle's cache ABI
+    unless it names one; a chain: its first step, the later ones follow from it)."""
+    if s is None:
+        raise KvLedgerError(ErrorCode.UNKNOWN_HANDLE, f"no handle {handles_of(cmd)[0]}")
+    replace, g, v = msgspec.structs.replace, s.generation, s.snapshot_version
+    if isinstance(cmd, Chain):
+        return replace(cmd, steps=(bind_current(cmd.steps[0], s), *cmd.steps[1:]))
+    if isinstance(cmd, BeginAppend):
+        return replace(cmd, base_generation=g, base_snapshot_version=v,
+                       cache_abi_sha256=cmd.cache_abi_sha256 or s.cache_abi_sha256)
+    if isinstance(cmd, (Publish, Truncate)):
+        return replace(cmd, base_generation=g, base_snapshot_version=v)
+    if isinstance(cmd, EmitOutput):
+        return replace(cmd, base_generation=g, snapshot_version=v)
+    if isinstance(cmd, (Finish, Release, CancelRequest)):
+        return replace(cmd, base_generation=g)
+    if isinstance(cmd, Fork):
+        return replace(cmd, base_generation=g, base_snapshot_version=v, prefix_length=s.committed_length)
+    raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{type(cmd).__name__} cannot be relative")
 
 
 def handles_of(cmd: Command) -> tuple[str, ...]:

@@ -136,10 +136,15 @@ class CommandService:
         the earlier ones leave; a refused one gets its result now."""
         local: dict[str, HandleState | None] = {}
         planned: list[tuple[int, Plan]] = []
+        def look(h: str) -> HandleState | None:
+            return local[h] if h in local else self.state(h)
+
         for i in todo:
             try:
-                if not isinstance(cmds[i], c.Command):
-                    cmds[i] = cmds[i](lambda h: local[h] if h in local else self.state(h))
+                if isinstance(cmds[i], c.Relative):
+                    cmds[i] = c.bind_current(cmds[i].command, look(c.handles_of(cmds[i].command)[0]))
+                elif not isinstance(cmds[i], c.Command):
+                    cmds[i] = cmds[i](look)
                 if cmds[i].operation_id is None:
                     cmds[i] = msgspec.structs.replace(cmds[i], operation_id=new_id())
                 plan = self._plan(cmds[i], local)

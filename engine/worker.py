@@ -104,7 +104,7 @@ class _Chain:
     guarded write, one receipt. The publication names the real base; the later steps
     leave theirs to the chain. Any other command on the handle ends the chain."""
 
-    def __init__(self, handle: str, first: Callable, ok: Callable | None, err: Callable | None) -> None:
+    def __init__(self, handle: str, first: c.Publish, ok: Callable | None, err: Callable | None) -> None:
         self.handle, self.first = handle, first
         self.steps: list[c.Step] = []
         self.oks, self.errs = [ok], [err]
@@ -115,10 +115,8 @@ class _Chain:
 
     def entry(self) -> Entry:
         if not self.steps:
-            return (self.first, self.oks[0], self.errs[0])
-
-        def build(state):
-            return c.Chain(handle_id=self.handle, steps=(self.first(state), *self.steps))
+            return (c.Relative(self.first), self.oks[0], self.errs[0])
+        chain = c.Relative(c.Chain(handle_id=self.handle, steps=(self.first, *self.steps)))
 
         def ok(r):
             for f in self.oks:
@@ -130,7 +128,7 @@ class _Chain:
                 if f:
                     f(exc)
 
-        return (build, ok, err)
+        return (chain, ok, err)
 
 
 class Worker:
@@ -263,11 +261,8 @@ class Worker:
         end = p.past + ran.accepted
         accepted = ran.accepted if p.kind == "verify" else None
 
-        def publish(state):
-            s = state(p.handle)
-            return c.Publish(handle_id=p.handle, txn_id=p.txn, base_generation=s.generation,
-                             base_snapshot_version=s.snapshot_version, layers=ran.layers,
-                             accepted_count=accepted, workspace_bytes=self._workspace(p))
+        publish = c.Publish(handle_id=p.handle, txn_id=p.txn, base_generation=None, base_snapshot_version=None,
+                            layers=ran.layers, accepted_count=accepted, workspace_bytes=self._workspace(p))
 
         def failed(exc: Exception, h=p.handle) -> None:
             self.store.discard(h)
@@ -317,32 +312,27 @@ class Worker:
         spec = lv.spec
         index = len(lv.outputs)
 
-        def emit(state, h=lv.handle):
-            s = state(h)
-            return c.EmitOutput(handle_id=h, base_generation=s.generation,
-                                snapshot_version=s.snapshot_version, output_index=index, token_id=token)
-
+        emit = c.EmitOutput(handle_id=lv.handle, base_generation=None, snapshot_version=None,
+                            output_index=index, token_id=token)
         chain = self._chains.get(lv.handle)
         if chain is not None:
-            chain.add(c.EmitOutput(handle_id=lv.handle, base_generation=None, snapshot_version=None,
-                                   output_index=index, token_id=token))
+            chain.add(emit)
         else:
-            batch.append((emit, None, None))
+            batch.append((c.Relative(emit), None, None))
         lv.outputs.append(token)
         lv.logits, lv.greedy = None, None
         eos = self.cfg.eos_token_id
         if (eos is not None and token == eos) or len(lv.outputs) >= spec.max_new_tokens:
             lv.done = "eos" if token == eos else "max_tokens"
-            batch.append(self._simple(lv, lambda s: c.Finish(handle_id=lv.handle, base_generation=s.generation,
-                                                            reason=lv.done)))
+            batch.append(self._simple(lv, c.Finish(handle_id=lv.handle, base_generation=None, reason=lv.done)))
             if spec.repair:
                 nxt.append(Planned(lv.handle, _txn(), "repair", self._length(lv), (token,)))
             else:
                 batch.append(self._release(lv))
         elif spec.cancel_after is not None and len(lv.outputs) >= spec.cancel_after:
             lv.done = "cancelled"
-            batch.append(self._simple(lv, lambda s: c.CancelRequest(
-                handle_id=lv.handle, base_generation=s.generation, reason="client cancelled")))
+            batch.append(self._simple(lv, c.CancelRequest(handle_id=lv.handle, base_generation=0,
+                                                          reason="client cancelled")))
             batch.append(self._release(lv))
         elif spec.truncate_after is not None and not lv.truncated and len(lv.outputs) >= spec.truncate_after:
             lv.truncated = True
@@ -350,10 +340,9 @@ class Worker:
             new_len = max(len(spec.prompt), self._length(lv) - spec.truncate_rows)
             keep = new_len - len(spec.prompt) + 1  # the output at new_len stays as the frontier
             del lv.outputs[keep:]
-            batch.append(self._simple(lv, lambda s: c.Truncate(
-                handle_id=lv.handle, base_generation=s.generation,
-                base_snapshot_version=s.snapshot_version, new_length=new_len),
-                ok=lambda r, h=lv.handle: self.store.truncate(h, new_len)))
+            batch.append(self._simple(lv, c.Truncate(handle_id=lv.handle, base_generation=0,
+                                                     base_snapshot_version=0, new_length=new_len),
+                                      ok=lambda r, h=lv.handle: self.store.truncate(h, new_len)))
             nxt.append(Planned(lv.handle, _txn(), "decode", new_len, (lv.outputs[-1],)))
         else:
             nxt.append(Planned(lv.handle, _txn(), "decode", self._length(lv), (token,)))
@@ -402,28 +391,22 @@ class Worker:
         is returned), or an entry of its own."""
         n = len(p.tokens)
 
-        def start(state):
-            s = state(p.handle)
-            return c.BeginAppend(
-                handle_id=p.handle, txn_id=p.txn, kind=p.kind, base_generation=s.generation,
-                base_snapshot_version=s.snapshot_version, interval_start=p.past, interval_count=n,
-                token_ids=p.tokens, cache_positions=tuple(range(p.past, p.past + n)),
-                mask_key_extent=p.past + n, cache_abi_sha256=s.cache_abi_sha256, call=call)
+        start = c.BeginAppend(
+            handle_id=p.handle, txn_id=p.txn, kind=p.kind, base_generation=None, base_snapshot_version=None,
+            interval_start=p.past, interval_count=n, token_ids=p.tokens,
+            cache_positions=tuple(range(p.past, p.past + n)), mask_key_extent=p.past + n,
+            cache_abi_sha256=self.live[p.handle].abi, call=call)
 
         def refused(exc: Exception) -> None:
             p.txn = ""  # runs as a placeholder row only
             self.errors.append(str(exc))
             self.live[p.handle].done = self.live[p.handle].done or "failed"
 
-        chain, abi = self._chains.get(p.handle), self.live[p.handle].abi
-        if chain is not None and abi:
-            chain.add(c.BeginAppend(
-                handle_id=p.handle, txn_id=p.txn, kind=p.kind, base_generation=None,
-                base_snapshot_version=None, interval_start=p.past, interval_count=n,
-                token_ids=p.tokens, cache_positions=tuple(range(p.past, p.past + n)),
-                mask_key_extent=p.past + n, cache_abi_sha256=abi, call=call), err=refused)
+        chain = self._chains.get(p.handle)
+        if chain is not None and start.cache_abi_sha256:
+            chain.add(start, err=refused)
             return None
-        return (start, None, refused)
+        return (c.Relative(start), None, refused)
 
     def _run(self, call_id: str, planned: list[Planned]) -> list[Ran]:
         shape = _shape(planned)
@@ -489,8 +472,7 @@ class Worker:
         eos = self.cfg.eos_token_id
         if len(lv.outputs) >= spec.max_new_tokens or (eos is not None and lv.outputs and lv.outputs[-1] == eos):
             lv.done = "eos" if eos is not None and lv.outputs and lv.outputs[-1] == eos else "max_tokens"
-            batch.append(self._simple(lv, lambda s: c.Finish(handle_id=h, base_generation=s.generation,
-                                                            reason=lv.done)))
+            batch.append(self._simple(lv, c.Finish(handle_id=h, base_generation=None, reason=lv.done)))
             batch.append(self._release(lv))
         elif lv.logits is not None:
             self._on_ready(lv, batch, nxt)
@@ -505,9 +487,9 @@ class Worker:
             new_len = state.committed_length - 1
             lv.outputs = list(cut(state, new_len)["outputs"])
             self._structural = True
-            batch.append(self._simple(lv, lambda s: c.Truncate(
-                handle_id=h, base_generation=s.generation, base_snapshot_version=s.snapshot_version,
-                new_length=new_len), ok=lambda r: self.store.truncate(h, new_len)))
+            batch.append(self._simple(lv, c.Truncate(handle_id=h, base_generation=0, base_snapshot_version=0,
+                                                     new_length=new_len),
+                                      ok=lambda r: self.store.truncate(h, new_len)))
             if new_len >= len(spec.prompt):
                 nxt.append(Planned(h, _txn(), "decode", new_len, (lv.outputs[-1],)))
 
@@ -556,12 +538,13 @@ class Worker:
                 return (nxt, *seq[i + 1:i + k])[:k]
         return (nxt,)[:k]
 
-    def _simple(self, lv: Live, build, ok=None) -> Entry:
+    def _simple(self, lv: Live, cmd: c.Command, ok=None) -> Entry:
+        """A command of its own, on the state the handle's earlier commands leave."""
         self._chains.pop(lv.handle, None)  # a command of its own ends the handle's chain
-        return (lambda state, h=lv.handle: build(state(h)), ok, None)
+        return (c.Relative(cmd), ok, None)
 
     def _release(self, lv: Live) -> Entry:
-        return self._simple(lv, lambda s: c.Release(handle_id=lv.handle, base_generation=s.generation),
+        return self._simple(lv, c.Release(handle_id=lv.handle, base_generation=None),
                             ok=lambda r, h=lv.handle: self.store.release(h))
 
     def _fork(self, lv: Live, kids: list[str]) -> Entry:
@@ -569,10 +552,9 @@ class Worker:
             for k in kids:
                 self.store.fork(parent, k, self.store.pending[parent])
 
-        return self._simple(lv, lambda s: c.Fork(
-            parent_handle_id=lv.handle, base_generation=s.generation, base_snapshot_version=s.snapshot_version,
-            child_handle_ids=tuple(kids), prefix_length=s.committed_length,
-            child_request_ids=tuple(kids)), ok=ok)
+        return self._simple(lv, c.Fork(parent_handle_id=lv.handle, base_generation=0, base_snapshot_version=0,
+                                       child_handle_ids=tuple(kids), prefix_length=0,
+                                       child_request_ids=tuple(kids)), ok=ok)
 
     def _drop(self, h: str, exc: Exception) -> None:
         self.errors.append(str(exc))

@@ -276,3 +276,38 @@ def test_submitted_commands_are_acknowledged_only_by_the_wait(ledger):
     assert isinstance(r_stale, KvLedgerError) and r_stale.code is ErrorCode.STALE_BASE
     assert ledger.state("W").open_txn("p") is not None and ledger.state("W2").stream_position == 1
     assert ledger.journal.receipt(r_other.operation_id) == r_other
+
+
+def test_relative_commands_take_the_state_their_batch_leaves_and_stay_fenced(ledger, db_url):
+    """Relative commands (what a worker sends) are bound at decision time to the state the
+    earlier commands of the batch leave; bound against a stale view they are refused by
+    the journal's guard like any command, never applied to a head they did not see."""
+    from factories import make_manifest
+
+    from engine import commands as c
+
+    service = ledger.service
+    allocate(ledger, "R")
+    s = ledger.state("R")
+    start = c.BeginAppend(handle_id="R", txn_id="p", kind="prefill", base_generation=None,
+                          base_snapshot_version=None, interval_start=0, interval_count=4,
+                          token_ids=s.prompt, cache_positions=(0, 1, 2, 3), mask_key_extent=4,
+                          cache_abi_sha256="")
+    publish = c.Publish(handle_id="R", txn_id="p", base_generation=None, base_snapshot_version=None)
+    emit = c.EmitOutput(handle_id="R", base_generation=None, snapshot_version=None, output_index=0,
+                        token_id=9)
+    fork = c.Fork(parent_handle_id="R", base_generation=0, base_snapshot_version=0,
+                  child_handle_ids=("R.1",), prefix_length=0, child_request_ids=("R.1",))
+    results = service.execute_many([c.Relative(x) for x in (start, publish, emit, fork)])
+    assert all(not isinstance(r, KvLedgerError) for r in results), results
+    assert ledger.state("R").outputs == (9,) and ledger.state("R.1").committed_length == 4
+    [unknown, absolute] = service.execute_many([
+        c.Relative(c.Finish(handle_id="nope", base_generation=None)),
+        c.Relative(c.Allocate(handle_id="R", manifest=make_manifest(request_id="R"), reserved_capacity=8))])
+    assert unknown.code is ErrorCode.UNKNOWN_HANDLE and absolute.code is ErrorCode.INVALID_ARGUMENT
+    with Ledger.open(db_url, clock=ManualClock()) as other:  # another writer moves the head
+        other.truncate("R", base=base(other, "R"), new_length=2)
+    [late] = service.execute_many([c.Relative(c.Truncate(handle_id="R", base_generation=0,
+                                                         base_snapshot_version=0, new_length=1))])
+    assert isinstance(late, KvLedgerError) and late.code is ErrorCode.STALE_BASE
+    assert ledger.state("R", refresh=True).committed_length == 2
