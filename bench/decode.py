@@ -6,10 +6,10 @@ prefill included, for all three contenders alike; runs are interleaved and repea
 and the best rate of each is kept (noise on a shared machine only slows a run down).
 Journal on = SQLite WAL, synchronous=FULL, an fsync per iteration; off = the same
 worker loop with no command service at all. Journal on is measured with both writers
-a user can choose (`--writer`): `thread`, the appends in the worker's process (the
-commit overlaps the next model call only when torch leaves a core free), and
-`process`, the appends in a writer process (journal.process) with torch's pool one
-core smaller (engine.worker.leave_a_core). The headline takes the better writer per
+a user can choose (`--writer`): `thread`, the command service in the worker's process
+(the commit overlaps the next model call only when torch leaves a core free), and
+`process`, the command service in a writer process (engine.remote) with torch's pool
+one core smaller (engine.worker.leave_a_core). The headline takes the better writer per
 case; both rates are reported.
 """
 
@@ -26,9 +26,9 @@ from bench import Context, best_rate
 GOALS = {"decode_journal_overhead": ("<=", 0.10), "decode_vs_transformers": (">=", 1.0)}
 NOTES = {
     "decode_journal_overhead": "worst case over models and batch sizes: (off rate / on rate) - 1, "
-                               "on = the better writer; bounded by the per-command Python the "
-                               "worker's thread still runs (deciding ~30 us per chain) and, on 2 "
-                               "cores, by the writer process competing with the model for CPU",
+                               "on = the better writer; with the service in a writer process, "
+                               "bounded on 2 cores by that process competing with the model for "
+                               "CPU, and by sending commands and reading results",
     "decode_vs_transformers": "worst case of worker (journal on, better writer) / transformers "
                               "generate, same weights",
 }
@@ -63,7 +63,7 @@ def _prompts(b: int, vocab: int) -> list[tuple[int, ...]]:
 
 def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | None) -> float:
     """Tokens/s of the worker with the journal written by `writer`, or off (None)."""
-    from engine.service import CommandService
+    from engine.remote import command_service
     from engine.worker import RequestSpec, Worker, leave_a_core
     from kvledger.storage import open_journal
 
@@ -72,15 +72,20 @@ def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | N
     if writer == "process":
         leave_a_core()
     try:
-        with open_journal(url, writer=writer or "thread") as j:
-            w = Worker(model, service=CommandService(j) if writer else None, artifact=artifact,
-                       max_running=len(prompts), capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
-            for i, p in enumerate(prompts):
-                w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
-            t0 = time.perf_counter()
-            w.run()
-            dt = time.perf_counter() - t0
-            assert not w.errors, w.errors[:3]
+        with open_journal(url) as j:
+            service = command_service(j, writer=writer) if writer else None
+            try:
+                w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
+                           capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
+                for i, p in enumerate(prompts):
+                    w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
+                t0 = time.perf_counter()
+                w.run()
+                dt = time.perf_counter() - t0
+                assert not w.errors, w.errors[:3]
+            finally:
+                if service is not None:
+                    service.close()
     finally:
         torch.set_num_threads(threads)
     return len(prompts) * g / dt

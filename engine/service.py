@@ -73,6 +73,10 @@ class CommandService:
 
     # -- commands ----------------------------------------------------------------
 
+    def close(self) -> None:
+        """Nothing to release here (the caller owns the journal); engine.remote's
+        service, which has a writer process to stop, has the same method."""
+
     def execute(self, cmd: c.Command) -> Receipt:
         [result] = self.execute_many([cmd])
         if isinstance(result, KvLedgerError):

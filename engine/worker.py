@@ -563,7 +563,7 @@ class Worker:
 
 def leave_a_core() -> int:
     """Shrink torch's CPU thread pool by one core (never below 1) for a journal writer
-    process (journal.process) to run on; returns the thread count now set. A small model
+    process (engine.remote) to run on; returns the thread count now set. A small model
     loses nothing by it (one thread decodes the default model as fast as two on 2 cores);
     the writer's commit then overlaps the model call instead of preempting it."""
     n = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1))

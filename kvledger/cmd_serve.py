@@ -8,7 +8,7 @@ import sys
 import uuid
 
 from journal import redact, resolve_url
-from kvledger.storage import WRITERS
+from engine.remote import WRITERS
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -22,9 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name in ("demo", "generate"):
         sub.choices[name].add_argument(
             "--writer", choices=WRITERS, default="thread",
-            help="where the journal's appends run: thread (in this process, the default) or "
-                 "process (a writer process beside the model call, off its GIL; on a CPU, torch "
-                 "then leaves that process one core). Same durability either way")
+            help="where the command service decides and commits: thread (in this process, the "
+                 "default) or process (a writer process beside the model call, off its GIL; on a "
+                 "CPU, torch then leaves it one core). Same journal, guards and durability")
     demo = sub.choices["demo"]
     demo.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT limit for goodput (ms)")
     demo.add_argument("--slo-tbt-ms", type=float, default=250.0, help="max TBT limit for goodput (ms)")
@@ -93,7 +93,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--requests and --max-new-tokens must be >= 1")
     url = resolve_url(args.db)
     _make_room(args)
-    with open_journal(url, writer=args.writer) as journal:
+    with open_journal(url) as journal:
         first = journal.last_position()
         telemetry = demo_telemetry(args)
         bar, on_step = _progress(args.requests)
@@ -102,7 +102,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         try:
             result = run_demo(journal, requests=args.requests, max_new_tokens=args.max_new_tokens,
                               seed=args.seed, model_dir=args.model, device=args.device, on_step=on_step,
-                              run_id=uuid.uuid4().hex[:8], telemetry=telemetry)
+                              run_id=uuid.uuid4().hex[:8], telemetry=telemetry, writer=args.writer)
         finally:
             if bar:
                 bar.stop()
@@ -172,7 +172,7 @@ def _print_demo(out: dict) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.loading import load_model
-    from engine.service import CommandService
+    from engine.remote import command_service
     from engine.worker import RequestSpec, Worker
     from kvledger.storage import open_journal
 
@@ -190,14 +190,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     url = resolve_url(args.db)
     handle = f"gen-{uuid.uuid4().hex[:12]}"
     _make_room(args)
-    with open_journal(url, writer=args.writer) as journal:
+    with open_journal(url) as journal:
         first = journal.last_position()
-        worker = Worker(model, service=CommandService(journal, source_instance="kvledger-generate"),
-                        artifact=artifact, max_running=1, capacity=len(prompt) + args.max_new_tokens + 1,
-                        prefill_chunk=max(64, len(prompt)), prefill_tokens=max(256, len(prompt)),
-                        device=args.device)
-        worker.submit(RequestSpec(request_id=handle, prompt=prompt, max_new_tokens=args.max_new_tokens))
-        outputs = worker.run()[handle]
+        service = command_service(journal, writer=args.writer, source_instance="kvledger-generate")
+        try:
+            worker = Worker(model, service=service, artifact=artifact, max_running=1,
+                            capacity=len(prompt) + args.max_new_tokens + 1,
+                            prefill_chunk=max(64, len(prompt)), prefill_tokens=max(256, len(prompt)),
+                            device=args.device)
+            worker.submit(RequestSpec(request_id=handle, prompt=prompt, max_new_tokens=args.max_new_tokens))
+            outputs = worker.run()[handle]
+        finally:
+            service.close()
         position = journal.last_position()
     if worker.errors:
         raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"generation rejected: {worker.errors[0]}")

@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.loading import load_model
-from engine.service import CommandService
+from engine.remote import command_service
 from engine.worker import RequestSpec, Worker
 from journal import SqlJournal
 
@@ -36,23 +36,27 @@ def demo_workload(requests: int, max_new_tokens: int, seed: int, vocab: int,
 
 def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 16, seed: int = 0,
              model_dir: str | None = None, device: str = "cpu", on_step=None,
-             source_instance: str = "kvledger-demo", run_id: str = "", telemetry=None) -> dict:
+             source_instance: str = "kvledger-demo", run_id: str = "", telemetry=None,
+             writer: str = "thread") -> dict:
     """`telemetry`: an engine.telemetry.Telemetry to attach to the service and worker
-    (the caller closes it)."""
+    (the caller closes it). `writer`: see engine.remote.command_service."""
     torch.manual_seed(seed)
     model, artifact = load_model(model_dir, device=device)
     specs = demo_workload(requests, max_new_tokens, seed, model.cfg.vocab_size, run_id)
     capacity = max(len(s.prompt) for s in specs) + max_new_tokens + 1
-    service = CommandService(journal, source_instance=source_instance)
-    worker = Worker(model, service=service, artifact=artifact, capacity=capacity, device=device)
-    if telemetry is not None:
-        telemetry.attach(service, worker)
-    for s in specs:
-        worker.submit(s)
-    first = journal.last_position()
-    t0 = time.perf_counter()
-    outputs = worker.run(on_step=on_step)
-    elapsed = time.perf_counter() - t0
+    service = command_service(journal, writer=writer, source_instance=source_instance)
+    try:
+        worker = Worker(model, service=service, artifact=artifact, capacity=capacity, device=device)
+        if telemetry is not None:
+            telemetry.attach(service, worker)
+        for s in specs:
+            worker.submit(s)
+        first = journal.last_position()
+        t0 = time.perf_counter()
+        outputs = worker.run(on_step=on_step)
+        elapsed = time.perf_counter() - t0
+    finally:
+        service.close()
     return {
         "outputs": outputs,
         "requests": len(specs),

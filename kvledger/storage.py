@@ -9,8 +9,6 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 import migrations
 from journal import SqlJournal, make_engine, parse_url, resolve_url
-from journal.contract import Journal
-from journal.process import ProcessJournal
 from journal.url import redact, unreachable
 from schemas.errors import ErrorCode, KvLedgerError
 
@@ -30,26 +28,17 @@ def init_database(raw_url: str | None = None) -> str:
     return migrations.head_revision()
 
 
-WRITERS = ("thread", "process")
-
-
-def open_journal(raw_url: str | None = None, *, writer: str = "thread") -> Journal:
+def open_journal(raw_url: str | None = None) -> SqlJournal:
     """Open a journal. A new SQLite file is initialized on the spot; PostgreSQL must
-    have been migrated with `kvledger init` first. `writer="process"` runs the appends
-    in a writer process (journal.process: off this process's GIL), reads stay here."""
-    if writer not in WRITERS:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"writer must be one of {', '.join(WRITERS)}")
+    have been migrated with `kvledger init` first."""
     url = parse_url(resolve_url(raw_url))
     try:
-        journal = SqlJournal(url)
+        return SqlJournal(url)
     except KvLedgerError as exc:
         if exc.code is not ErrorCode.NOT_MIGRATED or url.get_backend_name() != "sqlite":
             raise
-        init_database(url.render_as_string(hide_password=False))
-        journal = SqlJournal(url)
-    if writer == "process":
-        return ProcessJournal(url.render_as_string(hide_password=False), reader=journal)
-    return journal
+    init_database(url.render_as_string(hide_password=False))
+    return SqlJournal(url)
 
 
 def open_existing_journal(raw_url: str | None = None) -> SqlJournal:
@@ -61,4 +50,4 @@ def open_existing_journal(raw_url: str | None = None) -> SqlJournal:
     return SqlJournal(url)
 
 
-__all__ = ["WRITERS", "init_database", "open_existing_journal", "open_journal", "redact"]
+__all__ = ["init_database", "open_existing_journal", "open_journal", "redact"]

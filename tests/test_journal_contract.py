@@ -14,17 +14,11 @@ from schemas.errors import ErrorCode, KvLedgerError
 from schemas.receipts import Receipt
 
 
-@pytest.fixture(params=["thread", "process"])
-def journal(db_url, request):
-    """The same contract with the appends in this process or in a writer process."""
-    j = open_journal(db_url, writer=request.param)
+@pytest.fixture
+def journal(db_url):
+    j = open_journal(db_url)
     yield j
     j.close()
-
-
-def sql_of(j):
-    """The backend statements of this process's connection (for planting raw rows)."""
-    return getattr(j, "reader", j).sql
 
 
 def snapshot_of(j):
@@ -208,8 +202,7 @@ def test_old_schema_version_is_read_back_upgraded(journal):
                     "interval": [0, 4], "token_ids": [11, 22, 33, 44], "cache_abi_sha256": "0" * 64},
     }
     body = msgspec.json.encode(v1)
-    sql = sql_of(journal)
-    sql.transaction(lambda cur: sql.insert_events(
+    journal.sql.transaction(lambda cur: journal.sql.insert_events(
         cur, [(2, "old-1", "h1", 2, "append_start", 1, None, body)]))
     [start] = journal.read_stream("h1", after=1)
     assert isinstance(start, ev.AppendStartEvent) and start.schema_version == 3

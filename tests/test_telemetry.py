@@ -13,6 +13,7 @@ from collections import Counter as Count
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import commands as c
@@ -345,11 +346,18 @@ def test_metric_series_do_not_grow_with_traffic(tmp_path):
 
 # -- the demo command line ------------------------------------------------------------------
 
-def test_demo_cli_writes_telemetry_that_reconciles(tmp_path, capsys):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_demo_cli_writes_telemetry_that_reconciles(tmp_path, capsys, writer):
+    """Also with the service in a writer process: its receipts, events and refusals come
+    back to the worker's process, where the telemetry hooks see them as they would here."""
     db = f"sqlite:///{tmp_path}/cli.db"
     tel, scrape = tmp_path / "t.jsonl", tmp_path / "m.txt"
-    rc = main(["demo", "--db", db, "--requests", "4", "--max-new-tokens", "3", "--json",
-               "--telemetry", str(tel), "--metrics-port", "0", "--metrics-out", str(scrape)])
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["demo", "--db", db, "--requests", "4", "--max-new-tokens", "3", "--json", "--writer", writer,
+                   "--telemetry", str(tel), "--metrics-port", "0", "--metrics-out", str(scrape)])
+    finally:
+        torch.set_num_threads(threads)  # --writer process leaves a core to its writer
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["telemetry"]["dropped"] == 0 and out["telemetry"]["written"] > 0
     assert out["telemetry"]["metrics_port"] > 0

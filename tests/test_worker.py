@@ -13,6 +13,7 @@ from engine.kvstore import KVStore
 from engine.loading import load_model
 from engine.model import DEFAULT_CONFIG, Transformer
 from engine.reexec import reexecute
+from engine.remote import command_service
 from engine.service import CommandService
 from engine.worker import RequestSpec, Worker
 from kvledger import Ledger
@@ -113,13 +114,17 @@ def test_staged_rows_are_invisible_and_a_stale_publication_changes_nothing(model
 
 def run_workload(url, specs, model, *, journal_on=True, pipeline=None, writer="thread"):
     _, artifact = load_model()
-    with open_journal(url, writer=writer) as j:
-        service = CommandService(j) if journal_on else None
+    with open_journal(url) as j:
+        service = command_service(j, writer=writer) if journal_on else None
         capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
-        w = Worker(model, service=service, artifact=artifact, capacity=capacity, pipeline=pipeline)
-        for s in specs:
-            w.submit(s)
-        out = w.run()
+        try:
+            w = Worker(model, service=service, artifact=artifact, capacity=capacity, pipeline=pipeline)
+            for s in specs:
+                w.submit(s)
+            out = w.run()
+        finally:
+            if service is not None:
+                service.close()
         assert w.errors == []
         events = list(j.read_all())
     return out, events
@@ -206,8 +211,8 @@ def test_pipelined_commits_give_the_same_outputs_and_rows(model, tmp_path):
 
 
 def test_a_writer_process_journals_the_same_run(model, db_url, tmp_path):
-    """Appends sent to a writer process (and overlapped with the model call) journal the
-    same greedy outputs as the in-process writer, on both backends; the journal verifies
+    """Commands decided and committed by a writer process (overlapped with the model
+    call) journal the same greedy outputs as the in-process service, on both backends; the journal verifies
     clean and its rows re-execute bit for bit."""
     from replay import verify_journal
 

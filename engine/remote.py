@@ -1,0 +1,290 @@
+"""The command service in a writer process (`--writer process`).
+
+Why: deciding a batch, encoding its events, the statements and the commit are Python
+that, in a thread, holds the GIL the model's own Python dispatch needs, so they add to
+every iteration however well the fsync overlaps. A worker sends its commands as data
+(engine.commands.Relative: bound to the state their batch leaves) to a CommandService
+in a child process, runs its next model call while that process decides and commits,
+and reads the results. Same service, same journal SQL, guards, receipts and durability.
+
+The child owns the one writing connection; the worker's process reads the journal on
+its own connection (`service.journal`: SQLite WAL and PostgreSQL both let readers run
+beside the writer). One batch is in flight at a time, so results come back in order.
+Nothing is acknowledged before the child committed and answered. If it dies, the
+caller gets DATABASE_UNREACHABLE and the outcome of the batch in flight is unknown (it
+committed whole or not at all, as with a lost database connection). If the parent dies,
+the child finishes the batch it received and exits when it sees the pipe closed.
+
+Frames on the child's stdin/stdout: a 4-byte big-endian length, then msgpack. The
+database URL travels in the first frame, never in argv, so `ps` shows no credentials.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from engine import commands as c
+from engine.evolve import fold
+from engine.service import CommandService, SystemClock
+from engine.state import HandleState
+from journal.contract import Journal
+from journal.sql import SqlJournal, open_journal
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.events import Event
+from schemas.receipts import Receipt
+
+WRITERS = ("thread", "process")
+_LENGTH = struct.Struct(">I")
+
+
+def command_service(journal: SqlJournal, *, writer: str = "thread",
+                    source_instance: str = "kvledger") -> CommandService | RemoteService:
+    """The service a worker writes through: in this process (`thread`) or in a writer
+    process on the same database (`process`), reading through `journal` either way."""
+    if writer == "thread":
+        return CommandService(journal, source_instance=source_instance)
+    if writer == "process":
+        return RemoteService(journal, source_instance=source_instance)
+    raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"writer must be one of {', '.join(WRITERS)}, not {writer!r}")
+
+
+class _Hello(msgspec.Struct, frozen=True, array_like=True):
+    url: str
+    source_instance: str
+
+
+class _Request(msgspec.Struct, frozen=True, array_like=True):
+    commands: list[c.Command | c.Relative]
+    events: bool  # send each receipt's events back (on_commit hooks are listening)
+    rejected: bool  # send each refused command back as decided (on_reject hooks)
+
+
+class _Reply(msgspec.Struct, frozen=True, array_like=True):
+    """Positional: `receipts[i]` or `errors[i]` (code, message) is set; or `failure`
+    (code, message) when the batch as a whole failed."""
+
+    receipts: list[Receipt | None] = []
+    errors: list[tuple[str, str] | None] = []
+    events: list[list[Event]] | None = None
+    rejected: list[c.Command | c.Relative | None] | None = None
+    failure: tuple[str, str] | None = None
+
+
+class RemoteService:
+    """What a Worker (and telemetry) use of a CommandService, served by a writer process.
+    `states` stays empty: the decided states live in the writer; `state()` folds the
+    handle's stream from the journal here."""
+
+    def __init__(self, journal: SqlJournal, *, source_instance: str = "kvledger") -> None:
+        self.journal: Journal = journal
+        self.display_url = journal.display_url
+        self.source_instance = source_instance
+        self.clock = SystemClock()  # the writer stamps with the same system clocks
+        self.on_commit: list[Callable[[Receipt, list[Event]], None]] = []
+        self.on_reject: list[Callable[[Any, KvLedgerError], None]] = []
+        self.states: dict[str, HandleState] = {}
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(_Reply).decode
+        self._pending: Callable[[], list] | None = None
+        root = str(Path(__file__).resolve().parents[1])  # the child imports this very package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self._proc: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-m", "engine.remote"], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self.pid = self._proc.pid
+        self._out, self._in = self._proc.stdin.fileno(), self._proc.stdout.fileno()
+        try:
+            send(self._out, self._encode(_Hello(journal.url.render_as_string(hide_password=False),
+                                                source_instance)))
+            self._answer()  # the writer opened the journal, or says why not
+        except BaseException:
+            self.close()
+            raise
+
+    def _answer(self) -> _Reply:
+        try:
+            frame, why = receive(self._in), "exited"
+        except (EOFError, OSError) as exc:
+            frame, why = None, str(exc)
+        if frame is None:
+            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE,
+                                f"{self.display_url}: the journal writer process {why}; "
+                                "the outcome of the last batch is unknown")
+        reply = self._decode(frame)
+        if reply.failure is not None:
+            raise KvLedgerError(ErrorCode(reply.failure[0]), reply.failure[1])
+        return reply
+
+    # -- the CommandService surface a worker uses ---------------------------------------
+
+    def submit_many(self, cmds: Sequence[c.Command | c.Relative], *, defer: bool = True
+                    ) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """Send the batch; the returned function waits for the writer's commit and
+        returns the results (see CommandService.submit_many). Commands must be data."""
+        if self._pending is not None:
+            self._pending()  # never two batches in flight
+        cmds = list(cmds)
+        if not cmds:
+            return lambda: []
+        if any(not isinstance(x, c.Relative) and not isinstance(x, c.Command) for x in cmds):
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a writer process takes commands as data "
+                                "(engine.commands.Command or Relative), not callables")
+        if self._proc is None:
+            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{self.display_url}: service closed")
+        try:
+            send(self._out, self._encode(_Request(cmds, bool(self.on_commit), bool(self.on_reject))))
+        except OSError as exc:
+            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE,
+                                f"{self.display_url}: the journal writer process is gone ({exc})") from None
+        results: list[Receipt | KvLedgerError] | None = None
+
+        def wait() -> list[Receipt | KvLedgerError]:
+            nonlocal results
+            if results is None:
+                self._pending = None
+                reply = self._answer()
+                results = [r if r is not None else KvLedgerError(ErrorCode(e[0]), e[1])
+                           for r, e in zip(reply.receipts, reply.errors)]
+                for i, r in enumerate(results):
+                    if isinstance(r, Receipt):
+                        for hook in self.on_commit:
+                            hook(r, reply.events[i] if reply.events else [])
+                    else:
+                        cmd = reply.rejected[i] if reply.rejected and reply.rejected[i] else cmds[i]
+                        for hook in self.on_reject:
+                            hook(cmd, r)
+            return results
+
+        self._pending = wait
+        if not defer:
+            wait()
+        return wait
+
+    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> list[Receipt | KvLedgerError]:
+        return self.submit_many(cmds, defer=False)()
+
+    def execute(self, cmd: c.Command | c.Relative) -> Receipt:
+        [result] = self.execute_many([cmd])
+        if isinstance(result, KvLedgerError):
+            raise result
+        return result
+
+    def state(self, handle_id: str, *, refresh: bool = False) -> HandleState | None:
+        return fold(self.journal.read_stream(handle_id))
+
+    def close(self) -> None:
+        """Close the pipe and wait for the writer: it finishes any batch it holds and exits."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> RemoteService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- frames ---------------------------------------------------------------------------
+
+
+def send(fd: int, payload: bytes) -> None:
+    view = memoryview(_LENGTH.pack(len(payload)) + payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def receive(fd: int) -> bytes | None:
+    """One frame, or None at end of stream."""
+    head = _read_exact(fd, _LENGTH.size, eof_ok=True)
+    return None if head is None else _read_exact(fd, _LENGTH.unpack(head)[0], eof_ok=False)
+
+
+def _read_exact(fd: int, n: int, eof_ok: bool) -> bytes | None:
+    chunks, need = [], n
+    while need:
+        chunk = os.read(fd, need)
+        if not chunk:
+            if eof_ok and need == n:
+                return None
+            raise EOFError("journal writer stream ended mid-frame")
+        chunks.append(chunk)
+        need -= len(chunk)
+    return b"".join(chunks)
+
+
+# -- the writer process ---------------------------------------------------------------
+
+
+def serve(fd_in: int, fd_out: int) -> None:
+    # Only the parent ends this process, by closing the pipe: a terminal's Ctrl-C reaches
+    # the whole process group and must not cut a commit the parent is waiting on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(_Request).decode
+    frame = receive(fd_in)
+    if frame is None:
+        return
+    hello = msgspec.msgpack.decode(frame, type=_Hello)
+    try:
+        journal = open_journal(hello.url)
+    except KvLedgerError as exc:
+        send(fd_out, encode(_Reply(failure=(exc.code.value, exc.message))))
+        return
+    service = CommandService(journal, source_instance=hello.source_instance)
+    committed: dict[str, list[Event]] = {}
+    refused: list[c.Command | c.Relative] = []  # as decided, in the order of the refusals
+    service.on_commit.append(lambda receipt, events: committed.__setitem__(receipt.operation_id, events))
+    service.on_reject.append(lambda cmd, exc: refused.append(cmd))
+    send(fd_out, encode(_Reply()))
+    with journal:
+        while (frame := receive(fd_in)) is not None:
+            committed.clear()
+            refused.clear()
+            try:
+                request = decode(frame)
+                results = service.execute_many(request.commands)
+            except KvLedgerError as exc:
+                reply = _Reply(failure=(exc.code.value, exc.message))
+            except msgspec.ValidationError as exc:
+                reply = _Reply(failure=(ErrorCode.INVALID_ARGUMENT.value, str(exc)))
+            else:
+                ok = [r if type(r) is Receipt else None for r in results]
+                reply = _Reply(
+                    ok, [None if r is not None else (e.code.value, e.message) for r, e in zip(ok, results)],
+                    [committed.get(r.operation_id, []) if r else [] for r in ok] if request.events else None,
+                    _at_refusals(ok, refused) if request.rejected else None)
+            try:
+                send(fd_out, encode(reply))
+            except BrokenPipeError:
+                return  # the parent is gone: what committed is in the journal, unacknowledged
+
+
+def _at_refusals(ok: list[Receipt | None], refused: list) -> list:
+    it = iter(refused)
+    return [None if r is not None else next(it, None) for r in ok]
+
+
+if __name__ == "__main__":
+    # Frames own the original stdout; anything printed or logged goes to stderr instead.
+    frames_out = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    serve(sys.stdin.fileno(), frames_out)

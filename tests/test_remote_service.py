@@ -1,0 +1,161 @@
+"""The command service in a writer process (engine.remote, `--writer process`): the
+same results as in-process, and what a caller can know when either process dies (a
+real os._exit at a fault point, a real SIGKILL of the writer or of its parent)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from factories import make_manifest
+
+from engine import commands as c
+from engine.remote import command_service
+from engine.service import CommandService
+from kvledger.storage import open_journal
+from schemas.errors import ErrorCode, KvLedgerError
+from schemas.receipts import Receipt
+
+
+def _allocate(h: str) -> c.Allocate:
+    return c.Allocate(handle_id=h, manifest=make_manifest(request_id=h), reserved_capacity=8,
+                      operation_id=f"alloc-{h}")
+
+
+def _batch(h: str) -> list:
+    """A prefill start and publish plus an emit, all relative, as a worker sends them."""
+    start = c.BeginAppend(handle_id=h, txn_id=f"{h}-p", kind="prefill", base_generation=None,
+                          base_snapshot_version=None, interval_start=0, interval_count=4,
+                          token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
+                          cache_abi_sha256="")
+    publish = c.Publish(handle_id=h, txn_id=f"{h}-p", base_generation=None, base_snapshot_version=None)
+    emit = c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None, output_index=0, token_id=9)
+    return [c.Relative(x) for x in (start, publish, emit)]
+
+
+def test_the_writer_process_decides_as_the_service_here_does(db_url):
+    """One batch with commits, a refusal and hooks: same results as an in-process service
+    on the same journal, and the hooks see the same receipts, events and refusals."""
+    with open_journal(db_url) as j:
+        remote = command_service(j, writer="process", source_instance="t")
+        try:
+            seen, refused = [], []
+            remote.on_commit.append(lambda r, evs: seen.append((r.operation_id, [e.event_type for e in evs])))
+            remote.on_reject.append(lambda cmd, exc: refused.append((type(cmd).__name__, exc.code)))
+            [a] = remote.execute_many([_allocate("A")])
+            wait = remote.submit_many([*_batch("A"), c.Relative(c.Truncate(
+                handle_id="A", base_generation=0, base_snapshot_version=0, new_length=5))])
+            *ok, grow = wait()
+            assert isinstance(a, Receipt) and all(isinstance(r, Receipt) for r in ok)
+            assert isinstance(grow, KvLedgerError) and grow.code is ErrorCode.TRUNCATE_GROWS
+            assert [kinds for _, kinds in seen] == [["request_allocate"], ["append_start"],
+                                                    ["append_publish"], ["output_emit"]]
+            assert refused == [("Truncate", ErrorCode.TRUNCATE_GROWS)]  # bound, as decided there
+            assert remote.state("A").outputs == (9,) and remote.states == {}
+        finally:
+            remote.close()
+        here = CommandService(j)
+        assert here.state("A").outputs == (9,)
+        [b] = here.execute_many([_allocate("B")])
+        results = here.execute_many(_batch("B"))
+        assert [type(r) for r in results] == [type(r) for r in ok] and isinstance(b, Receipt)
+
+
+def test_callables_and_a_closed_service_are_clear_errors(db_url):
+    with open_journal(db_url) as j:
+        remote = command_service(j, writer="process")
+        with pytest.raises(KvLedgerError) as info:
+            remote.submit_many([lambda state: _allocate("A")])
+        assert info.value.code is ErrorCode.INVALID_ARGUMENT
+        remote.close()
+        with pytest.raises(KvLedgerError) as info:
+            remote.execute_many([_allocate("A")])
+        assert info.value.code is ErrorCode.DATABASE_UNREACHABLE
+        with pytest.raises(KvLedgerError) as info:
+            command_service(j, writer="fork")
+        assert info.value.code is ErrorCode.INVALID_ARGUMENT
+        assert j.last_position() == 0
+
+
+@pytest.mark.parametrize("point, committed", [("before_update", False), ("after_commit", True)])
+def test_a_writer_that_dies_mid_batch_acknowledges_nothing(db_url, monkeypatch, point, committed):
+    """The writer exits (os._exit, no cleanup) inside the second batch: the caller gets
+    DATABASE_UNREACHABLE, the first batch stays acknowledged and stored, and the second
+    is absent (died before writing) or committed whole without an acknowledgement (died
+    after COMMIT): the in-doubt outcome a receipt lookup resolves."""
+    monkeypatch.setenv("KVLEDGER_FAULTS", f"{point}:exit@2")
+    with open_journal(db_url) as j:
+        remote = command_service(j, writer="process")
+        try:
+            [first] = remote.execute_many([_allocate("A")])
+            assert isinstance(first, Receipt)
+            wait = remote.submit_many(_batch("A"))
+            with pytest.raises(KvLedgerError) as info:
+                wait()
+            assert info.value.code is ErrorCode.DATABASE_UNREACHABLE
+            assert "outcome of the last batch is unknown" in info.value.message
+            with pytest.raises(KvLedgerError) as again:  # and it stays that way, loudly
+                remote.execute_many([_allocate("B")])
+            assert again.value.code is ErrorCode.DATABASE_UNREACHABLE
+        finally:
+            remote.close()
+    monkeypatch.delenv("KVLEDGER_FAULTS")
+    with open_journal(db_url) as other:
+        assert other.receipt("alloc-A") == first
+        assert other.last_position() == (4 if committed else 1)  # the batch: all or nothing
+        assert other.head("B") is None
+
+
+def test_a_killed_writer_loses_nothing_acknowledged(db_url):
+    with open_journal(db_url) as j:
+        remote = command_service(j, writer="process")
+        try:
+            acked = [remote.execute_many([_allocate(f"h{i}")])[0] for i in range(5)]
+            os.kill(remote.pid, signal.SIGKILL)
+            assert remote._proc.wait(timeout=30) == -signal.SIGKILL
+            with pytest.raises(KvLedgerError) as info:
+                remote.execute_many([_allocate("late")])
+            assert info.value.code is ErrorCode.DATABASE_UNREACHABLE
+            assert j.last_position() == 5  # reads are this process's own
+        finally:
+            remote.close()
+        assert [j.receipt(r.operation_id) for r in acked] == acked
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_writer_outlives_no_parent(db_url):
+    """A parent SIGKILLed while its writer waits: the writer sees the pipe close and
+    exits by itself (no orphan holding the database)."""
+    code = ("import os, signal\n"
+            "from engine.remote import command_service\n"
+            "from kvledger.storage import open_journal\n"
+            f"s = command_service(open_journal({db_url!r}), writer='process')\n"
+            "print(s.pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert _gone(int(p.stdout.split()[0]))
+
+
+def test_the_database_url_never_reaches_the_command_line(db_url):
+    with open_journal(db_url) as j:
+        remote = command_service(j, writer="process")
+        try:
+            args = " ".join(remote._proc.args)
+            assert db_url not in args and "sqlite" not in args and "postgres" not in args
+        finally:
+            remote.close()
