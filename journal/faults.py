@@ -32,6 +32,11 @@ transaction rolls back and the caller sees a driver error, DATABASE_UNREACHABLE)
 crash), `sleep=SECONDS`, or `count` (only counted). PROBABILITY (default 1) draws from
 a generator seeded by the seed; `@NTH` fires on the NTH hit of that point only.
 
+Crash tests also note each transaction's operation ids just before it is sent, to
+check afterwards that it committed all or nothing: `KVLEDGER_INTENTS_LOG=PATH` (or
+`record_intents(PATH)`) appends one JSON list per `SqlJournal.append` to PATH. Off by
+default (one module-level test, like `fault`).
+
 `UNGUARDED` is a test-only mutant: the guarded head update and the head checks ignore
 their guard (the conditional write disabled). The linearizability tests set it to
 prove their checker notices; nothing else may.
@@ -39,6 +44,7 @@ prove their checker notices; nothing else may.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -51,6 +57,7 @@ EXIT_CODE = 86
 
 ACTIVE = False  # any rule armed: the only thing `fault` reads when off
 UNGUARDED = False  # test-only mutant, see the module docstring
+INTENTS: str | None = None  # where intend() notes transactions, see the module docstring
 
 hits: Counter[str] = Counter()  # hits per point since configure (only while ACTIVE)
 _rules: dict[str, list[Rule]] = {}
@@ -85,6 +92,23 @@ def fault(point: str) -> None:
     """A named point in the write path. Does nothing unless a rule is armed."""
     if ACTIVE:
         _fire(point)
+
+
+def record_intents(path: str | None) -> None:
+    """Note every transaction's operation ids in `path` from now on (None: stop)."""
+    global INTENTS
+    INTENTS = path
+
+
+def intend(operation_ids: list[str]) -> None:
+    """One transaction's operation ids, about to be sent. No fsync: the page cache
+    outlives a killed process, and only a process is killed."""
+    if INTENTS:
+        fd = os.open(INTENTS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, json.dumps(operation_ids).encode() + b"\n")
+        finally:
+            os.close(fd)
 
 
 def _fire(point: str) -> None:
@@ -164,6 +188,7 @@ def armed() -> list[Rule]:
 
 
 def _from_env() -> None:
+    record_intents(os.environ.get("KVLEDGER_INTENTS_LOG") or None)
     spec = os.environ.get("KVLEDGER_FAULTS")
     if spec:
         configure(spec, seed=int(os.environ.get("KVLEDGER_FAULTS_SEED", "0")),

@@ -29,6 +29,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool, StaticPool
 
+from journal import faults
 from journal.contract import Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
 from journal.faults import fault
 from journal.tables import SCHEMA_REVISION, VERSION_TABLE
@@ -120,6 +121,8 @@ class SqlJournal(Journal):
             _validate(op)
         self._check_process()
         with self._lock:
+            if faults.INTENTS:
+                faults.intend([op.operation_id for op in operations])
             try:
                 if self.sql.speculative and self._predicted is not None:
                     fast = self._append_speculative(operations)
@@ -149,6 +152,8 @@ class SqlJournal(Journal):
             _validate(op)
         self._check_process()
         self._lock.acquire()
+        if faults.INTENTS:
+            faults.intend([op.operation_id for op in operations])
         try:
             cur = self.sql.begin()
             try:

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                           "scratch directory, PostgreSQL databases: needs CREATEDB)")
     p.add_argument("--trials", type=int, default=50, help="number of trials (default 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the crash plan")
+    p.add_argument("--writer", choices=("thread", "process"), default="thread",
+                   help="the worker's command service in its process (default) or in a writer process "
+                        "(killed with it: the process group)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_crash_test)
 
@@ -102,7 +105,8 @@ def _cmd_crash_test(args: argparse.Namespace) -> int:
     if bar:
         bar.start()
     try:
-        report = run_crash_test(args.db, trials=args.trials, seed=args.seed, on_trial=on_trial)
+        report = run_crash_test(args.db, trials=args.trials, seed=args.seed, on_trial=on_trial,
+                                writer=args.writer)
     finally:
         if bar:
             bar.stop()

@@ -249,75 +249,68 @@ def warm() -> None:
     run_call(model, store, m, shape_of(m))
 
 
-class _IntentJournal:
-    """The journal as the worker's service sees it, noting the operation ids of each
-    append (one transaction) before sending it: the checker's unit of all-or-nothing.
-    No fsync: the page cache outlives a killed process."""
+class _Acking:
+    """The worker's command service, appending each acknowledged receipt to an fsync'd
+    log after the commit returned (one fsync per worker commit)."""
 
-    def __init__(self, journal, fd: int) -> None:
-        self._j, self._fd = journal, fd
+    def __init__(self, service, ack_path: str) -> None:
+        import msgspec
 
-    def append(self, operations):
-        self._intend(operations)
-        return self._j.append(operations)
+        from schemas.receipts import Receipt
 
-    def append_deferred(self, operations):
-        self._intend(operations)
-        return self._j.append_deferred(operations)
+        self._service, self._receipt = service, Receipt
+        self._fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._encode = msgspec.json.Encoder().encode
 
-    def _intend(self, operations) -> None:
-        os.write(self._fd, json.dumps([op.operation_id for op in operations]).encode() + b"\n")
+    def submit_many(self, cmds, *, defer=True):  # execute_many goes through here too
+        wait = self._service.submit_many(cmds, defer=defer)
+
+        def acknowledged():
+            results = wait()
+            lines = [self._encode({"op": r.operation_id, "first": r.first_global_position,
+                                   "last": r.last_global_position, "events": r.event_ids}) + b"\n"
+                     for r in results if isinstance(r, self._receipt)]
+            if lines:
+                os.write(self._fd, b"".join(lines))
+                os.fsync(self._fd)
+            return results
+
+        return acknowledged
 
     def __getattr__(self, name):
-        return getattr(self._j, name)
+        return getattr(self._service, name)
 
 
-def _acking_service(journal, ack_path: str):
-    """A command service that appends each acknowledged receipt to an fsync'd log after
-    the commit returned (one fsync per worker commit), and notes every transaction's
-    operation ids before it is sent (`<ack_path>.intents`)."""
-    import msgspec
+def _acking_service(journal, ack_path: str, writer: str = "thread") -> _Acking:
+    """A command service (in this process, or in a writer process) whose acknowledged
+    receipts go to `ack_path`, and whose journal notes every transaction's operation ids
+    before sending it (`<ack_path>.intents`, journal.faults.intend): the checker's unit of
+    all-or-nothing."""
+    from engine.remote import command_service
 
-    from engine.service import CommandService
-    from schemas.receipts import Receipt
-
-    fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    intents = os.open(ack_path + ".intents", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    encode = msgspec.json.Encoder().encode
-
-    class AckingService(CommandService):
-        def submit_many(self, cmds, *, defer=True):  # execute_many goes through here too
-            wait = super().submit_many(cmds, defer=defer)
-
-            def acknowledged():
-                results = wait()
-                lines = [encode({"op": r.operation_id, "first": r.first_global_position,
-                                 "last": r.last_global_position, "events": r.event_ids}) + b"\n"
-                         for r in results if isinstance(r, Receipt)]
-                if lines:
-                    os.write(fd, b"".join(lines))
-                    os.fsync(fd)
-                return results
-
-            return acknowledged
-
-    return AckingService(_IntentJournal(journal, intents), source_instance="kvledger-crash-test")
+    faults.record_intents(ack_path + ".intents")
+    os.environ["KVLEDGER_INTENTS_LOG"] = ack_path + ".intents"  # for a writer process
+    return _Acking(command_service(journal, writer=writer, source_instance="kvledger-crash-test"), ack_path)
 
 
 def _run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log: str, ready_fd: int,
-               count_faults: bool = False) -> dict:
+               count_faults: bool = False, writer: str = "thread") -> dict:
     from engine.worker import Worker
     from kvledger.storage import open_journal
     from replay import WindowSpec, replay_incremental
 
     if count_faults:
-        faults.configure(",".join(f"{p}:count" for p in POINTS))
-    elif fault_spec:
-        faults.configure(fault_spec, log=fault_log)
+        fault_spec = ",".join(f"{p}:count" for p in POINTS)
+    if fault_spec:
+        # Here for the checkpoint point (the projector sidecar writes here); a writer
+        # process arms the same rules from its environment for the write path.
+        faults.configure(fault_spec, log=fault_log or None)
+        os.environ.update(KVLEDGER_FAULTS=fault_spec, KVLEDGER_FAULTS_LOG=fault_log)
     model, artifact = _model()
     window = WindowSpec(slo_ttft_ns=10**9, slo_tbt_ns=10**9)
     with open_journal(url) as journal:
-        worker = Worker(model, service=_acking_service(journal, ack_path), artifact=artifact, **WORKER)
+        service = _acking_service(journal, ack_path, writer)
+        worker = Worker(model, service=service, artifact=artifact, **WORKER)
         for s in specs:
             worker.submit(s)
 
@@ -330,8 +323,12 @@ def _run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log
         t0 = time.perf_counter()
         outputs = worker.run(on_step=sidecar)
         seconds = time.perf_counter() - t0
+        service.close()  # a writer process exits: its fault log is complete
+        hits = Counter(faults.hits)
+        if writer == "process" and count_faults:  # both processes logged every hit
+            hits = Counter(line.split()[0] for line in Path(fault_log).read_text().splitlines())
         return {"outputs": outputs, "seconds": seconds, "steps": worker.step_no, "errors": worker.errors,
-                "events": journal.last_position(), "hits": dict(faults.hits)}
+                "events": journal.last_position(), "hits": dict(hits)}
 
 
 def _read_lines(path: str) -> list:
@@ -450,6 +447,7 @@ def _fork(fn: Callable, *args, result: str | None = None, log: str | None = None
         return pid
     code = 0
     try:
+        os.setpgid(0, 0)  # a group of its own: a kill takes its writer process along
         if log:
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
@@ -480,8 +478,10 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 
 def _kill(pid: int) -> int:
+    """SIGKILL a child and its process group (its writer process, if any): a crash of
+    the machine or container the worker runs in, not of one process of it."""
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     _, status = os.waitpid(pid, 0)
@@ -518,9 +518,15 @@ class Totals:
 
 
 def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: str | None = None,
-                   on_trial: Callable[[int, dict], None] | None = None, trial_timeout: float = 120.0) -> dict:
-    """Run `trials` crash trials against the backend of `db` (see the module docstring).
+                   on_trial: Callable[[int, dict], None] | None = None, trial_timeout: float = 120.0,
+                   writer: str = "thread") -> dict:
+    """Run `trials` crash trials against the backend of `db` (see the module docstring),
+    with the worker's command service in its process or in a writer process (`writer`).
     Returns the report; `report["ok"]` is False on any violation."""
+    from engine.remote import WRITERS
+
+    if writer not in WRITERS:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"writer must be one of {', '.join(WRITERS)}")
     if trials < 1:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--trials must be >= 1")
     url = resolve_url(db)
@@ -536,10 +542,10 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
     backend.prepare()
     specs = workload(seed)
     try:
-        baseline = _baseline(backend, specs, root)
+        baseline = _baseline(backend, specs, root, writer)
         totals, violations, moments, timing = Totals(), [], [], Counter()
         for plan in plans(trials, seed, baseline["hits"], baseline["seconds"]):
-            result = _trial(backend, plan, specs, baseline, root, trial_timeout)
+            result = _trial(backend, plan, specs, baseline, root, trial_timeout, writer)
             problems = _tally(totals, result, baseline)
             moments.append(result["moment"])
             timing.update(result.get("ms", {}))
@@ -555,6 +561,7 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
         backend.close()
     report = {
         "backend": backend.name,
+        "writer": writer,
         "journal": redact(url),
         "seed": seed,
         "trials": totals.trials,
@@ -598,12 +605,12 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
     return report
 
 
-def _baseline(backend: Backend, specs, root: Path) -> dict:
+def _baseline(backend: Backend, specs, root: Path, writer: str) -> dict:
     """One uninterrupted run, counting how often each fault point is reached."""
     url = backend.fresh(-1)
     path = root / "baseline.json"
-    pid = _fork(_run_child, url, specs, str(root / "baseline.acks"), None, "", -1, count_faults=True,
-                result=str(path), log=str(root / "baseline.log"))
+    pid = _fork(_run_child, url, specs, str(root / "baseline.acks"), None, str(root / "baseline.faults"), -1,
+                count_faults=True, writer=writer, result=str(path), log=str(root / "baseline.log"))
     status = _wait(pid, 300)
     if status is None:
         _kill(pid)
@@ -618,7 +625,8 @@ def _baseline(backend: Backend, specs, root: Path) -> dict:
     return out
 
 
-def _trial(backend: Backend, plan: Plan, specs, baseline: dict, root: Path, timeout: float) -> dict:
+def _trial(backend: Backend, plan: Plan, specs, baseline: dict, root: Path, timeout: float,
+           writer: str) -> dict:
     d = root / f"trial-{plan.trial:05d}"
     d.mkdir()
     t0 = time.monotonic()
@@ -626,7 +634,7 @@ def _trial(backend: Backend, plan: Plan, specs, baseline: dict, root: Path, time
     t_fresh = time.monotonic() - t0
     acks, flog, log = str(d / "acks.jsonl"), str(d / "faults.log"), str(d / "child.log")
     r, w = os.pipe()
-    pid = _fork(_run_child, url, specs, acks, plan.fault_spec(), flog, w, log=log)
+    pid = _fork(_run_child, url, specs, acks, plan.fault_spec(), flog, w, writer=writer, log=log)
     os.close(w)
     ready, _, _ = select.select([r], [], [], timeout)
     os.close(r)
