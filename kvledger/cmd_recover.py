@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from engine.remote import WRITERS
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -38,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                           "scratch directory, PostgreSQL databases: needs CREATEDB)")
     p.add_argument("--trials", type=int, default=50, help="number of trials (default 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the crash plan")
-    p.add_argument("--writer", choices=("thread", "process"), default="thread",
+    p.add_argument("--writer", choices=WRITERS, default="thread",
                    help="the worker's command service in its process (default) or in a writer process "
                         "(killed with it: the process group)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
