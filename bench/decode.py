@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -80,20 +81,15 @@ def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | N
     from kvledger.storage import open_journal
 
     url = ctx.sqlite_journal_url("decode")
-    with open_journal(url) as j:
-        service = command_service(j, writer=writer) if writer else None
-        try:
-            w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
-                       capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
-            for i, p in enumerate(prompts):
-                w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
-            t0 = time.perf_counter()
-            w.run()
-            dt = time.perf_counter() - t0
-            assert not w.errors, w.errors[:3]
-        finally:
-            if service is not None:
-                service.close()
+    with open_journal(url) as j, command_service(j, writer=writer) if writer else nullcontext() as service:
+        w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
+                   capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
+        for i, p in enumerate(prompts):
+            w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
+        t0 = time.perf_counter()
+        w.run()
+        dt = time.perf_counter() - t0
+        assert not w.errors, w.errors[:3]
     return len(prompts) * g / dt
 
 

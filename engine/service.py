@@ -46,7 +46,6 @@ class Plan:
 CommitHook = Callable[[Receipt, list[ev.Event]], None]
 # Called for each command this call refused (nothing written), after its outcome is final.
 RejectHook = Callable[[object, KvLedgerError], None]
-Builder = Callable[[Callable[[str], HandleState | None]], c.Command]
 
 
 @dataclass
@@ -77,23 +76,29 @@ class CommandService:
         """Nothing to release here (the caller owns the journal); engine.remote's
         service, which has a writer process to stop, has the same method."""
 
+    def __enter__(self) -> CommandService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def execute(self, cmd: c.Command) -> Receipt:
         [result] = self.execute_many([cmd])
         if isinstance(result, KvLedgerError):
             raise result
         return result
 
-    def execute_many(self, cmds: Sequence[c.Command | Builder]) -> list[Receipt | KvLedgerError]:
+    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> list[Receipt | KvLedgerError]:
         """Decide every command and commit the accepted ones in one journal transaction.
         Commands on the same handle apply in order. Results are positional.
 
-        A Builder is called once, with the states left by the commands before it in
-        this batch, to make a command that chains on them (publish, then emit from that
-        publication, then start the next append). It names concrete bases when built, so
-        a retry after contention is still fenced like any other command."""
+        A Relative command is bound once, to the state the commands before it in this
+        batch leave (publish, then emit from that publication, then start the next
+        append). It names concrete bases from then on, so a retry after contention is
+        still fenced like any other command."""
         return self.submit_many(cmds, defer=False)()
 
-    def submit_many(self, cmds: Sequence[c.Command | Builder], *,
+    def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
         """execute_many in two halves: decide and write now, and return a function that
         waits for the commit to be durable and returns the results (see
@@ -140,15 +145,11 @@ class CommandService:
         the earlier ones leave; a refused one gets its result now."""
         local: dict[str, HandleState | None] = {}
         planned: list[tuple[int, Plan]] = []
-        def look(h: str) -> HandleState | None:
-            return local[h] if h in local else self.state(h)
-
         for i in todo:
             try:
                 if isinstance(cmds[i], c.Relative):
-                    cmds[i] = c.bind_current(cmds[i].command, look(c.handles_of(cmds[i].command)[0]))
-                elif not isinstance(cmds[i], c.Command):
-                    cmds[i] = cmds[i](look)
+                    h = c.handles_of(cmds[i].command)[0]
+                    cmds[i] = c.bind_current(cmds[i].command, local[h] if h in local else self.state(h))
                 if cmds[i].operation_id is None:
                     cmds[i] = msgspec.structs.replace(cmds[i], operation_id=new_id())
                 plan = self._plan(cmds[i], local)

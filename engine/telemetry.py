@@ -263,7 +263,7 @@ class Telemetry:
 
     def _on_reject(self, cmd: Any, exc: KvLedgerError) -> None:
         if not isinstance(cmd, c.Command):
-            return  # a chained command that could not even be built
+            return  # a relative command that could not even be bound (no such handle)
         m = self.metrics
         code = exc.code.value if exc.code.value in m.rejections else "other"
         m.rejections[code] += 1

@@ -192,16 +192,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _make_room(args)
     with open_journal(url) as journal:
         first = journal.last_position()
-        service = command_service(journal, writer=args.writer, source_instance="kvledger-generate")
-        try:
+        with command_service(journal, writer=args.writer, source_instance="kvledger-generate") as service:
             worker = Worker(model, service=service, artifact=artifact, max_running=1,
                             capacity=len(prompt) + args.max_new_tokens + 1,
                             prefill_chunk=max(64, len(prompt)), prefill_tokens=max(256, len(prompt)),
                             device=args.device)
             worker.submit(RequestSpec(request_id=handle, prompt=prompt, max_new_tokens=args.max_new_tokens))
             outputs = worker.run()[handle]
-        finally:
-            service.close()
         position = journal.last_position()
     if worker.errors:
         raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"generation rejected: {worker.errors[0]}")

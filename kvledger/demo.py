@@ -44,8 +44,7 @@ def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 1
     model, artifact = load_model(model_dir, device=device)
     specs = demo_workload(requests, max_new_tokens, seed, model.cfg.vocab_size, run_id)
     capacity = max(len(s.prompt) for s in specs) + max_new_tokens + 1
-    service = command_service(journal, writer=writer, source_instance=source_instance)
-    try:
+    with command_service(journal, writer=writer, source_instance=source_instance) as service:
         worker = Worker(model, service=service, artifact=artifact, capacity=capacity, device=device)
         if telemetry is not None:
             telemetry.attach(service, worker)
@@ -55,8 +54,6 @@ def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 1
         t0 = time.perf_counter()
         outputs = worker.run(on_step=on_step)
         elapsed = time.perf_counter() - t0
-    finally:
-        service.close()
     return {
         "outputs": outputs,
         "requests": len(specs),

@@ -262,27 +262,21 @@ class SlowSink:
 def _drive(service: CommandService, start: int, n: int, batch: int = 10, prefix: str = "r") -> None:
     """n tiny requests (allocate, prefill, publish, emit, finish, release), `batch`
     requests per journal commit, through the command service: no model needed."""
-
-    def state(h):
-        return lambda st: st(h)
-
     for lo in range(start, start + n, batch):
         cmds = []
         for i in range(lo, min(lo + batch, start + n)):
             h = f"{prefix}{i}"
             cmds.append(c.Allocate(handle_id=h, manifest=make_manifest(request_id=h), reserved_capacity=8))
-            cmds.append(lambda st, h=h: c.BeginAppend(
-                handle_id=h, txn_id=f"t{h}", kind="prefill", base_generation=st(h).generation,
-                base_snapshot_version=st(h).snapshot_version, interval_start=0, interval_count=4,
-                token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
-                cache_abi_sha256=st(h).cache_abi_sha256))
-            cmds.append(lambda st, h=h: c.Publish(handle_id=h, txn_id=f"t{h}", base_generation=st(h).generation,
-                                                  base_snapshot_version=st(h).snapshot_version))
-            cmds.append(lambda st, h=h: c.EmitOutput(handle_id=h, base_generation=st(h).generation,
-                                                     snapshot_version=st(h).snapshot_version,
-                                                     output_index=0, token_id=7))
-            cmds.append(lambda st, h=h: c.Finish(handle_id=h, base_generation=st(h).generation))
-            cmds.append(lambda st, h=h: c.Release(handle_id=h, base_generation=st(h).generation))
+            cmds += [c.Relative(x) for x in (
+                c.BeginAppend(handle_id=h, txn_id=f"t{h}", kind="prefill", base_generation=None,
+                              base_snapshot_version=None, interval_start=0, interval_count=4,
+                              token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
+                              cache_abi_sha256=""),
+                c.Publish(handle_id=h, txn_id=f"t{h}", base_generation=None, base_snapshot_version=None),
+                c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None, output_index=0,
+                             token_id=7),
+                c.Finish(handle_id=h, base_generation=None),
+                c.Release(handle_id=h, base_generation=None))]
         results = service.execute_many(cmds)
         assert not any(isinstance(r, Exception) for r in results), results
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 
 import msgspec
 import pytest
@@ -114,17 +115,13 @@ def test_staged_rows_are_invisible_and_a_stale_publication_changes_nothing(model
 
 def run_workload(url, specs, model, *, journal_on=True, pipeline=None, writer="thread"):
     _, artifact = load_model()
+    capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
     with open_journal(url) as j:
-        service = command_service(j, writer=writer) if journal_on else None
-        capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
-        try:
+        with command_service(j, writer=writer) if journal_on else nullcontext() as service:
             w = Worker(model, service=service, artifact=artifact, capacity=capacity, pipeline=pipeline)
             for s in specs:
                 w.submit(s)
             out = w.run()
-        finally:
-            if service is not None:
-                service.close()
         assert w.errors == []
         events = list(j.read_all())
     return out, events
