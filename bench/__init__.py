@@ -137,6 +137,18 @@ class Context:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def at_threads(n: int, fn, *args):
+    """fn(*args) with torch's CPU pool at n threads (then as it was)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
 def best_rate(samples: list[float]) -> float:
     """The best of repeated rates: noise on a shared machine only ever slows a run down."""
     return max(samples) if samples else float("nan")

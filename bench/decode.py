@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench import Context, best_rate
+from bench import Context, at_threads, best_rate
 
 GOALS = {"decode_journal_overhead": ("<=", 0.10), "decode_vs_transformers": (">=", 1.0)}
 NOTES = {
@@ -62,16 +62,6 @@ def _hf_twin(model) -> Any:
 def _prompts(b: int, vocab: int) -> list[tuple[int, ...]]:
     rng = random.Random(b)
     return [tuple(rng.randrange(1, vocab) for _ in range(32)) for _ in range(b)]
-
-
-def _threads(n: int, fn, *args) -> float:
-    """fn(*args) with torch's CPU pool at n threads (then as it was)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | None) -> float:
@@ -112,7 +102,7 @@ def run(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {}
     overheads, vs_hf = [], []
     full = torch.get_num_threads()
-    less = _threads(full, leave_a_core)  # the pool --writer process leaves torch
+    less = at_threads(full, leave_a_core)  # the pool --writer process leaves torch
     out["torch_threads_full"], out["torch_threads_less"] = full, less
     cases = [("default", DEFAULT_CONFIG, 1, ctx.size(smoke=8, quick=64, full=128)),
              ("default", DEFAULT_CONFIG, 16, ctx.size(smoke=8, quick=64, full=128))]
@@ -134,7 +124,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     ("process", less, _worker_rate, (ctx, model, artifact, prompts, g, "process")),
                     ("hf_full", full, _hf_rate, (hf, prompts, g)),
                     ("hf_less", less, _hf_rate, (hf, prompts, g))):
-                rates.setdefault(key, []).append(_threads(threads, fn, *args))
+                rates.setdefault(key, []).append(at_threads(threads, fn, *args))
         best = {k: best_rate(v) for k, v in rates.items()}
         r_thread, r_proc = best["thread"], best["process"]
         r_on = max(r_thread, r_proc)

@@ -1,6 +1,6 @@
-"""The telemetry exporter: a bounded queue drained by one thread that renders batches of
-records through structlog (a msgspec JSON-lines renderer) into the sink. A full queue
-or a failing sink drops records and counts them; producers never wait.
+"""The telemetry exporter: records are rendered in batches on the producer's thread
+(structlog, a msgspec JSON-lines renderer) and written to the sink by one thread. A full
+queue or a failing sink drops records and counts them; producers never wait for the sink.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import hashlib
 import os
 import queue
 import threading
-import time
 from typing import Any, BinaryIO
 
 import msgspec
@@ -32,15 +31,12 @@ log = structlog.get_logger("kvledger.telemetry")
 _encoder = msgspec.json.Encoder()
 
 
-class _SinkLogger:
-    """structlog's wrapped logger for the exporter: the sink itself."""
+class _Rendered:
+    """structlog's wrapped logger for the exporter: hands the rendered lines back to
+    the caller, which queues them for the writer thread."""
 
-    def __init__(self, file: BinaryIO) -> None:
-        self.file = file
-
-    def msg(self, lines: bytes) -> None:
-        self.file.write(lines)
-        self.file.flush()
+    def msg(self, lines: bytes) -> bytes:
+        return lines
 
 
 def _json_lines(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
@@ -101,14 +97,19 @@ class _ObservationLine(msgspec.Struct, gc=False, omit_defaults=True):
 
 
 class Exporter:
-    """A bounded queue drained by one daemon thread into a binary sink.
+    """A bounded buffer of records, rendered in batches and written by one daemon thread.
 
-    `put` never blocks: beyond `capacity` queued records it drops and counts. The
-    thread turns a drained batch into records and writes them with one structlog
-    call; a batch the sink refuses is counted as dropped (sink_error)."""
+    `put` never waits for the sink: beyond `capacity` records not yet written it drops
+    and counts (queue_full). Every `batch` items the producer renders them with one
+    structlog call and queues the bytes; the thread writes them, and a write the sink
+    refuses is counted as dropped (sink_error). Rendering is the producer's, not the
+    thread's, because on a machine whose cores the model's OpenMP pool fills a
+    rendering thread takes the core the pool's second thread needs: the whole worker
+    then waits at the pool's barrier (docs/PERFORMANCE.md, telemetry). A batch left
+    partial for `linger` seconds, because traffic stopped, is rendered by the thread."""
 
     def __init__(self, sink: str | os.PathLike | BinaryIO, *, capacity: int, metrics: Metrics,
-                 linger: float = 0.05) -> None:
+                 linger: float = 0.05, batch: int = 64) -> None:
         if isinstance(sink, (str, os.PathLike)):
             self._file: BinaryIO = open(sink, "wb")  # noqa: SIM115 - closed by stop()
             self._owns = True
@@ -116,14 +117,17 @@ class Exporter:
             self._file, self._owns = sink, False
         self.capacity = capacity
         self.metrics = metrics
-        self.linger = linger  # seconds a batch may wait before it is written
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._in = 0  # audit records queued (producers hold the Telemetry lock)
-        self._out = 0  # audit records taken off the queue (exporter thread only)
+        self.linger = linger  # seconds a partial batch may wait before the thread renders it
+        self.batch = batch  # queued items rendered together by the producer
+        self._lock = threading.Lock()  # the pending batch; taken inside the Telemetry lock
+        self._pending: list[tuple] = []
+        self._q: queue.SimpleQueue = queue.SimpleQueue()  # rendered (lines, records), in order
+        self._in = 0  # audit records accepted (under self._lock)
+        self._out = 0  # audit records written or dropped by the sink (writer thread only)
         self.written = 0
         self.error: str | None = None
         self._traces: dict[str, str] = {}
-        self._log = structlog.wrap_logger(_SinkLogger(self._file), processors=[_json_lines],
+        self._log = structlog.wrap_logger(_Rendered(), processors=[_json_lines],
                                           wrapper_class=structlog.BoundLogger, context_class=dict,
                                           cache_logger_on_first_use=True)
         metrics.queue_depth = lambda: self._in - self._out
@@ -143,14 +147,20 @@ class Exporter:
         return self.metrics.dropped_queue + self.metrics.dropped_sink
 
     def put(self, item: tuple, records: int) -> bool:
-        if records and self._in - self._out + records > self.capacity:
-            self.metrics.dropped_queue += records
-            return False
-        self._in += records
-        self._q.put((item, records))
+        with self._lock:
+            if records and self._in - self._out + records > self.capacity:
+                self.metrics.dropped_queue += records
+                return False
+            self._in += records
+            self._pending.append((item, records))
+            # Full batch, or nothing more fits until the thread writes: render now.
+            if len(self._pending) >= self.batch or self._in - self._out >= self.capacity:
+                self._flush()
         return True
 
     def stop(self, timeout: float | None = None) -> None:
+        """Write everything put so far (the thread renders what is pending last, so a
+        trailer counts the drops of every write before it), then stop the thread."""
         self._q.put(_STOP)
         self._thread.join(timeout)
         if self._owns:
@@ -160,12 +170,8 @@ class Exporter:
                 pass
 
     def render(self, items: list[tuple]) -> bytes:
-        """Queued items -> JSON lines, without writing: what the exporter thread does
-        with a batch, minus the sink (for measuring it)."""
-        records: list[Any] = []
-        for item in items:
-            _render(records, item, self)
-        return _json_lines(None, "msg", {"records": records})
+        """Queued items -> JSON lines, without writing (for measuring)."""
+        return self._render_lines([(item, 0) for item in items])[0]
 
     def trace_id(self, request_id: str) -> str:
         t = self._traces.get(request_id)
@@ -175,44 +181,51 @@ class Exporter:
             t = self._traces[request_id] = trace_id_of(request_id)
         return t
 
+    def _flush(self) -> None:
+        """Render the pending batch and queue it for the thread (self._lock held)."""
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._q.put(self._render_lines(batch))
+
+    def _render_lines(self, batch: list[tuple]) -> tuple[bytes, int]:
+        records: list[Any] = []
+        audit = 0
+        for item, n in batch:
+            try:
+                _render(records, item, self)
+            except Exception as exc:  # noqa: BLE001 - a bad record must not stop the others
+                log.error("telemetry record not rendered", error=repr(exc))
+            audit += n
+        return (self._log.msg(records=records) if records else b""), audit
+
     def _run(self) -> None:
         while True:
-            batch = [self._q.get()]
-            if batch[0] is not _STOP and self.linger:
-                # Let a batch accumulate: one wake-up, one render call and one write per
-                # linger period instead of per commit keeps the exporter off the GIL.
-                time.sleep(self.linger)
-            while len(batch) < 65536:
-                try:
-                    batch.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            stop = False
-            audit = 0
-            records: list[dict[str, Any]] = []
-            for entry in batch:
-                if entry is _STOP:
-                    stop = True
-                    continue
-                item, n = entry
-                try:
-                    _render(records, item, self)
-                except Exception as exc:  # noqa: BLE001 - a bad record must not kill export
-                    log.error("telemetry record not rendered", error=repr(exc))
-                audit += n
-            self._out += audit
-            if records:
-                try:
-                    self._log.msg(records=records)
-                    self.written += audit
-                except Exception as exc:  # noqa: BLE001 - any sink failure is a counted drop
-                    self.metrics.dropped_sink += audit
-                    if self.error is None:
-                        self.error = repr(exc)
-                        log.warning("telemetry sink failed: records are dropped and counted",
-                                    error=self.error)
-            if stop:
+            try:
+                chunk = self._q.get(timeout=self.linger)
+            except queue.Empty:
+                with self._lock:  # producers are idle: render what they left
+                    self._flush()
+                continue
+            if chunk is _STOP:
+                with self._lock:
+                    batch, self._pending = self._pending, []
+                self._write(*self._render_lines(batch))
                 return
+            self._write(*chunk)
+
+    def _write(self, lines: bytes, audit: int) -> None:
+        try:
+            if lines:
+                self._file.write(lines)
+                self._file.flush()
+            self.written += audit
+        except Exception as exc:  # noqa: BLE001 - any sink failure is a counted drop
+            self.metrics.dropped_sink += audit
+            if self.error is None:
+                self.error = repr(exc)
+                log.warning("telemetry sink failed: records are dropped and counted", error=self.error)
+        finally:
+            self._out += audit
 
 
 # -- records -----------------------------------------------------------------------------
@@ -257,20 +270,21 @@ def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
     kind = item[0]
     if kind == "m":
         _, source, seq, watermark, mono, wall, events = item
-        trace = exporter.trace_id
+        traces = exporter._traces
         for e in events:
             seq += 1
             base, result, committed = event_snapshots(e)
+            request = e.request_id
             out.append(_MutationLine(
-                "mutation", e.event_id, trace(e.request_id), source, SERVICE, seq, mono, wall,
-                e.request_id, e.stream_id, e.handle_generation, e.operation_id, e.event_type, base,
-                result, event_outcome(e), watermark, committed))
+                "mutation", e.event_id, traces.get(request) or exporter.trace_id(request), source, SERVICE,
+                seq, mono, wall, request, e.stream_id, e.handle_generation, e.operation_id, e.event_type,
+                base, result, event_outcome(e), watermark, committed))
     elif kind == "o":
         _, source, nonce, seq_a, seq_r, block_size, mono, wall, rows = item
         for (cause, op, handle, request, generation, tier, snapshot, slots, used, payload) in rows:
             seq_a += 1
             seq_r += 1
-            trace = exporter.trace_id(request)
+            trace = exporter._traces.get(request) or exporter.trace_id(request)
             out.append(_ObservationLine(
                 ALLOCATOR, f"{nonce}1{seq_a:015x}", trace, source, ALLOCATOR, seq_a, mono, wall, request,
                 handle, generation, op, "allocator_observation", snapshot, "observed", cause,

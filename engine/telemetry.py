@@ -11,14 +11,13 @@ Emission follows the transition, never precedes it: records come from the servic
 `on_applied` hook (after a committed receipt's store effects were applied). Refused
 commands come from `on_reject` as outcome "refused" records.
 
-The hot path is an enqueue: a hook assigns the source's gapless `local_sequence`,
-puts one tuple on a bounded queue and returns. A background thread builds the record
-dicts and renders each drained batch through a structlog logger bound to the sink
-(processor chain ending in a msgspec JSON-lines renderer; one structlog call per
-batch, not per record, to keep the exporter's share of the GIL small). A full queue
-or a failing sink drops records and counts them (`dropped`, and
+The hot path is an append: a hook assigns the source's gapless `local_sequence` and
+adds one tuple to the exporter's batch. Every `batch` tuples the hook's thread renders
+them with one structlog call (a processor chain ending in a msgspec JSON-lines
+renderer) and queues the bytes; a background thread writes them to the sink. A full
+buffer or a failing sink drops records and counts them (`dropped`, and
 `kvledger_telemetry_dropped_records_total{reason}`); the service and the worker never
-wait for, or fail because of, telemetry.
+wait for, or fail because of, the sink.
 
 Metrics are plain integers updated in the hooks and exposed by a prometheus_client
 collector on a dedicated CollectorRegistry, with bounded labels only (event type,
@@ -68,6 +67,12 @@ _COMMAND_EVENT = {
 }
 
 # -- the telemetry source ----------------------------------------------------------------
+
+def _tier(e: ev.Event) -> str:
+    """The tier of an event's handle that this telemetry does not track."""
+    tiers = getattr(e.payload, "copy_tiers", None)
+    return tiers[0] if tiers else "gpu"
+
 
 class _Handle:
     """What the metrics need about one live handle (dropped at release)."""
@@ -214,7 +219,8 @@ class Telemetry:
             audit = events if self.sample_rate >= 1.0 else [e for e in events if self._sampled(e.request_id)]
             if audit:
                 if self.store is not None:
-                    observe = [(e.event_id, e.operation_id, e.stream_id, e.request_id, self._tier(e))
+                    handles = self._handles
+                    observe = [(e, handles[e.stream_id].tier if e.stream_id in handles else _tier(e))
                                for e in audit if e.event_type in _OBSERVED]
                     if observe:
                         self._stash[receipt.operation_id] = observe
@@ -230,26 +236,22 @@ class Telemetry:
                 self.metrics.records[SERVICE] += n
         self._account(events)
 
-    def _tier(self, e: ev.Event) -> str:
-        h = self._handles.get(e.stream_id)
-        if h is not None:
-            return h.tier
-        tiers = getattr(e.payload, "copy_tiers", None)
-        return tiers[0] if tiers else "gpu"
-
     def _on_applied(self, receipt: Receipt) -> None:
         pending = self._stash.pop(receipt.operation_id, None)
         x = self.exporter
         if not pending or x is None:
             return
         store, row_bytes = self.store, self._row_bytes
-        results = {r.handle_id: r for r in receipt.handles}
+        committed, capacity = store.committed, store.capacity
+        results = receipt.handles
         rows = []
-        for cause, op, handle, request, tier in pending:
-            r = results.get(handle)
-            used = store.committed.get(handle, 0) if handle in store.slot else None
-            rows.append((cause, op, handle, request, r.generation if r else 0, tier,
-                         r.snapshot_version if r else None, 0 if used is None else store.capacity,
+        for e, tier in pending:
+            handle = e.stream_id
+            r = results[0] if results[0].handle_id == handle else next(
+                (r for r in results if r.handle_id == handle), None)
+            used = committed.get(handle)  # None: the store no longer holds the handle
+            rows.append((e.event_id, e.operation_id, handle, e.request_id, r.generation if r else 0, tier,
+                         r.snapshot_version if r else None, 0 if used is None else capacity,
                          used or 0, (used or 0) * row_bytes))
         n = len(rows)
         mono, wall = self._clock.monotonic_ns(), self._clock.wall_ns()

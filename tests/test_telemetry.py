@@ -4,6 +4,7 @@ own telemetry reconciling against its own journal with no finding on both backen
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import threading
@@ -123,13 +124,18 @@ def test_gauges_follow_live_handles(tmp_path):
 
 # -- never before the commit; refused commands; failed commits ---------------------------
 
-def test_records_are_enqueued_only_after_their_commit_returned(tmp_path):
+@contextlib.contextmanager
+def _traced_service(tmp_path: Path):
+    """A command service on a fresh SQLite journal, with telemetry to t.jsonl attached."""
     url = f"sqlite:///{tmp_path}/j.db"
     init_database(url)
-    path = tmp_path / "t.jsonl"
     with open_journal(url) as journal:
         service = CommandService(journal)
-        telemetry = Telemetry(path).attach(service)
+        yield journal, service, Telemetry(tmp_path / "t.jsonl").attach(service), tmp_path / "t.jsonl"
+
+
+def test_records_are_enqueued_only_after_their_commit_returned(tmp_path):
+    with _traced_service(tmp_path) as (journal, service, telemetry, path):
         committed: set[str] = set()
         real_append, real_put = journal.append, telemetry.exporter.put
         fail_next = {"on": False}
@@ -245,6 +251,29 @@ def test_killed_sink_loses_only_counted_records(tmp_path):
     assert lost == {e.event_id for e in events if e.global_position > last}
     scrape = telemetry.metrics.scrape()
     assert _scalar(scrape, "kvledger_telemetry_dropped_records_total", reason="sink_error") == telemetry.dropped
+
+
+def test_batches_are_rendered_by_the_producer_and_a_partial_one_is_written_when_traffic_stops(tmp_path):
+    """A full batch is rendered on the committing thread and queued at once; what is
+    left of a batch when traffic stops reaches the sink within about `linger`, without
+    waiting for close."""
+    with _traced_service(tmp_path) as (journal, service, telemetry, path):
+        x = telemetry.exporter
+        x.batch = 4
+        rendered_on: set[str] = set()
+        real = x._render_lines
+        x._render_lines = lambda batch: (rendered_on.add(threading.current_thread().name), real(batch))[1]
+        _drive(service, 0, 3, batch=1)  # 3 commits of 6 operations: with the header, 19 items
+        assert threading.current_thread().name in rendered_on
+        deadline = time.monotonic() + 5
+        while len(_records(path)) < 1 + 18 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(_records(path)) == 1 + 18  # the header and every record, before close
+        assert "kvledger-telemetry" in rendered_on  # the partial batch: the writer rendered it
+        telemetry.close()
+        assert len(_records(path)) == 1 + 18 + 1  # the trailer
+        rec = reconcile(journal_events(journal), jsonl_bodies(path))
+    assert rec.findings == [] and telemetry.dropped == 0
 
 
 class SlowSink:
