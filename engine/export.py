@@ -171,7 +171,10 @@ class Exporter:
 
     def render(self, items: list[tuple]) -> bytes:
         """Queued items -> JSON lines, without writing (for measuring)."""
-        return self._render_lines([(item, 0) for item in items])[0]
+        lines = self._render_lines([(item, 0) for item in items])[0]
+        if isinstance(lines, Exception):
+            raise lines
+        return lines
 
     def trace_id(self, request_id: str) -> str:
         t = self._traces.get(request_id)
@@ -187,7 +190,10 @@ class Exporter:
             batch, self._pending = self._pending, []
             self._q.put(self._render_lines(batch))
 
-    def _render_lines(self, batch: list[tuple]) -> tuple[bytes, int]:
+    def _render_lines(self, batch: list[tuple]) -> tuple[bytes | Exception, int]:
+        """(JSON lines, audit records) of a batch; an exception in place of the lines if
+        the batch could not be encoded: the writer then counts it as dropped, and the
+        producer, whose hook this runs in, never sees it."""
         records: list[Any] = []
         audit = 0
         for item, n in batch:
@@ -196,7 +202,10 @@ class Exporter:
             except Exception as exc:  # noqa: BLE001 - a bad record must not stop the others
                 log.error("telemetry record not rendered", error=repr(exc))
             audit += n
-        return (self._log.msg(records=records) if records else b""), audit
+        try:
+            return (self._log.msg(records=records) if records else b""), audit
+        except Exception as exc:  # noqa: BLE001 - counted as dropped by _write
+            return exc, audit
 
     def _run(self) -> None:
         while True:
@@ -213,8 +222,10 @@ class Exporter:
                 return
             self._write(*chunk)
 
-    def _write(self, lines: bytes, audit: int) -> None:
+    def _write(self, lines: bytes | Exception, audit: int) -> None:
         try:
+            if isinstance(lines, Exception):
+                raise lines
             if lines:
                 self._file.write(lines)
                 self._file.flush()
@@ -223,7 +234,8 @@ class Exporter:
             self.metrics.dropped_sink += audit
             if self.error is None:
                 self.error = repr(exc)
-                log.warning("telemetry sink failed: records are dropped and counted", error=self.error)
+                log.warning("telemetry batch not written: records are dropped and counted",
+                            error=self.error)
         finally:
             self._out += audit
 

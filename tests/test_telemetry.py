@@ -276,6 +276,34 @@ def test_batches_are_rendered_by_the_producer_and_a_partial_one_is_written_when_
     assert rec.findings == [] and telemetry.dropped == 0
 
 
+def test_a_batch_that_cannot_be_encoded_is_dropped_and_counted_not_raised(tmp_path):
+    """Rendering runs inside the service's hook: an encoder failure must neither reach
+    the service nor lose count; the records are dropped and reconcile says so."""
+    with _traced_service(tmp_path) as (journal, service, telemetry, path):
+        x = telemetry.exporter
+        x.batch = 4
+        real = x._log.msg
+        calls = Count()
+
+        def msg(**kw):
+            calls["msg"] += 1
+            if calls["msg"] == 2:  # the batch after the header's
+                raise TypeError("cannot encode")
+            return real(**kw)
+
+        x._log.msg = msg
+        _drive(service, 0, 2, batch=1)  # every command committed: no exception escaped
+        telemetry.close()
+        rec = reconcile(journal_events(journal), jsonl_bodies(path))
+        n_events = journal.last_position()
+    stats = telemetry.stats()
+    assert stats["dropped_sink_error"] == telemetry.dropped > 0 and "cannot encode" in stats["sink_error"]
+    assert stats["written"] + telemetry.dropped == telemetry.emitted == n_events
+    # the lost batch is a hole in local_sequence: reconcile names each lost record and the gap
+    lost = [f for f in rec.findings if f.code == "LOST_AUDIT"]
+    assert len(lost) == telemetry.dropped and {f.code for f in rec.findings} == {"LOST_AUDIT", "SEQUENCE_GAP"}
+
+
 class SlowSink:
     def __init__(self, path: Path) -> None:
         self.f = open(path, "wb")  # noqa: SIM115
