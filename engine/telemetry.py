@@ -247,8 +247,7 @@ class Telemetry:
         rows = []
         for e, tier in pending:
             handle = e.stream_id
-            r = results[0] if results[0].handle_id == handle else next(
-                (r for r in results if r.handle_id == handle), None)
+            r = next((r for r in results if r.handle_id == handle), None)
             used = committed.get(handle)  # None: the store no longer holds the handle
             rows.append((e.event_id, e.operation_id, handle, e.request_id, r.generation if r else 0, tier,
                          r.snapshot_version if r else None, 0 if used is None else capacity,
