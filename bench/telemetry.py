@@ -24,7 +24,8 @@ NOTES = {
     "telemetry_cpu_share": "telemetry's own CPU (hooks replayed, then rendering) / the rest of a "
                            "telemetry-on run's process CPU; single-threaded replay, so other "
                            "tenants of the machine barely move it",
-    "telemetry_cpu_overhead": "process CPU time (all threads) on / off - 1, least of the repeats",
+    "telemetry_cpu_overhead": "process CPU time (all threads) on / off - 1, least of the repeats, "
+                              "at the torch pool that served off best",
     "telemetry_overhead": "(off rate / on rate) - 1 at batch 16, each side at its better torch "
                           "pool; the hooks (per commit and per applied receipt) and the rendering "
                           "of each batch of 64 run on the worker's thread, the writes on the "

@@ -282,21 +282,20 @@ def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
     kind = item[0]
     if kind == "m":
         _, source, seq, watermark, mono, wall, events = item
-        traces = exporter._traces
+        trace = exporter.trace_id
         for e in events:
             seq += 1
             base, result, committed = event_snapshots(e)
-            request = e.request_id
             out.append(_MutationLine(
-                "mutation", e.event_id, traces.get(request) or exporter.trace_id(request), source, SERVICE,
-                seq, mono, wall, request, e.stream_id, e.handle_generation, e.operation_id, e.event_type,
-                base, result, event_outcome(e), watermark, committed))
+                "mutation", e.event_id, trace(e.request_id), source, SERVICE, seq, mono, wall,
+                e.request_id, e.stream_id, e.handle_generation, e.operation_id, e.event_type, base,
+                result, event_outcome(e), watermark, committed))
     elif kind == "o":
         _, source, nonce, seq_a, seq_r, block_size, mono, wall, rows = item
         for (cause, op, handle, request, generation, tier, snapshot, slots, used, payload) in rows:
             seq_a += 1
             seq_r += 1
-            trace = exporter._traces.get(request) or exporter.trace_id(request)
+            trace = exporter.trace_id(request)
             out.append(_ObservationLine(
                 ALLOCATOR, f"{nonce}1{seq_a:015x}", trace, source, ALLOCATOR, seq_a, mono, wall, request,
                 handle, generation, op, "allocator_observation", snapshot, "observed", cause,
