@@ -68,12 +68,6 @@ _COMMAND_EVENT = {
 
 # -- the telemetry source ----------------------------------------------------------------
 
-def _tier(e: ev.Event) -> str:
-    """The tier of an event's handle that this telemetry does not track."""
-    tiers = getattr(e.payload, "copy_tiers", None)
-    return tiers[0] if tiers else "gpu"
-
-
 class _Handle:
     """What the metrics need about one live handle (dropped at release)."""
 
@@ -219,9 +213,7 @@ class Telemetry:
             audit = events if self.sample_rate >= 1.0 else [e for e in events if self._sampled(e.request_id)]
             if audit:
                 if self.store is not None:
-                    handles = self._handles
-                    observe = [(e, handles[e.stream_id].tier if e.stream_id in handles else _tier(e))
-                               for e in audit if e.event_type in _OBSERVED]
+                    observe = [(e, self._tier(e)) for e in audit if e.event_type in _OBSERVED]
                     if observe:
                         self._stash[receipt.operation_id] = observe
                         if len(self._stash) > 4096:  # receipts no worker applied: forget them
@@ -236,21 +228,27 @@ class Telemetry:
                 self.metrics.records[SERVICE] += n
         self._account(events)
 
+    def _tier(self, e: ev.Event) -> str:
+        h = self._handles.get(e.stream_id)
+        if h is not None:
+            return h.tier
+        tiers = getattr(e.payload, "copy_tiers", None)
+        return tiers[0] if tiers else "gpu"
+
     def _on_applied(self, receipt: Receipt) -> None:
         pending = self._stash.pop(receipt.operation_id, None)
         x = self.exporter
         if not pending or x is None:
             return
         store, row_bytes = self.store, self._row_bytes
-        committed, capacity = store.committed, store.capacity
-        results = receipt.handles
+        results = {r.handle_id: r for r in receipt.handles}
         rows = []
         for e, tier in pending:
             handle = e.stream_id
-            r = next((r for r in results if r.handle_id == handle), None)
-            used = committed.get(handle)  # None: the store no longer holds the handle
+            r = results.get(handle)
+            used = store.committed.get(handle, 0) if handle in store.slot else None
             rows.append((e.event_id, e.operation_id, handle, e.request_id, r.generation if r else 0, tier,
-                         r.snapshot_version if r else None, 0 if used is None else capacity,
+                         r.snapshot_version if r else None, 0 if used is None else store.capacity,
                          used or 0, (used or 0) * row_bytes))
         n = len(rows)
         mono, wall = self._clock.monotonic_ns(), self._clock.wall_ns()
