@@ -34,7 +34,7 @@ import msgspec
 
 from engine import commands as c
 from engine.evolve import fold
-from engine.service import CommandService, SystemClock
+from engine.service import BatchSurface, CommandService, SystemClock
 from engine.state import HandleState
 from journal.contract import Journal
 from journal.sql import SqlJournal, open_journal
@@ -79,7 +79,7 @@ class _Reply(msgspec.Struct, frozen=True, array_like=True):
     failure: tuple[str, str] | None = None
 
 
-class RemoteService:
+class RemoteService(BatchSurface):
     """What a Worker (and telemetry) use of a CommandService, served by a writer process.
     `states` stays empty: the decided states live in the writer; `state()` folds the
     handle's stream from the journal here."""
@@ -170,15 +170,6 @@ class RemoteService:
             wait()
         return wait
 
-    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> list[Receipt | KvLedgerError]:
-        return self.submit_many(cmds, defer=False)()
-
-    def execute(self, cmd: c.Command | c.Relative) -> Receipt:
-        [result] = self.execute_many([cmd])
-        if isinstance(result, KvLedgerError):
-            raise result
-        return result
-
     def state(self, handle_id: str, *, refresh: bool = False) -> HandleState | None:
         return fold(self.journal.read_stream(handle_id))
 
@@ -195,12 +186,6 @@ class RemoteService:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-    def __enter__(self) -> RemoteService:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # -- frames ---------------------------------------------------------------------------

@@ -48,8 +48,35 @@ CommitHook = Callable[[Receipt, list[ev.Event]], None]
 RejectHook = Callable[[object, KvLedgerError], None]
 
 
+class BatchSurface:
+    """execute, execute_many and the context manager, built on `submit_many` and
+    `close`: the same for this process's service and engine.remote's writer process."""
+
+    def execute(self, cmd: c.Command | c.Relative) -> Receipt:
+        [result] = self.execute_many([cmd])
+        if isinstance(result, KvLedgerError):
+            raise result
+        return result
+
+    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> list[Receipt | KvLedgerError]:
+        """Decide every command and commit the accepted ones in one journal transaction.
+        Commands on the same handle apply in order. Results are positional.
+
+        A Relative command is bound once, to the state the commands before it in this
+        batch leave (publish, then emit from that publication, then start the next
+        append). It names concrete bases from then on, so a retry after contention is
+        still fenced like any other command."""
+        return self.submit_many(cmds, defer=False)()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @dataclass
-class CommandService:
+class CommandService(BatchSurface):
     journal: Journal
     source_instance: str = "kvledger"
     clock: object = field(default_factory=SystemClock)
@@ -75,28 +102,6 @@ class CommandService:
     def close(self) -> None:
         """Nothing to release here (the caller owns the journal); engine.remote's
         service, which has a writer process to stop, has the same method."""
-
-    def __enter__(self) -> CommandService:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def execute(self, cmd: c.Command) -> Receipt:
-        [result] = self.execute_many([cmd])
-        if isinstance(result, KvLedgerError):
-            raise result
-        return result
-
-    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> list[Receipt | KvLedgerError]:
-        """Decide every command and commit the accepted ones in one journal transaction.
-        Commands on the same handle apply in order. Results are positional.
-
-        A Relative command is bound once, to the state the commands before it in this
-        batch leave (publish, then emit from that publication, then start the next
-        append). It names concrete bases from then on, so a retry after contention is
-        still fenced like any other command."""
-        return self.submit_many(cmds, defer=False)()
 
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:

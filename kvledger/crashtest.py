@@ -39,6 +39,7 @@ from pathlib import Path
 
 import msgspec
 
+from engine.service import BatchSurface
 from journal import faults
 from journal.url import parse_url, redact, resolve_url
 from schemas.errors import ErrorCode, KvLedgerError
@@ -249,7 +250,7 @@ def warm() -> None:
     run_call(model, store, m, shape_of(m))
 
 
-class _Acking:
+class _Acking(BatchSurface):
     """The worker's command service, appending each acknowledged receipt to an fsync'd
     log after the commit returned (one fsync per worker commit)."""
 
@@ -262,7 +263,7 @@ class _Acking:
         self._fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._encode = msgspec.json.Encoder().encode
 
-    def submit_many(self, cmds, *, defer=True):  # execute_many goes through here too
+    def submit_many(self, cmds, *, defer=True):  # execute and execute_many (BatchSurface) too
         wait = self._service.submit_many(cmds, defer=defer)
 
         def acknowledged():
