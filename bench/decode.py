@@ -59,23 +59,32 @@ def _hf_twin(model) -> Any:
     return hf
 
 
-def _prompts(b: int, vocab: int) -> list[tuple[int, ...]]:
+def bench_prompts(b: int, vocab: int) -> list[tuple[int, ...]]:
+    """b prompts of 32 token ids, the same for every contender (seeded by b)."""
     rng = random.Random(b)
     return [tuple(rng.randrange(1, vocab) for _ in range(32)) for _ in range(b)]
+
+
+def serving_worker(model, artifact, prompts, g: int, service):
+    """A worker with every prompt (32 tokens each) submitted for g greedy tokens, all
+    running at once; `service` None: journaling off."""
+    from engine.worker import RequestSpec, Worker
+
+    w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
+               capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
+    for i, p in enumerate(prompts):
+        w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
+    return w
 
 
 def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | None) -> float:
     """Tokens/s of the worker with the journal written by `writer`, or off (None)."""
     from engine.remote import command_service
-    from engine.worker import RequestSpec, Worker
     from kvledger.storage import open_journal
 
     url = ctx.sqlite_journal_url("decode")
     with open_journal(url) as j, command_service(j, writer=writer) if writer else nullcontext() as service:
-        w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
-                   capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
-        for i, p in enumerate(prompts):
-            w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
+        w = serving_worker(model, artifact, prompts, g, service)
         t0 = time.perf_counter()
         w.run()
         dt = time.perf_counter() - t0
@@ -111,7 +120,7 @@ def run(ctx: Context) -> dict[str, Any]:
     for name, cfg, b, g in cases:
         model, artifact = load_model(config=cfg)
         hf = _hf_twin(model)
-        prompts = _prompts(b, cfg.vocab_size)
+        prompts = bench_prompts(b, cfg.vocab_size)
         # Every contender at torch's full pool and at the pool a writer process leaves
         # (one core fewer), the better kept; the process writer runs only at the latter.
         rates: dict[str, list[float]] = {}

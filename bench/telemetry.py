@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bench import Context, at_threads, best_rate
+from bench.decode import bench_prompts, serving_worker
 
 GOALS = {"telemetry_overhead": ("<=", 0.05)}
 NOTES = {
@@ -36,20 +37,16 @@ NOTES = {
 def _rate(ctx: Context, model, artifact, prompts, g: int, telemetry_on: bool) -> tuple[float, dict]:
     from engine.service import CommandService
     from engine.telemetry import Telemetry
-    from engine.worker import RequestSpec, Worker
     from kvledger.storage import open_journal
 
     url = ctx.sqlite_journal_url("telemetry")
     with open_journal(url) as j:
         service = CommandService(j)
-        w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
-                   capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
+        w = serving_worker(model, artifact, prompts, g, service)
         telemetry = None
         if telemetry_on:
             telemetry = Telemetry(ctx.tmp / f"{ctx.name('telemetry')}.jsonl")
             telemetry.attach(service, w)
-        for i, p in enumerate(prompts):
-            w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
         t0, c0 = time.perf_counter(), time.process_time()
         w.run()
         if telemetry is not None:
@@ -85,20 +82,16 @@ def _intrinsic(ctx: Context, model, artifact, prompts, g: int) -> tuple[float, f
 
     from engine.service import CommandService
     from engine.telemetry import Telemetry
-    from engine.worker import RequestSpec, Worker
     from kvledger.storage import open_journal
 
     calls: list[tuple] = []
     with open_journal(ctx.sqlite_journal_url("telemetry")) as j:
         service = CommandService(j)
-        w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
-                   capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
+        w = serving_worker(model, artifact, prompts, g, service)
         telemetry = Telemetry(io.BytesIO()).attach(service, w)
         on_commit, on_applied = service.on_commit[-1], w.on_applied
         service.on_commit[-1] = lambda r, e: (calls.append((0, r, e)), on_commit(r, e))
         w.on_applied = lambda r: (calls.append((1, r)), on_applied(r))
-        for i, p in enumerate(prompts):
-            w.submit(RequestSpec(request_id=f"r{i}", prompt=p, max_new_tokens=g))
         c0 = time.process_time()
         w.run()
         run_cpu = time.process_time() - c0
@@ -118,16 +111,13 @@ def _intrinsic(ctx: Context, model, artifact, prompts, g: int) -> tuple[float, f
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    import random
-
     from engine.loading import load_model
     from engine.model import DEFAULT_CONFIG
     from engine.worker import leave_a_core
 
     b, g = 16, ctx.size(smoke=8, quick=64, full=128)
     model, artifact = load_model(config=DEFAULT_CONFIG)
-    rng = random.Random(b)
-    prompts = [tuple(rng.randrange(1, DEFAULT_CONFIG.vocab_size) for _ in range(32)) for _ in range(b)]
+    prompts = bench_prompts(b, DEFAULT_CONFIG.vocab_size)
     _rate(ctx, model, artifact, prompts, min(g, 8), True)  # warm up both paths once
     full = torch.get_num_threads()
     pools = sorted({full, at_threads(full, leave_a_core)}, reverse=True)
