@@ -40,7 +40,13 @@ class _SlabView:
     def __init__(self, store: KVStore, members: list[Member], shape: CallShape, device) -> None:
         self.store = store
         self.members = members
-        self.slots = torch.tensor([store.slot[m.handle_id] for m in members], device=device)
+        slots = [store.slot[m.handle_id] for m in members]
+        self.slots = torch.tensor(slots, device=device)
+        # Members in consecutive slots (a batch admitted together) are read as a view of
+        # the slab instead of a gathered copy: SDPA reads through the strides, bit for bit
+        # the same result, without copying every member's history per layer.
+        self.run = slice(slots[0], slots[0] + len(slots)) \
+            if slots == list(range(slots[0], slots[0] + len(slots))) else None
         self.past = torch.tensor([m.past for m in members], device=device)
         self.extent = shape.key_extent
         self.decode = shape.new_pad == 1
@@ -58,9 +64,11 @@ class _SlabView:
                 s, n = int(self.slots[b]), len(m.token_ids)
                 K[s, :, m.past:m.past + n] = k_new[b, :, :n]
                 V[s, :, m.past:m.past + n] = v_new[b, :, :n]
+        e, slots = self.extent, self.slots
+        if self.run is not None:
+            return K[self.run, :, :e], V[self.run, :, :e], self.mask
         # index_select over the key-extent view: the same contiguous copy as advanced
         # indexing K[slots, :, :extent], at under half the cost.
-        e, slots = self.extent, self.slots
         return K[:, :, :e].index_select(0, slots), V[:, :, :e].index_select(0, slots), self.mask
 
 
