@@ -138,15 +138,18 @@ class Context:
 
 
 def at_threads(n: int, fn, *args):
-    """fn(*args) with torch's CPU pool at n threads (then as it was)."""
+    """fn(*args) with torch's CPU pool at n threads (then as it was), placed as
+    engine.worker.use_threads places a pool of that size."""
     import torch
 
+    from engine.worker import use_threads
+
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    use_threads(n)
     try:
         return fn(*args)
     finally:
-        torch.set_num_threads(before)
+        use_threads(before)
 
 
 def best_rate(samples: list[float]) -> float:

@@ -15,6 +15,7 @@ import msgspec
 import structlog
 
 from engine.metrics import Metrics
+from journal import placement
 from schemas import events as ev
 from schemas.telemetry import (
     ALLOCATOR,
@@ -208,6 +209,7 @@ class Exporter:
             return exc, audit
 
     def _run(self) -> None:
+        placement.pin_writer()  # it writes files: beside the journal's writers, off the model's CPU
         while True:
             try:
                 chunk = self._q.get(timeout=self.linger)

@@ -36,6 +36,7 @@ from engine import commands as c
 from engine.evolve import fold
 from engine.service import BatchSurface, CommandService, SystemClock
 from engine.state import HandleState
+from journal import placement
 from journal.contract import Journal
 from journal.sql import SqlJournal, open_journal
 from schemas.errors import ErrorCode, KvLedgerError
@@ -102,6 +103,9 @@ class RemoteService(BatchSurface):
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self.pid = self._proc.pid
+        # Placed from here: the child inherits this thread's mask, which may be the
+        # model's (off the I/O CPU), and would not see the CPUs it may move to.
+        placement.pin_writer(self.pid)
         self._out, self._in = self._proc.stdin.fileno(), self._proc.stdout.fileno()
         try:
             send(self._out, self._encode(_Hello(journal.url.render_as_string(hide_password=False),

@@ -29,7 +29,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool, StaticPool
 
-from journal import faults
+from journal import faults, placement
 from journal.contract import Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
 from journal.faults import fault
 from journal.tables import SCHEMA_REVISION, VERSION_TABLE
@@ -168,7 +168,8 @@ class SqlJournal(Journal):
             self._lock.release()
             raise
         if self._committer is None:
-            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit")
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit",
+                                                 initializer=placement.pin_writer)
         committed = self._committer.submit(self.sql.end, cur, True)
         waited = False
 
