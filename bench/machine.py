@@ -9,6 +9,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from journal import placement
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -59,7 +61,8 @@ def machine_info(ctx: Any) -> dict[str, Any]:
     return {
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "affinity_cpus": placement.usable_cpus(),  # as the process started, before any pinning
+        "io_cpu": placement.io_cpu(),  # takes the disk's interrupts: writers run there (journal.placement)
         "memory_gb": _memory_gb(),
         "platform": platform.platform(),
         "python": platform.python_version(),

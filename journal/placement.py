@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import re
 
+from schemas.errors import ErrorCode, KvLedgerError
+
 # Block-device queues: virtio-blk, NVMe, AHCI/ATA, SCSI HBAs, Xen block frontends.
 _BLOCK = re.compile(r"virtio\d+-req|nvme\d+q\d+|ahci|ata_|scsi|megasas|mpt\dsas|blkif|xen-blkfront")
 _ALLOWED = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
@@ -48,8 +50,9 @@ def _find() -> int | None:
             return None
         cpu = int(forced) if forced.isdigit() else -1
         if cpu not in _ALLOWED:
-            raise ValueError(f"KVLEDGER_IO_CPU={forced!r}: not one of this process's CPUs "
-                             f"{sorted(_ALLOWED)} (or 'none')")
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
+                                f"KVLEDGER_IO_CPU={forced!r}: not one of this process's CPUs "
+                                f"{sorted(_ALLOWED)} (or 'none')")
         return cpu
     try:
         with open("/proc/interrupts") as f:
