@@ -45,7 +45,7 @@ class _SlabView:
         # Members in consecutive slots (a batch admitted together) are read as a view of
         # the slab instead of a gathered copy: SDPA reads through the strides, bit for bit
         # the same result, without copying every member's history per layer.
-        self.run = slice(slots[0], slots[0] + len(slots)) \
+        self.span = slice(slots[0], slots[0] + len(slots)) \
             if slots == list(range(slots[0], slots[0] + len(slots))) else None
         self.past = torch.tensor([m.past for m in members], device=device)
         self.extent = shape.key_extent
@@ -65,8 +65,8 @@ class _SlabView:
                 K[s, :, m.past:m.past + n] = k_new[b, :, :n]
                 V[s, :, m.past:m.past + n] = v_new[b, :, :n]
         e, slots = self.extent, self.slots
-        if self.run is not None:
-            return K[self.run, :, :e], V[self.run, :, :e], self.mask
+        if self.span is not None:
+            return K[self.span, :, :e], V[self.span, :, :e], self.mask
         # index_select over the key-extent view: the same contiguous copy as advanced
         # indexing K[slots, :, :extent], at under half the cost.
         return K[:, :, :e].index_select(0, slots), V[:, :, :e].index_select(0, slots), self.mask

@@ -15,6 +15,7 @@ is placed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -81,10 +82,13 @@ def busiest(table: str, allowed: frozenset[int]) -> int | None:
 
 def pin_writer(pid: int = 0) -> None:
     """Run a writer on the I/O CPU, if the model has left it (pin_model): the calling
-    thread (a commit thread), or a writer process by its pid. With every core in torch's
-    pool, a writer pinned there would wait behind a spinning torch thread instead."""
+    thread (a commit thread as it starts), or a writer process by its pid. With every
+    core in torch's pool, a writer pinned there would wait behind a spinning torch thread
+    instead. Placement is only about speed: a writer that cannot be moved (it already
+    exited, the cpuset changed) runs where it is."""
     if _apart:
-        os.sched_setaffinity(pid, {io_cpu()})
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, {io_cpu()})
 
 
 def pin_model(leaves_a_core: bool) -> None:
@@ -94,5 +98,7 @@ def pin_model(leaves_a_core: bool) -> None:
     cpu = io_cpu()
     if cpu is None:
         return
-    _apart = leaves_a_core
-    os.sched_setaffinity(0, _ALLOWED - {cpu} if leaves_a_core else _ALLOWED)
+    _apart = False
+    with contextlib.suppress(OSError):  # e.g. a cpuset shrunk since start: stay put
+        os.sched_setaffinity(0, _ALLOWED - {cpu} if leaves_a_core else _ALLOWED)
+        _apart = leaves_a_core
