@@ -102,3 +102,10 @@ def pin_model(leaves_a_core: bool) -> None:
     with contextlib.suppress(OSError):  # e.g. a cpuset shrunk since start: stay put
         os.sched_setaffinity(0, _ALLOWED - {cpu} if leaves_a_core else _ALLOWED)
         _apart = leaves_a_core
+
+
+def describe() -> dict:
+    """Where the calling (model) thread may run, and the CPU writers were placed on
+    (None: not placed), for a run's report."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(usable_cpus())
+    return {"io_cpu": io_cpu() if _apart else None, "model_cpus": sorted(cpus)}

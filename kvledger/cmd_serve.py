@@ -85,6 +85,9 @@ def _progress(total: int):
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from journal import placement
     from kvledger.cmd_telemetry import demo_telemetry, finish_demo_telemetry
     from kvledger.demo import run_demo
     from kvledger.storage import open_journal
@@ -116,6 +119,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "seconds": round(result["seconds"], 3),
         "tokens_per_s": round(result["tokens"] / result["seconds"], 1) if result["seconds"] else None,
         "errors": result["errors"], **summary,
+        "writer": {"kind": args.writer, "torch_threads": torch.get_num_threads(), **placement.describe()},
     }
     if telemetry_out is not None:
         out["telemetry"] = telemetry_out
@@ -137,6 +141,12 @@ def _fmt(v, unit: str = "") -> str:
     return f"{v:,}{unit}"
 
 
+def _writer_row(w: dict) -> str:
+    where = f" on CPU {w['io_cpu']}" if w["io_cpu"] is not None else ""
+    cpus = ",".join(map(str, w["model_cpus"]))
+    return f"{w['kind']}{where}, torch x{w['torch_threads']} on CPU {cpus}"
+
+
 def _print_demo(out: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -151,6 +161,7 @@ def _print_demo(out: dict) -> None:
         ("wall time / tokens per s", f"{out['seconds']:.2f} s / {_fmt(out['tokens_per_s'])}"),
         ("iterations / model calls", f"{out['iterations']} / {out['model_calls']}"),
         ("events written", _fmt(out["events_written"])),
+        ("writer", _writer_row(out["writer"])),
     ]
     for k, v in out["ledger_peaks_bytes"].items():
         rows.append((f"peak {k} bytes", _fmt(v)))

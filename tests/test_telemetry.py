@@ -20,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import commands as c
 from engine.service import CommandService
 from engine.telemetry import Telemetry
+from engine.worker import use_threads
 from factories import make_manifest
+from journal import placement
 from kvledger.cli import main
 from kvledger.demo import run_demo
 from kvledger.storage import init_database, open_journal
@@ -408,10 +410,15 @@ def test_demo_cli_writes_telemetry_that_reconciles(tmp_path, capsys, writer):
         rc = main(["demo", "--db", db, "--requests", "4", "--max-new-tokens", "3", "--json", "--writer", writer,
                    "--telemetry", str(tel), "--metrics-port", "0", "--metrics-out", str(scrape)])
     finally:
-        torch.set_num_threads(threads)  # --writer process leaves a core to its writer
+        use_threads(threads)  # --writer process leaves a core (and the I/O CPU) to its writer
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["telemetry"]["dropped"] == 0 and out["telemetry"]["written"] > 0
     assert out["telemetry"]["metrics_port"] > 0
+    ran = out["writer"]
+    assert ran["kind"] == writer and ran["torch_threads"] == (
+        max(1, min(threads, placement.usable_cpus() - 1)) if writer == "process" else threads)
+    if ran["io_cpu"] is not None:  # placed: the model's thread kept off the writer's CPU
+        assert writer == "process" and ran["io_cpu"] not in ran["model_cpus"]
     assert b"kvledger_telemetry_dropped_records_total" in scrape.read_bytes()
     rc = main(["reconcile", "--telemetry", str(tel), "--metrics", str(scrape), "--db", db, "--json"])
     doc = json.loads(capsys.readouterr().out)
