@@ -162,7 +162,7 @@ class Worker:
         # fsync it hides (measured on 2 cores: 10% faster with 1 torch thread, 0-7% slower
         # with 2), so the default commits first there.
         self.pipeline = pipeline if pipeline is not None else (
-            str(device).startswith("cuda") or torch.get_num_threads() < placement.usable_cpus())
+            str(device).startswith("cuda") or _leaves_a_core(torch.get_num_threads()))
         self._structural = False  # a fork or truncate this iteration: commit before running
         # Called with each receipt once its store effects are applied (telemetry observers).
         self.on_applied: Callable[[Receipt], None] | None = None
@@ -567,8 +567,13 @@ def use_threads(n: int) -> int:
     so the core left is that one (journal.placement); with every core in the pool it may
     run anywhere again. Returns n."""
     torch.set_num_threads(n)
-    placement.pin_model(n < placement.usable_cpus())
+    placement.pin_model(_leaves_a_core(n))
     return n
+
+
+def _leaves_a_core(threads: int) -> bool:
+    """A torch pool of this size leaves a CPU free for the journal's writer."""
+    return threads < placement.usable_cpus()
 
 
 def leave_a_core() -> int:
