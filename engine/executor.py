@@ -50,15 +50,20 @@ class _SlabView:
         self.past = torch.tensor([m.past for m in members], device=device)
         self.extent = shape.key_extent
         self.decode = shape.new_pad == 1
+        if self.decode:  # row (slot, head, past) of a layer's slab seen as [rows, d_h]
+            _, _, heads, cap, _ = store.k.shape
+            heads_ = torch.arange(heads, device=device)
+            self.rows = ((self.slots[:, None] * heads + heads_) * cap + self.past[:, None]).reshape(-1)
         q_pos = self.past[:, None] + torch.arange(shape.new_pad, device=device)[None, :]
         keys = torch.arange(shape.key_extent, device=device)
         self.mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T_new, T_kv]
 
     def __call__(self, layer: int, k_new: Tensor, v_new: Tensor):
         K, V = self.store.k[layer], self.store.v[layer]
-        if self.decode:
-            K[self.slots, :, self.past] = k_new[:, :, 0]
-            V[self.slots, :, self.past] = v_new[:, :, 0]
+        if self.decode:  # one index_copy_ per tensor: under half the cost of K[slots, :, past] = ...
+            d = K.shape[-1]
+            K.view(-1, d).index_copy_(0, self.rows, k_new.reshape(-1, d))
+            V.view(-1, d).index_copy_(0, self.rows, v_new.reshape(-1, d))
         else:
             for b, m in enumerate(self.members):
                 s, n = int(self.slots[b]), len(m.token_ids)

@@ -196,6 +196,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:  # one op instead of seven; the same arithmetic in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and multiply by the weight after casting back, exactly as HF.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -203,8 +205,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    # Computed in fp32 on every call rather than held in a buffer: model.to(bf16) would
-    # otherwise quantise the frequencies, and d_h/2 pow()s are free next to the matmuls.
+    """cos and sin [B, 1, T, d_h] of `positions` [B, T], computed in fp32 and cast to
+    `dtype` (model.to(bf16) must not quantise the frequencies)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float,
                                              device=positions.device) / head_dim))
     freqs = positions[..., None].float() * inv_freq  # [B, T, d_h/2]
@@ -214,26 +216,58 @@ def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dty
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.addcmul(x * cos, torch.cat([-x2, x1], dim=-1), sin)
 
 
 class Attention(nn.Module):
+    """q, k and v come from one fused projection (one GEMM, and one RoPE pass over the
+    query and key heads together), as in gpt-fast; the state dict still speaks HF's
+    q_proj / k_proj / v_proj, split and joined at the boundary below."""
+
+    _PARTS = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.sizes = (hq * d, hkv * d, hkv * d)
+        self.qkv_weight = nn.Parameter(torch.empty(sum(self.sizes), cfg.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.empty(sum(self.sizes))) if cfg.qkv_bias else None
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # HF's names and order (each projection's weight, then its bias), as views of
+        # the fused tensors: writing into them writes the model.
+        fused = [(p if keep_vars else p.detach()).split(self.sizes)
+                 for p in (self.qkv_weight, self.qkv_bias) if p is not None]
+        for i, part in enumerate(self._PARTS):
+            for kind, pieces in zip(("weight", "bias"), fused):
+                destination[f"{prefix}{part}.{kind}"] = pieces[i]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        absent = []
+        for kind, p in (("weight", self.qkv_weight), ("bias", self.qkv_bias)):
+            keys = [f"{prefix}{part}.{kind}" for part in self._PARTS]
+            if p is None:
+                continue
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}qkv_{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+            else:  # reported under HF's names, not the fused one
+                absent.append(f"{prefix}qkv_{kind}")
+                missing_keys.extend(k for k in keys if state_dict.pop(k, None) is None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        missing_keys[:] = [k for k in missing_keys if k not in absent]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVView | None) -> Tensor:
         B, T, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        hq, hkv = c.num_heads, c.num_kv_heads
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, hq + 2 * hkv, c.head_dim)
+        qk = apply_rope(qkv[:, :, :hq + hkv], cos, sin)
+        q, k = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
+        v = qkv[:, :, hq + hkv:].transpose(1, 2)
         mask = None
         if kv is not None:
             k, v, mask = kv(layer, k, v)
@@ -285,6 +319,7 @@ class Transformer(nn.Module):
         # Tied: no lm_head module at all, so there is exactly one tensor to load and
         # no parameter-aliasing subtleties under .to()/to_empty().
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope_table: Tensor | None = None  # fp32, not a buffer: .to(bf16) must not touch it
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv: KVView | None = None,
                 logits_rows: Tensor | Literal["all", "last"] = "all") -> Tensor:
@@ -295,7 +330,7 @@ class Transformer(nn.Module):
         Rows are picked before the final norm and lm_head, which dominate at large V.
         """
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, i, kv)
         if isinstance(logits_rows, Tensor):
@@ -307,6 +342,21 @@ class Transformer(nn.Module):
             raise ValueError(f"logits_rows must be 'all', 'last' or a tensor, got {logits_rows!r}")
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(x), w).float()
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [B, T, 1, d_h] for `positions` [B, T], looked up in an fp32 table
+        that grows to the largest position asked for (one lookup per forward instead
+        of ten small ops)."""
+        need = int(positions.max()) + 1
+        table = self._rope_table
+        if table is None or table.shape[0] < need or table.device != positions.device:
+            n = max(need, 256, 2 * table.shape[0] if table is not None else 0)
+            cos, sin = rope_tables(torch.arange(n, device=positions.device)[None],
+                                   self.cfg.head_dim, self.cfg.rope_theta, torch.float32)
+            table = self._rope_table = torch.cat([cos, sin], dim=-1)[0, 0]  # [n, 2 d_h]
+        cs = F.embedding(positions, table)[:, :, None]
+        d = self.cfg.head_dim
+        return cs[..., :d].to(dtype), cs[..., d:].to(dtype)
 
     @classmethod
     def _empty(cls, cfg: ModelConfig, dtype: torch.dtype, device) -> Transformer:
@@ -323,7 +373,7 @@ class Transformer(nn.Module):
         model = cls._empty(cfg, dtype, device)
         g = torch.Generator().manual_seed(seed)  # CPU fp32 draws, then cast/copy
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in model.state_dict().items():  # HF's names and order: same draws as ever
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith(".bias"):

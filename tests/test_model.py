@@ -91,6 +91,27 @@ def test_from_config_deterministic():
     assert torch.equal(sa["norm.weight"], torch.ones(DEFAULT_CONFIG.hidden_size))
 
 
+def test_state_dict_speaks_hf_names_over_the_fused_projection():
+    """q/k/v run as one fused parameter, but the state dict reads and loads HF's three
+    tensors, in HF's order, and a loaded model computes what the source computed."""
+    cfg = msgspec.structs.replace(DEFAULT_CONFIG, qkv_bias=True)
+    a = Transformer.from_config(cfg, seed=3)
+    with torch.no_grad():
+        a.layers[0].self_attn.qkv_bias.normal_()
+    keys = list(a.state_dict())
+    first = [k.removeprefix("layers.0.") for k in keys if k.startswith("layers.0.")][:8]
+    assert first == ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+                     "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                     "self_attn.v_proj.bias", "self_attn.o_proj.weight"]
+    assert not any("qkv" in k for k in keys)
+    b = Transformer.from_config(cfg, seed=4)
+    b.load_state_dict(a.state_dict(), strict=True)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert torch.equal(a(ids, pos(0, 5)), b(ids, pos(0, 5)))
+    with pytest.raises(RuntimeError, match="k_proj.weight"):
+        b.load_state_dict({k: v for k, v in a.state_dict().items() if "k_proj" not in k})
+
+
 # ---------------------------------------------------------------- cache parity
 
 
