@@ -28,6 +28,11 @@ class KVStore:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
+        # The slabs as rows of d_h (layer, slot, head, position): where (layer, head) of
+        # slot 0's position 0 sits, in [layer x head] order.
+        layers, _, heads, _, _ = shape
+        self._row_offsets = ((torch.arange(layers, device=device)[:, None] * (slots * heads * capacity)
+                              + torch.arange(heads, device=device)[None, :] * capacity).reshape(-1))
         self._free = list(range(slots - 1, -1, -1))
         self.slot: dict[str, int] = {}
         self.committed: dict[str, int] = {}
@@ -94,16 +99,21 @@ class KVStore:
 
     def rows_sha256_many(self, spans: list[tuple[str, int, int]]) -> list[list[str]]:
         """rows_sha256 for many (handle, start, count) at once. Single-row spans (a decode
-        step) are gathered in one copy for the whole batch, then hashed per layer."""
+        step) are gathered in one copy for the whole batch, laid out so that each digest
+        reads one contiguous run of bytes (layer l of member b: its K row, then its V row)."""
         out: list[list[str] | None] = [None] * len(spans)
         single = [i for i, (_, _, n) in enumerate(spans) if n == 1]
         if single:
-            slots = torch.tensor([self.slot[spans[i][0]] for i in single], device=self.k.device)
-            rows = torch.tensor([spans[i][1] for i in single], device=self.k.device)
-            k = _bytes(self.k[:, slots, :, rows])  # [B, L, H, d_h] as bytes
-            v = _bytes(self.v[:, slots, :, rows])
+            layers, _, heads, cap, dim = self.k.shape
+            row = [self.slot[spans[i][0]] * heads * cap + spans[i][1] for i in single]
+            idx = (torch.tensor(row, device=self.k.device)[:, None] + self._row_offsets).reshape(-1)
+            k = self.k.view(-1, dim).index_select(0, idx).view(len(single), layers, heads * dim)
+            v = self.v.view(-1, dim).index_select(0, idx).view(len(single), layers, heads * dim)
+            buf = memoryview(_bytes(torch.stack((k, v), dim=2))).cast("B")  # [B, L, K|V, H x d_h]
+            n = len(buf) // (len(single) * layers)
+            digests = [hashlib.sha256(buf[o:o + n]).hexdigest() for o in range(0, len(buf), n)]
             for j, i in enumerate(single):
-                out[i] = _per_layer(k[j], v[j])
+                out[i] = digests[j * layers:(j + 1) * layers]
         for i, (h, start, n) in enumerate(spans):
             if out[i] is None:
                 s = self.slot[h]

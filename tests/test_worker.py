@@ -118,6 +118,29 @@ def test_consecutive_slots_read_as_a_view_give_the_same_bits_as_a_gather(model):
             assert torch.equal(x, y)
 
 
+def test_row_digests_are_sha256_of_each_layers_k_then_v_rows(model):
+    """What a publication records per layer: sha256 over the layer's new K rows then V
+    rows, [H_kv, n, d_h] as stored. The batched decode path (one gather for every
+    single-row span) and the per-span path must both say exactly that."""
+    import hashlib
+
+    store = KVStore(model.cfg, slots=8, capacity=32)
+    g = torch.Generator().manual_seed(7)
+    store.k.copy_(torch.randn(store.k.shape, generator=g))
+    store.v.copy_(torch.randn(store.v.shape, generator=g))
+    for i in (3, 0, 5, 1):  # scattered slots
+        store.open(f"h{i}", 32)
+    spans = [("h3", 7, 1), ("h0", 0, 1), ("h5", 20, 3), ("h1", 31, 1)]
+    got = store.rows_sha256_many(spans)
+    for (h, start, n), digests in zip(spans, got):
+        s = store.slot[h]
+        want = [hashlib.sha256(store.k[layer, s, :, start:start + n].contiguous().numpy().tobytes()
+                               + store.v[layer, s, :, start:start + n].contiguous().numpy().tobytes()).hexdigest()
+                for layer in range(model.cfg.num_layers)]
+        assert digests == want, h
+        assert store.rows_sha256(h, start, n) == want
+
+
 def test_staged_rows_are_invisible_and_a_stale_publication_changes_nothing(model, tmp_path):
     ledger = Ledger.open(f"sqlite:///{tmp_path}/j.db")
     other = Ledger.open(f"sqlite:///{tmp_path}/j.db")  # a second writer on the same journal
