@@ -50,10 +50,8 @@ class _SlabView:
         self.past = torch.tensor([m.past for m in members], device=device)
         self.extent = shape.key_extent
         self.decode = shape.new_pad == 1
-        if self.decode:  # row (slot, head, past) of a layer's slab seen as [rows, d_h]
-            _, _, heads, cap, _ = store.k.shape
-            heads_ = torch.arange(heads, device=device)
-            self.rows = ((self.slots[:, None] * heads + heads_) * cap + self.past[:, None]).reshape(-1)
+        if self.decode:  # where each member's new row goes, per head, in a layer's slab
+            self.rows = store.layer_rows(self.slots, self.past).reshape(-1)
         q_pos = self.past[:, None] + torch.arange(shape.new_pad, device=device)[None, :]
         keys = torch.arange(shape.key_extent, device=device)
         self.mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T_new, T_kv]

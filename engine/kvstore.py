@@ -28,11 +28,8 @@ class KVStore:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
-        # The slabs as rows of d_h (layer, slot, head, position): where (layer, head) of
-        # slot 0's position 0 sits, in [layer x head] order.
-        layers, _, heads, _, _ = shape
-        self._row_offsets = ((torch.arange(layers, device=device)[:, None] * (slots * heads * capacity)
-                              + torch.arange(heads, device=device)[None, :] * capacity).reshape(-1))
+        self._head_rows = torch.arange(cfg.num_kv_heads, device=device) * capacity
+        self._layer_rows = torch.arange(cfg.num_layers, device=device) * (slots * cfg.num_kv_heads * capacity)
         self._free = list(range(slots - 1, -1, -1))
         self.slot: dict[str, int] = {}
         self.committed: dict[str, int] = {}
@@ -93,6 +90,13 @@ class KVStore:
         s, t = self.slot[handle_id], self.committed[handle_id]
         return self.k[:, s, :, :t].clone(), self.v[:, s, :, :t].clone()
 
+    def layer_rows(self, slots: Tensor, positions: Tensor) -> Tensor:
+        """[B, H_kv]: where (slot, head, position) sits in one layer's slab seen as rows of
+        d_h (`self.k[layer].view(-1, d_h)`); add `layer * slots * H_kv * capacity` for the
+        whole store seen that way."""
+        _, _, heads, cap, _ = self.k.shape
+        return torch.add(positions, slots, alpha=heads * cap)[:, None] + self._head_rows
+
     def rows_sha256(self, handle_id: str, start: int, count: int) -> list[str]:
         """Per layer, the digest of its K then V rows [start, start+count), as stored."""
         return self.rows_sha256_many([(handle_id, start, count)])[0]
@@ -104,9 +108,11 @@ class KVStore:
         out: list[list[str] | None] = [None] * len(spans)
         single = [i for i, (_, _, n) in enumerate(spans) if n == 1]
         if single:
-            layers, _, heads, cap, dim = self.k.shape
-            row = [self.slot[spans[i][0]] * heads * cap + spans[i][1] for i in single]
-            idx = (torch.tensor(row, device=self.k.device)[:, None] + self._row_offsets).reshape(-1)
+            layers, _, heads, _, dim = self.k.shape
+            dev = self.k.device
+            rows = self.layer_rows(torch.tensor([self.slot[spans[i][0]] for i in single], device=dev),
+                                   torch.tensor([spans[i][1] for i in single], device=dev))
+            idx = (rows[:, None, :] + self._layer_rows[None, :, None]).reshape(-1)  # [B, L, H_kv]
             k = self.k.view(-1, dim).index_select(0, idx).view(len(single), layers, heads * dim)
             v = self.v.view(-1, dim).index_select(0, idx).view(len(single), layers, heads * dim)
             buf = memoryview(_bytes(torch.stack((k, v), dim=2))).cast("B")  # [B, L, K|V, H x d_h]
