@@ -34,6 +34,7 @@ def run_sections(ctx: Context, only: list[str] | None = None) -> dict[str, Any]:
     figures: dict[str, dict[str, Any]] = {}
     goals: dict[str, dict[str, Any]] = {}
     notes: dict[str, str] = {}
+    missing: dict[str, str] = {}  # headline key -> why it has no value
     sections: dict[str, dict[str, Any]] = {}
     for section in SECTIONS:
         if only and section.name not in only:
@@ -64,12 +65,17 @@ def run_sections(ctx: Context, only: list[str] | None = None) -> dict[str, Any]:
         status["elapsed_s"] = round(time.perf_counter() - t0, 1)
         sections[section.name] = status
         headline = list(section.keys) + [k for k in getattr(module, "GOALS", {}) if k not in section.keys]
+        why_missing = result.pop("missing", {})  # a section may say why a figure is absent
         for key in headline:
             keys[key] = result.get(key)
+            if keys[key] is None:
+                missing[key] = why_missing.get(key) or status.get("detail") or "not measured"
         figures[section.name] = {k: v for k, v in result.items() if k not in headline}
     for key, goal in goals.items():
         goal["value"] = keys.get(key)
         goal["met"] = _goal_met(keys.get(key), (goal["op"], goal["threshold"]))
+        if goal["value"] is None:
+            goal["reason"] = missing.get(key, "not measured")
     return {
         **keys,
         "mode": ctx.mode,
@@ -78,6 +84,7 @@ def run_sections(ctx: Context, only: list[str] | None = None) -> dict[str, Any]:
         "figures": figures,
         "sections": sections,
         "notes": notes,
+        "missing": missing,
         "machine": machine_info(ctx),
     }
 
@@ -97,12 +104,7 @@ def render(report: dict[str, Any], file: Any) -> None:
         if not keys:
             table.add_row(section["title"], "-", section["status"], "", "")
         for key in keys:
-            value = report.get(key)
-            goal = report["goals"].get(key)
-            met = "" if goal is None or goal["met"] is None else ("yes" if goal["met"] else "NO")
-            shown = section["status"] if value is None else (f"{value:,.3f}" if isinstance(value, float)
-                                                             and value < 100 else f"{value:,}")
-            table.add_row(section["title"], key, shown, goal["goal"] if goal else "", met)
+            table.add_row(section["title"], key, *_cells(report, key, "NO"))
     console.print(table)
     rates = Table(title="absolute figures")
     rates.add_column("figure")
@@ -126,12 +128,21 @@ def markdown(report: dict[str, Any]) -> str:
         keys = list(promised) + [k for k in report["goals"] if k not in promised
                                  and _section_of(report, k) == name]
         for key in keys:
-            value, goal = report.get(key), report["goals"].get(key)
-            met = "" if goal is None or goal["met"] is None else ("yes" if goal["met"] else "**no**")
-            shown = section["status"] if value is None else (f"{value:,.3f}" if isinstance(value, float)
-                                                             and value < 100 else f"{value:,}")
-            lines.append(f"| {section['title']} | `{key}` | {shown} | {goal['goal'] if goal else ''} | {met} |")
+            shown, goal, met = _cells(report, key, "**no**")
+            lines.append(f"| {section['title']} | `{key}` | {shown} | {goal} | {met} |")
     return "\n".join(lines)
+
+
+def _cells(report: dict[str, Any], key: str, no: str) -> tuple[str, str, str]:
+    """A headline row's value, goal and met cells. A figure that was not measured is
+    `n/a`, and so is its goal's verdict, with the reason: never a pass by default."""
+    value, goal = report.get(key), report["goals"].get(key)
+    if value is None:
+        why = report["missing"].get(key, "not measured")
+        return "n/a", goal["goal"] if goal else "", f"n/a: {why}"
+    shown = f"{value:,.3f}" if isinstance(value, float) and value < 100 else f"{value:,}"
+    met = "" if goal is None or goal["met"] is None else ("yes" if goal["met"] else no)
+    return shown, goal["goal"] if goal else "", met
 
 
 def _section_of(report: dict[str, Any], key: str) -> str | None:

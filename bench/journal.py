@@ -395,16 +395,16 @@ def run(ctx: Context) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     systems: dict[tuple[str, str], System] = {}
+    unavailable: dict[tuple[str, str], str] = {}
     try:
         for key, make in factories.items():
             try:
                 systems[key] = make()
-            except ImportError as exc:
-                ctx.log(f"journal: {key[1]} on {key[0]} unavailable: {exc}")
-                out[f"unavailable_{key[0]}_{key[1]}"] = str(exc)
-            except RuntimeError as exc:  # no PostgreSQL
-                ctx.log(f"journal: {key[1]} on {key[0]} unavailable: {exc}")
-                out[f"unavailable_{key[0]}_{key[1]}"] = str(exc)
+            except (ImportError, RuntimeError) as exc:  # a peer not installed; no PostgreSQL
+                why = (f"{key[1]} not installed (no module {exc.name})" if isinstance(exc, ImportError)
+                       else f"{key[1]} on {key[0]} unavailable: {exc}")
+                ctx.log(f"journal: {why}")
+                unavailable[(key[0], key[1].removesuffix("_pipelined").removesuffix("_plain"))] = why
         rates: dict[tuple[str, str, str], list[float]] = {}
         cursor = {key: 0 for key in systems}
 
@@ -441,12 +441,20 @@ def run(ctx: Context) -> dict[str, Any]:
         a, b = rates.get((backend, "kvledger", mode)), rates.get((backend, other, mode))
         return paired_ratio(a, b)
 
+    missing: dict[str, str] = {}  # a figure that could not be measured, and why
     for backend in ("sqlite", "postgres"):
+        why = unavailable.get((backend, "kvledger"))
         for other in ("raw", "eventsourcing"):
-            out[f"journal_vs_{other}_{backend}"] = ratio(backend, other, "batch")
-            out[f"journal_vs_{other}_{backend}_single"] = ratio(backend, other, "single")
+            for key, mode in ((f"journal_vs_{other}_{backend}", "batch"),
+                              (f"journal_vs_{other}_{backend}_single", "single")):
+                out[key] = ratio(backend, other, mode)
+                if out[key] is None:
+                    missing[key] = why or unavailable.get((backend, other), "not measured")
     pg = best.get(("postgres", "kvledger", "batch"))
     out["postgres_batched_events_per_s"] = round(pg, 1) if pg else None
+    if pg is None:
+        missing["postgres_batched_events_per_s"] = unavailable.get(("postgres", "kvledger"), "not measured")
+    out["missing"] = missing
     out["event_body_bytes"] = len(EVENT_BODY)
     out["receipt_body_bytes"] = len(RECEIPT_BODY)
     out["handles"] = handles

@@ -3,6 +3,7 @@ late or stale command can be fenced. A command's canonical JSON is its fingerpri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -178,15 +179,19 @@ class Relative(msgspec.Struct, frozen=True, tag=True):
     command: Command
 
 
-def bind_current(cmd: Command, s: HandleState | None) -> Command:
-    """`cmd` with its base taken from `s`, the state of the handle it acts on (a fork:
-    its parent, forked at the committed length; an append start: the handle's cache ABI
-    unless it names one; a chain: its first step, the later ones follow from it)."""
-    if s is None:
-        raise KvLedgerError(ErrorCode.UNKNOWN_HANDLE, f"no handle {handles_of(cmd)[0]}")
-    replace, g, v = msgspec.structs.replace, s.generation, s.snapshot_version
+def bind_current(cmd: Command, state_of: Callable[[str], HandleState | None]) -> Command:
+    """`cmd` with its base taken from the current state of the handles it acts on, as
+    `state_of` gives it (a fork: its parent's, forked at the committed length; an append
+    start: the handle's cache ABI unless it names one; a chain: its first step's, the
+    later ones follow from it; a reorder: each row's)."""
+    replace = msgspec.structs.replace
+    if isinstance(cmd, Reorder):
+        return replace(cmd, bases=tuple((s.generation, s.snapshot_version)
+                                        for s in (_existing(h, state_of) for h in cmd.rows)))
+    s = _existing(handles_of(cmd)[0], state_of)
+    g, v = s.generation, s.snapshot_version
     if isinstance(cmd, Chain):
-        return replace(cmd, steps=(bind_current(cmd.steps[0], s), *cmd.steps[1:]))
+        return replace(cmd, steps=(bind_current(cmd.steps[0], state_of), *cmd.steps[1:]))
     if isinstance(cmd, BeginAppend):
         return replace(cmd, base_generation=g, base_snapshot_version=v,
                        cache_abi_sha256=cmd.cache_abi_sha256 or s.cache_abi_sha256)
@@ -199,6 +204,13 @@ def bind_current(cmd: Command, s: HandleState | None) -> Command:
     if isinstance(cmd, Fork):
         return replace(cmd, base_generation=g, base_snapshot_version=v, prefix_length=s.committed_length)
     raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{type(cmd).__name__} cannot be relative")
+
+
+def _existing(h: str, state_of: Callable[[str], HandleState | None]) -> HandleState:
+    s = state_of(h)
+    if s is None:
+        raise KvLedgerError(ErrorCode.UNKNOWN_HANDLE, f"no handle {h}")
+    return s
 
 
 def handles_of(cmd: Command) -> tuple[str, ...]:

@@ -69,6 +69,19 @@ class KVStore:
         self.v[:, s, :, :prefix] = self.v[:, p, :, :prefix]
         self.committed[child] = self.pending[child] = prefix
 
+    def reorder(self, rows: tuple[str, ...], permutation: tuple[int, ...]) -> None:
+        """A committed reorder of a group's rows: new row i takes old row permutation[i].
+        The group keeps its slots in row order and the contents move between them (one
+        gather over the slot axis, as a beam search's reorder_cache does), so each
+        handle's rows follow it to its new row's slot."""
+        slots = [self.slot[h] for h in rows]
+        src = torch.tensor([slots[j] for j in permutation], device=self.k.device)
+        dst = torch.tensor(slots, device=self.k.device)
+        self.k[:, dst] = self.k[:, src]  # the right side is a copy: overlapping moves are safe
+        self.v[:, dst] = self.v[:, src]
+        for i, j in enumerate(permutation):
+            self.slot[rows[j]] = slots[i]
+
     # -- staging and publication ---------------------------------------------------
     def staged(self, handle_id: str, until: int) -> None:
         self.pending[handle_id] = until

@@ -153,8 +153,8 @@ class CommandService(BatchSurface):
         for i in todo:
             try:
                 if isinstance(cmds[i], c.Relative):
-                    h = c.handles_of(cmds[i].command)[0]
-                    cmds[i] = c.bind_current(cmds[i].command, local[h] if h in local else self.state(h))
+                    cmds[i] = c.bind_current(cmds[i].command,
+                                             lambda h: local[h] if h in local else self.state(h))
                 if cmds[i].operation_id is None:
                     cmds[i] = msgspec.structs.replace(cmds[i], operation_id=new_id())
                 plan = self._plan(cmds[i], local)

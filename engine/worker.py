@@ -3,8 +3,9 @@ state change goes through the journal.
 
 One iteration = one journal commit + the model calls it authorizes:
   commit:  publications of the calls that just ran, the outputs sampled from them,
-           forks, truncates, cancels, finishes, releases, new arrivals, and the
-           append_start of every append the next calls will run;
+           failures of the appends whose call raised, forks, truncates, reorders,
+           cancels, finishes, releases, new arrivals, and the append_start of every
+           append the next calls will run;
   calls:   one prefill call (ragged chunks), one decode call (one row per request),
            one verify call (speculative drafts), each staged into the K/V store.
 K/V rows become visible only when the commit that publishes them returns; an output
@@ -60,6 +61,12 @@ class RequestSpec(msgspec.Struct, frozen=True):
     truncate_rows: int = 2
     repair: bool = False  # close the final output frontier before release
     speculate: int = 0  # drafts per verify (prompt lookup); greedy only
+    # n > 1: once every row of the fork group has `reorder_after` outputs, its rows take this
+    # permutation (new row i <- old row reorder[i]), as a beam search's beam_idx would say
+    reorder: tuple[int, ...] = ()
+    reorder_after: int = 1
+    fault_after: int | None = None  # fault injection: the forward call of the append planned at
+    #                                 this many outputs raises once, as a device error would
 
 
 @dataclass
@@ -74,6 +81,8 @@ class Live:
     truncated: bool = False
     done: str | None = None  # finish reason, "cancelled", or None while running
     abi: str = ""  # cache ABI digest of the handle (chain steps name it without reading state)
+    faulted: bool = False  # the injected fault has fired
+    failures: int = 0  # appends of this handle that ended in a failure event
 
 
 @dataclass
@@ -96,6 +105,10 @@ class Ran:
 
 
 Entry = tuple[object, Callable[[Receipt | None], None] | None, Callable[[Exception], None] | None]
+
+
+class InjectedFault(RuntimeError):
+    """The forward call failed because a request asked for it (RequestSpec.fault_after)."""
 
 
 class _Chain:
@@ -134,7 +147,8 @@ class _Chain:
 class Worker:
     def __init__(self, model: Transformer, *, service: CommandService | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
-                 capacity: int = 512, device: str = "cpu", pipeline: bool | None = None) -> None:
+                 capacity: int = 512, device: str = "cpu", pipeline: bool | None = None,
+                 retries: int = 1) -> None:
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         self.dtype = next(model.parameters()).dtype
@@ -151,6 +165,12 @@ class Worker:
         self.live: dict[str, Live] = {}
         self.order: list[str] = []  # FCFS
         self.ran: list[Ran] = []
+        # Appends whose forward call raised, with why: each ends in a failure event at the
+        # next commit and runs again, up to `retries` times per request; then the request
+        # is cancelled.
+        self.failed: list[tuple[Planned, str]] = []
+        self.retries = retries
+        self._to_reorder: list[Live] = []  # fork groups whose requested reorder is still to come
         self.step_no = 0
         self.errors: list[str] = []
         self.calls = 0
@@ -174,7 +194,7 @@ class Worker:
         self.pending.append(spec)
 
     def run(self, on_step: Callable[[Worker], None] | None = None, max_steps: int = 100_000) -> dict[str, list[int]]:
-        while (self.pending or self.ran or self._adopted
+        while (self.pending or self.ran or self._adopted or self.failed
                or any(lv.done is None for lv in self.live.values())) \
                 and self.step_no < max_steps:
             self.step()
@@ -190,6 +210,10 @@ class Worker:
         for ran in self.ran:
             self._publish(ran, batch, nxt)
         self.ran = []
+        for p, why in self.failed:
+            self._fail(p, why, batch, nxt)
+        self.failed = []
+        self._reorder_groups(batch)
         for lv, state in self._adopted:
             self._resume(lv, state, batch, nxt)
         self._adopted = []
@@ -216,13 +240,16 @@ class Worker:
         if not overlap:
             done()
         try:
-            ran = [r for call_id, members in calls for r in self._run(call_id, members)]
+            ran = self._run_calls(calls)
         finally:
             if overlap:
                 done()  # even if the model call failed: the commit is waited for, never left open
         for r in ran:
             if not r.planned.txn:
                 self.store.discard(r.planned.handle)
+        for p, _ in self.failed:
+            if p.txn:
+                self.store.discard(p.handle)  # what the failed call staged is never published
         self.ran = [r for r in ran if r.planned.txn]
         self._structural = False
         self.step_no += 1
@@ -292,6 +319,8 @@ class Worker:
         if spec.n > 1 and not lv.forked and not lv.outputs:
             lv.forked = True
             kids = [f"{lv.handle}.{i}" for i in range(1, spec.n)]
+            if spec.reorder:
+                self._to_reorder.append(lv)
             batch.append(self._fork(lv, kids))
             self._structural = True
             for i, k in enumerate(kids, 1):
@@ -386,6 +415,48 @@ class Worker:
                    "prefill" if p.kind in ("prefill", "chunk") else "verify"].append(p)
         return [(new_id(), g) for g in groups.values() if g]
 
+    def _fail(self, p: Planned, why: str, batch: list[Entry], nxt: list[Planned]) -> None:
+        """End an append whose forward call raised with a failure event, then run it
+        again, or, past the retries, cancel the request."""
+        if not p.txn:
+            return  # its start was refused: nothing is open
+        lv = self.live[p.handle]
+        lv.failures += 1
+        self._chains.pop(lv.handle, None)
+        batch.append((c.Fail(handle_id=lv.handle, txn_id=p.txn, outcome="failed", code="FORWARD_FAILED",
+                             detail=why[:200]), None, None))
+        if lv.failures <= self.retries:
+            if p.kind not in ("prefill", "chunk"):  # _plan_prefill plans the prompt's rest again
+                nxt.append(Planned(p.handle, _txn(), p.kind, p.past, p.tokens))
+            return
+        # Not served: an error of the run, like a rejected command.
+        self.errors.append(f"{lv.handle}: forward call failed {lv.failures} times, last: {why}")
+        if lv.done is None:
+            lv.done = "cancelled"
+            batch.append(self._simple(lv, c.CancelRequest(handle_id=lv.handle, base_generation=0,
+                                                          reason="forward call failed")))
+        batch.append(self._release(lv))
+
+    def _reorder_groups(self, batch: list[Entry]) -> None:
+        """A fork group's requested reorder, once every row has `reorder_after` outputs.
+        The journal commits the permutation; the store's rows follow it when it has."""
+        for lv in list(self._to_reorder):
+            spec = lv.spec
+            rows = (lv.handle, *(f"{lv.handle}.{i}" for i in range(1, spec.n)))
+            group = [self.live[h] for h in rows]
+            if any(g.done is not None for g in group):
+                self._to_reorder.remove(lv)  # a row finished first: nothing left to reorder
+                continue
+            if any(len(g.outputs) < spec.reorder_after for g in group):
+                continue
+            self._to_reorder.remove(lv)
+            perm = spec.reorder
+            for h in rows:
+                self._chains.pop(h, None)  # the reorder comes after their chains
+            self._structural = True
+            batch.append((c.Relative(c.Reorder(group_id=lv.handle, rows=rows, bases=(), permutation=perm)),
+                          lambda r, rows=rows, perm=perm: self.store.reorder(rows, perm), None))
+
     def _start(self, p: Planned, call: ForwardCall) -> Entry | None:
         """The append_start of a planned append: a step of its handle's open chain (None
         is returned), or an entry of its own."""
@@ -408,6 +479,16 @@ class Worker:
             return None
         return (c.Relative(start), None, refused)
 
+    def _run_calls(self, calls: list[tuple[str, list[Planned]]]) -> list[Ran]:
+        ran: list[Ran] = []
+        for call_id, members in calls:
+            try:
+                ran += self._run(call_id, members)
+            except RuntimeError as exc:  # a device error, out of memory, an injected fault
+                log.warning("forward call failed", call_id=call_id, members=len(members), error=str(exc))
+                self.failed += [(p, f"{type(exc).__name__}: {exc}") for p in members]
+        return ran
+
     def _run(self, call_id: str, planned: list[Planned]) -> list[Ran]:
         shape = _shape(planned)
         real = [bool(p.txn) for p in planned]  # a start refused by the commit runs as a placeholder
@@ -416,6 +497,12 @@ class Worker:
         verify = planned[0].kind == "verify"
         logits = run_call(self.model, self.store, members, shape, all_rows=verify)
         self.calls += 1
+        for p, ok in zip(planned, real):
+            lv = self.live[p.handle]
+            due = lv.spec.fault_after
+            if ok and due is not None and not lv.faulted and len(lv.outputs) >= due:
+                lv.faulted = True  # after the call staged its rows, which must then be dropped
+                raise InjectedFault(f"injected fault in the {p.kind} call of {p.handle}")
         accepted = {}
         for b, p in enumerate(planned):
             if real[b]:
@@ -449,9 +536,11 @@ class Worker:
         publication when they are ready. The next step continues it like any request:
         prefill the rest of the prompt, decode the emitted frontier, sample from the
         ready logits, finish at max_new_tokens, release a finished or cancelled handle.
-        Client actions (fork, truncate, cancel, speculation) are not replayed."""
+        Client actions (fork, truncate, reorder, cancel, speculation, injected faults) are not
+        replayed."""
         h, n = state.handle_id, state.committed_length
         lv = Live(h, spec, spec.seed, outputs=list(state.outputs), forked=True, truncated=True,
+                  faulted=True,
                   logits=logits if state.logits_ready else None, abi=state.cache_abi_sha256)
         if state.lifecycle != "ACTIVE":
             lv.done = state.lifecycle.lower()

@@ -20,6 +20,16 @@ DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 COMMAND_MODULES: list[str] = ["cmd_serve", "cmd_replay", "cmd_telemetry", "cmd_recover"]
 
 
+def add_slo_arguments(p: argparse.ArgumentParser) -> None:
+    """The goodput SLO options, with the one default (replay.metrics)."""
+    from replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS
+
+    p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
+                   help=f"TTFT limit for goodput (default: {DEFAULT_SLO_TTFT_MS:g})")
+    p.add_argument("--slo-tbt-ms", type=float, default=DEFAULT_SLO_TBT_MS, metavar="MS",
+                   help=f"limit on every time-between-tokens for goodput (default: {DEFAULT_SLO_TBT_MS:g})")
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     from journal import redact, resolve_url
     from kvledger.storage import init_database
@@ -101,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from kvledger.logs import configure
+
+    configure()  # logs go to stderr: stdout is for results (--json)
     try:
         return args.run(args)
     except KvLedgerError as exc:

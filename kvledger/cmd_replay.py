@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvledger.storage import open_existing_journal
+from kvledger.cli import add_slo_arguments
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -34,10 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="observation window start, monotonic ms (default: the first event)")
     p.add_argument("--window-ms", type=float, metavar="MS",
                    help="observation window width (default: up to the last event)")
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, metavar="MS",
-                   help="TTFT limit for goodput (default: 1000)")
-    p.add_argument("--slo-tbt-ms", type=float, default=100.0, metavar="MS",
-                   help="limit on every time-between-tokens for goodput (default: 100)")
+    add_slo_arguments(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: position, handles, ledger, peaks, byte_time, "
                         "requests, window")

@@ -6,9 +6,12 @@ import argparse
 import json
 import sys
 import uuid
+from collections import Counter
+from typing import get_args
 
 from journal import redact, resolve_url
 from engine.remote import WRITERS
+from kvledger.cli import add_slo_arguments
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -26,8 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                  "default) or process (a writer process beside the model call, off its GIL; on a "
                  "CPU, torch then leaves it one core). Same journal, guards and durability")
     demo = sub.choices["demo"]
-    demo.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT limit for goodput (ms)")
-    demo.add_argument("--slo-tbt-ms", type=float, default=250.0, help="max TBT limit for goodput (ms)")
+    add_slo_arguments(demo)
 
 
 def _make_room(args: argparse.Namespace) -> None:
@@ -48,11 +50,13 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float) -> dict:
     from replay.metrics import WindowSpec
+    from schemas.events import AppendStartEvent
     from replay.projector import ProjectionState, Projector
     from replay.report import build
 
     # This run touched only handles it created, so a fold of its own events is complete.
-    projector = Projector(ProjectionState(position=after)).feed(journal.read_all(after=after))
+    events = list(journal.read_all(after=after))
+    projector = Projector(ProjectionState(position=after)).feed(events)
     report = build(projector, WindowSpec(slo_ttft_ns=int(slo_ttft_ms * 1e6), slo_tbt_ns=int(slo_tbt_ms * 1e6)))
     ttft = [r.ttft_ns / 1e6 for r in report.requests if r.ttft_ns is not None]
     tpot = [r.tpot_ns / 1e6 for r in report.requests if r.tpot_ns is not None]
@@ -65,6 +69,8 @@ def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float) -> dic
                     "requests_per_s": w.goodput_rps, "tokens_per_s": w.token_goodput_tps,
                     "slo_ttft_ms": slo_ttft_ms, "slo_tbt_ms": slo_tbt_ms},
         "cancelled": sum(1 for r in report.requests if r.outcome == "cancelled"),
+        "events_by_type": dict(Counter(e.event_type for e in events)),
+        "appends_by_kind": dict(Counter(e.payload.kind for e in events if isinstance(e, AppendStartEvent))),
     }
 
 
@@ -147,6 +153,19 @@ def _writer_row(w: dict) -> str:
     return f"{w['kind']}{where}, torch x{w['torch_threads']} on CPU {cpus}"
 
 
+def _event_rows(out: dict) -> list[tuple[str, int]]:
+    """Events written by type, in the order of the event union; append starts also by kind."""
+    from schemas.events import EVENT_CLASSES, AppendKind
+
+    rows = []
+    for kind in EVENT_CLASSES:
+        rows.append((kind, out["events_by_type"].get(kind, 0)))
+        if kind == "append_start":
+            rows += [(f"  {k}", out["appends_by_kind"][k]) for k in get_args(AppendKind)
+                     if k in out["appends_by_kind"]]
+    return rows
+
+
 def _print_demo(out: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -161,6 +180,7 @@ def _print_demo(out: dict) -> None:
         ("wall time / tokens per s", f"{out['seconds']:.2f} s / {_fmt(out['tokens_per_s'])}"),
         ("iterations / model calls", f"{out['iterations']} / {out['model_calls']}"),
         ("events written", _fmt(out["events_written"])),
+        *((f"  {kind}", _fmt(n)) for kind, n in _event_rows(out)),
         ("writer", _writer_row(out["writer"])),
     ]
     for k, v in out["ledger_peaks_bytes"].items():
@@ -177,7 +197,8 @@ def _print_demo(out: dict) -> None:
         t.add_row(k, v)
     Console().print(t)
     if out["errors"]:
-        print(f"{len(out['errors'])} rejected commands, first: {out['errors'][0]}", file=sys.stderr)
+        print(f"{len(out['errors'])} errors (rejected commands, requests not served), first: "
+              f"{out['errors'][0]}", file=sys.stderr)
     print(f"next: kvledger verify --db {out['journal']}  |  kvledger replay --db {out['journal']}")
 
 

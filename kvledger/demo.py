@@ -13,24 +13,34 @@ from engine.worker import RequestSpec, Worker
 from journal import SqlJournal
 
 
+# The scenarios, most telling first: a demo of N requests plays the first min(N, 8).
+SCENARIOS = ("long", "fork", "cancel", "truncate", "repair", "speculate", "fault", "plain")
+
+
 def demo_workload(requests: int, max_new_tokens: int, seed: int, vocab: int,
                   run_id: str = "") -> list[RequestSpec]:
-    """About `requests` ragged requests arriving four per iteration, with one long prompt
-    (prefilled in chunks), one fork (n=2, sampled), one cancellation, one truncate,
-    one repair and one speculative request (when there are enough requests)."""
+    """`requests` ragged requests arriving four per iteration. The scenarios sit at
+    evenly spread indexes, so every N >= 8 plays them all: one long prompt (prefilled in
+    chunks), one fork (n=2, sampled) whose two rows then swap (a beam-style reorder), one
+    cancellation, one truncate, one repair, one speculative request, and one whose
+    first decode call fails once (injected) and is retried."""
     rng = random.Random(seed)
+    g = max_new_tokens
+    step = max(1, requests // len(SCENARIOS))
+    roles = {k * step: role for k, role in enumerate(SCENARIOS[:requests])}
     specs = []
     for i in range(requests):
-        long = i == 3
-        plen = 160 if long else rng.randint(4, 48)
-        role = {5: "fork", 7: "cancel", 9: "truncate", 11: "repair", 13: "speculate"}.get(i)
+        role = roles.get(i, "plain")
+        plen = 160 if role == "long" else rng.randint(4, 48)
         specs.append(RequestSpec(
             request_id=f"req-{run_id or seed}-{i:03d}", prompt=tuple(rng.randrange(vocab) for _ in range(plen)),
-            max_new_tokens=max_new_tokens, arrival_step=i // 4, seed=seed * 1000 + i,
+            max_new_tokens=g, arrival_step=i // 4, seed=seed * 1000 + i,
             n=2 if role == "fork" else 1, temperature=0.8 if role == "fork" else 0.0,
-            cancel_after=max(1, max_new_tokens // 4) if role == "cancel" else None,
-            truncate_after=max(3, max_new_tokens // 2) if role == "truncate" else None,
-            repair=role == "repair", speculate=3 if role == "speculate" else 0))
+            reorder=(1, 0) if role == "fork" else (), reorder_after=min(2, g),
+            cancel_after=max(1, g // 4) if role == "cancel" else None,
+            truncate_after=max(3, g // 2) if role == "truncate" else None,
+            repair=role == "repair", speculate=3 if role == "speculate" else 0,
+            fault_after=min(1, g - 1) if role == "fault" else None))
     return specs
 
 

@@ -22,6 +22,8 @@ def configure(level: str = "INFO") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        # sys.stderr as it is when a record is written, not when this ran: a caller (or
+        # pytest) may swap it between runs of kvledger.cli.main in one process.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
+        cache_logger_on_first_use=False,
     )

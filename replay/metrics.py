@@ -63,6 +63,11 @@ class RequestMetrics(msgspec.Struct, frozen=True):
     saved_work: SavedWork
 
 
+# The goodput SLO when none is declared: one pair, used by `replay` and the demo's summary.
+DEFAULT_SLO_TTFT_MS = 1000.0
+DEFAULT_SLO_TBT_MS = 100.0  # every time-between-tokens, not their mean
+
+
 class WindowSpec(msgspec.Struct, frozen=True):
     """A declared observation window and SLO thresholds. start/width None: from the
     first event to the last one."""

@@ -79,6 +79,14 @@ def pg_admin():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def model():
+    """The default seeded model (read-only: tests must not change its weights)."""
+    from engine.model import DEFAULT_CONFIG, Transformer
+
+    return Transformer.from_config(DEFAULT_CONFIG, seed=0)
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def backend(request) -> str:
     return request.param

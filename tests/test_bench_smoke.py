@@ -76,3 +76,24 @@ def test_goals_and_absolute_figures_are_reported(report):
     machine = report["machine"]
     for field in ("cpu_model", "cpu_count", "python", "sqlite", "postgres", "torch"):
         assert machine[field], field
+
+
+def test_goals_of_a_peer_not_installed_are_na_with_the_reason():
+    """eventsourcing made unimportable (as when it is not installed): its four goals have
+    no value and no verdict, in the JSON and in the table, never a pass."""
+    if find_bin() is None and os.environ.get("KVLEDGER_REQUIRE_POSTGRES") != "1":
+        pytest.skip("no PostgreSQL server binaries: the harness starts its own server")
+    code = ("import sys; sys.modules['eventsourcing'] = None\n"
+            "from bench.__main__ import main; sys.exit(main(['--smoke', '--only', 'journal', '--json']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    for key in PEER_KEYS:
+        goal = report["goals"][key]
+        assert report[key] is None and goal["value"] is None and goal["met"] is None, (key, goal)
+        assert "eventsourcing not installed" in goal["reason"], goal
+        row = next(line for line in proc.stderr.splitlines() if key[:30] in line)
+        cells = [c.strip() for c in row.split("\u2502")]
+        assert "n/a" in cells and not any(c in ("ok", "yes") for c in cells), row
+    # the goals that were measured still have a verdict
+    assert report["goals"]["journal_vs_raw_sqlite"]["met"] in (True, False)

@@ -7,7 +7,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.model import (
-    DEFAULT_CONFIG, ModelConfig, SimpleKV, Transformer, causal_mask,
+    DEFAULT_CONFIG,
+    ModelConfig,
+    SimpleKV,
+    Transformer,
+    causal_mask,
 )
 
 TOL = 1e-4
@@ -19,11 +23,6 @@ def maxdiff(a, b):
 
 def pos(start, n, B=1):
     return torch.arange(start, start + n).expand(B, n)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return Transformer.from_config(DEFAULT_CONFIG, seed=0)
 
 
 @pytest.fixture(autouse=True)
