@@ -44,6 +44,10 @@ SECTIONS: list[Section] = [
     Section("decode", "bench.decode", "3. Decode", ("decode_journal_overhead", "decode_vs_transformers")),
     Section("scale", "bench.scale", "4. Append scale", ("append_cost_ratio_10k_vs_1k_handles",)),
     Section("telemetry", "bench.telemetry", "5. Telemetry", ("telemetry_overhead",)),
+    Section("tokens", "bench.tokens", "6. Journal per token", (
+        "journal_tokens_per_s_sqlite", "journal_tokens_per_s_postgres", "journal_ceiling_vs_off",
+        "journal_bytes_per_token_L2", "journal_bytes_per_token_L32", "replay_tokens_per_s",
+    )),
 ]
 
 MODES = ("smoke", "quick", "full")

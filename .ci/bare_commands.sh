@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every CLI command that needs no extra, in the bare venv (no extras), on the journal the
+# README's first command wrote in the current directory: a green run with extras once
+# hid a missing dependency. Each must exit 0.
+set -euxo pipefail
+kvledger schema --compact > /dev/null
+kvledger replay --json > replay.json
+kvledger export --out audit.jsonl
+kvledger import --db sqlite:///imported.db audit.jsonl
+kvledger verify --db sqlite:///imported.db
+kvledger generate --prompt-ids 1,2,3 --max-new-tokens 4 --db sqlite:///generate.db
+kvledger demo --requests 8 --db sqlite:///telemetry.db --telemetry telemetry.jsonl --metrics-out scrape.txt > /dev/null
+kvledger reconcile --db sqlite:///telemetry.db --telemetry telemetry.jsonl --metrics scrape.txt
+kvledger recover --db sqlite:///generate.db
+kvledger crash-test --trials 2 --db sqlite:///crash.db > /dev/null

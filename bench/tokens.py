@@ -1,0 +1,254 @@
+"""6. Journal per token: what one decoded token costs the write path and the disk, and
+how fast a journal of decoded tokens replays (the compact-journal goals).
+
+- Service alone, no model: 64 handles decode in lockstep, one commit per step. Each
+  token is one engine Chain, as the worker writes it: the publication with every cache
+  layer's row digest (random bytes, 32 layers), the output it chose, and the start of
+  the next append. Durable SQLite (WAL, synchronous=FULL) and PostgreSQL (fsync on).
+- The worker's ceiling: a near-free model (vocab 64, hidden 16, 2 layers, 2/1 heads,
+  head_dim 8) serving 64 requests of 32 prompt tokens for 32 greedy tokens, journal on
+  (the better writer) against off.
+- Bytes per token: the same worker run with 2 and with 32 cache layers; database plus
+  WAL bytes after a checkpoint, over generated tokens (allocation, prefill, finish and
+  release all count), and the stored body bytes per event type.
+- Replay: a full projection (ledgers, byte-time, service metrics) of a 32-layer journal
+  of decode chains, read back from the database.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sqlite3
+import time
+from typing import Any
+
+from bench import Context, best_rate
+
+GOALS = {
+    "journal_tokens_per_s_sqlite": (">=", 100_000),
+    "journal_tokens_per_s_postgres": (">=", 50_000),
+    "journal_ceiling_vs_off": (">=", 0.8),
+    "journal_bytes_per_token_L2": ("<=", 150),
+    "journal_bytes_per_token_L32": ("<=", 300),
+    "replay_tokens_per_s": (">=", 500_000),
+}
+NOTES = {
+    "journal_tokens_per_s_sqlite": "command service alone: decide + stamp + encode + statements + "
+                                   "commit of 64 decode chains per transaction, 32 layers",
+    "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is",
+    "journal_bytes_per_token_L32": "dominated by per-layer hex digests in append_publish bodies",
+    "replay_tokens_per_s": "read + decode + project; three events per token",
+}
+
+BATCH = 64
+PROMPT = 32
+NEAR_FREE = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+                 intermediate_size=32)
+
+
+def _manifest(request_id: str, layers: int, prompt: tuple[int, ...], max_new: int):
+    from schemas.manifest import (
+        ArtifactIdentity,
+        CacheSchema,
+        PositionContract,
+        RopeConfig,
+        ScalarType,
+        new_manifest,
+    )
+
+    fp16 = ScalarType("fp16", 2)
+    return new_manifest(
+        namespace="bench", request_id=request_id, prompt=prompt,
+        artifact=ArtifactIdentity(model_artifact_sha256="a" * 64, model_config_sha256="c" * 64),
+        cache_schema=CacheSchema(num_cache_layers=layers, kv_heads_per_rank=8, head_dim=128, key_dtype=fp16,
+                                 value_dtype=fp16, num_query_heads=32),
+        max_new_tokens=max_new, max_context_tokens=len(prompt) + max_new + 1,
+        position_contract=PositionContract(rope=RopeConfig(theta=10000.0)))
+
+
+class Lockstep:
+    """BATCH handles decoding in lockstep through one command service: `step()` sends one
+    decode chain per handle (publish the running append, emit its token, start the
+    next) and commits them in one transaction."""
+
+    def __init__(self, service: Any, layers: int, steps: int, tag: str) -> None:
+        from engine import commands as c
+
+        self.c, self.service, self.layers = c, service, layers
+        self.handles = [f"{tag}-{os.urandom(6).hex()}-{i:03d}" for i in range(BATCH)]
+        self.txn = {h: "" for h in self.handles}
+        self.pos = dict.fromkeys(self.handles, 0)  # start of the running append
+        self.count = dict.fromkeys(self.handles, PROMPT)  # its length
+        self.outputs = dict.fromkeys(self.handles, 0)
+        self.ids = (f"{i:032x}" for i in itertools.count(int.from_bytes(os.urandom(8), "big") << 64))
+        # random digests, made before the clock starts: the model's worker hashes rows anyway
+        self.digests = [os.urandom(32).hex() for _ in range(4096)]
+        self.d = 0
+        from schemas.manifest import cache_abi_sha256
+
+        prompt = tuple(range(1, PROMPT + 1))
+        manifests = [_manifest(h, layers, prompt, steps + 2) for h in self.handles]
+        self.abi = cache_abi_sha256(manifests[0])  # the same cache schema and artifact for all
+        self._do([c.Allocate(handle_id=h, manifest=m, reserved_capacity=PROMPT + steps + 2)
+                  for h, m in zip(self.handles, manifests)])
+        self._do([c.Relative(self._start(h, "prefill", prompt)) for h in self.handles])
+
+    def _do(self, cmds: list) -> None:
+        for r in self.service.execute_many(cmds):
+            if isinstance(r, Exception):
+                raise r
+
+    def _start(self, h: str, kind: str, tokens: tuple[int, ...]):
+        start = self.pos[h]
+        self.txn[h] = next(self.ids)
+        self.count[h] = len(tokens)
+        return self.c.BeginAppend(
+            handle_id=h, txn_id=self.txn[h], kind=kind, base_generation=None, base_snapshot_version=None,
+            interval_start=start, interval_count=len(tokens), token_ids=tokens,
+            cache_positions=tuple(range(start, start + len(tokens))), mask_key_extent=start + len(tokens),
+            cache_abi_sha256=self.abi)
+
+    def step(self) -> None:
+        c, chains = self.c, []
+        for h in self.handles:
+            start, n = self.pos[h], self.count[h]
+            layers = []
+            for layer in range(self.layers):
+                self.d = (self.d + 1) % len(self.digests)
+                layers.append(c.LayerRows(layer=layer, start=start, count=n, k_complete=True, v_complete=True,
+                                          rows_sha256=self.digests[self.d]))
+            token = (start + n) % 50_000
+            publish = c.Publish(handle_id=h, txn_id=self.txn[h], base_generation=None, base_snapshot_version=None,
+                                layers=tuple(layers))
+            emit = c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None,
+                                output_index=self.outputs[h], token_id=token)
+            self.outputs[h] += 1
+            self.pos[h] = start + n
+            nxt = self._start(h, "decode", (token,))
+            chains.append(c.Relative(c.Chain(handle_id=h, steps=(publish, emit, nxt))))
+        self._do(chains)
+
+
+def chain_rate(url: str, layers: int, steps: int, repeats: int) -> tuple[float, int]:
+    """Best tokens/s of `steps` lockstep steps, over `repeats` fresh groups of handles in
+    one journal; returns it with the tokens written."""
+    from engine.service import CommandService
+    from kvledger.storage import open_journal
+
+    rates, tokens = [], 0
+    with open_journal(url) as j:
+        service = CommandService(j)
+        for r in range(repeats):
+            group = Lockstep(service, layers, steps, f"t{r}")
+            group.step()  # the prefill publication: not a decode step
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                group.step()
+            rates.append(BATCH * steps / (time.perf_counter() - t0))
+            tokens += BATCH * (steps + 1)
+    return best_rate(rates), tokens
+
+
+def _worker_run(url: str | None, layers: int, g: int, writer: str | None) -> tuple[float, int]:
+    """Tokens/s and tokens of the near-free model serving BATCH requests."""
+    from contextlib import nullcontext
+
+    from bench.decode import bench_prompts, serving_worker
+    from engine.loading import load_model
+    from engine.model import ModelConfig
+    from engine.remote import command_service
+    from kvledger.storage import open_journal
+
+    model, artifact = load_model(config=ModelConfig(**{**NEAR_FREE, "num_layers": layers}))
+    prompts = bench_prompts(BATCH, NEAR_FREE["vocab_size"])
+    with (open_journal(url) if url else nullcontext()) as j, \
+            (command_service(j, writer=writer) if writer else nullcontext()) as service:
+        w = serving_worker(model, artifact, prompts, g, service)
+        t0 = time.perf_counter()
+        w.run()
+        dt = time.perf_counter() - t0
+        assert not w.errors, w.errors[:3]
+    return BATCH * g / dt, BATCH * g
+
+
+def disk_bytes(path: str) -> dict[str, Any]:
+    """Database plus WAL bytes after a checkpoint, and stored body bytes per event type."""
+    con = sqlite3.connect(path)
+    try:
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        rows = con.execute("SELECT event_type, COUNT(*), SUM(LENGTH(body)) FROM kvl_events "
+                           "GROUP BY event_type").fetchall()
+        receipts = con.execute("SELECT COUNT(*), SUM(LENGTH(body)) FROM kvl_receipts").fetchone()
+    finally:
+        con.close()
+    wal = f"{path}-wal"
+    total = os.path.getsize(path) + (os.path.getsize(wal) if os.path.exists(wal) else 0)
+    per_type = {t: {"events": n, "body_bytes_per_event": round(b / n)} for t, n, b in rows}
+    return {"bytes": total, "by_event_type": per_type,
+            "receipts": {"rows": receipts[0], "body_bytes_per_row": round((receipts[1] or 0) / max(1, receipts[0]))}}
+
+
+def replay_rate(url: str, tokens: int) -> float:
+    """Tokens/s of a full projection (ledgers, byte-time, service metrics) of the journal."""
+    from kvledger.storage import open_journal
+    from replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS, WindowSpec
+    from replay.projector import Projector
+    from replay.report import build
+
+    with open_journal(url) as j:
+        t0 = time.perf_counter()
+        build(Projector().feed(j.read_all()),
+              WindowSpec(slo_ttft_ns=int(DEFAULT_SLO_TTFT_MS * 1e6), slo_tbt_ns=int(DEFAULT_SLO_TBT_MS * 1e6)))
+        return tokens / (time.perf_counter() - t0)
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    missing: dict[str, str] = {}
+    steps = ctx.size(smoke=3, quick=30, full=60)
+    repeats = ctx.repeats
+
+    rate, _ = chain_rate(ctx.sqlite_journal_url("tokens"), 32, steps, repeats)
+    out["journal_tokens_per_s_sqlite"] = round(rate)
+    try:
+        pg_url = ctx.pg_journal_url("tokens")
+    except RuntimeError as exc:
+        out["journal_tokens_per_s_postgres"] = None
+        missing["journal_tokens_per_s_postgres"] = str(exc)
+    else:
+        out["journal_tokens_per_s_postgres"] = round(chain_rate(pg_url, 32, steps, repeats)[0])
+    ctx.log(f"   service alone, 32 layers: sqlite {out['journal_tokens_per_s_sqlite']:,} tok/s, "
+            f"postgres {out['journal_tokens_per_s_postgres']} tok/s")
+
+    g = ctx.size(smoke=4, quick=32, full=32)
+    on: list[float] = []
+    off: list[float] = []
+    for _ in range(repeats):  # interleaved: the same noise for both
+        off.append(_worker_run(None, 2, g, None)[0])
+        on.append(max(_worker_run(ctx.sqlite_journal_url("ceiling"), 2, g, w)[0] for w in ("thread", "process")))
+    out["journal_ceiling_vs_off"] = round(best_rate(on) / best_rate(off), 3)
+    out["ceiling_tokens_per_s_on"], out["ceiling_tokens_per_s_off"] = round(best_rate(on)), round(best_rate(off))
+
+    for layers in (2, 32):
+        url = ctx.sqlite_journal_url(f"bytes_L{layers}")
+        _, tokens = _worker_run(url, layers, g, "thread")
+        disk = disk_bytes(url.removeprefix("sqlite:///"))
+        out[f"journal_bytes_per_token_L{layers}"] = round(disk["bytes"] / tokens)
+        out[f"bytes_L{layers}"] = disk
+    ctx.log(f"   bytes per token: L2 {out['journal_bytes_per_token_L2']:,}, "
+            f"L32 {out['journal_bytes_per_token_L32']:,}")
+
+    # Replay: a 32-layer journal of decode chains, at least 100,000 tokens in a full run.
+    url = ctx.sqlite_journal_url("replay")
+    target = ctx.size(smoke=2_000, quick=25_000, full=100_000)
+    per_group = BATCH * 60
+    tokens = 0
+    for _ in range(max(1, -(-target // per_group))):
+        tokens += chain_rate(url, 32, 59, 1)[1]
+    out["replay_tokens"] = tokens
+    out["replay_tokens_per_s"] = round(max(replay_rate(url, tokens) for _ in range(ctx.size(smoke=1, quick=2,
+                                                                                          full=3))))
+    ctx.log(f"   replay: {out['replay_tokens_per_s']:,} tok/s over {tokens:,} tokens")
+    out["missing"] = missing
+    return out
