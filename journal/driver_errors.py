@@ -127,9 +127,18 @@ def _sqlite(exc: sqlite3.Error, url: URL | None) -> tuple[ErrorCode, str, str]:
 
 
 def _cannot_open(url: URL | None) -> tuple[ErrorCode, str]:
-    path = Path(url.database).expanduser() if url is not None and url.database else None
-    if path is None:
+    name = url.database if url is not None else None
+    if not name:
         return E.DATABASE_UNREACHABLE, "cannot open the file"
+    if name.startswith("file:"):  # a SQLite URI (uri=true): file:PATH?mode=ro...
+        name = name[len("file:"):].split("?", 1)[0]
+    try:
+        return _why_not_open(Path(name).expanduser())
+    except (OSError, ValueError):  # a name the OS refuses even to look up (too long, NUL)
+        return E.DATABASE_UNREACHABLE, "cannot open the file (the OS refuses its name)"
+
+
+def _why_not_open(path: Path) -> tuple[ErrorCode, str]:
     if path.is_dir():
         return E.NOT_A_DATABASE, "the path is a directory, not a database file"
     if path.exists():
@@ -140,7 +149,7 @@ def _cannot_open(url: URL | None) -> tuple[ErrorCode, str]:
         return E.DATABASE_UNREACHABLE, "cannot open the file"
     if not os.access(path.parent, os.W_OK):
         return E.DATABASE_READ_ONLY, "its directory is read-only: the file cannot be created"
-    return E.DATABASE_UNREACHABLE, "cannot open or create the file"
+    return E.DATABASE_NOT_FOUND, "no such file (and the URL does not let SQLite create it)"
 
 
 def _postgres(exc: BaseException) -> tuple[ErrorCode, str, str]:

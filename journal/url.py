@@ -43,6 +43,11 @@ SHOWN_OPTIONS = frozenset({
     "target_session_attrs", "load_balance_hosts", "min_protocol_version", "max_protocol_version",
     "ssl_min_protocol_version", "ssl_max_protocol_version",
 })
+# Options that name a credential: shown by name, their values as ***. The name of an
+# option in neither set is hidden too (`?password=ab&cd=x` is a password with an
+# unencoded &, and `cd` is part of it).
+SECRET_OPTIONS = frozenset({"password", "passfile", "sslkey", "sslpassword", "sslkeylogfile", "options",
+                            "service", "oauth_client_secret", "scram_client_key", "scram_server_key"})
 _SQLITE_OPTIONS = frozenset({"timeout", "uri", "check_same_thread", "detect_types", "isolation_level",
                              "cached_statements"})
 _SHOWN_CHARS = 200  # a part of a URL longer than this is cut in messages
@@ -64,6 +69,11 @@ def parse_url(raw: str) -> URL:
             "cannot parse database URL (expected sqlite:///PATH or "
             "postgresql+psycopg://USER@HOST:PORT/DB)",
         ) from None
+    if url.password is not None and raw.count("@") > 1:
+        # `user:p@ss@host`: the URL grammar ends the password at the first @, so the rest
+        # of it would be read as the host, the database or an option, and shown as one.
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, "the database URL has a password and more "
+                            "than one '@': write an '@' inside a password (or anywhere else) as %40")
     driver = _DRIVERS.get(url.drivername)
     if driver is None:
         raise KvLedgerError(
@@ -81,36 +91,38 @@ def parse_url(raw: str) -> URL:
 
 def _check_sqlite(url: URL) -> None:
     if url.username is not None or url.password is not None or url.host or url.port:
+        # Not echoed: what a user put where a server would go is not known to be harmless.
         raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
-                            f"a SQLite URL names a file, not a server: {redact(url)} (use "
+                            "a SQLite URL names a file, not a server or a user (use "
                             "sqlite:///relative/path.db or sqlite:////absolute/path.db)")
     uri = str(url.query.get("uri", "")).lower() in ("true", "1")
-    unknown = sorted(set(url.query) - _SQLITE_OPTIONS) if not uri else []
+    unknown = set(url.query) - _SQLITE_OPTIONS if not uri else set()
     if unknown:
         raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
-                            f"unknown SQLite URL option(s) {_names(unknown)} in {redact(url)} "
-                            f"(known: {', '.join(sorted(_SQLITE_OPTIONS))})")
+                            f"{_unknown(unknown)} in {redact(url)} (SQLite takes: "
+                            f"{', '.join(sorted(_SQLITE_OPTIONS))})")
     try:
         # The dialect converts and checks the options it knows (timeout=abc, ...).
         _dialect(url).create_connect_args(url)
     except (ArgumentError, ValueError, TypeError):
         raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
                             f"an option value in {redact(url)} is not valid") from None
+    if url.database and "\x00" in url.database:
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"the file name in {redact(url)} holds a NUL character")
     if url.database not in (None, "", ":memory:") and not uri:
-        parent = Path(url.database).expanduser().resolve().parent
-        if not parent.is_dir():
+        try:
+            parent = Path(url.database).expanduser().resolve().parent
+            found = parent.is_dir()
+        except (OSError, RuntimeError):  # a name too long, a symlink loop
+            raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
+                                f"the operating system refuses the file name in {redact(url)}") from None
+        if not found:
             raise KvLedgerError(
                 ErrorCode.BAD_DATABASE_URL, f"directory {clip(str(parent))} of {redact(url)} does not exist"
             )
 
 
 def _check_postgres(url: URL) -> None:
-    if url.host and "@" in url.host:
-        # `user:p@ss@host`: the URL grammar ends the password at the first @, so the rest
-        # of the password would be taken for the host (and shown as one).
-        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
-                            f"the host part of {redact(url)} contains '@': write an '@' inside "
-                            "a password as %40")
     if not url.database:
         raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"no database name in {redact(url)}")
     try:
@@ -125,18 +137,20 @@ def _check_postgres(url: URL) -> None:
                             f"an option value in {redact(url)} is not valid") from None
     except psycopg.Error:
         known = {o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults()}
-        unknown = sorted(set(url.query) - known)
-        what = f"unknown option(s) {_names(unknown)}" if unknown else "an option libpq refuses"
-        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"{what} in {redact(url)}") from None
+        unknown = set(url.query) - known
+        what = _unknown(unknown) if unknown else "an option value libpq refuses"
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"{what} in {redact(url)} (see libpq's "
+                            "connection parameters)") from None
 
 
 def _dialect(url: URL):
     return url.get_dialect()()
 
 
-def _names(keys: list[str]) -> str:
-    """Option names for a message: names, never values, cut short."""
-    return ", ".join(repr(clip(k, 40)) for k in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+def _unknown(keys: set[str]) -> str:
+    # Counted, not named: in `?password=ab&cd` the unknown option `cd` is the tail of a
+    # password with an unencoded &. The redacted URL beside it shows the names it may.
+    return f"{len(keys)} unknown option(s)" if len(keys) > 1 else "an unknown option"
 
 
 def clip(text: str, limit: int = _SHOWN_CHARS) -> str:
@@ -144,13 +158,16 @@ def clip(text: str, limit: int = _SHOWN_CHARS) -> str:
 
 
 def redact(url: URL | str) -> str:
-    """The URL as it may be shown: no password, and *** for every query value that is
-    not known to be harmless (see SHOWN_OPTIONS)."""
+    """The URL as it may be shown: no password, *** for every query value that is not
+    known to be harmless (SHOWN_OPTIONS), and *** for the name of an unknown option."""
     if isinstance(url, str):
+        raw = url
         try:
-            url = make_url(url)
+            url = make_url(raw)
         except (ArgumentError, ValueError, TypeError):
             return "<unparseable URL>"
+        if url.password is not None and raw.count("@") > 1:  # see parse_url: where it ends is unknown
+            return f"{url.drivername}://<a URL with a password and more than one '@'>"
     if url.host and "@" in url.host:  # the tail of a password with an unencoded @ (see above)
         url = url.set(host=url.host.rsplit("@", 1)[1], password=url.password or "***")
     shown = url.set(query={}).render_as_string(hide_password=True)
@@ -158,7 +175,10 @@ def redact(url: URL | str) -> str:
     for key in sorted(url.query):
         values = url.query[key]
         for value in values if isinstance(values, tuple) else (values,):
-            pairs.append(f"{quote_plus(key)}={quote_plus(value) if key in SHOWN_OPTIONS else '***'}")
+            if key in SHOWN_OPTIONS:
+                pairs.append(f"{quote_plus(key)}={quote_plus(value)}")
+            else:
+                pairs.append(f"{quote_plus(key) if key in SECRET_OPTIONS else '***'}=***")
     return clip(shown + ("?" + "&".join(pairs) if pairs else ""), 4 * _SHOWN_CHARS)
 
 

@@ -66,7 +66,8 @@ def creating_journal(raw_url: str | None = None) -> Iterator[SqlJournal]:
     link(2), which never replaces a file another process created meanwhile."""
     url = parse_url(resolve_url(raw_url))
     path = _sqlite_path(url)
-    if path is None or path.exists():
+    if path is None or path.exists() or not os.access(path.parent, os.W_OK):
+        # (an unwritable directory: let opening say so, naming the file asked for)
         with open_journal(url.render_as_string(hide_password=False)) as journal:
             yield journal
         return
@@ -83,7 +84,8 @@ def creating_journal(raw_url: str | None = None) -> Iterator[SqlJournal]:
                                 "meanwhile: nothing was written to it") from None
     finally:
         for suffix in ("", "-wal", "-shm", "-journal"):
-            Path(f"{temp}{suffix}").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                Path(f"{temp}{suffix}").unlink()
 
 
 def open_existing_journal(raw_url: str | None = None) -> SqlJournal:
