@@ -163,6 +163,9 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from kvledger.storage import creating_journal
     from replay import import_jsonl
 
+    source = Path(args.file)
+    if not source.exists() or source.is_dir():  # checked before any database is opened
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot read {args.file}: no such file")
     with creating_journal(args.db) as journal:  # a refused import leaves no new file behind
         summary = import_jsonl(journal, args.file)
         target = journal.display_url
