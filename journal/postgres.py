@@ -58,11 +58,15 @@ class PostgresStatements(Statements):
         with self._pipeline(), conn.transaction(), conn.cursor() as cur:
             return fn(cur)
 
-    def schema_revision(self, version_table: str) -> str | None:
+    def existing_tables(self, names: tuple[str, ...]) -> set[str]:
         with self.conn.cursor() as cur:
-            cur.execute("SELECT to_regclass(%s) IS NOT NULL", (version_table,))
-            if not cur.fetchone()[0]:
-                return None
+            cur.execute("SELECT n FROM unnest(%s::text[]) AS n WHERE to_regclass(n) IS NOT NULL", (list(names),))
+            return {r[0] for r in cur.fetchall()}
+
+    def schema_revision(self, version_table: str) -> str | None:
+        if not self.existing_tables((version_table,)):
+            return None
+        with self.conn.cursor() as cur:
             cur.execute(f"SELECT version_num FROM {version_table}")  # constant table name
             row = cur.fetchone()
             return None if row is None else row[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -32,8 +33,9 @@ from sqlalchemy.pool import NullPool, StaticPool
 from journal import faults, placement
 from journal.contract import Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
 from journal.faults import fault
-from journal.tables import SCHEMA_REVISION, VERSION_TABLE
-from journal.url import parse_url, redact, unreachable
+from journal.driver_errors import is_driver_error, translate
+from journal.tables import JOURNAL_TABLES, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, too_new
+from journal.url import parse_url, redact
 from schemas.codec import decode_event, encode_event
 from schemas.errors import ErrorCode, KvLedgerError
 from schemas.events import CURRENT_VERSION, Event
@@ -59,11 +61,25 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     # WAL lets readers run beside the writer; FULL fsyncs the WAL at every commit, which
     # is what makes an acknowledged commit survive power loss (kill -9 alone can't tell).
-    cur.execute("PRAGMA journal_mode=WAL")
+    _retry_busy(lambda: cur.execute("PRAGMA journal_mode=WAL"))
     cur.execute("PRAGMA synchronous=FULL")
     cur.execute("PRAGMA busy_timeout=60000")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+
+
+def _retry_busy(fn: Callable[[], Any], seconds: float = 60.0) -> Any:
+    """Switching a new file to WAL needs an exclusive lock, and SQLite refuses it at once
+    (SQLITE_BUSY without calling the busy handler) while another process is opening the
+    same new file: retry for as long as the busy timeout would have waited."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in (5, 6) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def open_journal(raw_url: str) -> SqlJournal:
@@ -76,19 +92,12 @@ class SqlJournal(Journal):
     def __init__(self, url: URL) -> None:
         self.url = url
         self.display_url = redact(url)
-        self.engine = make_engine(url)
         self.dialect = url.get_backend_name()
         if self.dialect == "sqlite":
             from journal.sqlite import SqliteStatements as backend
         else:
             from journal.postgres import PostgresStatements as backend
-        try:
-            self._proxy = self.engine.raw_connection()
-        except (DBAPIError, SQLAlchemyError) as exc:
-            self.engine.dispose()
-            raise unreachable(exc, url) from None
-        self.conn = self._proxy.driver_connection
-        self.sql = backend(self.conn)
+        self._proxy = None
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._committer: ThreadPoolExecutor | None = None  # append_deferred's COMMIT thread
@@ -99,18 +108,30 @@ class SqlJournal(Journal):
         self._misses = 0
         self._skip = 0
         try:
+            self.engine = make_engine(url)
+            self._proxy = self.engine.raw_connection()
+            self.conn = self._proxy.driver_connection
+            self.sql = backend(self.conn)
             revision = self.sql.schema_revision(VERSION_TABLE)
-        except Exception as exc:  # noqa: BLE001 - any driver failure here means "cannot use"
+            tables = self.sql.existing_tables(JOURNAL_TABLES) if revision is None else None
+        except Exception as exc:
             self.close()
-            raise unreachable(exc, url) from None
+            if not is_driver_error(exc):
+                raise
+            raise translate(exc, url) from None
         if revision != SCHEMA_REVISION:
             self.close()
-            found = f"revision {revision}" if revision else "no kvledger tables"
-            raise KvLedgerError(
-                ErrorCode.NOT_MIGRATED,
-                f"{self.display_url} has {found}; run `kvledger init --db URL` "
-                f"to migrate it to {SCHEMA_REVISION}",
-            )
+            if revision is not None and revision not in REVISIONS:
+                raise too_new(revision, self.display_url)
+            if revision is None and tables:
+                state = ("journal tables but no recorded revision (its version table was emptied "
+                         "or dropped); run `kvledger init --db URL` to check the tables and record "
+                         "their revision")
+            else:
+                state = (f"{f'revision {revision}' if revision else 'no kvledger tables'}; run "
+                         f"`kvledger init --db URL` to migrate it to {SCHEMA_REVISION}")
+            raise KvLedgerError(ErrorCode.NOT_MIGRATED, f"{self.display_url} has {state}",
+                                revision=revision, journal_tables=sorted(tables or ()))
 
     # -- writing -----------------------------------------------------------------
 
@@ -460,7 +481,9 @@ class SqlJournal(Journal):
                 proxy.close()
             except Exception:  # noqa: BLE001 - closing a broken connection is best effort
                 pass
-        self.engine.dispose(close=os.getpid() == getattr(self, "_pid", os.getpid()))
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.dispose(close=os.getpid() == getattr(self, "_pid", os.getpid()))
 
     # -- helpers -----------------------------------------------------------------
 
@@ -480,10 +503,11 @@ class SqlJournal(Journal):
                 ErrorCode.INVALID_ARGUMENT, "journal opened in another process; open it after fork()"
             )
 
-    def _driver_error(self, exc: BaseException) -> KvLedgerError:
-        if isinstance(exc, KvLedgerError):
+    def _driver_error(self, exc: BaseException) -> BaseException:
+        """The coded error for a driver error; anything else (a bug) as it is."""
+        if isinstance(exc, KvLedgerError) or not is_driver_error(exc):
             return exc
-        return unreachable(exc, self.url)
+        return translate(exc, self.url)
 
     # -- audit copies (replay/import, verify) --------------------------------------
 

@@ -39,12 +39,20 @@ class SqliteStatements(Statements):
         self.end(cur, True)
         return result
 
-    def schema_revision(self, version_table: str) -> str | None:
+    def existing_tables(self, names: tuple[str, ...]) -> set[str]:
         cur = self.conn.cursor()
         try:
-            cur.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (version_table,))
-            if cur.fetchone() is None:
-                return None
+            cur.execute(f"SELECT name FROM sqlite_master WHERE type = 'table' AND name IN "
+                        f"({', '.join('?' * len(names))})", names)  # placeholders only
+            return {r[0] for r in cur.fetchall()}
+        finally:
+            cur.close()
+
+    def schema_revision(self, version_table: str) -> str | None:
+        if not self.existing_tables((version_table,)):
+            return None
+        cur = self.conn.cursor()
+        try:
             cur.execute(f"SELECT version_num FROM {version_table}")  # constant table name
             row = cur.fetchone()
             return None if row is None else row[0]

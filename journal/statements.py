@@ -54,6 +54,9 @@ class Statements:
     def schema_revision(self, version_table: str) -> str | None:
         raise NotImplementedError
 
+    def existing_tables(self, names: tuple[str, ...]) -> set[str]:
+        raise NotImplementedError
+
     def lock_and_last_position(self, cur: Any) -> int:
         raise NotImplementedError
 

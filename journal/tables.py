@@ -15,8 +15,23 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
-SCHEMA_REVISION = "0001"  # alembic head this code reads and writes
+from schemas.errors import ErrorCode, KvLedgerError
+
+# Every alembic revision this code knows (migrations/versions), oldest first; the last
+# is the head it reads and writes. A database at a revision not listed here was written
+# by a newer kvledger. (tests/test_cli_foundation checks this against alembic.)
+REVISIONS = ("0001",)
+SCHEMA_REVISION = REVISIONS[-1]
 VERSION_TABLE = "kvl_alembic_version"
+JOURNAL_TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints")
+
+
+def too_new(revision: str, where: str) -> KvLedgerError:
+    return KvLedgerError(
+        ErrorCode.DATABASE_TOO_NEW,
+        f"{where} is at schema revision {revision!r}, written by a newer kvledger (this one knows "
+        f"revisions up to {SCHEMA_REVISION}): use that kvledger version or a newer one",
+    )
 
 metadata = MetaData()
 

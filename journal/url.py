@@ -1,13 +1,18 @@
-"""Database URLs: parse, validate, redact, and turn driver errors into stable codes.
+"""Database URLs: parse, validate and redact.
 
-A password in a URL must never reach a message or a log, so every message here is
-built from the redacted form, and driver messages are scrubbed before they leave.
+A credential in a URL must never reach a message, a summary or a log. A URL can carry
+one in the password part (`user:SECRET@host`) or in its query (`?password=SECRET`,
+`?passfile=...`, `?sslpassword=...`, ...), so `redact` shows a query value only for an
+option known to hold no secret, and every message here names the URL by its redacted
+form (or by its parts: host, port, database). Driver messages are never shown: see
+journal.driver_errors, which says what failed in its own words.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import quote_plus
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -22,6 +27,30 @@ _DRIVERS = {
     "postgres": "postgresql+psycopg",
     "postgresql+psycopg": "postgresql+psycopg",
 }
+# Query options whose values are shown. Any other value (password, passfile, sslkey,
+# sslpassword, options, an option nobody knows, ...) is shown as ***: an allow-list,
+# because a deny-list misses the next way to spell a secret.
+SHOWN_OPTIONS = frozenset({
+    # sqlite3.connect and SQLite URI parameters
+    "timeout", "uri", "mode", "cache", "immutable", "nolock", "vfs", "check_same_thread",
+    "detect_types", "isolation_level", "cached_statements",
+    # libpq connection parameters that hold no secret
+    "host", "hostaddr", "port", "dbname", "user", "connect_timeout", "client_encoding",
+    "application_name", "fallback_application_name", "keepalives", "keepalives_idle",
+    "keepalives_interval", "keepalives_count", "tcp_user_timeout", "sslmode", "sslnegotiation",
+    "sslcompression", "sslcert", "sslcertmode", "sslrootcert", "sslcrl", "sslcrldir", "sslsni",
+    "requirepeer", "require_auth", "channel_binding", "gssencmode", "krbsrvname", "gsslib",
+    "target_session_attrs", "load_balance_hosts", "min_protocol_version", "max_protocol_version",
+    "ssl_min_protocol_version", "ssl_max_protocol_version",
+})
+# Options that name a credential: shown by name, their values as ***. The name of an
+# option in neither set is hidden too (`?password=ab&cd=x` is a password with an
+# unencoded &, and `cd` is part of it).
+SECRET_OPTIONS = frozenset({"password", "passfile", "sslkey", "sslpassword", "sslkeylogfile", "options",
+                            "service", "oauth_client_secret", "scram_client_key", "scram_server_key"})
+_SQLITE_OPTIONS = frozenset({"timeout", "uri", "check_same_thread", "detect_types", "isolation_level",
+                             "cached_statements"})
+_SHOWN_CHARS = 200  # a part of a URL longer than this is cut in messages
 
 
 def resolve_url(url: str | None) -> str:
@@ -30,51 +59,134 @@ def resolve_url(url: str | None) -> str:
 
 
 def parse_url(raw: str) -> URL:
+    """A validated URL with its driver set, or BAD_DATABASE_URL. Everything that can be
+    checked without connecting is checked here, so a bad URL never reaches a driver."""
     try:
         url = make_url(raw)
-    except (ArgumentError, ValueError):
+    except (ArgumentError, ValueError, TypeError):
         raise KvLedgerError(
             ErrorCode.BAD_DATABASE_URL,
             "cannot parse database URL (expected sqlite:///PATH or "
             "postgresql+psycopg://USER@HOST:PORT/DB)",
         ) from None
+    if url.password is not None and raw.count("@") > 1:
+        # `user:p@ss@host`: the URL grammar ends the password at the first @, so the rest
+        # of it would be read as the host, the database or an option, and shown as one.
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, "the database URL has a password and more "
+                            "than one '@': write an '@' inside a password (or anywhere else) as %40")
     driver = _DRIVERS.get(url.drivername)
     if driver is None:
         raise KvLedgerError(
             ErrorCode.BAD_DATABASE_URL,
-            f"unsupported database driver {url.drivername!r} in {redact(url)} "
+            f"unsupported database driver {clip(url.drivername)!r} in {redact(url)} "
             "(use sqlite or postgresql+psycopg)",
         )
     url = url.set(drivername=driver)
-    if driver.startswith("sqlite") and url.database not in (None, "", ":memory:"):
-        parent = Path(url.database).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise KvLedgerError(
-                ErrorCode.BAD_DATABASE_URL, f"directory {parent} of {redact(url)} does not exist"
-            )
-    if driver.startswith("postgresql") and not url.database:
-        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"no database name in {redact(url)}")
+    if driver.startswith("sqlite"):
+        _check_sqlite(url)
+    else:
+        _check_postgres(url)
     return url
 
 
-def redact(url: URL | str) -> str:
-    if isinstance(url, str):
+def _check_sqlite(url: URL) -> None:
+    if url.username is not None or url.password is not None or url.host or url.port:
+        # Not echoed: what a user put where a server would go is not known to be harmless.
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
+                            "a SQLite URL names a file, not a server or a user (use "
+                            "sqlite:///relative/path.db or sqlite:////absolute/path.db)")
+    uri = str(url.query.get("uri", "")).lower() in ("true", "1")
+    unknown = set(url.query) - _SQLITE_OPTIONS if not uri else set()
+    if unknown:
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
+                            f"{_unknown(unknown)} in {redact(url)} (SQLite takes: "
+                            f"{', '.join(sorted(_SQLITE_OPTIONS))})")
+    try:
+        # The dialect converts and checks the options it knows (timeout=abc, ...).
+        _dialect(url).create_connect_args(url)
+    except (ArgumentError, ValueError, TypeError):
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
+                            f"an option value in {redact(url)} is not valid") from None
+    if url.database and "\x00" in url.database:
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"the file name in {redact(url)} holds a NUL character")
+    if url.database not in (None, "", ":memory:") and not uri:
         try:
-            url = make_url(url)
-        except (ArgumentError, ValueError):
+            parent = Path(url.database).expanduser().resolve().parent
+            found = parent.is_dir()
+        except (OSError, RuntimeError):  # a name too long, a symlink loop
+            raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
+                                f"the operating system refuses the file name in {redact(url)}") from None
+        if not found:
+            raise KvLedgerError(
+                ErrorCode.BAD_DATABASE_URL, f"directory {clip(str(parent))} of {redact(url)} does not exist"
+            )
+
+
+def _check_postgres(url: URL) -> None:
+    if not url.database:
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"no database name in {redact(url)}")
+    try:
+        import psycopg
+
+        cargs, ckwargs = _dialect(url).create_connect_args(url)
+        # libpq parses the options without connecting: an unknown option or a malformed
+        # value is refused here, not by a connection attempt.
+        psycopg.conninfo.make_conninfo(*cargs, **ckwargs)
+    except (ArgumentError, ValueError, TypeError):
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL,
+                            f"an option value in {redact(url)} is not valid") from None
+    except psycopg.Error:
+        known = {o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults()}
+        unknown = set(url.query) - known
+        what = _unknown(unknown) if unknown else "an option value libpq refuses"
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"{what} in {redact(url)} (see libpq's "
+                            "connection parameters)") from None
+
+
+def _dialect(url: URL):
+    return url.get_dialect()()
+
+
+def _unknown(keys: set[str]) -> str:
+    # Counted, not named: in `?password=ab&cd` the unknown option `cd` is the tail of a
+    # password with an unencoded &. The redacted URL beside it shows the names it may.
+    return f"{len(keys)} unknown option(s)" if len(keys) > 1 else "an unknown option"
+
+
+def clip(text: str, limit: int = _SHOWN_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+def redact(url: URL | str) -> str:
+    """The URL as it may be shown: no password, *** for every query value that is not
+    known to be harmless (SHOWN_OPTIONS), and *** for the name of an unknown option."""
+    if isinstance(url, str):
+        raw = url
+        try:
+            url = make_url(raw)
+        except (ArgumentError, ValueError, TypeError):
             return "<unparseable URL>"
-    return url.render_as_string(hide_password=True)
+        if url.password is not None and raw.count("@") > 1:  # see parse_url: where it ends is unknown
+            return f"{url.drivername}://<a URL with a password and more than one '@'>"
+    if url.host and "@" in url.host:  # the tail of a password with an unencoded @ (see above)
+        url = url.set(host=url.host.rsplit("@", 1)[1], password=url.password or "***")
+    shown = url.set(query={}).render_as_string(hide_password=True)
+    pairs = []
+    for key in sorted(url.query):
+        values = url.query[key]
+        for value in values if isinstance(values, tuple) else (values,):
+            if key in SHOWN_OPTIONS:
+                pairs.append(f"{quote_plus(key)}={quote_plus(value)}")
+            else:
+                pairs.append(f"{quote_plus(key) if key in SECRET_OPTIONS else '***'}=***")
+    return clip(shown + ("?" + "&".join(pairs) if pairs else ""), 4 * _SHOWN_CHARS)
 
 
-def scrub(message: str, url: URL) -> str:
-    """Remove the password from a driver message, then keep its first line."""
-    if url.password:
-        message = message.replace(str(url.password), "***")
-    return message.strip().splitlines()[0] if message.strip() else "connection failed"
-
-
-def unreachable(exc: BaseException, url: URL) -> KvLedgerError:
-    orig = getattr(exc, "orig", None) or exc
-    return KvLedgerError(
-        ErrorCode.DATABASE_UNREACHABLE, f"cannot open {redact(url)}: {scrub(str(orig), url)}"
-    )
+def describe(url: URL) -> str:
+    """What a message calls the database: the SQLite file, or the PostgreSQL server,
+    port and database (parts that hold no credential)."""
+    if url.get_backend_name() == "sqlite":
+        return f"SQLite database {clip(url.database or ':memory:')}"
+    host = url.host or url.query.get("host") or "localhost"
+    port = url.port or url.query.get("port") or 5432
+    return f"PostgreSQL at {clip(str(host))}:{clip(str(port), 20)}, database {clip(str(url.database))}"

@@ -117,13 +117,41 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except KvLedgerError as exc:
-        print(str(exc), file=sys.stderr)
+        print(str(exc), file=sys.stderr)  # one line: str() escapes control characters
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # noqa: BLE001 - the last resort: never a traceback for a user
+        print(str(_last_resort(exc, args)), file=sys.stderr)
+        return 2
+
+
+def _last_resort(exc: Exception, args: argparse.Namespace) -> KvLedgerError:
+    """A driver error that no journal boundary translated gets its code here; anything
+    else is a bug, reported in one line by its class and place (KVLEDGER_DEBUG=1 raises
+    it with its traceback). The exception's own text is not shown: it may quote a URL."""
+    import os
+    import traceback
+
+    from journal.driver_errors import is_driver_error, translate
+
+    if os.environ.get("KVLEDGER_DEBUG") == "1":
+        raise exc
+    if is_driver_error(exc):
+        from journal.url import parse_url, resolve_url
+
+        try:
+            url = parse_url(resolve_url(getattr(args, "db", None)))
+        except KvLedgerError:
+            url = None
+        return translate(exc, url)
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" at {os.path.basename(frame.filename)}:{frame.lineno}" if frame else ""
+    return KvLedgerError(ErrorCode.INTERNAL_ERROR, f"unexpected {type(exc).__name__}{at} in "
+                         f"`kvledger {args.command}` (a bug; KVLEDGER_DEBUG=1 shows the traceback)")
 
 
 if __name__ == "__main__":

@@ -47,11 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    from journal import resolve_url
     from kvledger.recover import recover
-    from kvledger.storage import open_journal
+    from kvledger.storage import open_existing_journal
 
-    with open_journal(resolve_url(args.db)) as journal:
+    # recover repairs a journal a crashed writer left: there is nothing to recover in a
+    # database that does not exist, and creating one would hide a mistyped path.
+    with open_existing_journal(args.db) as journal:
         report = recover(journal, model_dir=args.model, device=args.device,
                          continue_requests=not args.no_continue)
     if args.json:

@@ -158,18 +158,21 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_import(args: argparse.Namespace) -> int:
     import json
 
-    from kvledger.storage import open_journal
+    from kvledger.storage import creating_journal
     from replay import import_jsonl
 
-    with open_journal(args.db) as journal:
+    source = Path(args.file)
+    if not source.exists() or source.is_dir():  # checked before any database is opened
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot read {args.file}: no such file")
+    with creating_journal(args.db) as journal:  # a refused import leaves no new file behind
         summary = import_jsonl(journal, args.file)
-        if args.json:
-            print(json.dumps({"database": journal.display_url, "events": summary.events,
-                              "handles": summary.handles, "receipts": summary.receipts,
-                              "manifests": summary.manifests}))
-        else:
-            print(f"imported {summary.events} events ({summary.handles} handles, {summary.receipts} "
-                  f"receipts) from {args.file} into {journal.display_url}")
+        target = journal.display_url
+    if args.json:
+        print(json.dumps({"database": target, "events": summary.events, "handles": summary.handles,
+                          "receipts": summary.receipts, "manifests": summary.manifests}))
+    else:
+        print(f"imported {summary.events} events ({summary.handles} handles, {summary.receipts} "
+              f"receipts) from {args.file} into {target}")
     return 0
 
 

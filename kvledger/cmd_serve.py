@@ -102,9 +102,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--requests and --max-new-tokens must be >= 1")
     url = resolve_url(args.db)
     _make_room(args)
-    with open_journal(url) as journal:
+    # The telemetry flags are checked (and their files opened) before the journal is: a
+    # refused command must not leave a new database behind.
+    telemetry = demo_telemetry(args)
+    try:
+        journal = open_journal(url)
+    except BaseException:
+        finish_demo_telemetry(telemetry, args)
+        raise
+    with journal:
         first = journal.last_position()
-        telemetry = demo_telemetry(args)
         bar, on_step = _progress(args.requests)
         if bar:
             bar.start()

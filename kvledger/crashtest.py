@@ -177,9 +177,9 @@ class PostgresBackend(Backend):
         try:
             return psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
         except psycopg.Error as exc:
-            from journal.url import unreachable
+            from journal.driver_errors import translate
 
-            raise unreachable(exc, u) from None
+            raise translate(exc, u.set(database=dbname)) from None
 
     def _url(self, name: str) -> str:
         return self.url.set(database=name).render_as_string(hide_password=False)

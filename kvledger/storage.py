@@ -1,53 +1,116 @@
-"""Opening and migrating journals for the facade and the CLI."""
+"""Opening and migrating journals for the facade and the CLI.
+
+Which commands may create a database: `init`, and the writing commands (`demo`,
+`generate`, `import`, `Ledger.open`) on a new SQLite file. Reading commands open with
+`open_existing_journal` and never create one: a missing file is DATABASE_NOT_FOUND.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.engine import URL
 
 import migrations
 from journal import SqlJournal, make_engine, parse_url, resolve_url
-from journal.url import redact, unreachable
+from journal.driver_errors import is_driver_error, translate
+from journal.url import redact
 from schemas.errors import ErrorCode, KvLedgerError
 
 
 def init_database(raw_url: str | None = None) -> str:
     """Upgrade the database to the head revision; returns the revision."""
     url = parse_url(resolve_url(raw_url))
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-        migrations.upgrade(engine)
-    except (DBAPIError, SQLAlchemyError) as exc:
-        raise unreachable(exc, url) from None
-    finally:
-        engine.dispose()
+    _migrate(url)
     return migrations.head_revision()
 
 
+def _migrate(url: URL) -> None:
+    engine = None
+    try:
+        engine = make_engine(url)
+        migrations.upgrade(engine)
+    except Exception as exc:
+        if not is_driver_error(exc):
+            raise
+        raise translate(exc, url) from None
+    finally:
+        if engine is not None:
+            engine.dispose()
+
+
 def open_journal(raw_url: str | None = None) -> SqlJournal:
-    """Open a journal. A new SQLite file is initialized on the spot; PostgreSQL must
-    have been migrated with `kvledger init` first."""
+    """Open a journal to write. A new SQLite database (no kvledger tables at all) is
+    initialized on the spot; anything else un-migrated (PostgreSQL, an older revision,
+    an emptied version table) must go through `kvledger init` first."""
     url = parse_url(resolve_url(raw_url))
     try:
         return SqlJournal(url)
     except KvLedgerError as exc:
-        if exc.code is not ErrorCode.NOT_MIGRATED or url.get_backend_name() != "sqlite":
+        new = exc.details.get("revision") is None and not exc.details.get("journal_tables")
+        if exc.code is not ErrorCode.NOT_MIGRATED or url.get_backend_name() != "sqlite" or not new:
             raise
-    init_database(url.render_as_string(hide_password=False))
+    _migrate(url)  # takes the writer lock: a concurrent initializer of this file goes first
     return SqlJournal(url)
+
+
+@contextlib.contextmanager
+def creating_journal(raw_url: str | None = None) -> Iterator[SqlJournal]:
+    """`open_journal` for a command that is all or nothing (import): a new SQLite file is
+    built under a temporary name beside it and takes its own name only if the command
+    succeeds, so a refused command leaves no file behind. The final name is taken with
+    link(2), which never replaces a file another process created meanwhile."""
+    url = parse_url(resolve_url(raw_url))
+    path = _sqlite_path(url)
+    if path is None or path.exists() or not os.access(path.parent, os.W_OK):
+        # (an unwritable directory: let opening say so, naming the file asked for)
+        with open_journal(url.render_as_string(hide_password=False)) as journal:
+            yield journal
+        return
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.creating")
+    try:
+        with open_journal(url.set(database=str(temp)).render_as_string(hide_password=False)) as journal:
+            journal.display_url = redact(url)  # messages name the file the user asked for
+            yield journal
+        # Closed: the last connection has checkpointed the WAL into the file.
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            raise KvLedgerError(ErrorCode.CONFLICT, f"{redact(url)} was created by another process "
+                                "meanwhile: nothing was written to it") from None
+    finally:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(OSError):
+                Path(f"{temp}{suffix}").unlink()
 
 
 def open_existing_journal(raw_url: str | None = None) -> SqlJournal:
     """Open a journal that must already exist: reading commands never create a database."""
     url = parse_url(resolve_url(raw_url))
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        if not Path(url.database).expanduser().exists():
-            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no journal at {redact(url)}")
+    require_existing(url)
     return SqlJournal(url)
 
 
-__all__ = ["init_database", "open_existing_journal", "open_journal", "redact"]
+def require_existing(url: URL) -> None:
+    """DATABASE_NOT_FOUND for a SQLite file that does not exist (connecting would create it)."""
+    path = _sqlite_path(url)
+    if path is not None and not path.exists():
+        raise KvLedgerError(ErrorCode.DATABASE_NOT_FOUND, f"no journal at {redact(url)}")
+
+
+def _sqlite_path(url: URL) -> Path | None:
+    """The file of a SQLite URL; None for PostgreSQL, memory, or a file: URI (which says
+    itself, e.g. mode=ro, whether the file may be created)."""
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    if str(url.query.get("uri", "")).lower() in ("true", "1"):
+        return None
+    return Path(url.database).expanduser()
+
+
+__all__ = ["creating_journal", "init_database", "open_existing_journal", "open_journal", "redact",
+           "require_existing"]

@@ -1,18 +1,31 @@
 """Alembic environment and versions for the journal tables.
 
-`upgrade(engine)` brings a database to head; `kvledger init` calls it.
+`upgrade(engine)` brings a database to head; `kvledger init` calls it. It decides from
+the database's state, read under a lock so two initializing processes take turns:
+  - a revision this code does not know: DATABASE_TOO_NEW, nothing touched;
+  - journal tables but no recorded revision (an emptied or dropped version table): if the
+    tables are exactly the head schema, record head (stamp); else SCHEMA_MISMATCH;
+  - otherwise run the migrations from the recorded revision (or from nothing) to head.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import zlib
+
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Engine
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection, Engine
 
-from journal.tables import VERSION_TABLE
+from journal.tables import JOURNAL_TABLES, REVISIONS, VERSION_TABLE, metadata, too_new
+from journal.url import redact
+from schemas.errors import ErrorCode, KvLedgerError
+
+# pg_advisory_xact_lock key of `kvledger init` (any constant; this one names the purpose).
+_PG_INIT_LOCK = zlib.crc32(b"kvledger init") - 2**31
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,9 +41,53 @@ def head_revision() -> str:
     return ScriptDirectory.from_config(_config()).get_current_head() or ""
 
 
+def known_revisions() -> tuple[str, ...]:
+    """The revisions of migrations/versions, oldest first."""
+    return tuple(reversed([s.revision for s in ScriptDirectory.from_config(_config()).walk_revisions()]))
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
     cfg = _config()
-    with engine.begin() as conn:
-        # env.py uses this connection: no URL (and no password) ever enters alembic's config.
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            # pysqlite runs DDL outside a transaction (each CREATE commits alone): make the
+            # whole migration one IMMEDIATE transaction instead, so a second process
+            # initializing the same new file waits for it, then finds it migrated.
+            raw = conn.connection.driver_connection
+            level, raw.isolation_level = raw.isolation_level, None
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        else:  # transactional DDL; the lock makes concurrent inits take turns
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(%(k)s)", {"k": _PG_INIT_LOCK})
+        try:
+            # env.py uses this connection: no URL (and no password) ever enters alembic's config.
+            cfg.attributes["connection"] = conn
+            _migrate(conn, cfg, revision)
+            conn.commit()
+        finally:
+            if sqlite:
+                raw.isolation_level = level
+
+
+def _migrate(conn: Connection, cfg: Config, revision: str) -> None:
+    from alembic.migration import MigrationContext
+
+    context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+    current = context.get_current_revision()
+    where = redact(conn.engine.url)
+    if current is not None and current not in REVISIONS:
+        raise too_new(current, where)
+    tables = set(inspect(conn).get_table_names()) & set(JOURNAL_TABLES)
+    if current is None and tables:
+        from alembic.autogenerate import compare_metadata
+
+        if compare_metadata(context, metadata):
+            raise KvLedgerError(
+                ErrorCode.SCHEMA_MISMATCH,
+                f"{where} has journal tables ({', '.join(sorted(tables))}) but no recorded revision, "
+                f"and they are not the tables of revision {REVISIONS[-1]}: nothing was changed; "
+                "restore the database from a backup (or export what verify accepts and import it)",
+            )
+        command.stamp(cfg, revision)  # the tables are head's: record that, change nothing else
+        return
+    command.upgrade(cfg, revision)

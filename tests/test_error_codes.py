@@ -210,6 +210,10 @@ def test_every_lifecycle_code_is_exercised():
     lifecycle = [code for code in E if code.name not in {
         "MALFORMED_EVENT", "UNKNOWN_EVENT_TYPE", "UNKNOWN_SCHEMA_VERSION", "FIELD_TOO_LARGE",
         "CORRUPT_JOURNAL", "BAD_DATABASE_URL", "DATABASE_UNREACHABLE", "NOT_MIGRATED", "NOT_BUILT",
+        # database and driver errors: tests/test_hardening_errors.py
+        "DATABASE_NOT_FOUND", "DATABASE_AUTH_FAILED", "NOT_A_DATABASE", "DATABASE_READ_ONLY",
+        "PERMISSION_DENIED", "DATABASE_BUSY", "DATABASE_FULL", "CONSTRAINT_VIOLATION", "TABLE_MISSING",
+        "SCHEMA_MISMATCH", "DATABASE_TOO_NEW", "DATABASE_ERROR", "INTERNAL_ERROR",
     }]
     missing = [code.name for code in lifecycle if f"E.{code.name}," not in src]
     assert missing == []

@@ -197,5 +197,5 @@ def test_mutant_ignores_the_guard_but_the_stream_position_still_fences_writes(db
         assert isinstance(won, Receipt)  # committed against a base that no longer exists
         with pytest.raises(KvLedgerError) as info:
             j.append([publish_op("A", stale, "stale-write")])
-        assert info.value.code is ErrorCode.DATABASE_UNREACHABLE
+        assert info.value.code is ErrorCode.CONSTRAINT_VIOLATION  # the unique (stream, position)
         assert j.receipt("stale-write") is None and j.head("A").snapshot_version == 1

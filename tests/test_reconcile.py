@@ -191,6 +191,6 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert main(["reconcile", "--telemetry", str(FIX / "telemetry.jsonl"), "--db",
                  f"sqlite:///{tmp_path}/missing.db"]) == 2
     err = capsys.readouterr().err
-    assert "INVALID_ARGUMENT" in err and "DATABASE_UNREACHABLE" in err
+    assert "INVALID_ARGUMENT" in err and "DATABASE_NOT_FOUND" in err
     with pytest.raises(SystemExit):  # --db or --journal is required
         main(["reconcile", "--telemetry", str(FIX / "telemetry.jsonl")])

@@ -234,6 +234,10 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
 def test_recover_cli_errors_are_one_line_with_a_code(tmp_path):
     p = _cli("recover", "--db", "mysql://nope/x")
     assert p.returncode == 2 and p.stderr.startswith("BAD_DATABASE_URL")
+    missing = tmp_path / "missing.db"
+    p = _cli("recover", "--db", f"sqlite:///{missing}")
+    assert p.returncode == 2 and p.stderr.startswith("DATABASE_NOT_FOUND") and not missing.exists()
+    init_database(f"sqlite:///{tmp_path}/x.db")
     p = _cli("recover", "--db", f"sqlite:///{tmp_path}/x.db", "--model", str(tmp_path))
     assert p.returncode == 0  # no live handle: the model is never needed
 

@@ -221,7 +221,7 @@ def test_trajectory_json_and_reading_never_creates_a_database(capsys, tmp_path):
     missing = tmp_path / "missing.db"
     for args in (("replay",), ("verify",), ("export", "--out", str(tmp_path / "x.jsonl"))):
         code, _, err = cli(capsys, *args, "--db", f"sqlite:///{missing}")
-        assert code == 2 and err.startswith("DATABASE_UNREACHABLE") and not missing.exists()
+        assert code == 2 and err.startswith("DATABASE_NOT_FOUND") and not missing.exists()
 
 
 def test_import_creates_a_new_sqlite_journal(capsys, tmp_path):
