@@ -69,11 +69,10 @@ def parse_url(raw: str) -> URL:
             "cannot parse database URL (expected sqlite:///PATH or "
             "postgresql+psycopg://USER@HOST:PORT/DB)",
         ) from None
-    if url.password is not None and raw.count("@") > 1:
-        # `user:p@ss@host`: the URL grammar ends the password at the first @, so the rest
-        # of it would be read as the host, the database or an option, and shown as one.
+    if _ambiguous(raw, url):
         raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, "the database URL has a password and more "
-                            "than one '@': write an '@' inside a password (or anywhere else) as %40")
+                            "than one '@', or an '@' after its host: write an '@' inside a password "
+                            "or an option (or anywhere else) as %40")
     driver = _DRIVERS.get(url.drivername)
     if driver is None:
         raise KvLedgerError(
@@ -87,6 +86,18 @@ def parse_url(raw: str) -> URL:
     else:
         _check_postgres(url)
     return url
+
+
+def _ambiguous(raw: str, url: URL) -> bool:
+    """Where the URL's '@' splits it is not where a reader would: `user:p@ss@host` (the
+    grammar ends the password at the first @, the rest would be shown as the host), or an
+    '@' in the path or an option (`host/db?password=@secret`: SQLAlchemy's parser takes
+    everything before it for user and password and the secret for the host; RFC 3986
+    ends the user info at the first '/', '?' or '#')."""
+    if url.password is None:
+        return False
+    userinfo = raw.split("://", 1)[-1].split("@", 1)[0]  # as written: %2F is no '/'
+    return raw.count("@") > 1 or any(c in userinfo for c in "/?#")
 
 
 def _check_sqlite(url: URL) -> None:
@@ -166,8 +177,8 @@ def redact(url: URL | str) -> str:
             url = make_url(raw)
         except (ArgumentError, ValueError, TypeError):
             return "<unparseable URL>"
-        if url.password is not None and raw.count("@") > 1:  # see parse_url: where it ends is unknown
-            return f"{url.drivername}://<a URL with a password and more than one '@'>"
+        if _ambiguous(raw, url):  # see parse_url: where a secret ends is unknown
+            return f"{url.drivername}://<a URL with an '@' that is not between its user and host>"
     if url.host and "@" in url.host:  # the tail of a password with an unencoded @ (see above)
         url = url.set(host=url.host.rsplit("@", 1)[1], password=url.password or "***")
     shown = url.set(query={}).render_as_string(hide_password=True)
