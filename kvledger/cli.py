@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Callable
 
+from kvledger import args as a
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -75,20 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the main job: a torch GQA worker serving ~32 requests under the journal",
     )
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--requests", type=int, default=32, help="number of requests (default 32)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="seed for prompts and sampling")
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: small random model)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--requests", type=a.REQUESTS, default=32, help="number of requests (default 32)")
+    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16, help="tokens per request (default 16)")
+    p.add_argument("--seed", type=a.SEED, default=0, help="seed for prompts and sampling (32 bits)")
+    p.add_argument("--model", type=a.model_dir,
+                   help="Hugging Face checkpoint directory (default: small random model)")
+    p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_not_built("demo"))
 
     p = sub.add_parser("generate", help="greedy completion of one prompt, journaled")
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: small random model)")
-    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--model", type=a.model_dir,
+                   help="Hugging Face checkpoint directory (default: small random model)")
+    p.add_argument("--prompt-ids", type=a.token_ids, required=True,
+                   help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16)
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_not_built("generate"))
 
@@ -100,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)  # the argument types raise coded errors (kvledger.args)
+        a.check_outputs(args)
         return args.run(args)
     except KvLedgerError as exc:
         print(str(exc), file=sys.stderr)

@@ -48,6 +48,9 @@ class ErrorCode(StrEnum):
     DATABASE_UNREACHABLE = "DATABASE_UNREACHABLE"
     NOT_MIGRATED = "NOT_MIGRATED"
     NOT_BUILT = "NOT_BUILT"
+    UNWRITABLE_OUTPUT = "UNWRITABLE_OUTPUT"  # an output path is a directory, read-only, or the disk is full
+    OUTPUT_IS_INPUT = "OUTPUT_IS_INPUT"  # an output would overwrite the journal or another input
+    CONTEXT_TOO_LONG = "CONTEXT_TOO_LONG"  # prompt + generation beyond the model's positions
 
 
 class KvLedgerError(Exception):
