@@ -158,6 +158,7 @@ BAD_ARGS = {
     "prompt ids negative": (["generate", "--prompt-ids", "1,-2"], "INVALID_ARGUMENT"),
     "generation beyond the context": (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "5000"],
                                       "CONTEXT_TOO_LONG"),
+    "demo generation beyond the context": (["demo", "--max-new-tokens", "3000"], "CONTEXT_TOO_LONG"),
     "plot into a directory": (["replay", "--plot", "TMP"], "UNWRITABLE_OUTPUT"),
     "plot on a full disk": (["replay", "--plot", "/dev/full"], "UNWRITABLE_OUTPUT"),
     "plot in a read-only place": (["replay", "--plot", "/sys/kernel/kvledger.png"], "UNWRITABLE_OUTPUT"),
