@@ -67,7 +67,7 @@ def read_config(path: Path) -> ModelConfig:
     directory, no config.json, not JSON, a missing or mistyped key, a model this code does
     not implement). No weights are read."""
     if not path.is_dir():
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--model {str(path)!r} is not a directory")
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{str(path)!r} is not a model directory")
     try:
         raw = json.loads((path / "config.json").read_bytes())
         if not isinstance(raw, dict):

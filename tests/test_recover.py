@@ -234,7 +234,11 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
 def test_recover_cli_errors_are_one_line_with_a_code(tmp_path):
     p = _cli("recover", "--db", "mysql://nope/x")
     assert p.returncode == 2 and p.stderr.startswith("BAD_DATABASE_URL")
+    # A --model that is not a checkpoint is refused when parsed, before recover writes
+    # anything (aborting in-doubt appends comes before the model is loaded).
     p = _cli("recover", "--db", f"sqlite:///{tmp_path}/x.db", "--model", str(tmp_path))
+    assert p.returncode == 2 and p.stderr.startswith("INVALID_ARGUMENT") and p.stderr.count("\n") == 1
+    p = _cli("recover", "--db", f"sqlite:///{tmp_path}/x.db")
     assert p.returncode == 0  # no live handle: the model is never needed
 
 
