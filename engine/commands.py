@@ -1,22 +1,37 @@
 """Commands: what a caller asks for. Each names the base it was decided against, so a
-late or stale command can be fenced. A command's canonical JSON is its fingerprint."""
+late or stale command can be fenced. A command's canonical JSON is its fingerprint.
+
+Fields that flow into events carry the events' own constrained types (schemas.events:
+Id, Count, TokenIds, Text), so a command decoded from data (engine.remote's frames), or
+checked by `validate`, is refused for exactly what the event decoder would refuse later:
+the limits cannot drift apart.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from engine.state import HandleState
 from schemas.canonical import digest
 from schemas.errors import ErrorCode, KvLedgerError
-from schemas.events import AppendKind, FailureOutcome, ForwardCall, LayerRows
+from schemas.events import AppendKind, Count, FailureOutcome, ForwardCall, Id, LayerRows, Text, TokenIds
 from schemas.manifest import Manifest
+
+# The events' Count, also bounded by the journal's BIGINT columns (generations, versions
+# and lengths are stored in head rows as well as in bodies).
+N = Annotated[Count, Meta(le=(1 << 63) - 1)]
+Ids = Annotated[tuple[Id, ...], Meta(max_length=4096)]  # the events' bound on a row list
+Perm = Annotated[tuple[N, ...], Meta(max_length=4096)]
+# An append's cache ABI; "" means the handle's (bound at decision time, see bind_current).
+Abi = Annotated[str, Meta(max_length=64)]
 
 
 class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    operation_id: str | None = None  # idempotency key; the service makes one if absent
+    operation_id: Id | None = None  # idempotency key; the service makes one if absent
 
     def fingerprint(self) -> str:
         # The whole command minus the key itself: a retry must ask for the same thing.
@@ -24,103 +39,103 @@ class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class Allocate(_Command):
-    handle_id: str
+    handle_id: Id
     manifest: Manifest
-    reserved_capacity: int
-    copy_tiers: tuple[str, ...] = ("gpu",)
-    allocator_bytes_per_copy: int = 0
-    generation: int = 0
+    reserved_capacity: N
+    copy_tiers: Annotated[tuple[Id, ...], Meta(max_length=64)] = ("gpu",)  # decide: at least one
+    allocator_bytes_per_copy: N = 0
+    generation: N = 0
 
 
 class BeginAppend(_Command):
-    handle_id: str
-    txn_id: str
+    handle_id: Id
+    txn_id: Id
     kind: AppendKind
-    base_generation: int | None  # None only as a later step of a Chain (see below)
-    base_snapshot_version: int | None
-    interval_start: int
-    interval_count: int
-    token_ids: tuple[int, ...]
-    cache_positions: tuple[int, ...]
-    mask_key_extent: int
-    cache_abi_sha256: str
+    base_generation: N | None  # None only as a later step of a Chain (see below)
+    base_snapshot_version: N | None
+    interval_start: N
+    interval_count: N  # >= 1, checked by decide (POSITION_MASK_MISMATCH)
+    token_ids: TokenIds
+    cache_positions: TokenIds
+    mask_key_extent: N
+    cache_abi_sha256: Abi
     call: ForwardCall | None = None
 
 
 class Publish(_Command):
-    handle_id: str
-    txn_id: str
-    base_generation: int | None
-    base_snapshot_version: int | None
+    handle_id: Id
+    txn_id: Id
+    base_generation: N | None
+    base_snapshot_version: N | None
     # None: the caller asserts every cache layer staged complete K and V over the
     # interval (expanded by decide); the worker names each layer with its row digest.
-    layers: tuple[LayerRows, ...] | None = None
-    accepted_count: int | None = None  # verify only: rows of accepted drafts
-    workspace_bytes: int = 0
+    layers: Annotated[tuple[LayerRows, ...], Meta(max_length=4096)] | None = None
+    accepted_count: N | None = None  # verify only: rows of accepted drafts
+    workspace_bytes: N = 0
 
 
 class Fail(_Command):
-    handle_id: str
-    txn_id: str
+    handle_id: Id
+    txn_id: Id
     outcome: FailureOutcome
-    code: str = "FAILED"
-    detail: str = ""
+    code: Id = "FAILED"
+    detail: Text = ""
 
 
 class EmitOutput(_Command):
-    handle_id: str
-    base_generation: int | None
-    snapshot_version: int | None
-    output_index: int
-    token_id: int
+    handle_id: Id
+    base_generation: N | None
+    snapshot_version: N | None
+    output_index: N
+    token_id: N
 
 
 class Fork(_Command):
-    parent_handle_id: str
-    base_generation: int
-    base_snapshot_version: int
-    child_handle_ids: tuple[str, ...]
-    prefix_length: int
-    child_request_ids: tuple[str, ...] = ()  # default: "<parent request>.<i>"
+    parent_handle_id: Id
+    base_generation: N
+    base_snapshot_version: N
+    child_handle_ids: Ids
+    prefix_length: N
+    child_request_ids: Ids = ()  # default: "<parent request>.<i>"
 
 
 class Truncate(_Command):
-    handle_id: str
-    base_generation: int
-    base_snapshot_version: int
-    new_length: int
+    handle_id: Id
+    base_generation: N
+    base_snapshot_version: N
+    new_length: N
 
 
 class Reorder(_Command):
     """One permutation over coupled rows: new row i takes old row permutation[i]. The
     per-component permutations exist only so a split reorder can be named and refused."""
 
-    group_id: str
-    rows: tuple[str, ...]
-    bases: tuple[tuple[int, int], ...]  # (generation, snapshot_version) per row
-    permutation: tuple[int, ...]
-    token_permutation: tuple[int, ...] | None = None
-    cache_permutation: tuple[int, ...] | None = None
-    position_permutation: tuple[int, ...] | None = None
-    sampler_permutation: tuple[int, ...] | None = None
+    group_id: Id
+    rows: Ids
+    bases: Annotated[tuple[tuple[N, N], ...], Meta(max_length=4096)]  # (generation, snapshot_version) per row
+    permutation: Perm
+    token_permutation: Perm | None = None
+    cache_permutation: Perm | None = None
+    position_permutation: Perm | None = None
+    sampler_permutation: Perm | None = None
 
 
 class CancelRequest(_Command):
-    handle_id: str
-    base_generation: int
-    reason: str = ""
+    handle_id: Id
+    base_generation: N
+    reason: Text = ""
 
 
 class Finish(_Command):
-    handle_id: str
-    base_generation: int | None
+    handle_id: Id
+    base_generation: N | None
     reason: Literal["eos", "max_tokens", "stop", "client", "length"] = "max_tokens"
 
 
 class Release(_Command):
-    handle_id: str
-    base_generation: int | None
-    base_snapshot_version: int | None = None
+    handle_id: Id
+    base_generation: N | None
+    base_snapshot_version: N | None = None
 
 
 Step = BeginAppend | Publish | EmitOutput | Finish | Release
@@ -133,8 +148,8 @@ class Chain(_Command):
     because the chain commits whole or not at all, fenced by the first step's base: what
     a worker does for one sequence per iteration (publish, emit, start the next append)."""
 
-    handle_id: str
-    steps: tuple[Step, ...]
+    handle_id: Id
+    steps: Annotated[tuple[Step, ...], Meta(max_length=4096)]
 
 
 _RELATIVE = {
@@ -220,3 +235,42 @@ def handles_of(cmd: Command) -> tuple[str, ...]:
     if isinstance(cmd, Reorder):
         return cmd.rows
     return (cmd.handle_id,)
+
+
+# -- validation at the public boundary ---------------------------------------------------
+# A command built in Python is not checked by msgspec (only decoding checks), so one from a
+# caller is round-tripped through the wire format its declared types decode: the same
+# check engine.remote's writer applies to every frame. The worker's own commands skip it.
+
+_wire_encode = msgspec.msgpack.Encoder().encode
+_wire_decode = msgspec.msgpack.Decoder(Command | Relative).decode
+_json_encode = msgspec.json.Encoder().encode
+# PostgreSQL text cannot hold NUL and a journal must move between backends (export, then
+# import elsewhere), so no string of a command may contain one.
+_NUL = b"\\u0000"
+
+
+def validate(cmd: object) -> Command | Relative:
+    """`cmd` as its declared types decode it, or INVALID_ARGUMENT naming the first field
+    outside them (a wrong type, an id of 0 or 257 characters, a negative count, ...)."""
+    if not isinstance(cmd, (_Command, Relative)):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"not a command: {type(cmd).__name__}")
+    name = type(cmd).__name__
+    try:
+        checked = _wire_decode(_wire_encode(cmd))
+        if _NUL in _json_encode(checked):
+            raise ValueError("a string contains NUL")
+    except (msgspec.ValidationError, msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{name}: {exc}") from None
+    return checked
+
+
+def check_id(value: object, what: str = "handle id") -> str:
+    """An id given to a read, held to the events' Id (1 to 256 characters) and NUL-free."""
+    try:
+        msgspec.convert(value, Id)
+        if "\x00" in value:  # type: ignore[operator]
+            raise ValueError("contains NUL")
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"bad {what}: {exc}") from None
+    return value  # type: ignore[return-value]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+from safetensors import SafetensorError
 
 from engine.model import DEFAULT_CONFIG, ModelConfig, Transformer
 from schemas.canonical import digest
@@ -35,11 +36,10 @@ def load_model(model_dir: str | None = None, *, device: str = "cpu", dtype: str 
             weight_transforms=() if dtype == "fp32" else (f"cast:{dtype}",))
         return model, artifact
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{path} has no config.json")
+    read_config(path)
     try:
         model = Transformer.from_pretrained(path, dtype=torch_dtype, device=device)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, OSError, SafetensorError) as exc:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot load {path}: {exc}") from None
     h = hashlib.sha256()
     for f in sorted(path.glob("*.safetensors")):
@@ -52,3 +52,32 @@ def load_model(model_dir: str | None = None, *, device: str = "cpu", dtype: str 
         model_config_sha256=digest(json.loads((path / "config.json").read_text())),
         weight_transforms=() if dtype == "fp32" else (f"cast:{dtype}",))
     return model, artifact
+
+
+def require_context(cfg: ModelConfig, slots: int) -> None:
+    """Refuse sequences longer than the model's positions (RoPE past them is untrained, and
+    the store would be preallocated for them) before anything is allocated or written."""
+    if slots > cfg.max_position_embeddings:
+        raise KvLedgerError(ErrorCode.CONTEXT_TOO_LONG, f"{slots} token slots per sequence exceed the "
+                                                        f"model's {cfg.max_position_embeddings} positions")
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The model config of a checkpoint directory, or INVALID_ARGUMENT saying why not (no
+    directory, no config.json, not JSON, a missing or mistyped key, a model this code does
+    not implement). No weights are read."""
+    if not path.is_dir():
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{str(path)!r} is not a model directory")
+    try:
+        raw = json.loads((path / "config.json").read_bytes())
+        if not isinstance(raw, dict):
+            raise ValueError("config.json is not a JSON object")
+        return ModelConfig.from_hf_config(raw)
+    except FileNotFoundError:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{str(path)!r} has no config.json") from None
+    except KeyError as exc:  # from_hf_config reads the required keys by name
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
+                            f"{str(path)!r}: config.json lacks {exc.args[0]!r}") from None
+    except (ValueError, TypeError, OSError, RecursionError) as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
+                            f"{str(path)!r}: unusable config.json ({type(exc).__name__}: {exc})") from None

@@ -22,6 +22,7 @@ from engine.state import HandleState
 from journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
 from schemas import events as ev
 from schemas.canonical import canonical_json
+from schemas.codec import decode_event, encode_event
 from schemas.errors import ErrorCode, KvLedgerError
 from schemas.receipts import Receipt
 
@@ -84,6 +85,10 @@ class CommandService(BatchSurface):
     on_reject: list[RejectHook] = field(default_factory=list)
     states: dict[str, HandleState] = field(default_factory=dict)
     local_sequence: int = 0
+    # Commands from outside (the public API) are checked against the events' schema before
+    # anything is decided or written: a field outside it would poison every later replay.
+    # The worker's own commands are built valid and skip the cost.
+    strict: bool = False
 
     # -- state -------------------------------------------------------------------
 
@@ -151,6 +156,12 @@ class CommandService(BatchSurface):
         local: dict[str, HandleState | None] = {}
         planned: list[tuple[int, Plan]] = []
         for i in todo:
+            if self.strict:
+                try:
+                    cmds[i] = c.validate(cmds[i])
+                except KvLedgerError as exc:  # not even its operation id can be looked up
+                    results[i] = exc
+                    continue
             try:
                 if isinstance(cmds[i], c.Relative):
                     cmds[i] = c.bind_current(cmds[i].command,
@@ -224,6 +235,8 @@ class CommandService(BatchSurface):
             for d in drafts:
                 event = self._stamp(d, after.get(d.handle_id), step, cmd.operation_id, before,
                                     now_mono, now_wall)
+                if self.strict:
+                    _decodable(event)
                 after[d.handle_id] = evolve(after.get(d.handle_id), event)
                 events.append(event)
                 by_handle.setdefault(d.handle_id, []).append(event)
@@ -272,6 +285,20 @@ class CommandService(BatchSurface):
             source_instance=self.source_instance, local_sequence=self.local_sequence,
             monotonic_ns=mono, observed_wall_time=wall, payload=d.payload,
         )
+
+
+def _decodable(event: ev.Event) -> None:
+    """Refuse an event the journal's own decoder would refuse when read back. Commands are
+    checked field by field (commands.validate); this also covers what decide derives from
+    them and from the manifest (a fork child's request id, a NaN temperature, ...)."""
+    try:
+        decode_event(encode_event(event))
+    except KvLedgerError as exc:
+        code = ErrorCode.INVALID_ARGUMENT if exc.code is ErrorCode.MALFORMED_EVENT else exc.code
+        raise KvLedgerError(code, f"its {event.event_type} event would not decode: {exc.message}") from None
+    except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
+                            f"its {event.event_type} event cannot be encoded: {exc}") from None
 
 
 def _guard(s: HandleState | None) -> Guard | None:

@@ -26,6 +26,7 @@ from engine import commands as c
 from engine.ids import new_id
 from engine.executor import CallShape, Member, run_call
 from engine.kvstore import KVStore
+from engine.loading import require_context
 from engine.model import Transformer
 from engine.service import CommandService
 from engine.state import HandleState
@@ -151,6 +152,7 @@ class Worker:
                  retries: int = 1) -> None:
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
+        require_context(self.cfg, capacity)  # before the store's preallocation
         self.dtype = next(model.parameters()).dtype
         self.itemsize = torch.tensor([], dtype=self.dtype).element_size()
         self.max_running, self.prefill_chunk, self.prefill_tokens = max_running, prefill_chunk, prefill_tokens

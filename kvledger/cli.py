@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Callable
 
+from kvledger import args as a
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -24,9 +25,9 @@ def add_slo_arguments(p: argparse.ArgumentParser) -> None:
     """The goodput SLO options, with the one default (replay.metrics)."""
     from replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS
 
-    p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
+    p.add_argument("--slo-ttft-ms", type=a.millis, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
                    help=f"TTFT limit for goodput (default: {DEFAULT_SLO_TTFT_MS:g})")
-    p.add_argument("--slo-tbt-ms", type=float, default=DEFAULT_SLO_TBT_MS, metavar="MS",
+    p.add_argument("--slo-tbt-ms", type=a.millis, default=DEFAULT_SLO_TBT_MS, metavar="MS",
                    help=f"limit on every time-between-tokens for goodput (default: {DEFAULT_SLO_TBT_MS:g})")
 
 
@@ -85,20 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the main job: a torch GQA worker serving ~32 requests under the journal",
     )
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--requests", type=int, default=32, help="number of requests (default 32)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="seed for prompts and sampling")
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: small random model)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--requests", type=a.REQUESTS, default=32, help="number of requests (default 32)")
+    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16, help="tokens per request (default 16)")
+    p.add_argument("--seed", type=a.SEED, default=0, help="seed for prompts and sampling (32 bits)")
+    p.add_argument("--model", type=a.model_dir,
+                   help="Hugging Face checkpoint directory (default: small random model)")
+    p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_not_built("demo"))
 
     p = sub.add_parser("generate", help="greedy completion of one prompt, journaled")
-    p.add_argument("--model", help="Hugging Face checkpoint directory (default: small random model)")
-    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--model", type=a.model_dir,
+                   help="Hugging Face checkpoint directory (default: small random model)")
+    p.add_argument("--prompt-ids", type=a.token_ids, required=True,
+                   help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16)
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_not_built("generate"))
 
@@ -110,11 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     from kvledger.logs import configure
 
     configure()  # logs go to stderr: stdout is for results (--json)
+    args: argparse.Namespace | None = None
     try:
+        args = parser.parse_args(argv)  # the argument types raise coded errors (kvledger.args)
+        a.check_outputs(args)
         return args.run(args)
     except KvLedgerError as exc:
         print(str(exc), file=sys.stderr)  # one line: str() escapes control characters
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _last_resort(exc: Exception, args: argparse.Namespace) -> KvLedgerError:
+def _last_resort(exc: Exception, args: argparse.Namespace | None) -> KvLedgerError:
     """A driver error that no journal boundary translated gets its code here; anything
     else is a bug, reported in one line by its class and place (KVLEDGER_DEBUG=1 raises
     it with its traceback). The exception's own text is not shown: it may quote a URL."""
@@ -151,7 +157,7 @@ def _last_resort(exc: Exception, args: argparse.Namespace) -> KvLedgerError:
     frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     at = f" at {os.path.basename(frame.filename)}:{frame.lineno}" if frame else ""
     return KvLedgerError(ErrorCode.INTERNAL_ERROR, f"unexpected {type(exc).__name__}{at} in "
-                         f"`kvledger {args.command}` (a bug; KVLEDGER_DEBUG=1 shows the traceback)")
+                         f"`kvledger {getattr(args, 'command', '')}` (a bug; KVLEDGER_DEBUG=1 shows the traceback)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import json
 import sys
 
 from engine.remote import WRITERS
+from kvledger import args as a
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -24,9 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recover", help="after a crash: verify, abort in-doubt appends, rebuild live K/V "
                                        "by re-execution and finish every unfinished request")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--model", help="the serving model: Hugging Face checkpoint directory "
+    p.add_argument("--model", type=a.model_dir, help="the serving model: Hugging Face checkpoint directory "
                                    "(default: the small random model)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (the serving run's device)")
+    p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N (the serving run's device)")
     p.add_argument("--no-continue", action="store_true",
                    help="only verify and abort in-doubt appends; do not re-execute or continue")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -37,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                           "any violation")
     p.add_argument("--db", help=DB_HELP + "; trials use scratch journals beside it (SQLite files in a "
                                           "scratch directory, PostgreSQL databases: needs CREATEDB)")
-    p.add_argument("--trials", type=int, default=50, help="number of trials (default 50)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the crash plan")
+    p.add_argument("--trials", type=a.TRIALS, default=50, help="number of trials (default 50)")
+    p.add_argument("--seed", type=a.SEED, default=0, help="seed of the workload and the crash plan (32 bits)")
     p.add_argument("--writer", choices=WRITERS, default="thread",
                    help="the worker's command service in its process (default) or in a writer process "
                         "(killed with it: the process group)")

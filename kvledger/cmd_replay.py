@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from kvledger import args as a
 from kvledger.storage import open_existing_journal
 from kvledger.cli import add_slo_arguments
 from schemas.errors import ErrorCode, KvLedgerError
@@ -24,16 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="fold the journal into snapshots, byte ledgers, byte-time "
                                       "and service metrics")
     _source(p)
-    p.add_argument("--at", type=int, metavar="N",
+    p.add_argument("--at", type=a.POSITION, metavar="N",
                    help="the state after global positions 1..N (time travel)")
     p.add_argument("--incremental", action="store_true",
                    help="resume from the projection checkpoint stored in the database, then "
                         "store the new one (same result as a full replay)")
-    p.add_argument("--checkpoint", default="replay", metavar="NAME",
+    p.add_argument("--checkpoint", type=a.name, default="replay", metavar="NAME",
                    help="checkpoint name for --incremental (default: replay)")
-    p.add_argument("--window-start-ms", type=float, metavar="MS",
+    p.add_argument("--window-start-ms", type=a.millis, metavar="MS",
                    help="observation window start, monotonic ms (default: the first event)")
-    p.add_argument("--window-ms", type=float, metavar="MS",
+    p.add_argument("--window-ms", type=a.millis, metavar="MS",
                    help="observation window width (default: up to the last event)")
     add_slo_arguments(p)
     p.add_argument("--json", action="store_true",
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "requests, window")
     p.add_argument("--trajectory", action="store_true",
                    help="with --json: add the ledgers after every event")
-    p.add_argument("--plot", metavar="FILE.png",
+    p.add_argument("--plot", type=a.output_file, metavar="FILE.png",
                    help="draw the byte trajectory (needs matplotlib: pip install 'kvledger[plot]')")
     p.set_defaults(run=_cmd_replay)
 
@@ -52,12 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output file ('-': stdout)")
+    p.add_argument("--out", type=a.output_or_stdout, required=True, metavar="FILE.jsonl",
+                   help="output file ('-': stdout)")
     p.set_defaults(run=_cmd_export)
 
     p = sub.add_parser("import", help="load an audit file into an empty journal (all or nothing)")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("file", metavar="FILE.jsonl")
+    p.add_argument("file", type=a.input_file, metavar="FILE.jsonl")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_import)
 
@@ -65,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _source(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--db", help=DB_HELP)
-    g.add_argument("--journal", metavar="FILE.jsonl", help="an audit file; no database needed")
+    g.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl", help="an audit file; no database needed")
 
 
 # -- commands --------------------------------------------------------------------------
@@ -105,7 +107,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         from replay.plot import plot_trajectory
 
         title = f"{Path(source).name} to position {report.position}"
-        plot_trajectory(report.trajectory or [], args.plot, title)
+        with a.writing(args.plot):
+            plot_trajectory(report.trajectory or [], args.plot, title)
     if not args.trajectory and report.trajectory is not None:
         report = msgspec.structs.replace(report, trajectory=None)
     if args.json:
@@ -148,7 +151,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from replay import export_jsonl
 
     with open_existing_journal(args.db) as journal:
-        with _progress("export", journal.last_position()) as progress:
+        with _progress("export", journal.last_position()) as progress, a.writing(args.out):
             n = export_jsonl(journal, args.out, progress)
         if args.out != "-":
             print(f"exported {n} events from {journal.display_url} to {args.out}", file=sys.stderr)

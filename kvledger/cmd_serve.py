@@ -12,6 +12,7 @@ from typing import get_args
 from journal import redact, resolve_url
 from engine.remote import WRITERS
 from kvledger.cli import add_slo_arguments
+from kvledger import args as a
 from schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
@@ -48,15 +49,26 @@ def _percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float) -> dict:
+def own_events(journal, after: int, source_instance: str) -> list:
+    """The events after `after` that this run's service wrote (its source instance names
+    the run), renumbered 1.. in their global order: another run writing to the same
+    journal meanwhile must not count in this run's summary, and the projector folds
+    positions without gaps."""
+    from msgspec.structs import replace
+
+    mine = (e for e in journal.read_all(after=after) if e.source_instance == source_instance)
+    return [replace(e, global_position=i) for i, e in enumerate(mine, 1)]
+
+
+def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float, source_instance: str) -> dict:
     from replay.metrics import WindowSpec
-    from schemas.events import AppendStartEvent
-    from replay.projector import ProjectionState, Projector
+    from replay.projector import Projector
     from replay.report import build
+    from schemas.events import AppendStartEvent
 
     # This run touched only handles it created, so a fold of its own events is complete.
-    events = list(journal.read_all(after=after))
-    projector = Projector(ProjectionState(position=after)).feed(events)
+    events = own_events(journal, after, source_instance)
+    projector = Projector().feed(events)
     report = build(projector, WindowSpec(slo_ttft_ns=int(slo_ttft_ms * 1e6), slo_tbt_ns=int(slo_tbt_ms * 1e6)))
     ttft = [r.ttft_ns / 1e6 for r in report.requests if r.ttft_ns is not None]
     tpot = [r.tpot_ns / 1e6 for r in report.requests if r.tpot_ns is not None]
@@ -69,6 +81,8 @@ def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float) -> dic
                     "requests_per_s": w.goodput_rps, "tokens_per_s": w.token_goodput_tps,
                     "slo_ttft_ms": slo_ttft_ms, "slo_tbt_ms": slo_tbt_ms},
         "cancelled": sum(1 for r in report.requests if r.outcome == "cancelled"),
+        "events_written": len(events),
+        "source_instance": source_instance,
         "events_by_type": dict(Counter(e.event_type for e in events)),
         "appends_by_kind": dict(Counter(e.payload.kind for e in events if isinstance(e, AppendStartEvent))),
     }
@@ -98,9 +112,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from kvledger.demo import run_demo
     from kvledger.storage import open_journal
 
-    if args.requests < 1 or args.max_new_tokens < 1:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--requests and --max-new-tokens must be >= 1")
     url = resolve_url(args.db)
+    run_id = uuid.uuid4().hex[:8]
+    source = f"kvledger-demo-{run_id}"  # stamps every event of this run: its summary counts only those
     _make_room(args)
     # The telemetry flags are checked (and their files opened) before the journal is: a
     # refused command must not leave a new database behind.
@@ -118,16 +132,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         try:
             result = run_demo(journal, requests=args.requests, max_new_tokens=args.max_new_tokens,
                               seed=args.seed, model_dir=args.model, device=args.device, on_step=on_step,
-                              run_id=uuid.uuid4().hex[:8], telemetry=telemetry, writer=args.writer)
+                              run_id=run_id, source_instance=source, telemetry=telemetry, writer=args.writer)
         finally:
             if bar:
                 bar.stop()
             telemetry_out = finish_demo_telemetry(telemetry, args)
-        summary = summarize(journal, first, args.slo_ttft_ms, args.slo_tbt_ms)
+        summary = summarize(journal, first, args.slo_ttft_ms, args.slo_tbt_ms, source)
         position = journal.last_position()
     out = {
         "journal": redact(url), "position": position, "requests": result["requests"],
-        "handles": result["handles"], "tokens": result["tokens"], "events_written": result["events_written"],
+        "handles": result["handles"], "tokens": result["tokens"],
         "iterations": result["iterations"], "model_calls": result["model_calls"],
         "seconds": round(result["seconds"], 3),
         "tokens_per_s": round(result["tokens"] / result["seconds"], 1) if result["seconds"] else None,
@@ -209,33 +223,31 @@ def _print_demo(out: dict) -> None:
     print(f"next: kvledger verify --db {out['journal']}  |  kvledger replay --db {out['journal']}")
 
 
+# Prompt tokens per prefill call of `generate`: attention's memory is chunk x context, not
+# prompt x prompt (one 40,000-token call once took 8.6 GB).
+PREFILL_CHUNK = 512
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine.loading import load_model
+    from engine.loading import load_model, require_context
     from engine.remote import command_service
     from engine.worker import RequestSpec, Worker
     from kvledger.storage import open_journal
 
-    try:
-        prompt = tuple(int(x) for x in args.prompt_ids.split(",") if x.strip())
-    except ValueError:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--prompt-ids must be comma-separated integers") from None
-    if not prompt or any(t < 0 for t in prompt):
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--prompt-ids needs at least one non-negative id")
-    if args.max_new_tokens < 1:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--max-new-tokens must be >= 1")
+    prompt = args.prompt_ids  # parsed and bounded by kvledger.args.token_ids
     model, artifact = load_model(args.model, device=args.device)
     if max(prompt) >= model.cfg.vocab_size:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"token id {max(prompt)} >= vocab {model.cfg.vocab_size}")
+    capacity = len(prompt) + args.max_new_tokens + 1
+    require_context(model.cfg, capacity)  # before the journal is opened
     url = resolve_url(args.db)
     handle = f"gen-{uuid.uuid4().hex[:12]}"
     _make_room(args)
     with open_journal(url) as journal:
         first = journal.last_position()
         with command_service(journal, writer=args.writer, source_instance="kvledger-generate") as service:
-            worker = Worker(model, service=service, artifact=artifact, max_running=1,
-                            capacity=len(prompt) + args.max_new_tokens + 1,
-                            prefill_chunk=max(64, len(prompt)), prefill_tokens=max(256, len(prompt)),
-                            device=args.device)
+            worker = Worker(model, service=service, artifact=artifact, max_running=1, capacity=capacity,
+                            prefill_chunk=PREFILL_CHUNK, prefill_tokens=PREFILL_CHUNK, device=args.device)
             worker.submit(RequestSpec(request_id=handle, prompt=prompt, max_new_tokens=args.max_new_tokens))
             outputs = worker.run()[handle]
         position = journal.last_position()

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvledger import args as a
 from kvledger.storage import open_existing_journal
 from schemas.errors import ErrorCode, KvLedgerError
 
@@ -27,22 +28,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Each finding names its class, the telemetry record(s) (line, id) and the "
                     "journal event(s) (position, id) it points to. Absence is concluded only from "
                     "a complete (unsampled) telemetry file, within the scope its header declares.")
-    p.add_argument("--telemetry", required=True, metavar="FILE.jsonl",
+    p.add_argument("--telemetry", type=a.input_file, required=True, metavar="FILE.jsonl",
                    help="telemetry JSON lines (from `kvledger demo --telemetry`)")
-    p.add_argument("--metrics", metavar="SCRAPE.txt", help="a Prometheus text scrape to check labels")
+    p.add_argument("--metrics", type=a.input_file, metavar="SCRAPE.txt",
+                   help="a Prometheus text scrape to check labels")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--db", help=DB_HELP)
-    g.add_argument("--journal", metavar="FILE.jsonl", help="an audit file (kvledger export); no database")
+    g.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl",
+                   help="an audit file (kvledger export); no database")
     p.add_argument("--json", action="store_true", help="print one JSON object: summary, findings")
     p.set_defaults(run=_cmd_reconcile)
 
     demo = sub.choices.get("demo")
     if demo is not None:
-        demo.add_argument("--telemetry", metavar="FILE.jsonl",
+        demo.add_argument("--telemetry", type=a.output_file, metavar="FILE.jsonl",
                           help="write telemetry JSON lines here (after each commit; never blocks)")
-        demo.add_argument("--metrics-port", type=int, metavar="P",
+        demo.add_argument("--metrics-port", type=a.PORT, metavar="P",
                           help="serve Prometheus /metrics on 127.0.0.1:P during the run (0: any port)")
-        demo.add_argument("--metrics-out", metavar="SCRAPE.txt",
+        demo.add_argument("--metrics-out", type=a.output_file, metavar="SCRAPE.txt",
                           help="write the final /metrics scrape here (for `kvledger reconcile --metrics`)")
 
 
@@ -56,10 +59,7 @@ def demo_telemetry(args: argparse.Namespace):
         return None
     from engine.telemetry import Telemetry
 
-    if path is not None and not Path(path).expanduser().parent.is_dir():
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"directory of {path} does not exist")
-    if port is not None and not 0 <= port <= 65535:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--metrics-port {port} is not a port")
+    # The path and the port were checked when parsed (kvledger.args).
     telemetry = Telemetry(Path(path).expanduser() if path else None)
     if port is not None:
         try:
@@ -78,7 +78,8 @@ def finish_demo_telemetry(telemetry, args: argparse.Namespace) -> dict | None:
     telemetry.close()
     out = getattr(args, "metrics_out", None)
     if out is not None:
-        Path(out).expanduser().write_bytes(telemetry.metrics.scrape())
+        with a.writing(out):
+            Path(out).expanduser().write_bytes(telemetry.metrics.scrape())
     stats = telemetry.stats()
     return {"file": getattr(args, "telemetry", None), "metrics_port": telemetry.metrics_port,
             "metrics_out": out, "records": stats["records"], "written": stats["written"],

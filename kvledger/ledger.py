@@ -8,12 +8,15 @@
         ...
 
 Every mutating method returns the durable Receipt or raises KvLedgerError with a
-stable code; a rejected command leaves the journal unchanged.
+stable code; a rejected command leaves the journal unchanged. Arguments are held to the
+event schema's limits before anything is decided (CommandService.strict): a call can be
+refused, never write an event that a later replay, state() or import would reject.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 from engine import commands as c
 from engine.decide import full_layers
@@ -34,7 +37,8 @@ class Ledger:
     def __init__(self, journal: SqlJournal, *, source_instance: str = "kvledger", clock=None) -> None:
         self.journal = journal
         kwargs = {"clock": clock} if clock is not None else {}
-        self.service = CommandService(journal, source_instance=source_instance, **kwargs)
+        c.check_id(source_instance, "source instance")
+        self.service = CommandService(journal, source_instance=source_instance, strict=True, **kwargs)
 
     @classmethod
     def open(cls, url: str | None = None, **kwargs) -> Ledger:
@@ -51,7 +55,7 @@ class Ledger:
 
     # -- reads -------------------------------------------------------------------
     def state(self, handle_id: str, *, refresh: bool = True) -> HandleState:
-        s = self.service.state(handle_id, refresh=refresh)
+        s = self.service.state(c.check_id(handle_id), refresh=refresh)
         if s is None:
             raise KvLedgerError(ErrorCode.UNKNOWN_HANDLE, f"no handle {handle_id}")
         return s
@@ -62,7 +66,7 @@ class Ledger:
     def prefix_owners(self, prefix_identity_sha256: str) -> tuple[str, ...]:
         """Live handles holding a prefix identity. Empty means eviction-eligible; which
         physical bytes that frees is the allocator's business, not the ledger's."""
-        heads = self.journal.heads(prefix_identity_sha256=prefix_identity_sha256)
+        heads = self.journal.heads(prefix_identity_sha256=c.check_id(prefix_identity_sha256, "prefix identity"))
         return tuple(sorted(h for h, f in heads.items() if f.phase != "RELEASED"))
 
     def require_evictable(self, prefix_identity_sha256: str) -> None:
@@ -77,40 +81,48 @@ class Ledger:
 
     def execute_many(self, cmds: Sequence[c.Command]) -> list[Receipt | KvLedgerError]:
         """Many commands (e.g. one iteration's publications) in one journal commit."""
+        with _arguments():
+            cmds = list(cmds)
         return self.service.execute_many(cmds)
 
     def allocate(self, handle_id: str, manifest: Manifest, *, reserved_capacity: int,
                  copy_tiers: tuple[str, ...] = ("gpu",), allocator_bytes_per_copy: int = 0,
                  generation: int = 0, operation_id: str | None = None) -> Receipt:
-        return self.execute(c.Allocate(
-            handle_id=handle_id, manifest=manifest, reserved_capacity=reserved_capacity,
-            copy_tiers=copy_tiers, allocator_bytes_per_copy=allocator_bytes_per_copy,
-            generation=generation, operation_id=operation_id))
+        with _arguments():
+            cmd = c.Allocate(
+                handle_id=handle_id, manifest=manifest, reserved_capacity=reserved_capacity,
+                copy_tiers=copy_tiers, allocator_bytes_per_copy=allocator_bytes_per_copy,
+                generation=generation, operation_id=operation_id)
+        return self.execute(cmd)
 
     def begin_append(self, handle_id: str, *, txn_id: str, kind: str, base: Base, start: int,
                      token_ids: Sequence[int], cache_abi_sha256: str | None = None,
                      cache_positions: Sequence[int] | None = None, mask_key_extent: int | None = None,
                      operation_id: str | None = None) -> Receipt:
-        n = len(token_ids)
         abi = cache_abi_sha256 or self.state(handle_id, refresh=False).cache_abi_sha256
-        return self.execute(c.BeginAppend(
-            handle_id=handle_id, txn_id=txn_id, kind=kind, base_generation=base[0],
-            base_snapshot_version=base[1], interval_start=start, interval_count=n,
-            token_ids=tuple(token_ids),
-            cache_positions=tuple(cache_positions) if cache_positions is not None
-            else tuple(range(start, start + n)),
-            mask_key_extent=start + n if mask_key_extent is None else mask_key_extent,
-            cache_abi_sha256=abi, operation_id=operation_id))
+        with _arguments():
+            n = len(token_ids)
+            cmd = c.BeginAppend(
+                handle_id=handle_id, txn_id=txn_id, kind=kind, base_generation=base[0],
+                base_snapshot_version=base[1], interval_start=start, interval_count=n,
+                token_ids=tuple(token_ids),
+                cache_positions=tuple(cache_positions) if cache_positions is not None
+                else tuple(range(start, start + n)),
+                mask_key_extent=start + n if mask_key_extent is None else mask_key_extent,
+                cache_abi_sha256=abi, operation_id=operation_id)
+        return self.execute(cmd)
 
     def publish(self, handle_id: str, *, txn_id: str, base: Base,
                 layers: tuple[LayerRows, ...] | None = None, accepted_count: int | None = None,
                 workspace_bytes: int = 0, operation_id: str | None = None) -> Receipt:
         """Publish an open append. `layers=None` asserts every layer staged complete K
         and V; name the layers (with row digests) to have each one checked."""
-        return self.execute(c.Publish(
-            handle_id=handle_id, txn_id=txn_id, base_generation=base[0], base_snapshot_version=base[1],
-            layers=layers, accepted_count=accepted_count, workspace_bytes=workspace_bytes,
-            operation_id=operation_id))
+        with _arguments():
+            cmd = c.Publish(
+                handle_id=handle_id, txn_id=txn_id, base_generation=base[0], base_snapshot_version=base[1],
+                layers=layers, accepted_count=accepted_count, workspace_bytes=workspace_bytes,
+                operation_id=operation_id)
+        return self.execute(cmd)
 
     def fail(self, handle_id: str, *, txn_id: str, outcome: str = "failed", code: str = "FAILED",
              detail: str = "", operation_id: str | None = None) -> Receipt:
@@ -119,32 +131,41 @@ class Ledger:
 
     def emit(self, handle_id: str, *, base: Base, output_index: int, token_id: int,
              operation_id: str | None = None) -> Receipt:
-        return self.execute(c.EmitOutput(
-            handle_id=handle_id, base_generation=base[0], snapshot_version=base[1],
-            output_index=output_index, token_id=token_id, operation_id=operation_id))
+        with _arguments():
+            cmd = c.EmitOutput(
+                handle_id=handle_id, base_generation=base[0], snapshot_version=base[1],
+                output_index=output_index, token_id=token_id, operation_id=operation_id)
+        return self.execute(cmd)
 
     def fork(self, parent_handle_id: str, *, base: Base, child_handle_ids: Sequence[str],
              prefix_length: int, child_request_ids: Sequence[str] = (),
              operation_id: str | None = None) -> Receipt:
-        return self.execute(c.Fork(
-            parent_handle_id=parent_handle_id, base_generation=base[0], base_snapshot_version=base[1],
-            child_handle_ids=tuple(child_handle_ids), prefix_length=prefix_length,
-            child_request_ids=tuple(child_request_ids), operation_id=operation_id))
+        with _arguments():
+            cmd = c.Fork(
+                parent_handle_id=parent_handle_id, base_generation=base[0], base_snapshot_version=base[1],
+                child_handle_ids=tuple(child_handle_ids), prefix_length=prefix_length,
+                child_request_ids=tuple(child_request_ids), operation_id=operation_id)
+        return self.execute(cmd)
 
     def truncate(self, handle_id: str, *, base: Base, new_length: int,
                  operation_id: str | None = None) -> Receipt:
-        return self.execute(c.Truncate(handle_id=handle_id, base_generation=base[0],
-                                       base_snapshot_version=base[1], new_length=new_length,
-                                       operation_id=operation_id))
+        with _arguments():
+            cmd = c.Truncate(handle_id=handle_id, base_generation=base[0], base_snapshot_version=base[1],
+                             new_length=new_length, operation_id=operation_id)
+        return self.execute(cmd)
 
     def reorder(self, group_id: str, *, rows: Sequence[str], permutation: Sequence[int],
                 bases: Sequence[Base] | None = None, operation_id: str | None = None, **parts) -> Receipt:
+        with _arguments():
+            rows = tuple(rows)
         if bases is None:
             bases = [(s.generation, s.snapshot_version) for s in map(self.state, rows)]
-        return self.execute(c.Reorder(
-            group_id=group_id, rows=tuple(rows), bases=tuple(tuple(b) for b in bases),
-            permutation=tuple(permutation), operation_id=operation_id,
-            **{k: tuple(v) for k, v in parts.items()}))
+        with _arguments():
+            cmd = c.Reorder(
+                group_id=group_id, rows=rows, bases=tuple(tuple(b) for b in bases),
+                permutation=tuple(permutation), operation_id=operation_id,
+                **{k: tuple(v) for k, v in parts.items()})
+        return self.execute(cmd)
 
     def cancel(self, handle_id: str, *, generation: int, reason: str = "",
                operation_id: str | None = None) -> Receipt:
@@ -160,5 +181,17 @@ class Ledger:
                 operation_id: str | None = None) -> Receipt:
         return self.execute(c.Release(handle_id=handle_id, base_generation=generation,
                                       base_snapshot_version=snapshot_version, operation_id=operation_id))
+
+
+@contextlib.contextmanager
+def _arguments() -> Iterator[None]:
+    """Building a command from the caller's arguments (len(), tuple(), base[0], an unknown
+    keyword): a wrong type or shape there is the caller's INVALID_ARGUMENT, not a traceback.
+    Only the building runs in here; deciding and writing do not."""
+    try:
+        yield
+    except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"bad argument: {exc}") from None
+
 
 __all__ = ["Ledger", "full_layers"]

@@ -64,6 +64,9 @@ class ErrorCode(StrEnum):
     DATABASE_TOO_NEW = "DATABASE_TOO_NEW"  # written by a newer kvledger (unknown revision)
     DATABASE_ERROR = "DATABASE_ERROR"  # any other driver error
     INTERNAL_ERROR = "INTERNAL_ERROR"  # a bug: an exception kvledger did not expect
+    UNWRITABLE_OUTPUT = "UNWRITABLE_OUTPUT"  # an output path is a directory, read-only, or the disk is full
+    OUTPUT_IS_INPUT = "OUTPUT_IS_INPUT"  # an output would overwrite the journal or another input
+    CONTEXT_TOO_LONG = "CONTEXT_TOO_LONG"  # prompt + generation beyond the model's positions
 
 
 class KvLedgerError(Exception):

@@ -214,6 +214,8 @@ def test_every_lifecycle_code_is_exercised():
         "DATABASE_NOT_FOUND", "DATABASE_AUTH_FAILED", "NOT_A_DATABASE", "DATABASE_READ_ONLY",
         "PERMISSION_DENIED", "DATABASE_BUSY", "DATABASE_FULL", "CONSTRAINT_VIOLATION", "TABLE_MISSING",
         "SCHEMA_MISMATCH", "DATABASE_TOO_NEW", "DATABASE_ERROR", "INTERNAL_ERROR",
+        # command-line codes, covered by tests/test_hardening_args.py
+        "UNWRITABLE_OUTPUT", "OUTPUT_IS_INPUT", "CONTEXT_TOO_LONG",
     }]
     missing = [code.name for code in lifecycle if f"E.{code.name}," not in src]
     assert missing == []

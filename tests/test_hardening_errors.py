@@ -286,7 +286,7 @@ def test_refused_commands_create_no_database(tmp_path):
                       (["reconcile", "--telemetry", str(bad)], "DATABASE_NOT_FOUND"),
                       (["import", str(bad)], None), (["import", str(tmp_path / "none.jsonl")], None),
                       (["demo", "--metrics-port", "70000"], "INVALID_ARGUMENT"),
-                      (["demo", "--telemetry", str(tmp_path / "no" / "t.jsonl")], "INVALID_ARGUMENT"),
+                      (["demo", "--telemetry", str(tmp_path / "no" / "t.jsonl")], "UNWRITABLE_OUTPUT"),
                       (["demo", "--requests", "0"], "INVALID_ARGUMENT"),
                       (["generate", "--prompt-ids", "x"], "INVALID_ARGUMENT")]:
         rc, out, err = cli(*cmd, "--db", url)

@@ -238,7 +238,11 @@ def test_recover_cli_errors_are_one_line_with_a_code(tmp_path):
     p = _cli("recover", "--db", f"sqlite:///{missing}")
     assert p.returncode == 2 and p.stderr.startswith("DATABASE_NOT_FOUND") and not missing.exists()
     init_database(f"sqlite:///{tmp_path}/x.db")
+    # A --model that is not a checkpoint is refused when parsed, before recover writes
+    # anything (aborting in-doubt appends comes before the model is loaded).
     p = _cli("recover", "--db", f"sqlite:///{tmp_path}/x.db", "--model", str(tmp_path))
+    assert p.returncode == 2 and p.stderr.startswith("INVALID_ARGUMENT") and p.stderr.count("\n") == 1
+    p = _cli("recover", "--db", f"sqlite:///{tmp_path}/x.db")
     assert p.returncode == 0  # no live handle: the model is never needed
 
 
