@@ -48,6 +48,7 @@ class ErrorCode(StrEnum):
     DATABASE_UNREACHABLE = "DATABASE_UNREACHABLE"
     NOT_MIGRATED = "NOT_MIGRATED"
     NOT_BUILT = "NOT_BUILT"
+    NON_CANONICAL_EVENT = "NON_CANONICAL_EVENT"  # a body that does not re-encode to itself
 
 
 class KvLedgerError(Exception):
