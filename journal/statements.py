@@ -194,7 +194,7 @@ class Statements:
     # -- reads -------------------------------------------------------------------
     def last_position(self, cur: Any) -> int:
         cur.execute("SELECT coalesce(max(global_position), 0) FROM kvl_events")
-        return int(cur.fetchone()[0])
+        return stored_int(cur.fetchone()[0], "the last global position")
 
     def stream_bodies(self, cur: Any, handle_id: str, after: int) -> list[bytes]:
         cur.execute(
