@@ -116,9 +116,15 @@ def _refusal(path: str | Path, n: int, f: Finding) -> KvLedgerError:
     line's form, CORRUPT_JOURNAL (naming verify's code) when the journal would be."""
     code = _DECODE_CODES.get(f.code)
     if code is not None:
-        return KvLedgerError(code, f"{path}:{n}: {f.message}")
+        return KvLedgerError(code, f"{path}:{n}: {f.message}".translate(_ESCAPES))
     return KvLedgerError(ErrorCode.CORRUPT_JOURNAL,
-                         f"{path}:{n}: {f.code}: {f.message} (see `kvledger verify --journal {path}`)")
+                         f"{path}:{n}: {f.code}: {f.message} (see `kvledger verify --journal {path}`)"
+                         .translate(_ESCAPES))
+
+
+# Ids in a hostile file may hold newlines: escaped, a message stays one line and cannot
+# forge a second coded line on stderr.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {10: "\\n", 13: "\\r", 9: "\\t"}
 
 
 class TableDeriver:

@@ -179,6 +179,11 @@ class Checker:
         problem = noncanonical(body, e)
         if problem is not None:
             self._event_finding(e, NON_CANONICAL, f"body {problem}")
+        for name in ("event_id", "stream_id", "request_id", "operation_id"):
+            # These become text columns, and PostgreSQL text cannot hold NUL: refused here
+            # (not by the decoder, which replay runs per event) so import never fails late.
+            if "\x00" in (getattr(e, name) or ""):
+                self._event_finding(e, ErrorCode.MALFORMED_EVENT.value, f"{name} contains a NUL character")
         if row is not None:
             for problem in column_problems(row, e, names(body).schema_version):
                 self._event_finding(e, COLUMN_MISMATCH, problem)
