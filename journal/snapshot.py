@@ -25,11 +25,11 @@ class SqlSnapshot(Snapshot):
         return self._call(lambda: self._sql.integrity(self._cur))
 
     def events(self) -> Iterator[StoredEvent]:
-        for row in self._pages(self._sql.event_rows):
+        for row in self._pages(self._sql.EVENT_PAGES):
             yield StoredEvent(*row)
 
     def receipts(self) -> Iterator[StoredReceipt]:
-        for row in self._pages(self._sql.receipt_rows):
+        for row in self._pages(self._sql.RECEIPT_PAGES):
             yield StoredReceipt(*row)
 
     def heads(self) -> dict[str, HeadFacts]:
@@ -39,10 +39,10 @@ class SqlSnapshot(Snapshot):
     def manifest(self, manifest_sha256: str) -> Any:
         return self._call(lambda: self._sql.raw_manifest(self._cur, manifest_sha256))
 
-    def _pages(self, fetch: Callable[[Any, Any, int], list[tuple]]) -> Iterator[tuple]:
+    def _pages(self, pages: tuple[str, str]) -> Iterator[tuple]:
         after = None
         while True:
-            rows = self._call(lambda: fetch(self._cur, after, PAGE))
+            rows = self._call(lambda: self._sql.page(self._cur, pages, after, PAGE))
             yield from rows
             if len(rows) < PAGE:
                 return

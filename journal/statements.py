@@ -270,27 +270,28 @@ class Statements:
     def integrity(self, cur: Any) -> Integrity:
         raise NotImplementedError
 
-    # Keyset pages. The first page has no lower bound, so a row whose key was edited to
-    # zero or below is read too (a `> 0` bound would hide it from the audit).
-    EVENT_ROWS = ("SELECT global_position, event_id, stream_id, stream_position, event_type, "
-                  "schema_version, operation_id, body FROM kvl_events")
-    RECEIPT_ROWS = ("SELECT operation_id, fingerprint, first_global_position, last_global_position, "
-                    "body FROM kvl_receipts")
+    # Keyset pages, as (first page, each next page). The first page has no lower bound,
+    # so a row whose key was edited to zero or below is read too (a `> 0` bound would
+    # hide it from the audit).
+    EVENT_PAGES = (
+        "SELECT global_position, event_id, stream_id, stream_position, event_type, schema_version, "
+        "operation_id, body FROM kvl_events ORDER BY global_position LIMIT ?",
+        "SELECT global_position, event_id, stream_id, stream_position, event_type, schema_version, "
+        "operation_id, body FROM kvl_events WHERE global_position > ? ORDER BY global_position LIMIT ?",
+    )
+    RECEIPT_PAGES = (
+        "SELECT operation_id, fingerprint, first_global_position, last_global_position, body "
+        "FROM kvl_receipts ORDER BY operation_id LIMIT ?",
+        "SELECT operation_id, fingerprint, first_global_position, last_global_position, body "
+        "FROM kvl_receipts WHERE operation_id > ? ORDER BY operation_id LIMIT ?",
+    )
 
-    def event_rows(self, cur: Any, after: Any, limit: int) -> list[tuple]:
+    def page(self, cur: Any, pages: tuple[str, str], after: Any, limit: int) -> list[tuple]:
+        """Rows after key `after` (None: from the start), at most `limit`."""
         if after is None:
-            cur.execute(self.q(self.EVENT_ROWS + " ORDER BY global_position LIMIT ?"), (limit,))
+            cur.execute(self.q(pages[0]), (limit,))
         else:
-            cur.execute(self.q(self.EVENT_ROWS + " WHERE global_position > ? ORDER BY global_position "
-                               "LIMIT ?"), (after, limit))
-        return cur.fetchall()
-
-    def receipt_rows(self, cur: Any, after: Any, limit: int) -> list[tuple]:
-        if after is None:
-            cur.execute(self.q(self.RECEIPT_ROWS + " ORDER BY operation_id LIMIT ?"), (limit,))
-        else:
-            cur.execute(self.q(self.RECEIPT_ROWS + " WHERE operation_id > ? ORDER BY operation_id "
-                               "LIMIT ?"), (after, limit))
+            cur.execute(self.q(pages[1]), (after, limit))
         return cur.fetchall()
 
     def raw_manifest(self, cur: Any, manifest_sha256: str) -> Any:
