@@ -127,14 +127,23 @@ def _refusal(path: str | Path, n: int, f: Finding) -> KvLedgerError:
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {10: "\\n", 13: "\\r", 9: "\\t"}
 
 
+class _OpFacts(msgspec.Struct):
+    """What a rebuilt receipt needs of an operation's events (not the events themselves)."""
+
+    event_ids: list[str]
+    first: int
+    last: int
+    wall_ns: int  # the commit's wall clock is not in the events; the newest observation is
+    handles: dict[str, HandleResult]  # each handle as it stood after the operation
+
+
 class TableDeriver:
     """Head rows, receipts and manifests as the command service would have written them,
     built one event at a time."""
 
     def __init__(self) -> None:
         self.states: dict[str, HandleState] = {}
-        self.ops: dict[str, list[ev.Event]] = {}
-        self.results: dict[str, dict[str, HandleResult]] = {}
+        self.ops: dict[str, _OpFacts] = {}
         self.manifests: dict[str, bytes] = {}
 
     def add(self, e: ev.Event, after: HandleState | None = None) -> None:
@@ -142,24 +151,24 @@ class TableDeriver:
         s = self.states[e.stream_id] = after if after is not None else evolve(self.states.get(e.stream_id), e)
         if isinstance(e, ev.RequestAllocateEvent):
             self.manifests.setdefault(e.payload.manifest_sha256, canonical_json(e.payload.manifest))
-        if e.operation_id is not None:
-            self.ops.setdefault(e.operation_id, []).append(e)
-            # The receipt reports each handle as it stood after the operation.
-            self.results.setdefault(e.operation_id, {})[e.stream_id] = HandleResult(
-                s.handle_id, s.generation, s.snapshot_version, s.stream_position, s.committed_length)
+        if e.operation_id is None:
+            return
+        op = self.ops.get(e.operation_id)
+        if op is None:
+            op = self.ops[e.operation_id] = _OpFacts([], e.global_position, e.global_position, 0, {})
+        op.event_ids.append(e.event_id)
+        op.last = e.global_position
+        op.wall_ns = max(op.wall_ns, e.observed_wall_time)
+        op.handles[e.stream_id] = HandleResult(s.handle_id, s.generation, s.snapshot_version,
+                                               s.stream_position, s.committed_length)
 
     def result(self) -> ImportTables:
         heads = {h: head_facts(s) for h, s in self.states.items()}
-        receipts = [
-            Receipt(operation_id=op_id, fingerprint=IMPORTED_FINGERPRINT,
-                    handles=tuple(self.results[op_id].values()),
-                    event_ids=tuple(e.event_id for e in evs),
-                    first_global_position=evs[0].global_position,
-                    last_global_position=evs[-1].global_position,
-                    # The commit's wall clock is not in the events; the newest observation is.
-                    committed_wall_ns=max(e.observed_wall_time for e in evs))
-            for op_id, evs in self.ops.items()
-        ]
+        receipts = [Receipt(operation_id=op_id, fingerprint=IMPORTED_FINGERPRINT,
+                            handles=tuple(op.handles.values()), event_ids=tuple(op.event_ids),
+                            first_global_position=op.first, last_global_position=op.last,
+                            committed_wall_ns=op.wall_ns)
+                    for op_id, op in self.ops.items()]
         return ImportTables(heads, receipts, list(self.manifests.items()))
 
 

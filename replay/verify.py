@@ -37,7 +37,6 @@ from schemas import events as ev
 from schemas.canonical import canonical_json, sha256_hex
 from schemas.codec import decode_event, noncanonical
 from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import Receipt
 from schemas.manifest import (
     b_token,
     cache_abi_sha256,
@@ -45,6 +44,7 @@ from schemas.manifest import (
     prefix_identity_sha256,
     validate_manifest,
 )
+from schemas.receipts import Receipt
 
 # Verify-only codes (the rest are schemas.errors.ErrorCode values).
 POSITION_GAP = "POSITION_GAP"  # global positions not 1, 2, 3, ...
@@ -528,8 +528,8 @@ class Checker:
         self._event_finding(self._e, code, message)
 
     def _event_finding(self, e: ev.Event, code: str, message: str) -> None:
-        self.add(Finding(code, message, e.global_position, e.event_id, e.stream_id,
-                                     e.event_type, self._line))
+        self.add(Finding(code, message, e.global_position, e.event_id, e.stream_id, e.event_type,
+                         self._line))
 
     # -- what the database adds ------------------------------------------------------
 
@@ -544,19 +544,11 @@ class Checker:
         return self.findings
 
     def _check_receipts(self, receipts: Iterable[Receipt | StoredReceipt]) -> None:
-        seen = set()
-        for r in receipts:
-            if isinstance(r, StoredReceipt):
-                row, (r, problems) = r, receipt_problems(r)
-                at = position_of(row.first_global_position)
-                if isinstance(row.operation_id, str):
-                    seen.add(row.operation_id)  # damaged, not missing
-                if r is None:
-                    self.add(Finding(MALFORMED_RECEIPT, f"receipt {short(row.operation_id)}: {problems[0]}",
-                                     at))
-                    continue
-                for problem in problems:
-                    self.add(Finding(RECEIPT_MISMATCH, f"receipt {short(row.operation_id)}: {problem}", at))
+        seen: set[str] = set()
+        for item in receipts:
+            r = self._stored_receipt(item, seen) if isinstance(item, StoredReceipt) else item
+            if r is None:
+                continue
             seen.add(r.operation_id)
             op = self._ops.get(r.operation_id)
             if op is None:
@@ -576,11 +568,23 @@ class Checker:
                 problems.append("handle results")
             if problems:
                 self.add(Finding(RECEIPT_MISMATCH, f"receipt {r.operation_id} differs from its "
-                                             f"events: {'; '.join(problems)}", op.first, op.event_ids[0]))
+                                 f"events: {'; '.join(problems)}", op.first, op.event_ids[0]))
         for op_id, op in self._ops.items():
             if op_id not in seen:
                 self.add(Finding(RECEIPT_MISSING, f"operation {op_id} has no receipt",
-                                             op.first, op.event_ids[0]))
+                                 op.first, op.event_ids[0]))
+
+    def _stored_receipt(self, row: StoredReceipt, seen: set[str]) -> Receipt | None:
+        """The receipt a stored row holds (None if its body does not decode), after a
+        finding for each column that disagrees with it."""
+        r, problems = receipt_problems(row)
+        if isinstance(row.operation_id, str):
+            seen.add(row.operation_id)  # damaged, not missing
+        code = RECEIPT_MISMATCH if r is not None else MALFORMED_RECEIPT
+        for problem in problems:
+            self.add(Finding(code, f"receipt {short(row.operation_id)}: {problem}",
+                             position_of(row.first_global_position)))
+        return r
 
     def _check_heads(self, heads: dict) -> None:
         for sid, s in self.states.items():
@@ -588,11 +592,11 @@ class Checker:
             pos, event_id = self._last.get(sid, (None, None))
             if h is None or h != head_facts(s):
                 self.add(Finding(HEAD_MISMATCH, f"head row of {sid} does not match its stream",
-                                             pos, event_id, sid))
+                                 pos, event_id, sid))
         for sid in heads:
             if sid not in self.states:
                 self.add(Finding(HEAD_MISMATCH, f"head row of {sid}, which has no events",
-                                             stream_id=sid))
+                                 stream_id=sid))
 
 
 _CHECKS = {
@@ -627,13 +631,12 @@ def verify_bodies(bodies: Iterable[tuple[int | None, bytes]], *, receipts: Itera
 def verify_journal(journal: Journal, *, keep: int = KEEP) -> VerifyResult:
     """Storage, event rows, receipts, head rows and stored manifests of a journal
     database, all read in one snapshot: a writer committing meanwhile changes nothing."""
-    checker = Checker(keep=keep)
     with journal.snapshot() as snap:
+        checker = Checker(snap.manifest, keep=keep)
         integrity = snap.integrity()
         for problem in integrity.problems:
             checker.add(Finding(STORAGE_CORRUPT, f"{integrity.checked}: {problem}"))
         storage = integrity.checked + (f" (skipped: {integrity.skipped})" if integrity.skipped else "")
-        checker._manifest_lookup = snap.manifest
         try:
             for row in snap.events():
                 checker.feed(row.body, row=row)

@@ -326,12 +326,15 @@ def test_a_junk_receipt_body_is_named(db_url, body):
 # -- 18: bounded findings, bounded input ---------------------------------------------
 
 def _verify_child(tmp_path, *args: str, timeout: float = 120) -> tuple[int, str, float, int]:
-    """`kvledger verify` in a child process: exit code, stdout, seconds, peak RSS (KiB)."""
+    """`kvledger verify` in a child process: exit code, stdout, seconds, peak RSS (KiB).
+    The peak is VmHWM of the child's own memory map: getrusage's ru_maxrss would carry
+    over the forking pytest process's peak across exec."""
     rss = tmp_path / "rss"
-    code = ("import resource, sys\n"
+    code = ("import re, sys\n"
             "from kvledger.cli import main\n"
             "rc = main(sys.argv[2:])\n"
-            "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
+            "status = open('/proc/self/status').read()\n"
+            "open(sys.argv[1], 'w').write(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"
             "sys.exit(rc)\n")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code, str(rss), "verify", *args], cwd=ROOT,
