@@ -58,13 +58,6 @@ def _lines(f: BinaryIO, path: str | Path, limit: int | None) -> Iterator[tuple[i
                 return
 
 
-def decode_line(path: str | Path, lineno: int, body: bytes) -> ev.Event:
-    try:
-        return decode_event(body)
-    except KvLedgerError as exc:
-        raise KvLedgerError(exc.code, f"{path}:{lineno}: {exc.message}") from None
-
-
 def jsonl_events(path: str | Path, limit: int | None = None) -> Iterator[ev.Event]:
     for lineno, body in jsonl_bodies(path, limit):
         try:
