@@ -21,9 +21,9 @@ from schemas.errors import ErrorCode, KvLedgerError
 from schemas.events import AppendKind, Count, FailureOutcome, ForwardCall, Id, LayerRows, Text, TokenIds
 from schemas.manifest import Manifest
 
-# The events' Count, also bounded by the journal's BIGINT columns (generations, versions
+# The events' Count: bounded by the journal's BIGINT columns too (generations, versions
 # and lengths are stored in head rows as well as in bodies).
-N = Annotated[Count, Meta(le=(1 << 63) - 1)]
+N = Count
 Ids = Annotated[tuple[Id, ...], Meta(max_length=4096)]  # the events' bound on a row list
 Perm = Annotated[tuple[N, ...], Meta(max_length=4096)]
 # An append's cache ABI; "" means the handle's (bound at decision time, see bind_current).

@@ -9,7 +9,9 @@ rejected while the others commit. The guarded head update is the linearization p
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -67,6 +69,71 @@ class Rejection(msgspec.Struct, frozen=True):
     code: str  # STALE_BASE, HANDLE_EXISTS or CONFLICT
     handle_id: str | None
     message: str
+
+
+class StoredEvent(msgspec.Struct, frozen=True):
+    """One row of the events table exactly as the database returned it. The columns are
+    typed Any because a damaged or edited row can hold anything (SQLite keeps a TEXT body
+    or a text position as given); verify compares each column with the body."""
+
+    global_position: Any
+    event_id: Any
+    stream_id: Any
+    stream_position: Any
+    event_type: Any
+    schema_version: Any
+    operation_id: Any
+    body: Any
+
+
+class StoredReceipt(msgspec.Struct, frozen=True):
+    """One row of the receipts table as stored (see StoredEvent)."""
+
+    operation_id: Any
+    fingerprint: Any
+    first_global_position: Any
+    last_global_position: Any
+    body: Any
+
+
+class Integrity(msgspec.Struct, frozen=True):
+    """What the database says about its own storage: `checked` names the check that ran
+    (empty when none could), `problems` what it found, `skipped` why it did not run."""
+
+    checked: str
+    problems: tuple[str, ...] = ()
+    skipped: str | None = None
+
+
+class ImportTables(msgspec.Struct, frozen=True):
+    """What the database keeps beside imported events, derived from them."""
+
+    heads: Mapping[str, HeadFacts]
+    receipts: Sequence[Receipt]
+    manifests: Sequence[tuple[str, bytes]] = ()
+
+
+class Snapshot(abc.ABC):
+    """Every read of one audit, in one database snapshot: a writer committing meanwhile
+    is either wholly visible or not at all, so events, receipts and heads agree."""
+
+    @abc.abstractmethod
+    def events(self) -> Iterator[StoredEvent]:
+        """Event rows in global_position order, fetched in pages."""
+
+    @abc.abstractmethod
+    def receipts(self) -> Iterator[StoredReceipt]: ...
+
+    @abc.abstractmethod
+    def heads(self) -> dict[str, HeadFacts]: ...
+
+    @abc.abstractmethod
+    def manifest(self, manifest_sha256: str) -> Any:
+        """The stored manifest body (bytes unless damaged), or None."""
+
+    @abc.abstractmethod
+    def integrity(self) -> Integrity:
+        """The database's own storage check (SQLite quick_check, PostgreSQL amcheck)."""
 
 
 class Journal(abc.ABC):
@@ -131,17 +198,18 @@ class Journal(abc.ABC):
     # -- audit copies (replay/import, verify) --------------------------------------
 
     @abc.abstractmethod
-    def import_events(
-        self,
-        events: Sequence[tuple[Event, bytes]],
-        heads: Mapping[str, HeadFacts],
-        receipts: Sequence[Receipt],
-        manifests: Sequence[tuple[str, bytes]] = (),
-    ) -> None:
+    def import_events(self, events: Iterable[tuple[Event, bytes]],
+                      tables: Callable[[], ImportTables]) -> None:
         """Load an exported journal into this empty one in one transaction: each stored
-        body verbatim at its envelope's global position, plus the head rows, receipts
-        and manifests the caller derived from those events. A journal that already has
-        events, heads or receipts is refused (INVALID_ARGUMENT) and left untouched."""
+        body verbatim at its envelope's global position, then the head rows, receipts
+        and manifests `tables()` derived from those events once they are all read.
+        `events` is consumed inside the transaction (a stream need not fit in memory);
+        whatever it raises rolls everything back. A journal that already has events,
+        heads or receipts is refused (INVALID_ARGUMENT) before `events` is touched."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> contextlib.AbstractContextManager[Snapshot]:
+        """One read-only snapshot of the whole journal, for verify."""
 
     @abc.abstractmethod
     def read_receipts(self) -> Iterator[Receipt]:

@@ -29,7 +29,7 @@ from psycopg.adapt import Dumper
 from psycopg.pq import Format
 
 from journal import faults
-from journal.contract import Guard, StreamWrite
+from journal.contract import Guard, Integrity, StreamWrite
 from journal.statements import Statements, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
@@ -57,6 +57,60 @@ class PostgresStatements(Statements):
         conn = self.conn
         with self._pipeline(), conn.transaction(), conn.cursor() as cur:
             return fn(cur)
+
+    def begin_read(self) -> Any:
+        # REPEATABLE READ: every statement of the transaction sees the snapshot taken by
+        # its first one, so a writer committing meanwhile is wholly visible or not at all.
+        cur = self.conn.cursor()
+        cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        return cur
+
+    # The journal's own relations (tables and their btree indexes) in the current schema.
+    AMCHECK_TARGETS = (
+        "SELECT c.oid, c.relname, c.relkind FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "LEFT JOIN pg_am a ON a.oid = c.relam "
+        "WHERE n.nspname = current_schema() AND c.relname LIKE 'kvl%' "
+        "AND (c.relkind = 'r' OR (c.relkind = 'i' AND a.amname = 'btree')) ORDER BY c.relname"
+    )
+
+    def integrity(self, cur: Any) -> Integrity:
+        """amcheck, when the database has it: bt_index_check on every btree index of the
+        journal and (amcheck >= 1.3) verify_heapam on every table. Verify installs
+        nothing: without the extension the check is skipped and says so."""
+        cur.execute("SELECT extversion FROM pg_extension WHERE extname = 'amcheck'")
+        row = cur.fetchone()
+        if row is None:
+            return Integrity("", skipped="the amcheck extension is not installed in this database "
+                                         "(CREATE EXTENSION amcheck enables the storage check)")
+        heap = tuple(int(x) for x in row[0].split(".")[:2]) >= (1, 3)
+        cur.execute(self.AMCHECK_TARGETS)
+        problems: list[str] = []
+        skipped: list[str] = []
+        counts = {"i": 0, "r": 0}
+        for oid, name, kind in cur.fetchall():
+            if kind == "r" and not heap:
+                continue
+            counts[kind] += 1
+            cur.execute("SAVEPOINT kvl_amcheck")
+            try:
+                if kind == "i":
+                    cur.execute("SELECT bt_index_check(%s::oid::regclass)", (oid,))
+                else:
+                    cur.execute("SELECT blkno, offnum, msg FROM verify_heapam(%s::oid::regclass) "
+                                "LIMIT 100", (oid,))
+                    problems += [f"{name} block {b} item {o}: {m}" for b, o, m in cur.fetchall()]
+                cur.execute("RELEASE SAVEPOINT kvl_amcheck")
+            except psycopg.Error as exc:
+                cur.execute("ROLLBACK TO SAVEPOINT kvl_amcheck")
+                # Class XX is "internal error": data or index corruption. Anything else
+                # (no privilege to run amcheck, say) means the check did not run.
+                state = getattr(exc, "sqlstate", None) or ""
+                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                (problems if state.startswith("XX") else skipped).append(f"{name}: {text}")
+        checked = f"amcheck: bt_index_check on {counts['i']} indexes" + (
+            f", verify_heapam on {counts['r']} tables" if heap else "")
+        return Integrity(checked, tuple(problems), "; ".join(skipped) or None)
 
     def existing_tables(self, names: tuple[str, ...]) -> set[str]:
         with self.conn.cursor() as cur:

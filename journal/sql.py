@@ -20,7 +20,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +31,16 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool, StaticPool
 
 from journal import faults, placement
-from journal.contract import Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
+from journal.contract import (
+    Guard,
+    HeadFacts,
+    ImportTables,
+    Journal,
+    Operation,
+    Rejection,
+    Snapshot,
+    StreamWrite,
+)
 from journal.faults import fault
 from journal.driver_errors import is_driver_error, translate
 from journal.tables import JOURNAL_TABLES, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, too_new
@@ -42,6 +51,7 @@ from schemas.events import CURRENT_VERSION, Event
 from schemas.receipts import HandleResult, Receipt, receipt_decoder, receipt_encoder
 
 READ_PAGE = 5000
+IMPORT_PAGE_BYTES = 16 << 20  # an import inserts events in pages of at most this many body bytes
 
 
 def make_engine(url: URL) -> Engine:
@@ -511,32 +521,37 @@ class SqlJournal(Journal):
 
     # -- audit copies (replay/import, verify) --------------------------------------
 
-    def import_events(self, events: Sequence[tuple[Event, bytes]], heads: Mapping[str, HeadFacts],
-                      receipts: Sequence[Receipt], manifests: Sequence[tuple[str, bytes]] = ()) -> None:
-        event_rows = [
-            # The schema_version column describes the stored body, which an upcast event
-            # no longer does: read it from the body itself.
-            (e.global_position, e.event_id, e.stream_id, e.stream_position, e.event_type,
-             _stored_version.decode(body).schema_version, e.operation_id, body)
-            for e, body in events
-        ]
-        head_rows = [StreamWrite(h, None, facts, ()) for h, facts in heads.items()]
-        receipt_rows = [(r.operation_id, r.fingerprint, r.first_global_position,
-                         r.last_global_position, receipt_encoder.encode(r)) for r in receipts]
-
+    def import_events(self, events: Iterable[tuple[Event, bytes]],
+                      tables: Callable[[], ImportTables]) -> None:
         def load(cur: Any) -> None:
             self.sql.lock_and_last_position(cur)
             if self.sql.has_rows(cur):
                 raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{self.display_url} is not empty: "
                                     "import loads an exported journal into an empty one")
-            for i in range(0, len(event_rows), READ_PAGE):
-                self.sql.insert_events(cur, event_rows[i:i + READ_PAGE])
+            page: list[tuple] = []
+            size = 0
+            for e, body in events:
+                # The schema_version column describes the stored body, which an upcast
+                # event no longer does: read it from the body itself.
+                page.append((e.global_position, e.event_id, e.stream_id, e.stream_position,
+                             e.event_type, _stored_version.decode(body).schema_version,
+                             e.operation_id, body))
+                size += len(body)
+                if len(page) == READ_PAGE or size >= IMPORT_PAGE_BYTES:
+                    self.sql.insert_events(cur, page)
+                    page, size = [], 0
+            if page:
+                self.sql.insert_events(cur, page)
+            derived = tables()
+            head_rows = [StreamWrite(h, None, facts, ()) for h, facts in derived.heads.items()]
+            receipt_rows = [(r.operation_id, r.fingerprint, r.first_global_position,
+                             r.last_global_position, receipt_encoder.encode(r)) for r in derived.receipts]
             for i in range(0, len(head_rows), READ_PAGE):
                 self.sql.create_heads(cur, head_rows[i:i + READ_PAGE])
             for i in range(0, len(receipt_rows), READ_PAGE):
                 self.sql.insert_receipts(cur, receipt_rows[i:i + READ_PAGE])
-            if manifests:
-                self.sql.insert_manifests(cur, list(manifests))
+            if derived.manifests:
+                self.sql.insert_manifests(cur, list(derived.manifests))
 
         self._check_process()
         with self._lock:
@@ -546,6 +561,25 @@ class SqlJournal(Journal):
                 raise
             except Exception as exc:  # noqa: BLE001
                 raise self._driver_error(exc) from None
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[Snapshot]:
+        from journal.snapshot import SqlSnapshot
+
+        self._check_process()
+        with self._lock:  # the connection is in the read transaction until the audit ends
+            cur = self._call(self.sql.begin_read)
+            try:
+                yield SqlSnapshot(self.sql, cur, self._call)
+            finally:
+                with contextlib.suppress(Exception):  # a broken connection has nothing to end
+                    self.sql.end_read(cur)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            raise self._driver_error(exc) from None
 
     def read_receipts(self) -> Iterator[Receipt]:
         after = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from journal.contract import Integrity
 from journal.statements import Statements
 
 
@@ -38,6 +39,25 @@ class SqliteStatements(Statements):
             raise
         self.end(cur, True)
         return result
+
+    def begin_read(self) -> Any:
+        # A deferred BEGIN: in WAL mode its first read fixes the snapshot that every later
+        # read of the transaction sees, while writers go on appending to the WAL.
+        cur = self.conn.cursor()
+        cur.execute("BEGIN")
+        return cur
+
+    QUICK_CHECK_ROWS = 100  # problems quick_check reports at most
+
+    def integrity(self, cur: Any) -> Integrity:
+        checked = "sqlite quick_check"
+        try:
+            # A constant: PRAGMA takes no bound parameters.
+            cur.execute(f"PRAGMA quick_check({self.QUICK_CHECK_ROWS})")
+            rows = [str(r[0]) for r in cur.fetchall()]
+        except Exception as exc:  # noqa: BLE001 - damage bad enough to stop the check itself
+            return Integrity(checked, (f"quick_check failed: {exc}",))
+        return Integrity(checked, tuple(r for r in rows if r != "ok"))
 
     def existing_tables(self, names: tuple[str, ...]) -> set[str]:
         cur = self.conn.cursor()

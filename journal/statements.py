@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 
 from journal import faults
-from journal.contract import Guard, StreamWrite
+from journal.contract import Guard, Integrity, StreamWrite
+from schemas.errors import ErrorCode, KvLedgerError
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -196,7 +197,7 @@ class Statements:
     # -- reads -------------------------------------------------------------------
     def last_position(self, cur: Any) -> int:
         cur.execute("SELECT coalesce(max(global_position), 0) FROM kvl_events")
-        return int(cur.fetchone()[0])
+        return stored_int(cur.fetchone()[0], "the last global position")
 
     def stream_bodies(self, cur: Any, handle_id: str, after: int) -> list[bytes]:
         cur.execute(
@@ -204,7 +205,7 @@ class Statements:
                    "ORDER BY stream_position"),
             (handle_id, after),
         )
-        return [bytes(r[0]) for r in cur.fetchall()]
+        return [stored_bytes(r[0], f"a body of stream {handle_id}") for r in cur.fetchall()]
 
     def bodies_after(self, cur: Any, after: int, limit: int) -> list[tuple[int, bytes]]:
         cur.execute(
@@ -212,7 +213,8 @@ class Statements:
                    "ORDER BY global_position LIMIT ?"),
             (after, limit),
         )
-        return [(int(p), bytes(b)) for p, b in cur.fetchall()]
+        return [(stored_int(p, "a global position"), stored_bytes(b, f"the body at position {p}"))
+                for p, b in cur.fetchall()]
 
     HEAD_COLUMNS = (
         "handle_id, request_id, generation, snapshot_version, stream_position, "
@@ -232,7 +234,7 @@ class Statements:
     def manifest(self, cur: Any, manifest_sha256: str) -> bytes | None:
         cur.execute(self.q("SELECT body FROM kvl_manifests WHERE manifest_sha256 = ?"), (manifest_sha256,))
         row = cur.fetchone()
-        return None if row is None else bytes(row[0])
+        return None if row is None else stored_bytes(row[0], f"manifest {manifest_sha256}")
 
     def upsert_checkpoint(self, cur: Any, name: str, position: int, state: bytes, now: int) -> None:
         cur.execute(
@@ -257,13 +259,73 @@ class Statements:
                 return True
         return False
 
+    # -- verify: one read-only snapshot, every column as stored ------------------------
+    def begin_read(self) -> Any:
+        """Open a read-only transaction whose reads all see one snapshot; return its cursor."""
+        raise NotImplementedError
+
+    def end_read(self, cur: Any) -> None:
+        try:
+            cur.execute("ROLLBACK")  # it wrote nothing
+        finally:
+            cur.close()
+
+    def integrity(self, cur: Any) -> Integrity:
+        raise NotImplementedError
+
+    # Keyset pages, as (first page, each next page). The first page has no lower bound,
+    # so a row whose key was edited to zero or below is read too (a `> 0` bound would
+    # hide it from the audit).
+    EVENT_PAGES = (
+        "SELECT global_position, event_id, stream_id, stream_position, event_type, schema_version, "
+        "operation_id, body FROM kvl_events ORDER BY global_position LIMIT ?",
+        "SELECT global_position, event_id, stream_id, stream_position, event_type, schema_version, "
+        "operation_id, body FROM kvl_events WHERE global_position > ? ORDER BY global_position LIMIT ?",
+    )
+    RECEIPT_PAGES = (
+        "SELECT operation_id, fingerprint, first_global_position, last_global_position, body "
+        "FROM kvl_receipts ORDER BY operation_id LIMIT ?",
+        "SELECT operation_id, fingerprint, first_global_position, last_global_position, body "
+        "FROM kvl_receipts WHERE operation_id > ? ORDER BY operation_id LIMIT ?",
+    )
+
+    def page(self, cur: Any, pages: tuple[str, str], after: Any, limit: int) -> list[tuple]:
+        """Rows after key `after` (None: from the start), at most `limit`."""
+        if after is None:
+            cur.execute(self.q(pages[0]), (limit,))
+        else:
+            cur.execute(self.q(pages[1]), (after, limit))
+        return cur.fetchall()
+
+    def raw_manifest(self, cur: Any, manifest_sha256: str) -> Any:
+        cur.execute(self.q("SELECT body FROM kvl_manifests WHERE manifest_sha256 = ?"), (manifest_sha256,))
+        row = cur.fetchone()
+        return None if row is None else row[0]
+
     def receipt_bodies_after(self, cur: Any, after: int, limit: int) -> list[tuple[int, bytes]]:
         cur.execute(
             self.q("SELECT first_global_position, body FROM kvl_receipts "
                    "WHERE first_global_position > ? ORDER BY first_global_position LIMIT ?"),
             (after, limit),
         )
-        return [(int(p), bytes(b)) for p, b in cur.fetchall()]
+        return [(stored_int(p, "a receipt position"), stored_bytes(b, f"the receipt at position {p}"))
+                for p, b in cur.fetchall()]
+
+
+def stored_bytes(value: Any, what: str) -> bytes:
+    """A BLOB/bytea column value as bytes. SQLite keeps whatever type a row was written
+    with, so an edited row can hold TEXT: that is a damaged journal, not a driver error."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"{what} is stored as {type(value).__name__}, "
+                                                   "not bytes (run `kvledger verify`)")
+
+
+def stored_int(value: Any, what: str) -> int:
+    if type(value) is int:
+        return value
+    raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"{what} is stored as {type(value).__name__} "
+                                                   f"{str(value)[:40]!r} (run `kvledger verify`)")
 
 
 def _head_columns(w: StreamWrite) -> tuple:

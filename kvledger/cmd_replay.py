@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check every journal invariant; exit 1 on findings")
     _source(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--max-findings", type=_findings_cap, default=100, metavar="N",
+                   help="findings listed (default 100); the rest are counted, and verify stops "
+                        "reading after 10000")
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
@@ -132,12 +135,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from replay import verify_journal, verify_jsonl
 
     if args.journal:
-        source, result = args.journal, verify_jsonl(args.journal)
+        source, result = args.journal, verify_jsonl(args.journal, keep=args.max_findings)
     else:
         with open_existing_journal(args.db) as journal:
-            source, result = journal.display_url, verify_journal(journal)
+            source, result = journal.display_url, verify_journal(journal, keep=args.max_findings)
     if args.json:
-        out = {"source": source, "events": result.events, "ok": result.ok, "findings": result.findings}
+        out = {"source": source, "events": result.events, "ok": result.ok, "findings": result.findings,
+               "omitted": result.omitted, "stopped": result.stopped, "storage": result.storage}
         sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
         sys.stdout.flush()
     else:
@@ -180,6 +184,18 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+def _findings_cap(text: str) -> int:
+    from replay.verify import STOP_AFTER
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= n <= STOP_AFTER:
+        raise argparse.ArgumentTypeError(f"must be 0..{STOP_AFTER}")
+    return n
+
 
 def _ns(ms: float) -> int:
     if ms < 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -20,9 +21,9 @@ import msgspec
 from engine.evolve import evolve
 from engine.service import _head as head_facts  # the head row exactly as the service writes it
 from engine.state import HandleState
-from journal.contract import HeadFacts, Journal
-from replay.sources import decode_line, jsonl_bodies
-from replay.verify import verify_bodies
+from journal.contract import HeadFacts, ImportTables, Journal
+from replay.sources import jsonl_bodies
+from replay.verify import Checker, Finding
 from schemas import events as ev
 from schemas.canonical import canonical_json
 from schemas.errors import ErrorCode, KvLedgerError
@@ -81,48 +82,101 @@ def _write(journal: Journal, f, progress) -> int:
 
 
 def import_jsonl(journal: Journal, path: str | Path) -> ImportSummary:
-    """Load an exported file into an empty journal, all or nothing. The file must pass
-    `verify` first: a journal database is the source of truth, so a corrupt file is
-    refused (CORRUPT_JOURNAL) rather than made authoritative."""
-    rows = list(jsonl_bodies(path))
-    events = [(decode_line(path, n, body), body) for n, body in rows]
-    findings = verify_bodies(rows).findings
-    if findings:
-        f = findings[0]
-        where = f"line {f.line}" if f.line is not None else f"position {f.global_position}"
-        raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL,
-                            f"{path}: {len(findings)} finding(s), first at {where}: {f.code}: {f.message} "
-                            f"(see `kvledger verify --journal {path}`)")
-    heads, receipts, manifests = derive_tables([e for e, _ in events])
-    journal.import_events(events, heads, receipts, manifests)
-    return ImportSummary(len(events), len(heads), len(receipts), len(manifests))
+    """Load an exported file into an empty journal, all or nothing, one line at a time.
+    Each line must decode, be in the canonical form the journal writes (no duplicate
+    keys: the bytes re-encode to themselves) and pass verify's checks given the lines
+    before it. The first line that does not is refused with its code and FILE:LINE
+    (decode codes as the decoder gives them, NON_CANONICAL_EVENT, else CORRUPT_JOURNAL
+    naming verify's finding), and the transaction rolls back: the journal is unchanged.
+    Memory holds what the tables need (states, receipts), not the file."""
+    lines = jsonl_bodies(path)  # opens now, before the journal is touched
+    checker = Checker(keep=1)
+    tables = TableDeriver()
+
+    def events() -> Iterator[tuple[ev.Event, bytes]]:
+        for n, body in lines:
+            e = checker.feed(body, line=n)
+            if checker.findings:
+                raise _refusal(path, n, checker.findings[0])
+            assert e is not None  # no finding: it decoded
+            tables.add(e, checker.states[e.stream_id])  # the checker's fold, not a second one
+            yield e, body
+
+    journal.import_events(events(), tables.result)
+    return ImportSummary(checker.events, len(tables.states), len(tables.ops), len(tables.manifests))
 
 
-def derive_tables(events: list[ev.Event]) -> tuple[dict[str, HeadFacts], list[Receipt],
-                                                    list[tuple[str, bytes]]]:
-    """Head rows, receipts and manifests as the command service would have written them."""
-    states: dict[str, HandleState] = {}
-    ops: dict[str, list[ev.Event]] = {}
-    results: dict[str, dict[str, HandleResult]] = {}
-    manifests: dict[str, bytes] = {}
-    for e in events:
-        s = states[e.stream_id] = evolve(states.get(e.stream_id), e)
+_DECODE_CODES = {c.value: c for c in (ErrorCode.MALFORMED_EVENT, ErrorCode.UNKNOWN_EVENT_TYPE,
+                                      ErrorCode.UNKNOWN_SCHEMA_VERSION, ErrorCode.FIELD_TOO_LARGE,
+                                      ErrorCode.NON_CANONICAL_EVENT)}
+
+
+def _refusal(path: str | Path, n: int, f: Finding) -> KvLedgerError:
+    """A line's first finding as the import's error: its own code when it is about the
+    line's form, CORRUPT_JOURNAL (naming verify's code) when the journal would be."""
+    code = _DECODE_CODES.get(f.code)
+    if code is not None:
+        return KvLedgerError(code, f"{path}:{n}: {f.message}".translate(_ESCAPES))
+    return KvLedgerError(ErrorCode.CORRUPT_JOURNAL,
+                         f"{path}:{n}: {f.code}: {f.message} (see `kvledger verify --journal {path}`)"
+                         .translate(_ESCAPES))
+
+
+# Ids in a hostile file may hold newlines: escaped, a message stays one line and cannot
+# forge a second coded line on stderr.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {10: "\\n", 13: "\\r", 9: "\\t"}
+
+
+class _OpFacts(msgspec.Struct):
+    """What a rebuilt receipt needs of an operation's events (not the events themselves)."""
+
+    event_ids: list[str]
+    first: int
+    last: int
+    wall_ns: int  # the commit's wall clock is not in the events; the newest observation is
+    handles: dict[str, HandleResult]  # each handle as it stood after the operation
+
+
+class TableDeriver:
+    """Head rows, receipts and manifests as the command service would have written them,
+    built one event at a time."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, HandleState] = {}
+        self.ops: dict[str, _OpFacts] = {}
+        self.manifests: dict[str, bytes] = {}
+
+    def add(self, e: ev.Event, after: HandleState | None = None) -> None:
+        """Fold `e` in; `after` is the handle's state after it when the caller has it."""
+        s = self.states[e.stream_id] = after if after is not None else evolve(self.states.get(e.stream_id), e)
         if isinstance(e, ev.RequestAllocateEvent):
-            manifests.setdefault(e.payload.manifest_sha256, canonical_json(e.payload.manifest))
-        if e.operation_id is not None:
-            ops.setdefault(e.operation_id, []).append(e)
-            # The receipt reports each handle as it stood after the operation.
-            results.setdefault(e.operation_id, {})[e.stream_id] = HandleResult(
-                s.handle_id, s.generation, s.snapshot_version, s.stream_position, s.committed_length)
-    heads = {h: head_facts(s) for h, s in states.items()}
-    receipts = [
-        Receipt(operation_id=op_id, fingerprint=IMPORTED_FINGERPRINT,
-                handles=tuple(results[op_id].values()),
-                event_ids=tuple(e.event_id for e in evs),
-                first_global_position=evs[0].global_position,
-                last_global_position=evs[-1].global_position,
-                # The commit's wall clock is not in the events; the newest observation is.
-                committed_wall_ns=max(e.observed_wall_time for e in evs))
-        for op_id, evs in ops.items()
-    ]
-    return heads, receipts, list(manifests.items())
+            self.manifests.setdefault(e.payload.manifest_sha256, canonical_json(e.payload.manifest))
+        if e.operation_id is None:
+            return
+        op = self.ops.get(e.operation_id)
+        if op is None:
+            op = self.ops[e.operation_id] = _OpFacts([], e.global_position, e.global_position, 0, {})
+        op.event_ids.append(e.event_id)
+        op.last = e.global_position
+        op.wall_ns = max(op.wall_ns, e.observed_wall_time)
+        op.handles[e.stream_id] = HandleResult(s.handle_id, s.generation, s.snapshot_version,
+                                               s.stream_position, s.committed_length)
+
+    def result(self) -> ImportTables:
+        heads = {h: head_facts(s) for h, s in self.states.items()}
+        receipts = [Receipt(operation_id=op_id, fingerprint=IMPORTED_FINGERPRINT,
+                            handles=tuple(op.handles.values()), event_ids=tuple(op.event_ids),
+                            first_global_position=op.first, last_global_position=op.last,
+                            committed_wall_ns=op.wall_ns)
+                    for op_id, op in self.ops.items()]
+        return ImportTables(heads, receipts, list(self.manifests.items()))
+
+
+def derive_tables(events: Iterable[ev.Event]) -> tuple[dict[str, HeadFacts], list[Receipt],
+                                                        list[tuple[str, bytes]]]:
+    """Head rows, receipts and manifests as the command service would have written them."""
+    tables = TableDeriver()
+    for e in events:
+        tables.add(e)
+    t = tables.result()
+    return dict(t.heads), list(t.receipts), list(t.manifests)

@@ -101,15 +101,22 @@ def print_report(report: Report, console: Console, source: str) -> None:
 
 
 def print_findings(result: VerifyResult, console: Console, source: str) -> None:
+    if result.storage:
+        console.print(f"storage check: {escape(result.storage)}")
     if result.ok:
         console.print(f"{escape(source)}: {result.events} events, every invariant holds")
         return
-    t = Table(title=f"{escape(source)}: {len(result.findings)} finding(s) in {result.events} events",
+    total = len(result.findings) + result.omitted
+    t = Table(title=f"{escape(source)}: {total} finding(s) in {result.events} events",
               title_justify="left")
     for col in ("code", "position", "line", "event", "stream", "message"):
         t.add_column(col, overflow="fold")
     for f in result.findings:
         t.add_row(f.code, "-" if f.global_position is None else str(f.global_position),
-                  "-" if f.line is None else str(f.line), (f.event_id or "-")[:12],
+                  "-" if f.line is None else str(f.line), escape((f.event_id or "-")[:12]),
                   escape(f.stream_id or "-"), escape(f.message))
     console.print(t)
+    if result.omitted:
+        console.print(f"... and {result.omitted} more finding(s) not shown (--max-findings N shows more)")
+    if result.stopped:
+        console.print(f"verify {escape(result.stopped)}")

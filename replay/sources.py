@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from journal.contract import Journal
 from schemas import events as ev
@@ -17,19 +18,29 @@ from schemas.errors import ErrorCode, KvLedgerError
 
 
 def jsonl_bodies(path: str | Path, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
-    """(line number, stored body) for each non-blank line, at most `limit` of them. A
-    line is read with a bound, so a forged one cannot become an unbounded allocation."""
+    """(line number, stored body) for each non-blank line, at most `limit` of them. The
+    file is opened at the call (an unreadable path raises here, before any line) and
+    read one line at a time with a bound, so a forged line cannot become an unbounded
+    allocation and a pipe or FIFO is consumed as it arrives."""
     if limit is not None and limit <= 0:
-        return
+        return iter(())
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed by the `with` below
+        f = open(path, "rb")  # noqa: SIM115 - closed by the generator
     except OSError as exc:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot read {path}: {exc.strerror}") from None
+    return _lines(f, path, limit)
+
+
+def _lines(f: BinaryIO, path: str | Path, limit: int | None) -> Iterator[tuple[int, bytes]]:
     n = lineno = 0
     with f:
         readline = f.readline
         while True:
-            line = readline(MAX_EVENT_BYTES + 2)
+            try:
+                line = readline(MAX_EVENT_BYTES + 2)
+            except OSError as exc:  # EIO, a directory on some systems, ...
+                raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
+                                    f"cannot read {path}: {exc.strerror}") from None
             if not line:
                 return
             lineno += 1
@@ -37,20 +48,14 @@ def jsonl_bodies(path: str | Path, limit: int | None = None) -> Iterator[tuple[i
                 line = line[:-2] if line[-2:-1] == b"\r" else line[:-1]
             elif len(line) > MAX_EVENT_BYTES:
                 raise KvLedgerError(ErrorCode.FIELD_TOO_LARGE,
-                                    f"{path}:{lineno}: line longer than {MAX_EVENT_BYTES} bytes")
+                                    f"{path}:{lineno}: line longer than {MAX_EVENT_BYTES} bytes",
+                                    line=lineno)
             if not line or line.isspace():
                 continue
             yield lineno, line
             n += 1
             if n == limit:
                 return
-
-
-def decode_line(path: str | Path, lineno: int, body: bytes) -> ev.Event:
-    try:
-        return decode_event(body)
-    except KvLedgerError as exc:
-        raise KvLedgerError(exc.code, f"{path}:{lineno}: {exc.message}") from None
 
 
 def jsonl_events(path: str | Path, limit: int | None = None) -> Iterator[ev.Event]:

@@ -9,6 +9,15 @@ reported and skipped, so one bad line does not hide the rest of the journal.
 
 Codes reuse schemas.errors names where the invariant is the same rule the command
 path enforces (STALE_BASE, APPEND_HOLE, ABI_MISMATCH, ...); the others are below.
+
+A database is audited in layers, all read in one snapshot (Journal.snapshot): the
+database's own storage check (STORAGE_CORRUPT), then per row the stored form (types,
+canonical bytes, indexed columns against the body: replay.stored), then the event
+invariants, then the tables derived from events (receipts, heads). A check over stored
+bytes across rows (a digest chain) belongs to the per-row layer, in `Checker.feed`.
+
+Findings are bounded: the first `keep` are kept, the rest counted, and reading stops
+after STOP_AFTER findings, so a file of junk (or /dev/urandom) ends with a count.
 """
 
 from __future__ import annotations
@@ -21,12 +30,13 @@ import msgspec
 from engine.evolve import cut, evolve
 from engine.service import _head as head_facts  # the head row exactly as the service writes it
 from engine.state import HandleState
-from journal.contract import Journal
+from journal.contract import Journal, StoredEvent, StoredReceipt
 from replay.sources import jsonl_bodies
+from replay.stored import column_problems, names, position_of, receipt_problems, short
 from schemas import events as ev
 from schemas.canonical import canonical_json, sha256_hex
-from schemas.codec import decode_event
-from schemas.errors import KvLedgerError
+from schemas.codec import decode_event, noncanonical
+from schemas.errors import ErrorCode, KvLedgerError
 from schemas.manifest import (
     b_token,
     cache_abi_sha256,
@@ -34,6 +44,7 @@ from schemas.manifest import (
     prefix_identity_sha256,
     validate_manifest,
 )
+from schemas.receipts import Receipt
 
 # Verify-only codes (the rest are schemas.errors.ErrorCode values).
 POSITION_GAP = "POSITION_GAP"  # global positions not 1, 2, 3, ...
@@ -68,6 +79,14 @@ RECEIPT_MISMATCH = "RECEIPT_MISMATCH"
 RECEIPT_MISSING = "RECEIPT_MISSING"
 HEAD_MISMATCH = "HEAD_MISMATCH"
 MANIFEST_MISSING = "MANIFEST_MISSING"
+COLUMN_MISMATCH = "COLUMN_MISMATCH"  # an indexed column disagrees with the row's body
+STORED_TYPE_MISMATCH = "STORED_TYPE_MISMATCH"  # e.g. a body stored as TEXT, not bytes
+MALFORMED_RECEIPT = "MALFORMED_RECEIPT"  # a receipt body that does not decode
+STORAGE_CORRUPT = "STORAGE_CORRUPT"  # the database's own integrity check failed
+NON_CANONICAL = ErrorCode.NON_CANONICAL_EVENT.value
+
+KEEP = 100  # findings kept for the report; the rest are counted
+STOP_AFTER = 10_000  # findings after which verify stops reading
 
 # Payload fields only a state-changing event carries: on a failure they claim a change.
 _STATE_FIELDS = ("result_snapshot_version", "committed_length", "accepted_count", "layers",
@@ -86,11 +105,14 @@ class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class VerifyResult(msgspec.Struct, frozen=True):
     events: int
-    findings: list[Finding]
+    findings: list[Finding]  # the first ones (Checker's `keep`)
+    omitted: int = 0  # findings counted beyond those
+    stopped: str | None = None  # why reading stopped early, if it did
+    storage: str | None = None  # the database storage check that ran, or why it was skipped
 
     @property
     def ok(self) -> bool:
-        return not self.findings
+        return not self.findings and not self.omitted and self.stopped is None
 
 
 class _Op(msgspec.Struct):
@@ -104,8 +126,11 @@ class Checker:
     """Feed stored bodies in global order (`feed`), then `finish` with what the
     database adds (receipts, heads); read `findings`."""
 
-    def __init__(self, manifest_lookup: Callable[[str], bytes | None] | None = None) -> None:
+    def __init__(self, manifest_lookup: Callable[[str], bytes | None] | None = None, *,
+                 keep: int = KEEP) -> None:
         self.findings: list[Finding] = []
+        self.count = 0  # findings, kept or not
+        self.keep = keep
         self.states: dict[str, HandleState] = {}
         self.events = 0
         self._manifest_lookup = manifest_lookup
@@ -122,31 +147,63 @@ class Checker:
 
     # -- input ---------------------------------------------------------------------
 
-    def feed(self, body: bytes, *, line: int | None = None, row_position: int | None = None) -> None:
+    @property
+    def full(self) -> bool:
+        return self.count >= STOP_AFTER
+
+    def add(self, finding: Finding) -> None:
+        self.count += 1
+        if len(self.findings) < self.keep:
+            self.findings.append(finding)
+
+    def feed(self, body: object, *, line: int | None = None, row: StoredEvent | None = None) -> ev.Event | None:
+        """Check one stored body: a file line (`line`) or a database row (`row`, whose
+        columns are compared with the body). Returns the decoded event, None if the body
+        does not decode. Never raises on bad input: every problem is a finding."""
         self.events += 1
         self._line = line
+        at = None if row is None else position_of(row.global_position)
+        if not isinstance(body, bytes):
+            self.add(Finding(STORED_TYPE_MISMATCH, f"body is stored as {type(body).__name__}, not bytes",
+                             at, line=line))
+            if not isinstance(body, str):
+                self._next = (at if at is not None else self._next) + 1
+                return None
+            body = body.encode()  # TEXT: its event still folds, so one damaged row is one finding
         try:
             e = decode_event(body)
         except KvLedgerError as exc:
-            e = self._undecodable(body, exc, line)
+            e = self._undecodable(body, exc, line, at)
             if e is None:
-                return
-        if row_position is not None and row_position != e.global_position:
-            self._event_finding(e, POSITION_GAP, f"stored at position {row_position} but its "
-                                                  f"envelope says {e.global_position}")
+                return None
+        problem = noncanonical(body, e)
+        if problem is not None:
+            self._event_finding(e, NON_CANONICAL, f"body {problem}")
+        for name in ("event_id", "stream_id", "request_id", "operation_id"):
+            # These become text columns, and PostgreSQL text cannot hold NUL: refused here
+            # (not by the decoder, which replay runs per event) so import never fails late.
+            if "\x00" in (getattr(e, name) or ""):
+                self._event_finding(e, ErrorCode.MALFORMED_EVENT.value, f"{name} contains a NUL character")
+        if row is not None:
+            for problem in column_problems(row, e, names(body).schema_version):
+                self._event_finding(e, COLUMN_MISMATCH, problem)
         self.check(e)
+        return e
 
-    def _undecodable(self, body: bytes, exc: KvLedgerError, line: int | None) -> ev.Event | None:
-        try:
-            raw = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            raw = None
-        if not isinstance(raw, dict):
-            self._next += 1
-            self.findings.append(Finding(exc.code.value, exc.message, line=line))
-            return None
-        payload = raw.get("payload")
-        if raw.get("event_type") == "failure" and isinstance(payload, dict):
+    def _undecodable(self, body: bytes, exc: KvLedgerError, line: int | None,
+                     at: int | None) -> ev.Event | None:
+        """The finding for a body that does not decode, named by its row's position (or
+        whatever of its envelope still reads); a failure that claims a state change is
+        checked without the claim, so the fold goes on."""
+        known = names(body)
+        raw = None
+        if known.event_type == "failure":
+            try:
+                raw = msgspec.json.decode(body)
+            except (msgspec.DecodeError, RecursionError):
+                raw = None
+        payload = raw.get("payload") if isinstance(raw, dict) else None
+        if isinstance(payload, dict):
             claimed = [k for k in _STATE_FIELDS if k in payload]
             if claimed:
                 # Check the rest of the event as if the claim were absent, so the fold
@@ -161,17 +218,12 @@ class Checker:
                                         f"failure of {e.payload.txn_id} carries {', '.join(claimed)}: "
                                         "a failure publishes nothing and leaves its base visible")
                     return e
-        pos = raw.get("global_position")
-        sid = raw.get("stream_id")
-        self.findings.append(Finding(
-            exc.code.value, exc.message, global_position=pos if isinstance(pos, int) else None,
-            event_id=raw.get("event_id") if isinstance(raw.get("event_id"), str) else None,
-            stream_id=sid if isinstance(sid, str) else None,
-            event_type=raw.get("event_type") if isinstance(raw.get("event_type"), str) else None,
-            line=line))
-        self._next = (pos if isinstance(pos, int) else self._next) + 1
-        if isinstance(sid, str) and isinstance(raw.get("stream_position"), int):
-            self._stream_pos[sid] = raw["stream_position"]
+        pos = at if at is not None else known.global_position
+        self.add(Finding(exc.code.value, exc.message, pos, known.event_id, known.stream_id,
+                         known.event_type, line))
+        self._next = (pos if pos is not None else self._next) + 1
+        if known.stream_id is not None and known.stream_position is not None:
+            self._stream_pos[known.stream_id] = known.stream_position
         return None
 
     # -- one event -----------------------------------------------------------------
@@ -276,7 +328,8 @@ class Checker:
             stored = self._manifest_lookup(p.manifest_sha256)
             if stored is None:
                 self._find(MANIFEST_MISSING, f"manifest {p.manifest_sha256[:12]} is not stored")
-            elif sha256_hex(stored) != p.manifest_sha256 or stored != canonical_json(m):
+            elif (not isinstance(stored, bytes) or sha256_hex(stored) != p.manifest_sha256
+                  or stored != canonical_json(m)):
                 self._find("DIGEST_MISMATCH", f"stored manifest {p.manifest_sha256[:12]} does not match "
                                               "its digest or the event's manifest")
         return True
@@ -475,10 +528,13 @@ class Checker:
         self._event_finding(self._e, code, message)
 
     def _event_finding(self, e: ev.Event, code: str, message: str) -> None:
-        self.findings.append(Finding(code, message, e.global_position, e.event_id, e.stream_id,
-                                     e.event_type, self._line))
+        self.add(Finding(code, message, e.global_position, e.event_id, e.stream_id, e.event_type,
+                         self._line))
 
     # -- what the database adds ------------------------------------------------------
+
+    def result(self, *, stopped: str | None = None, storage: str | None = None) -> VerifyResult:
+        return VerifyResult(self.events, self.findings, self.count - len(self.findings), stopped, storage)
 
     def finish(self, receipts: Iterable | None = None, heads: dict | None = None) -> list[Finding]:
         if receipts is not None:
@@ -487,13 +543,16 @@ class Checker:
             self._check_heads(heads)
         return self.findings
 
-    def _check_receipts(self, receipts: Iterable) -> None:
-        seen = set()
-        for r in receipts:
+    def _check_receipts(self, receipts: Iterable[Receipt | StoredReceipt]) -> None:
+        seen: set[str] = set()
+        for item in receipts:
+            r = self._stored_receipt(item, seen) if isinstance(item, StoredReceipt) else item
+            if r is None:
+                continue
             seen.add(r.operation_id)
             op = self._ops.get(r.operation_id)
             if op is None:
-                self.findings.append(Finding(
+                self.add(Finding(
                     RECEIPT_MISMATCH, f"receipt {r.operation_id} names no journaled event",
                     r.first_global_position, r.event_ids[0] if r.event_ids else None))
                 continue
@@ -508,24 +567,36 @@ class Checker:
             if handles != op.handles:
                 problems.append("handle results")
             if problems:
-                self.findings.append(Finding(RECEIPT_MISMATCH, f"receipt {r.operation_id} differs from its "
-                                             f"events: {'; '.join(problems)}", op.first, op.event_ids[0]))
+                self.add(Finding(RECEIPT_MISMATCH, f"receipt {r.operation_id} differs from its "
+                                 f"events: {'; '.join(problems)}", op.first, op.event_ids[0]))
         for op_id, op in self._ops.items():
             if op_id not in seen:
-                self.findings.append(Finding(RECEIPT_MISSING, f"operation {op_id} has no receipt",
-                                             op.first, op.event_ids[0]))
+                self.add(Finding(RECEIPT_MISSING, f"operation {op_id} has no receipt",
+                                 op.first, op.event_ids[0]))
+
+    def _stored_receipt(self, row: StoredReceipt, seen: set[str]) -> Receipt | None:
+        """The receipt a stored row holds (None if its body does not decode), after a
+        finding for each column that disagrees with it."""
+        r, problems = receipt_problems(row)
+        if isinstance(row.operation_id, str):
+            seen.add(row.operation_id)  # damaged, not missing
+        code = RECEIPT_MISMATCH if r is not None else MALFORMED_RECEIPT
+        for problem in problems:
+            self.add(Finding(code, f"receipt {short(row.operation_id)}: {problem}",
+                             position_of(row.first_global_position)))
+        return r
 
     def _check_heads(self, heads: dict) -> None:
         for sid, s in self.states.items():
             h = heads.get(sid)
             pos, event_id = self._last.get(sid, (None, None))
             if h is None or h != head_facts(s):
-                self.findings.append(Finding(HEAD_MISMATCH, f"head row of {sid} does not match its stream",
-                                             pos, event_id, sid))
+                self.add(Finding(HEAD_MISMATCH, f"head row of {sid} does not match its stream",
+                                 pos, event_id, sid))
         for sid in heads:
             if sid not in self.states:
-                self.findings.append(Finding(HEAD_MISMATCH, f"head row of {sid}, which has no events",
-                                             stream_id=sid))
+                self.add(Finding(HEAD_MISMATCH, f"head row of {sid}, which has no events",
+                                 stream_id=sid))
 
 
 _CHECKS = {
@@ -546,24 +617,60 @@ _CHECKS = {
 def verify_bodies(bodies: Iterable[tuple[int | None, bytes]], *, receipts: Iterable | None = None,
                   heads: dict | None = None,
                   manifest_lookup: Callable[[str], bytes | None] | None = None,
-                  rows: bool = False) -> VerifyResult:
-    """Check `(n, body)` pairs in order. n is a file line number, or with rows=True the
-    database row's global position (compared with the envelope's)."""
-    checker = Checker(manifest_lookup)
+                  keep: int = KEEP) -> VerifyResult:
+    """Check `(line number, body)` pairs in order, then the receipts and heads given."""
+    checker = Checker(manifest_lookup, keep=keep)
     for n, body in bodies:
-        if rows:
-            checker.feed(body, row_position=n)
-        else:
+        checker.feed(body, line=n)
+        if checker.full:
+            return checker.result(stopped=_stopped(f"line {n}"))
+    checker.finish(receipts, heads)
+    return checker.result()
+
+
+def verify_journal(journal: Journal, *, keep: int = KEEP) -> VerifyResult:
+    """Storage, event rows, receipts, head rows and stored manifests of a journal
+    database, all read in one snapshot: a writer committing meanwhile changes nothing."""
+    with journal.snapshot() as snap:
+        checker = Checker(snap.manifest, keep=keep)
+        integrity = snap.integrity()
+        for problem in integrity.problems:
+            checker.add(Finding(STORAGE_CORRUPT, f"{integrity.checked}: {problem}"))
+        storage = integrity.checked + (f" (skipped: {integrity.skipped})" if integrity.skipped else "")
+        try:
+            for row in snap.events():
+                checker.feed(row.body, row=row)
+                if checker.full:
+                    return checker.result(stopped=_stopped(f"position {row.global_position!r}"),
+                                          storage=storage)
+            checker.finish(snap.receipts(), snap.heads())
+        except KvLedgerError as exc:
+            if not integrity.problems:
+                raise  # a database that says it is whole but cannot be read: not a finding
+            checker.add(Finding(STORAGE_CORRUPT, f"reading stopped after {checker.events} events: "
+                                                 f"{exc.message}"))
+    return checker.result(storage=storage)
+
+
+def verify_jsonl(path: str | Path, *, keep: int = KEEP) -> VerifyResult:
+    """An audit file: the events alone (no receipts or heads to compare), read line by
+    line. A line too long to be an event ends the reading: no next line can be found
+    within the bound (think of /dev/zero)."""
+    checker = Checker(keep=keep)
+    lines = jsonl_bodies(path)  # opens now: an unreadable path is an error, not a finding
+    try:
+        for n, body in lines:
             checker.feed(body, line=n)
-    return VerifyResult(checker.events, checker.finish(receipts, heads))
+            if checker.full:
+                return checker.result(stopped=_stopped(f"line {n}"))
+    except KvLedgerError as exc:
+        if exc.code is not ErrorCode.FIELD_TOO_LARGE:
+            raise
+        line = exc.details.get("line")
+        checker.add(Finding(exc.code.value, exc.message, line=line if isinstance(line, int) else None))
+        return checker.result(stopped=f"{exc.message}: no next line can be found within the bound")
+    return checker.result()
 
 
-def verify_journal(journal: Journal) -> VerifyResult:
-    """Events, receipts, head rows and stored manifests of a journal database."""
-    return verify_bodies(journal.read_raw(), receipts=journal.read_receipts(), heads=journal.heads(),
-                         manifest_lookup=journal.manifest, rows=True)
-
-
-def verify_jsonl(path: str | Path) -> VerifyResult:
-    """An audit file: the events alone (no receipts or heads to compare)."""
-    return verify_bodies(jsonl_bodies(path))
+def _stopped(where: str) -> str:
+    return f"stopped at {where} after {STOP_AFTER} findings; the rest was not read"

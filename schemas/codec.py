@@ -30,6 +30,8 @@ def decode_event(data: bytes | str) -> Event:
         event = _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return _decode_slow(data, exc)
+    except RecursionError:  # msgspec's own depth limit: a forged line, never a real event
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "JSON nested too deeply") from None
     if event.schema_version != CURRENT_VERSION[event.event_type]:
         return _decode_slow(data, None)
     return event
@@ -40,9 +42,14 @@ def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         raise KvLedgerError(ErrorCode.MALFORMED_EVENT, f"not JSON: {exc}") from None
+    except RecursionError:
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "an event must be a JSON object")
     event_type = raw.get("event_type")
+    if not isinstance(event_type, (str, type(None))):  # a list or object is not even hashable
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT,
+                            f"event_type must be a string, not {type(event_type).__name__}")
     if event_type not in CURRENT_VERSION:
         raise KvLedgerError(
             ErrorCode.UNKNOWN_EVENT_TYPE, f"unknown event_type {str(event_type)[:64]!r}"
@@ -80,6 +87,66 @@ def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
         return msgspec.convert(upgraded, Event)
     except msgspec.ValidationError as exc:
         raise _validation_error(exc) from None
+    except RecursionError:
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "JSON nested too deeply") from None
+
+
+def noncanonical(body: bytes, event: Event) -> str | None:
+    """Why `body` is not the encoding this journal writes of `event` (None when it is).
+    A stored or imported body must re-encode to itself: otherwise two bodies with the
+    same meaning differ in bytes (whitespace, escapes, key order, a duplicate key whose
+    first value a different parser would keep), and a digest over one names neither."""
+    if _encoder.encode(event) == body:
+        return None
+    if _stored_version(body) < CURRENT_VERSION[event.event_type]:
+        # Written by an older kvledger in its own field order, then upcast on decode:
+        # only the JSON itself can be compared (a duplicate key shortens the re-encoding).
+        try:
+            if msgspec.json.encode(msgspec.json.decode(body)) == body:
+                return None
+        except (msgspec.DecodeError, RecursionError):
+            pass
+    duplicate = _duplicate_key(body)
+    if duplicate is not None:
+        return f"duplicate key {duplicate[:64]!r}"
+    return ("does not re-encode to itself (whitespace, key order, escapes, number form or an "
+            "omitted default differ from the encoding kvledger writes)")
+
+
+class _Version(msgspec.Struct):
+    schema_version: int = 0
+
+
+_version_decoder = msgspec.json.Decoder(_Version)
+
+
+def _stored_version(body: bytes) -> int:
+    try:
+        return _version_decoder.decode(body).schema_version
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+
+
+def _duplicate_key(body: bytes) -> str | None:
+    """The first key that appears twice in one object. The slow path of a rejection:
+    msgspec keeps the last value silently, so only a pairs-preserving parse can tell."""
+    import json
+
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for k, _ in items:
+            if k in seen and not found:
+                found.append(k)
+            seen.add(k)
+        return dict(items)
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    return found[0] if found else None
 
 
 def _validation_error(exc: Exception | None) -> KvLedgerError:

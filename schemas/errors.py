@@ -67,6 +67,7 @@ class ErrorCode(StrEnum):
     UNWRITABLE_OUTPUT = "UNWRITABLE_OUTPUT"  # an output path is a directory, read-only, or the disk is full
     OUTPUT_IS_INPUT = "OUTPUT_IS_INPUT"  # an output would overwrite the journal or another input
     CONTEXT_TOO_LONG = "CONTEXT_TOO_LONG"  # prompt + generation beyond the model's positions
+    NON_CANONICAL_EVENT = "NON_CANONICAL_EVENT"  # a body that does not re-encode to itself
 
 
 class KvLedgerError(Exception):

@@ -30,8 +30,9 @@ def _hex(*digests: str) -> None:
         if d.translate(_NOT_HEX):
             raise ValueError(f"Expected a lowercase hex sha256, got {d[:64]!r}")
 Text = Annotated[str, Meta(max_length=4096)]
-Count = Annotated[int, Meta(ge=0)]
-TokenIds = Annotated[tuple[Annotated[int, Meta(ge=0)], ...], Meta(max_length=1 << 20)]
+INT64_MAX = (1 << 63) - 1  # the journal's integer columns (BIGINT) hold no more
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+TokenIds = Annotated[tuple[Annotated[int, Meta(ge=0, le=INT64_MAX)], ...], Meta(max_length=1 << 20)]
 
 AppendKind = Literal["prefill", "chunk", "decode", "repair", "verify"]
 FailureOutcome = Literal["failed", "aborted", "rejected"]
@@ -125,7 +126,7 @@ class Failure(_Payload):
 
 class OutputEmit(_Payload):
     output_index: Count
-    token_id: Annotated[int, Meta(ge=0)]
+    token_id: Annotated[int, Meta(ge=0, le=INT64_MAX)]
     snapshot_version: Count  # the snapshot whose logits produced this token
 
 

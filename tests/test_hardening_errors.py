@@ -16,6 +16,7 @@ from hardening_db import ROOT, cli, cli_process, execute, refused, snapshot
 from sqlalchemy.engine import make_url
 
 import migrations
+from journal.contract import ImportTables
 from journal.tables import REVISIONS, SCHEMA_REVISION
 from kvledger import Ledger
 from kvledger.storage import init_database, open_journal
@@ -139,7 +140,7 @@ def test_value_too_long_constraint_and_dropped_table_have_their_own_codes(db_url
     if empty is not None:
         init_database(empty)
         with open_journal(empty) as target, pytest.raises(KvLedgerError) as info:
-            target.import_events([events[0], events[0]], {}, [])
+            target.import_events([events[0], events[0]], lambda: ImportTables({}, []))
         assert info.value.code is ErrorCode.CONSTRAINT_VIOLATION
     assert snapshot(db_url) == before
     execute(db_url, "DROP TABLE kvl_heads")

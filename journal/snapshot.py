@@ -1,0 +1,49 @@
+"""The read side of verify: every row of the journal, as stored, in one snapshot.
+
+SqlJournal.snapshot() holds the journal's lock and one read-only transaction for the
+whole audit (SQLite: a deferred BEGIN in WAL mode; PostgreSQL: REPEATABLE READ READ
+ONLY). Events and receipts are read in keyset pages inside that transaction, so memory
+stays bounded and every page sees the same commit point as the receipts and heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from journal.contract import HeadFacts, Integrity, Snapshot, StoredEvent, StoredReceipt
+from journal.statements import Statements
+
+PAGE = 5000
+
+
+class SqlSnapshot(Snapshot):
+    def __init__(self, sql: Statements, cur: Any, call: Callable[[Callable[[], Any]], Any]) -> None:
+        self._sql, self._cur, self._call = sql, cur, call  # `call` maps driver errors to codes
+
+    def integrity(self) -> Integrity:
+        return self._call(lambda: self._sql.integrity(self._cur))
+
+    def events(self) -> Iterator[StoredEvent]:
+        for row in self._pages(self._sql.EVENT_PAGES):
+            yield StoredEvent(*row)
+
+    def receipts(self) -> Iterator[StoredReceipt]:
+        for row in self._pages(self._sql.RECEIPT_PAGES):
+            yield StoredReceipt(*row)
+
+    def heads(self) -> dict[str, HeadFacts]:
+        rows = self._call(lambda: self._sql.heads(self._cur, None, None))
+        return {row[0]: HeadFacts(*row[1:]) for row in rows}
+
+    def manifest(self, manifest_sha256: str) -> Any:
+        return self._call(lambda: self._sql.raw_manifest(self._cur, manifest_sha256))
+
+    def _pages(self, pages: tuple[str, str]) -> Iterator[tuple]:
+        after = None
+        while True:
+            rows = self._call(lambda: self._sql.page(self._cur, pages, after, PAGE))
+            yield from rows
+            if len(rows) < PAGE:
+                return
+            after = rows[-1][0]  # the key column as stored, whatever its type

@@ -1,0 +1,73 @@
+"""Helpers for tests that damage a journal the way an operator or a disk would: edit rows
+through the database directly, and take a full picture of a journal to prove that a
+refused command changed nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import text
+
+from journal import make_engine, parse_url
+from kvledger.cli import main
+from kvledger.storage import open_journal
+from replay import import_jsonl
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints")
+
+
+def sql(db_url: str, statement: str, **params) -> list[tuple]:
+    """Run one statement with bound parameters in its own transaction; its rows, if any."""
+    engine = make_engine(parse_url(db_url))
+    try:
+        with engine.begin() as conn:
+            result = conn.execute(text(statement), params)
+            return [tuple(r) for r in result] if result.returns_rows else []
+    finally:
+        engine.dispose()
+
+
+def dump(db_url: str) -> dict[str, list[tuple]]:
+    """Every row of every journal table, in a fixed order, with SQLite's storage type of
+    each value (a TEXT '7' is not an INTEGER 7)."""
+    out = {}
+    for table in TABLES:  # constant names
+        rows = sql(db_url, f"SELECT * FROM {table}")
+        out[table] = sorted(tuple((type(v).__name__, bytes(v) if isinstance(v, memoryview) else v)
+                                  for v in r) for r in rows)
+    return out
+
+
+def picture(db_url: str) -> object:
+    """What must not change: the database file's bytes on SQLite (with no WAL left
+    behind), the full dump on PostgreSQL."""
+    if db_url.startswith("sqlite"):
+        path = Path(db_url.removeprefix("sqlite:///"))
+        wal = path.with_name(path.name + "-wal")
+        return path.read_bytes(), wal.exists() and wal.stat().st_size > 0
+    return dump(db_url)
+
+
+def imported(db_url: str, name: str = "two_request_trajectory") -> dict:
+    """Import a fixture journal; its events by global position."""
+    with open_journal(db_url) as journal:
+        import_jsonl(journal, FIXTURES / f"{name}.jsonl")
+        return {e.global_position: e for e in journal.read_all()}
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_coded_line(err: str, code: str | None = None) -> str:
+    """The single stderr line of a refused command, asserted to carry a stable code."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    head = lines[0].split(":", 1)[0]
+    assert head.isupper() and head.replace("_", "").isalpha(), err
+    if code is not None:
+        assert head == code, err
+    return lines[0]
