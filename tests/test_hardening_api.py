@@ -92,6 +92,9 @@ HOSTILE = {
     "10,000-character handle id": ("allocate", ("x" * 10_000, make_manifest("n")), {"reserved_capacity": 8}, INVALID),
     "integer handle": ("allocate", (5, make_manifest("n")), {"reserved_capacity": 8}, INVALID),
     "NUL in a handle id": ("allocate", ("a\x00b", make_manifest("n")), {"reserved_capacity": 8}, INVALID),
+    "lone surrogate in a handle id": ("allocate", ("a\ud800", make_manifest("n")), {"reserved_capacity": 8},
+                                      INVALID),
+    "lone surrogate in a read": ("state", ("\ud800",), {}, INVALID),  # found by the fuzz test
     "float capacity": ("allocate", ("n", make_manifest("n")), {"reserved_capacity": 1.5}, INVALID),
     "bool capacity": ("allocate", ("n", make_manifest("n")), {"reserved_capacity": True}, INVALID),
     "negative generation": ("allocate", ("n", make_manifest("n")), {"reserved_capacity": 8, "generation": -1}, INVALID),
