@@ -84,7 +84,7 @@ class Context:
         """A fresh, migrated kvledger SQLite file (copied from one migrated template)."""
         template = self.tmp / "template.db"
         if not template.exists():
-            from kvledger.storage import init_database
+            from kvledger.migrations.storage import init_database
 
             init_database(f"sqlite:///{template}")
         path = self.sqlite_path(stem)
@@ -96,12 +96,12 @@ class Context:
         """The one throwaway PostgreSQL of this run (fsync on), started on first use.
         Raises RuntimeError when it cannot start."""
         if self._pg is None and self._pg_error is None:
-            from kvledger.pgserver import ThrowawayPostgres
+            from kvledger.journal.pgserver import ThrowawayPostgres
 
             self.log("starting a throwaway PostgreSQL (fsync=on)")
             try:
                 self._pg = ThrowawayPostgres(fsync=True).start()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - whatever stops the server starting is the reason reported
                 self._pg_error = f"cannot start PostgreSQL: {exc}"
         if self._pg is None:
             raise RuntimeError(self._pg_error)
@@ -120,7 +120,7 @@ class Context:
         """A fresh, migrated kvledger database (from one migrated template)."""
         pg = self.postgres()
         if self._pg_template is None:
-            from kvledger.storage import init_database
+            from kvledger.migrations.storage import init_database
 
             self._pg_template = "kvl_bench_template"
             init_database(pg.create_database(self._pg_template))
@@ -143,10 +143,10 @@ class Context:
 
 def at_threads(n: int, fn, *args):
     """fn(*args) with torch's CPU pool at n threads (then as it was), placed as
-    engine.worker.use_threads places a pool of that size."""
+    kvledger.worker.serving.use_threads places a pool of that size."""
     import torch
 
-    from engine.worker import use_threads
+    from kvledger.worker.serving import use_threads
 
     before = torch.get_num_threads()
     use_threads(n)

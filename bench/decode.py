@@ -8,8 +8,8 @@ Journal on = SQLite WAL, synchronous=FULL, an fsync per iteration; off = the sam
 worker loop with no command service at all. Journal on is measured with both writers
 a user can choose (`--writer`): `thread`, the command service in the worker's process
 (its commit thread overlaps the next model call), at torch's full pool and at one core
-fewer, and `process`, the command service in a writer process (engine.remote) with
-torch's pool one core smaller (engine.worker.leave_a_core). The headline takes the
+fewer, and `process`, the command service in a writer process (kvledger.engine.remote) with
+torch's pool one core smaller (kvledger.worker.serving.leave_a_core). The headline takes the
 best of these per case; every rate is reported. Journal off and transformers run at
 both pool sizes and keep their better rate, so neither baseline is handicapped by a
 thread count a writer happens to suit.
@@ -68,7 +68,7 @@ def bench_prompts(b: int, vocab: int) -> list[tuple[int, ...]]:
 def serving_worker(model, artifact, prompts, g: int, service):
     """A worker with every prompt (32 tokens each) submitted for g greedy tokens, all
     running at once; `service` None: journaling off."""
-    from engine.worker import RequestSpec, Worker
+    from kvledger.worker.serving import RequestSpec, Worker
 
     w = Worker(model, service=service, artifact=artifact, max_running=len(prompts),
                capacity=32 + g + 1, prefill_tokens=32 * len(prompts))
@@ -79,8 +79,8 @@ def serving_worker(model, artifact, prompts, g: int, service):
 
 def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | None) -> float:
     """Tokens/s of the worker with the journal written by `writer`, or off (None)."""
-    from engine.remote import command_service
-    from kvledger.storage import open_journal
+    from kvledger.engine.remote import command_service
+    from kvledger.migrations.storage import open_journal
 
     url = ctx.sqlite_journal_url("decode")
     with open_journal(url) as j, command_service(j, writer=writer) if writer else nullcontext() as service:
@@ -103,10 +103,9 @@ def _hf_rate(hf, prompts, g: int) -> float:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from engine.loading import load_model
-    from engine.model import DEFAULT_CONFIG, ModelConfig
-
-    from engine.worker import leave_a_core
+    from kvledger.worker.loading import load_model
+    from kvledger.worker.model import DEFAULT_CONFIG, ModelConfig
+    from kvledger.worker.serving import leave_a_core
 
     out: dict[str, Any] = {}
     overheads, vs_hf = [], []

@@ -89,8 +89,8 @@ class Kvledger(System):
     name = "kvledger"
 
     def __init__(self, ctx: Context, backend: str, handles: int) -> None:
-        from journal import open_journal
-        from schemas.receipts import Receipt
+        from kvledger.journal import open_journal
+        from kvledger.schemas.receipts import Receipt
 
         self.backend = backend
         url = ctx.sqlite_journal_url("kvl") if backend == "sqlite" else ctx.pg_journal_url("kvl")
@@ -120,8 +120,8 @@ def _sample_bodies() -> tuple[bytes, bytes]:
     """An event body and a receipt body exactly as kvledger stores them for one publication."""
     import msgspec
 
-    from schemas.codec import encode_event
-    from schemas.receipts import HandleResult, Receipt, receipt_encoder
+    from kvledger.schemas.codec import encode_event
+    from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
     ids, h = Ids(), Head(random_hex(1)[0])
     op = publish_op(h, ids)

@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from journal import placement
+from kvledger.worker import placement
 
 
 def _version(dist: str) -> str | None:
@@ -62,7 +62,7 @@ def machine_info(ctx: Any) -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "affinity_cpus": placement.usable_cpus(),  # as the process started, before any pinning
-        "io_cpu": placement.io_cpu(),  # takes the disk's interrupts: writers run there (journal.placement)
+        "io_cpu": placement.io_cpu(),  # takes the disk's interrupts: writers run there (kvledger.worker.placement)
         "memory_gb": _memory_gb(),
         "platform": platform.platform(),
         "python": platform.python_version(),

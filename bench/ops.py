@@ -14,10 +14,10 @@ from __future__ import annotations
 import itertools
 import os
 
-from journal import Guard, HeadFacts, Operation, StreamWrite
-from schemas import events as ev
-from schemas.canonical import canonical_json
-from schemas.manifest import (
+from kvledger.journal import Guard, HeadFacts, Operation, StreamWrite
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
     Manifest,

@@ -24,7 +24,8 @@ def main(argv: list[str]) -> int:
     a.set(xscale="log", xlabel="live handles", ylabel="us per publication (batches of 64)",
           title="Append cost vs live handles", ylim=(0, None))
     a.legend()
-    events = sorted(int(k.split("_")[2]) for k in replay if k.startswith("replay_events_") and k.endswith("_file_per_s"))
+    events = sorted(int(k.split("_")[2]) for k in replay
+                    if k.startswith("replay_events_") and k.endswith("_file_per_s"))
     costs = [1e6 / replay[f"replay_events_{n}_file_per_s"] for n in events]
     b.plot(events, costs, "o-", color="C2", label="full projection")
     b.set(xscale="log", xlabel="journal events", ylabel="us per event", title="Replay cost vs journal length",

@@ -37,11 +37,19 @@ NOTES = {
 
 def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, outputs: int = 16) -> int:
     """A lifecycle-valid synthetic journal of about `events` events; returns the count."""
-    from engine.model import DEFAULT_CONFIG
-    from schemas import events as ev
-    from schemas.codec import encode_event
-    from schemas.manifest import (ArtifactIdentity, CacheSchema, ScalarType, b_token, cache_abi_sha256,
-                                  manifest_sha256, new_manifest, prefix_identity_sha256)
+    from kvledger.schemas import events as ev
+    from kvledger.schemas.codec import encode_event
+    from kvledger.schemas.manifest import (
+        ArtifactIdentity,
+        CacheSchema,
+        ScalarType,
+        b_token,
+        cache_abi_sha256,
+        manifest_sha256,
+        new_manifest,
+        prefix_identity_sha256,
+    )
+    from kvledger.worker.model import DEFAULT_CONFIG
 
     cfg = DEFAULT_CONFIG
     fp32 = ScalarType("fp32", 4)
@@ -153,10 +161,10 @@ def _read(path: Path) -> list[bytes]:
 
 def measure(bodies: list[bytes]) -> tuple[float, float]:
     """(decode-only events/s, full replay events/s) over the same bodies."""
-    from replay.metrics import WindowSpec
-    from replay.report import build
-    from replay.run import project
-    from schemas.codec import decode_event
+    from kvledger.replay.metrics import WindowSpec
+    from kvledger.replay.report import build
+    from kvledger.replay.run import project
+    from kvledger.schemas.codec import decode_event
 
     t0 = time.perf_counter()
     for b in bodies:
@@ -171,10 +179,10 @@ def measure(bodies: list[bytes]) -> tuple[float, float]:
 
 def _child(path: str) -> None:
     """Run in a fresh process: replay a file streamed line by line; print JSON."""
-    from replay.metrics import WindowSpec
-    from replay.report import build
-    from replay.run import project
-    from replay.sources import jsonl_events
+    from kvledger.replay.metrics import WindowSpec
+    from kvledger.replay.report import build
+    from kvledger.replay.run import project
+    from kvledger.replay.sources import jsonl_events
 
     t0 = time.perf_counter()
     p = project(jsonl_events(path))

@@ -2,7 +2,7 @@
 
 The workload is the decode section's (B requests of 32-token prompts, G greedy tokens
 each, end to end): "off" is the worker under the journal as in section 3; "on" adds an
-engine.telemetry.Telemetry attached to the service and the worker, writing every
+kvledger.telemetry.producer.Telemetry attached to the service and the worker, writing every
 audit record and observation to a file and keeping the Prometheus metrics. An "on" run
 is timed until the telemetry is closed, so every record it emitted is written. Runs are
 interleaved and repeated at torch's full pool and at one core fewer (with the journal
@@ -35,9 +35,9 @@ NOTES = {
 
 
 def _rate(ctx: Context, model, artifact, prompts, g: int, telemetry_on: bool) -> tuple[float, dict]:
-    from engine.service import CommandService
-    from engine.telemetry import Telemetry
-    from kvledger.storage import open_journal
+    from kvledger.engine.service import CommandService
+    from kvledger.migrations.storage import open_journal
+    from kvledger.telemetry.producer import Telemetry
 
     url = ctx.sqlite_journal_url("telemetry")
     with open_journal(url) as j:
@@ -80,9 +80,9 @@ def _intrinsic(ctx: Context, model, artifact, prompts, g: int) -> tuple[float, f
     they queued, on one thread, timed with process CPU time."""
     import io
 
-    from engine.service import CommandService
-    from engine.telemetry import Telemetry
-    from kvledger.storage import open_journal
+    from kvledger.engine.service import CommandService
+    from kvledger.migrations.storage import open_journal
+    from kvledger.telemetry.producer import Telemetry
 
     calls: list[tuple] = []
     with open_journal(ctx.sqlite_journal_url("telemetry")) as j:
@@ -111,9 +111,9 @@ def _intrinsic(ctx: Context, model, artifact, prompts, g: int) -> tuple[float, f
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from engine.loading import load_model
-    from engine.model import DEFAULT_CONFIG
-    from engine.worker import leave_a_core
+    from kvledger.worker.loading import load_model
+    from kvledger.worker.model import DEFAULT_CONFIG
+    from kvledger.worker.serving import leave_a_core
 
     b, g = 16, ctx.size(smoke=8, quick=64, full=128)
     model, artifact = load_model(config=DEFAULT_CONFIG)

@@ -48,7 +48,7 @@ NEAR_FREE = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_k
 
 
 def _manifest(request_id: str, layers: int, prompt: tuple[int, ...], max_new: int):
-    from schemas.manifest import (
+    from kvledger.schemas.manifest import (
         ArtifactIdentity,
         CacheSchema,
         PositionContract,
@@ -73,7 +73,7 @@ class Lockstep:
     next) and commits them in one transaction."""
 
     def __init__(self, service: Any, layers: int, steps: int, tag: str) -> None:
-        from engine import commands as c
+        from kvledger.engine import commands as c
 
         self.c, self.service, self.layers = c, service, layers
         self.handles = [f"{tag}-{os.urandom(6).hex()}-{i:03d}" for i in range(BATCH)]
@@ -85,7 +85,7 @@ class Lockstep:
         # random digests, made before the clock starts: the model's worker hashes rows anyway
         self.digests = [os.urandom(32).hex() for _ in range(4096)]
         self.d = 0
-        from schemas.manifest import cache_abi_sha256
+        from kvledger.schemas.manifest import cache_abi_sha256
 
         prompt = tuple(range(1, PROMPT + 1))
         manifests = [_manifest(h, layers, prompt, steps + 2) for h in self.handles]
@@ -133,8 +133,8 @@ class Lockstep:
 def chain_rate(url: str, layers: int, steps: int, repeats: int) -> tuple[float, int]:
     """Best tokens/s of `steps` lockstep steps, over `repeats` fresh groups of handles in
     one journal; returns it with the tokens written."""
-    from engine.service import CommandService
-    from kvledger.storage import open_journal
+    from kvledger.engine.service import CommandService
+    from kvledger.migrations.storage import open_journal
 
     rates, tokens = [], 0
     with open_journal(url) as j:
@@ -154,11 +154,12 @@ def _worker_run(url: str | None, layers: int, g: int, writer: str | None) -> tup
     """Tokens/s and tokens of the near-free model serving BATCH requests."""
     from contextlib import nullcontext
 
+    from kvledger.engine.remote import command_service
+    from kvledger.migrations.storage import open_journal
+    from kvledger.worker.loading import load_model
+    from kvledger.worker.model import ModelConfig
+
     from bench.decode import bench_prompts, serving_worker
-    from engine.loading import load_model
-    from engine.model import ModelConfig
-    from engine.remote import command_service
-    from kvledger.storage import open_journal
 
     model, artifact = load_model(config=ModelConfig(**{**NEAR_FREE, "num_layers": layers}))
     prompts = bench_prompts(BATCH, NEAR_FREE["vocab_size"])
@@ -191,10 +192,10 @@ def disk_bytes(path: str) -> dict[str, Any]:
 
 def replay_rate(url: str, tokens: int) -> float:
     """Tokens/s of a full projection (ledgers, byte-time, service metrics) of the journal."""
-    from kvledger.storage import open_journal
-    from replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS, WindowSpec
-    from replay.projector import Projector
-    from replay.report import build
+    from kvledger.migrations.storage import open_journal
+    from kvledger.replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS, WindowSpec
+    from kvledger.replay.projector import Projector
+    from kvledger.replay.report import build
 
     with open_journal(url) as j:
         t0 = time.perf_counter()

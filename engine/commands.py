@@ -2,7 +2,7 @@
 late or stale command can be fenced. A command's canonical JSON is its fingerprint.
 
 Fields that flow into events carry the events' own constrained types (schemas.events:
-Id, Count, TokenIds, Text), so a command decoded from data (engine.remote's frames), or
+Id, Count, TokenIds, Text), so a command decoded from data (kvledger.engine.remote's frames), or
 checked by `validate`, is refused for exactly what the event decoder would refuse later:
 the limits cannot drift apart.
 """
@@ -15,11 +15,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.state import HandleState
-from schemas.canonical import digest
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.events import AppendKind, Count, FailureOutcome, ForwardCall, Id, LayerRows, Text, TokenIds
-from schemas.manifest import Manifest
+from kvledger.engine.state import HandleState
+from kvledger.schemas.canonical import digest
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import AppendKind, Count, FailureOutcome, ForwardCall, Id, LayerRows, Text, TokenIds
+from kvledger.schemas.manifest import Manifest
 
 # The events' Count: bounded by the journal's BIGINT columns too (generations, versions
 # and lengths are stored in head rows as well as in bodies).
@@ -240,7 +240,7 @@ def handles_of(cmd: Command) -> tuple[str, ...]:
 # -- validation at the public boundary ---------------------------------------------------
 # A command built in Python is not checked by msgspec (only decoding checks), so one from a
 # caller is round-tripped through the wire format its declared types decode: the same
-# check engine.remote's writer applies to every frame. The worker's own commands skip it.
+# check kvledger.engine.remote's writer applies to every frame. The worker's own commands skip it.
 
 _wire_encode = msgspec.msgpack.Encoder().encode
 _wire_decode = msgspec.msgpack.Decoder(Command | Relative).decode

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from engine import commands as c
-from engine.evolve import cut
-from engine.state import HandleState
-from schemas import events as ev
-from schemas.errors import ErrorCode as E
-from schemas.errors import KvLedgerError
-from schemas.manifest import (
+from kvledger.engine import commands as c
+from kvledger.engine.evolve import cut
+from kvledger.engine.state import HandleState
+from kvledger.schemas import events as ev
+from kvledger.schemas.errors import ErrorCode as E
+from kvledger.schemas.errors import KvLedgerError
+from kvledger.schemas.manifest import (
     b_token,
     cache_abi_sha256,
     manifest_sha256,

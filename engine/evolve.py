@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from msgspec.structs import replace
 
-from engine.state import HandleState, OpenTxn
-from schemas import events as ev
+from kvledger.engine.state import HandleState, OpenTxn
+from kvledger.schemas import events as ev
 
 
 def cut(state: HandleState, new_length: int) -> dict:

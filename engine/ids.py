@@ -47,7 +47,7 @@ def seeded(seed: str) -> Iterator[None]:
     global _next
     rng = random.Random(seed)
     saved = _next
-    _next = lambda: uuid.UUID(int=rng.getrandbits(128), version=4).hex  # noqa: E731
+    _next = lambda: uuid.UUID(int=rng.getrandbits(128), version=4).hex  # noqa: E731 - chosen once, called per id
     try:
         yield
     finally:

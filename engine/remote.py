@@ -27,21 +27,20 @@ import struct
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from engine import commands as c
-from engine.evolve import fold
-from engine.service import BatchSurface, CommandService, SystemClock
-from engine.state import HandleState
-from journal import placement
-from journal.contract import Journal
-from journal.sql import SqlJournal, open_journal
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.events import Event
-from schemas.receipts import Receipt
+from kvledger.engine import commands as c
+from kvledger.engine.evolve import fold
+from kvledger.engine.service import BatchSurface, CommandService, SystemClock
+from kvledger.engine.state import HandleState
+from kvledger.journal import writers
+from kvledger.journal.contract import Journal
+from kvledger.journal.sql import SqlJournal, open_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import Event
+from kvledger.schemas.receipts import Receipt
 
 WRITERS = ("thread", "process")
 _LENGTH = struct.Struct(">I")
@@ -96,16 +95,14 @@ class RemoteService(BatchSurface):
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(_Reply).decode
         self._pending: Callable[[], list] | None = None
-        root = str(Path(__file__).resolve().parents[1])  # the child imports this very package
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self._proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "engine.remote"], env=env,
+            [sys.executable, "-m", "kvledger.engine.remote"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self.pid = self._proc.pid
         # Placed from here: the child inherits this thread's mask, which may be the
         # model's (off the I/O CPU), and would not see the CPUs it may move to.
-        placement.pin_writer(self.pid)
+        writers.place(self.pid)
         self._out, self._in = self._proc.stdin.fileno(), self._proc.stdout.fileno()
         try:
             send(self._out, self._encode(_Hello(journal.url.render_as_string(hide_password=False),

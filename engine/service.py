@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine import commands as c
-from engine.ids import new_id
-from engine.decide import Draft, decide
-from engine.evolve import evolve, fold
-from engine.state import HandleState
-from journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
-from schemas import events as ev
-from schemas.canonical import canonical_json
-from schemas.codec import decode_event, encode_event
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import Receipt
+from kvledger.engine import commands as c
+from kvledger.engine.decide import Draft, decide
+from kvledger.engine.evolve import evolve, fold
+from kvledger.engine.ids import new_id
+from kvledger.engine.state import HandleState
+from kvledger.journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
 
 MAX_ATTEMPTS = 64
 
@@ -51,7 +51,7 @@ RejectHook = Callable[[object, KvLedgerError], None]
 
 class BatchSurface:
     """execute, execute_many and the context manager, built on `submit_many` and
-    `close`: the same for this process's service and engine.remote's writer process."""
+    `close`: the same for this process's service and kvledger.engine.remote's writer process."""
 
     def execute(self, cmd: c.Command | c.Relative) -> Receipt:
         [result] = self.execute_many([cmd])
@@ -105,7 +105,7 @@ class CommandService(BatchSurface):
     # -- commands ----------------------------------------------------------------
 
     def close(self) -> None:
-        """Nothing to release here (the caller owns the journal); engine.remote's
+        """Nothing to release here (the caller owns the journal); kvledger.engine.remote's
         service, which has a writer process to stop, has the same method."""
 
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
@@ -126,7 +126,7 @@ class CommandService(BatchSurface):
                 first = self.journal.append_deferred(ops)
             else:
                 outcomes = self.journal.append(ops)
-                first = lambda: outcomes  # noqa: E731
+                first = lambda: outcomes  # noqa: E731 - the already-known outcome as the wait function
 
         def wait() -> list[Receipt | KvLedgerError]:
             pending = self._settle(cmds, results, planned, first()) if first is not None else []

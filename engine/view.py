@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from engine.state import HandleState
+from kvledger.engine.state import HandleState
 
 Phase = Literal["WAITING_PREFILL", "PREFILL_IN_FLIGHT", "OUTPUT_READY", "DECODE_FRONTIER_READY",
                 "FINISHED_RETAINED", "RELEASED"]

@@ -1,7 +1,7 @@
 """The durable journal: the conditional-write append, reads by stream and by global
 position, receipts, manifests and projection checkpoints, on SQLite and PostgreSQL."""
 
-from journal.contract import (
+from kvledger.journal.contract import (
     Check,
     Guard,
     HeadFacts,
@@ -10,9 +10,9 @@ from journal.contract import (
     Rejection,
     StreamWrite,
 )
-from journal.sql import SqlJournal, make_engine, open_journal
-from journal.tables import SCHEMA_REVISION
-from journal.url import DEFAULT_URL, parse_url, redact, resolve_url
+from kvledger.journal.sql import SqlJournal, make_engine, open_journal
+from kvledger.journal.tables import SCHEMA_REVISION
+from kvledger.journal.url import DEFAULT_URL, parse_url, redact, resolve_url
 
 __all__ = [
     "DEFAULT_URL",

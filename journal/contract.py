@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import Event
-from schemas.receipts import Receipt
+from kvledger.schemas.events import Event
+from kvledger.schemas.receipts import Receipt
 
 
 class Guard(msgspec.Struct, frozen=True):

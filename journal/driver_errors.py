@@ -21,9 +21,9 @@ from pathlib import Path
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
-from journal.faults import FaultInjected
-from journal.url import describe
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.journal.faults import FaultInjected
+from kvledger.journal.url import describe
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 E = ErrorCode
 

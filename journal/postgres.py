@@ -28,9 +28,9 @@ import psycopg
 from psycopg.adapt import Dumper
 from psycopg.pq import Format
 
-from journal import faults
-from journal.contract import Guard, Integrity, StreamWrite
-from journal.statements import Statements, _head_columns
+from kvledger.journal import faults
+from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.journal.statements import Statements, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -233,7 +233,8 @@ class PostgresStatements(Statements):
     def check_heads(self, cur: Any, rows: list[tuple[str, Guard]]) -> set[str]:
         if not rows:
             return set()
-        if faults.UNGUARDED: return {h for h, _ in rows}  # test-only mutant
+        if faults.UNGUARDED:  # test-only mutant
+            return {h for h, _ in rows}
         h, g, s, p = zip(*[(h, g.generation, g.snapshot_version, g.stream_position) for h, g in rows])
         cur.execute(
             "SELECT h.handle_id FROM kvl_heads h JOIN unnest(%b, %b, %b, %b) AS v(h, g, s, p) "

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from journal.contract import HeadFacts, Integrity, Snapshot, StoredEvent, StoredReceipt
-from journal.statements import Statements
+from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredEvent, StoredReceipt
+from kvledger.journal.statements import Statements
 
 PAGE = 5000
 
@@ -42,7 +42,7 @@ class SqlSnapshot(Snapshot):
     def _pages(self, pages: tuple[str, str]) -> Iterator[tuple]:
         after = None
         while True:
-            rows = self._call(lambda: self._sql.page(self._cur, pages, after, PAGE))
+            rows = self._call(lambda after=after: self._sql.page(self._cur, pages, after, PAGE))
             yield from rows
             if len(rows) < PAGE:
                 return

@@ -27,11 +27,10 @@ from typing import Any
 import msgspec
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool, StaticPool
 
-from journal import faults, placement
-from journal.contract import (
+from kvledger.journal import faults, writers
+from kvledger.journal.contract import (
     Guard,
     HeadFacts,
     ImportTables,
@@ -41,14 +40,25 @@ from journal.contract import (
     Snapshot,
     StreamWrite,
 )
-from journal.faults import fault
-from journal.driver_errors import is_driver_error, translate
-from journal.tables import JOURNAL_TABLES, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, too_new
-from journal.url import parse_url, redact
-from schemas.codec import decode_event, encode_event
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.events import CURRENT_VERSION, Event
-from schemas.receipts import HandleResult, Receipt, receipt_decoder, receipt_encoder
+from kvledger.journal.driver_errors import is_driver_error, translate
+from kvledger.journal.faults import fault
+from kvledger.journal.tables import (
+    JOURNAL_TABLES,
+    REVISIONS,
+    SCHEMA_REVISION,
+    VERSION_TABLE,
+    too_new,
+)
+from kvledger.journal.url import parse_url, redact
+from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import CURRENT_VERSION, Event
+from kvledger.schemas.receipts import (
+    HandleResult,
+    Receipt,
+    receipt_decoder,
+    receipt_encoder,
+)
 
 READ_PAGE = 5000
 IMPORT_PAGE_BYTES = 16 << 20  # an import inserts events in pages of at most this many body bytes
@@ -104,9 +114,9 @@ class SqlJournal(Journal):
         self.display_url = redact(url)
         self.dialect = url.get_backend_name()
         if self.dialect == "sqlite":
-            from journal.sqlite import SqliteStatements as backend
+            from kvledger.journal.sqlite import SqliteStatements as backend
         else:
-            from journal.postgres import PostgresStatements as backend
+            from kvledger.journal.postgres import PostgresStatements as backend
         self._proxy = None
         self._pid = os.getpid()
         self._lock = threading.RLock()
@@ -167,7 +177,7 @@ class SqlJournal(Journal):
             except KvLedgerError:
                 self._predicted = None
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
                 self._predicted = None
                 raise self._driver_error(exc) from None
 
@@ -192,7 +202,7 @@ class SqlJournal(Journal):
             except BaseException:
                 self.sql.end(cur, False)
                 raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
             self._lock.release()
             raise self._driver_error(exc) from None
         except BaseException:
@@ -200,7 +210,7 @@ class SqlJournal(Journal):
             raise
         if self._committer is None:
             self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit",
-                                                 initializer=placement.pin_writer)
+                                                 initializer=writers.place)
         committed = self._committer.submit(self.sql.end, cur, True)
         waited = False
 
@@ -429,7 +439,7 @@ class SqlJournal(Journal):
         while remaining is None or remaining > 0:
             page = READ_PAGE if remaining is None else min(READ_PAGE, remaining)
             with self._lock:
-                rows = self._read(lambda cur: self.sql.bodies_after(cur, after, page))
+                rows = self._read(lambda cur, after=after, page=page: self.sql.bodies_after(cur, after, page))
             yield from rows
             if len(rows) < page:
                 return
@@ -474,7 +484,7 @@ class SqlJournal(Journal):
                 self.sql.transaction(
                     lambda cur: self.sql.upsert_checkpoint(cur, name, position, state, time.time_ns())
                 )
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
                 raise self._driver_error(exc) from None
 
     def load_checkpoint(self, name: str) -> tuple[int, bytes] | None:
@@ -501,7 +511,7 @@ class SqlJournal(Journal):
         self._check_process()
         try:
             return self.sql.read(fn)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
             raise self._driver_error(exc) from None
 
     def _check_process(self) -> None:
@@ -559,12 +569,12 @@ class SqlJournal(Journal):
                 self.sql.transaction(load)
             except KvLedgerError:
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
                 raise self._driver_error(exc) from None
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[Snapshot]:
-        from journal.snapshot import SqlSnapshot
+        from kvledger.journal.snapshot import SqlSnapshot
 
         self._check_process()
         with self._lock:  # the connection is in the read transaction until the audit ends
@@ -578,14 +588,14 @@ class SqlJournal(Journal):
     def _call(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
             raise self._driver_error(exc) from None
 
     def read_receipts(self) -> Iterator[Receipt]:
         after = 0
         while True:
             with self._lock:
-                rows = self._read(lambda cur: self.sql.receipt_bodies_after(cur, after, READ_PAGE))
+                rows = self._read(lambda cur, after=after: self.sql.receipt_bodies_after(cur, after, READ_PAGE))
             for _, body in rows:
                 yield receipt_decoder.decode(body)
             if len(rows) < READ_PAGE:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from journal.contract import Integrity
-from journal.statements import Statements
+from kvledger.journal.contract import Integrity
+from kvledger.journal.statements import Statements
 
 
 class SqliteStatements(Statements):

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from journal import faults
-from journal.contract import Guard, Integrity, StreamWrite
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.journal import faults
+from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -134,7 +134,8 @@ class Statements:
         return ok
 
     def check_heads(self, cur: Any, rows: list[tuple[str, Guard]]) -> set[str]:
-        if faults.UNGUARDED: return {h for h, _ in rows}  # test-only mutant
+        if faults.UNGUARDED:  # test-only mutant
+            return {h for h, _ in rows}
         sql, ok = self.q(self.CHECK_HEAD), set()
         for handle_id, g in rows:
             cur.execute(sql, (handle_id, g.generation, g.snapshot_version, g.stream_position))
@@ -181,7 +182,7 @@ class Statements:
             try:
                 cur.execute(self.q(self.FETCH_RECEIPTS), (_json_encode(operation_ids),))
                 return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
-            except Exception as exc:  # noqa: BLE001 - driver-specific error class
+            except Exception as exc:
                 if "json_each" not in str(exc):
                     raise
                 self.json_each = False

@@ -15,7 +15,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 # Every alembic revision this code knows (migrations/versions), oldest first; the last
 # is the head it reads and writes. A database at a revision not listed here was written

@@ -17,7 +17,7 @@ from urllib.parse import quote_plus
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 DEFAULT_URL = "sqlite:///kvledger.db"
 _DRIVERS = {

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 MAX_INT64 = (1 << 63) - 1
 # Milliseconds become integer nanoseconds in the journal's BIGINT clock columns.
@@ -120,7 +120,7 @@ def device(value: str) -> str:
 
 def model_dir(value: str) -> str:
     """A Hugging Face checkpoint directory whose config this code implements."""
-    from engine.loading import read_config
+    from kvledger.worker.loading import read_config
 
     read_config(Path(value).expanduser())
     return value
@@ -205,7 +205,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def _database_files(raw_url: str | None) -> list[Path]:
-    from journal import parse_url, resolve_url
+    from kvledger.journal import parse_url, resolve_url
 
     try:
         url = parse_url(resolve_url(raw_url))

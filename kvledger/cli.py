@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from kvledger import args as a
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
@@ -23,7 +23,7 @@ COMMAND_MODULES: list[str] = ["cmd_serve", "cmd_replay", "cmd_telemetry", "cmd_r
 
 def add_slo_arguments(p: argparse.ArgumentParser) -> None:
     """The goodput SLO options, with the one default (replay.metrics)."""
-    from replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS
+    from kvledger.replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS
 
     p.add_argument("--slo-ttft-ms", type=a.millis, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
                    help=f"TTFT limit for goodput (default: {DEFAULT_SLO_TTFT_MS:g})")
@@ -32,8 +32,8 @@ def add_slo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from journal import redact, resolve_url
-    from kvledger.storage import init_database
+    from kvledger.journal import redact, resolve_url
+    from kvledger.migrations.storage import init_database
 
     revision = init_database(args.db)
     target = redact(resolve_url(args.db))
@@ -47,7 +47,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 def _cmd_schema(args: argparse.Namespace) -> int:
     import msgspec
 
-    from schemas.events import Event
+    from kvledger.schemas.events import Event
 
     print(json.dumps(msgspec.json.schema(Event), indent=None if args.compact else 2))
     return 0
@@ -142,12 +142,12 @@ def _last_resort(exc: Exception, args: argparse.Namespace | None) -> KvLedgerErr
     import os
     import traceback
 
-    from journal.driver_errors import is_driver_error, translate
+    from kvledger.journal.driver_errors import is_driver_error, translate
 
     if os.environ.get("KVLEDGER_DEBUG") == "1":
         raise exc
     if is_driver_error(exc):
-        from journal.url import parse_url, resolve_url
+        from kvledger.journal.url import parse_url, resolve_url
 
         try:
             url = parse_url(resolve_url(getattr(args, "db", None)))

@@ -5,7 +5,7 @@ rebuild live K/V by re-execution (every row digest checked) and run every unfini
 request to completion. Exit 0 when done and clean, 1 on findings (verify findings,
 digest mismatches, handles left unfinished), 2 on errors (ABI_MISMATCH, ...).
 
-crash-test: trials of kill-and-recover (kvledger.crashtest). Exit 1 on any violation.
+crash-test: trials of kill-and-recover (kvledger.recovery.crashtest). Exit 1 on any violation.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import argparse
 import json
 import sys
 
-from engine.remote import WRITERS
 from kvledger import args as a
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.engine.remote import WRITERS
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    from kvledger.recover import recover
-    from kvledger.storage import open_existing_journal
+    from kvledger.migrations.storage import open_existing_journal
+    from kvledger.recovery.recover import recover
 
     # recover repairs a journal a crashed writer left: there is nothing to recover in a
     # database that does not exist, and creating one would hide a mistyped path.
@@ -100,7 +100,7 @@ def _print_recovery(r) -> None:
 
 
 def _cmd_crash_test(args: argparse.Namespace) -> int:
-    from kvledger.crashtest import run_crash_test
+    from kvledger.recovery.crashtest import run_crash_test
 
     if args.trials < 1:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--trials must be >= 1")

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvledger import args as a
-from kvledger.storage import open_existing_journal
 from kvledger.cli import add_slo_arguments
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.migrations.storage import open_existing_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 MS = 1_000_000
@@ -78,7 +78,7 @@ def _source(p: argparse.ArgumentParser) -> None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     import msgspec
 
-    from replay import WindowSpec, replay_incremental, replay_journal, replay_jsonl, to_json
+    from kvledger.replay import WindowSpec, replay_incremental, replay_journal, replay_jsonl, to_json
 
     if args.incremental and (args.journal or args.at is not None):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--incremental resumes a database "
@@ -107,7 +107,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                     report = replay_journal(journal, window, at=args.at, trajectory=trajectory,
                                             progress=progress)
     if args.plot:
-        from replay.plot import plot_trajectory
+        from kvledger.replay.plot import plot_trajectory
 
         title = f"{Path(source).name} to position {report.position}"
         with a.writing(args.plot):
@@ -118,7 +118,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(to_json(report) + b"\n")
         sys.stdout.flush()
     else:
-        from replay.render import print_report
+        from kvledger.replay.render import print_report
 
         console = _console()
         print_report(report, console, source)
@@ -132,7 +132,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import msgspec
 
-    from replay import verify_journal, verify_jsonl
+    from kvledger.replay import verify_journal, verify_jsonl
 
     if args.journal:
         source, result = args.journal, verify_jsonl(args.journal, keep=args.max_findings)
@@ -145,14 +145,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
         sys.stdout.flush()
     else:
-        from replay.render import print_findings
+        from kvledger.replay.render import print_findings
 
         print_findings(result, _console(), source)
     return 0 if result.ok else 1
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from replay import export_jsonl
+    from kvledger.replay import export_jsonl
 
     with open_existing_journal(args.db) as journal:
         with _progress("export", journal.last_position()) as progress, a.writing(args.out):
@@ -165,8 +165,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_import(args: argparse.Namespace) -> int:
     import json
 
-    from kvledger.storage import creating_journal
-    from replay import import_jsonl
+    from kvledger.migrations.storage import creating_journal
+    from kvledger.replay import import_jsonl
 
     source = Path(args.file)
     if not source.exists() or source.is_dir():  # checked before any database is opened
@@ -186,7 +186,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 # -- helpers ---------------------------------------------------------------------------
 
 def _findings_cap(text: str) -> int:
-    from replay.verify import STOP_AFTER
+    from kvledger.replay.verify import STOP_AFTER
 
     try:
         n = int(text)

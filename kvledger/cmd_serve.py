@@ -9,11 +9,10 @@ import uuid
 from collections import Counter
 from typing import get_args
 
-from journal import redact, resolve_url
-from engine.remote import WRITERS
 from kvledger.cli import add_slo_arguments
-from kvledger import args as a
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.engine.remote import WRITERS
+from kvledger.journal import redact, resolve_url
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
@@ -35,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _make_room(args: argparse.Namespace) -> None:
     if args.writer == "process" and not str(args.device).startswith("cuda"):
-        from engine.worker import leave_a_core
+        from kvledger.worker.serving import leave_a_core
 
         leave_a_core()
 
@@ -61,10 +60,10 @@ def own_events(journal, after: int, source_instance: str) -> list:
 
 
 def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float, source_instance: str) -> dict:
-    from replay.metrics import WindowSpec
-    from replay.projector import Projector
-    from replay.report import build
-    from schemas.events import AppendStartEvent
+    from kvledger.replay.metrics import WindowSpec
+    from kvledger.replay.projector import Projector
+    from kvledger.replay.report import build
+    from kvledger.schemas.events import AppendStartEvent
 
     # This run touched only handles it created, so a fold of its own events is complete.
     events = own_events(journal, after, source_instance)
@@ -107,10 +106,10 @@ def _progress(total: int):
 def _cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from journal import placement
     from kvledger.cmd_telemetry import demo_telemetry, finish_demo_telemetry
     from kvledger.demo import run_demo
-    from kvledger.storage import open_journal
+    from kvledger.migrations.storage import open_journal
+    from kvledger.worker import placement
 
     url = resolve_url(args.db)
     run_id = uuid.uuid4().hex[:8]
@@ -176,7 +175,7 @@ def _writer_row(w: dict) -> str:
 
 def _event_rows(out: dict) -> list[tuple[str, int]]:
     """Events written by type, in the order of the event union; append starts also by kind."""
-    from schemas.events import EVENT_CLASSES, AppendKind
+    from kvledger.schemas.events import EVENT_CLASSES, AppendKind
 
     rows = []
     for kind in EVENT_CLASSES:
@@ -229,10 +228,10 @@ PREFILL_CHUNK = 512
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine.loading import load_model, require_context
-    from engine.remote import command_service
-    from engine.worker import RequestSpec, Worker
-    from kvledger.storage import open_journal
+    from kvledger.engine.remote import command_service
+    from kvledger.migrations.storage import open_journal
+    from kvledger.worker.loading import load_model, require_context
+    from kvledger.worker.serving import RequestSpec, Worker
 
     prompt = args.prompt_ids  # parsed and bounded by kvledger.args.token_ids
     model, artifact = load_model(args.model, device=args.device)

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from kvledger import args as a
-from kvledger.storage import open_existing_journal
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.migrations.storage import open_existing_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
@@ -57,7 +57,7 @@ def demo_telemetry(args: argparse.Namespace):
     port = getattr(args, "metrics_port", None)
     if path is None and port is None and getattr(args, "metrics_out", None) is None:
         return None
-    from engine.telemetry import Telemetry
+    from kvledger.telemetry.producer import Telemetry
 
     # The path and the port were checked when parsed (kvledger.args).
     telemetry = Telemetry(Path(path).expanduser() if path else None)
@@ -91,8 +91,8 @@ def finish_demo_telemetry(telemetry, args: argparse.Namespace) -> dict | None:
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     import msgspec
 
-    from replay.reconcile import reconcile
-    from replay.sources import journal_events, jsonl_bodies, jsonl_events
+    from kvledger.replay.reconcile import reconcile
+    from kvledger.replay.sources import journal_events, jsonl_bodies, jsonl_events
 
     if not Path(args.telemetry).is_file():
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"no telemetry file {args.telemetry}")

@@ -7,11 +7,10 @@ import time
 
 import torch
 
-from engine.loading import load_model
-from engine.remote import command_service
-from engine.worker import RequestSpec, Worker
-from journal import SqlJournal
-
+from kvledger.engine.remote import command_service
+from kvledger.journal import SqlJournal
+from kvledger.worker.loading import load_model
+from kvledger.worker.serving import RequestSpec, Worker
 
 # The scenarios, most telling first: a demo of N requests plays the first min(N, 8).
 SCENARIOS = ("long", "fork", "cancel", "truncate", "repair", "speculate", "fault", "plain")
@@ -48,8 +47,8 @@ def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 1
              model_dir: str | None = None, device: str = "cpu", on_step=None,
              source_instance: str = "kvledger-demo", run_id: str = "", telemetry=None,
              writer: str = "thread") -> dict:
-    """`telemetry`: an engine.telemetry.Telemetry to attach to the service and worker
-    (the caller closes it). `writer`: see engine.remote.command_service."""
+    """`telemetry`: an kvledger.telemetry.producer.Telemetry to attach to the service and worker
+    (the caller closes it). `writer`: see kvledger.engine.remote.command_service."""
     torch.manual_seed(seed)
     model, artifact = load_model(model_dir, device=device)
     specs = demo_workload(requests, max_new_tokens, seed, model.cfg.vocab_size, run_id)

@@ -18,17 +18,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-from engine import commands as c
-from engine.decide import full_layers
-from engine.service import CommandService
-from engine.state import HandleState
-from engine.view import ServiceStateView, view_of
-from journal import SqlJournal
-from kvledger.storage import open_journal
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.events import LayerRows
-from schemas.manifest import Manifest
-from schemas.receipts import Receipt
+from kvledger.engine import commands as c
+from kvledger.engine.decide import full_layers
+from kvledger.engine.service import CommandService
+from kvledger.engine.state import HandleState
+from kvledger.engine.view import ServiceStateView, view_of
+from kvledger.journal import SqlJournal
+from kvledger.migrations.storage import open_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import LayerRows
+from kvledger.schemas.manifest import Manifest
+from kvledger.schemas.receipts import Receipt
 
 Base = tuple[int, int]  # (generation, snapshot_version)
 

@@ -10,9 +10,8 @@ the database's state, read under a lock so two initializing processes take turns
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import zlib
+from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
@@ -20,9 +19,9 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 
-from journal.tables import JOURNAL_TABLES, REVISIONS, VERSION_TABLE, metadata, too_new
-from journal.url import redact
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, VERSION_TABLE, metadata, too_new
+from kvledger.journal.url import redact
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 # pg_advisory_xact_lock key of `kvledger init` (any constant; this one names the purpose).
 _PG_INIT_LOCK = zlib.crc32(b"kvledger init") - 2**31

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from journal.tables import VERSION_TABLE, metadata
+from kvledger.journal.tables import VERSION_TABLE, metadata
 
 config = context.config
 connection = config.attributes.get("connection")

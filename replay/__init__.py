@@ -3,16 +3,16 @@ time travel, incremental projection, audit files, and verify.
 
 Imports schemas, journal and engine; nothing below imports replay.
 
-    from replay import WindowSpec, replay_jsonl
+    from kvledger.replay import WindowSpec, replay_jsonl
     report = replay_jsonl("fixtures/two_request_trajectory.jsonl",
                           WindowSpec(slo_ttft_ns=15_000_000, slo_tbt_ns=10_000_000),
                           at=7, trajectory=True)
     report.ledger.physical, report.peaks["instantaneous"].value
 """
 
-from replay.archive import ImportSummary, derive_tables, export_jsonl, import_jsonl
-from replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
-from replay.metrics import (
+from kvledger.replay.archive import ImportSummary, derive_tables, export_jsonl, import_jsonl
+from kvledger.replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
+from kvledger.replay.metrics import (
     RequestMetrics,
     SavedWork,
     WindowMetrics,
@@ -21,9 +21,9 @@ from replay.metrics import (
     saved_work,
     window_metrics,
 )
-from replay.projector import ProjectionState, Projector
-from replay.report import HandleSnapshot, Report, build, snapshot_sha256, to_json
-from replay.run import (
+from kvledger.replay.projector import ProjectionState, Projector
+from kvledger.replay.report import HandleSnapshot, Report, build, snapshot_sha256, to_json
+from kvledger.replay.run import (
     CHECKPOINT,
     project,
     replay_incremental,
@@ -31,8 +31,8 @@ from replay.run import (
     replay_jsonl,
     resume,
 )
-from replay.sources import journal_events, jsonl_bodies, jsonl_events
-from replay.verify import Checker, Finding, VerifyResult, verify_bodies, verify_journal, verify_jsonl
+from kvledger.replay.sources import journal_events, jsonl_bodies, jsonl_events
+from kvledger.replay.verify import Checker, Finding, VerifyResult, verify_bodies, verify_journal, verify_jsonl
 
 __all__ = [
     "CHECKPOINT",

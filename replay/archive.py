@@ -18,16 +18,16 @@ from pathlib import Path
 
 import msgspec
 
-from engine.evolve import evolve
-from engine.service import _head as head_facts  # the head row exactly as the service writes it
-from engine.state import HandleState
-from journal.contract import HeadFacts, ImportTables, Journal
-from replay.sources import jsonl_bodies
-from replay.verify import Checker, Finding
-from schemas import events as ev
-from schemas.canonical import canonical_json
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import HandleResult, Receipt
+from kvledger.engine.evolve import evolve
+from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
+from kvledger.engine.state import HandleState
+from kvledger.journal.contract import HeadFacts, ImportTables, Journal
+from kvledger.replay.sources import jsonl_bodies
+from kvledger.replay.verify import Checker, Finding
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import HandleResult, Receipt
 
 IMPORTED_FINGERPRINT = "imported"
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.state import HandleState
+from kvledger.engine.state import HandleState
 
 PEAK_NAMES = ("logical", "materialized", "reserved", "allocator", "physical", "workspace",
               "instantaneous")

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from engine.state import HandleState
+from kvledger.engine.state import HandleState
 
 NS_PER_S = 1_000_000_000
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replay.ledger import LedgerPoint
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.replay.ledger import LedgerPoint
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 SERIES = ("logical", "materialized", "reserved", "physical", "instantaneous")
 

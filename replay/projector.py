@@ -19,12 +19,12 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from engine.evolve import APPLY
-from engine.state import HandleState
-from replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
-from schemas import events as ev
-from schemas.canonical import canonical_json, sha256_hex
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.engine.evolve import APPLY
+from kvledger.engine.state import HandleState
+from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json, sha256_hex
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 # Bump when the meaning of ProjectionState changes. Its shape (including engine's
 # HandleState) is in FORMAT by its JSON schema, so a checkpoint written by other code is

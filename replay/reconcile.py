@@ -44,12 +44,11 @@ from typing import NamedTuple
 
 import msgspec
 
-from engine.evolve import evolve
-from engine.state import HandleState
-from engine.telemetry import event_outcome, event_snapshots
-from schemas import events as ev
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.telemetry import (
+from kvledger.engine.evolve import evolve
+from kvledger.engine.state import HandleState
+from kvledger.schemas import events as ev
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.telemetry import (
     ALLOCATOR,
     FINDING_CLASS,
     IDENTITY_LABELS,
@@ -63,6 +62,8 @@ from schemas.telemetry import (
     ReconcileCode,
     ResidencyObservation,
     Trailer,
+    event_outcome,
+    event_snapshots,
     record_decoder,
 )
 

@@ -7,9 +7,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from replay.ledger import PEAK_NAMES
-from replay.report import Report
-from replay.verify import VerifyResult
+from kvledger.replay.ledger import PEAK_NAMES
+from kvledger.replay.report import Report
+from kvledger.replay.verify import VerifyResult
 
 MAX_ROWS = 40  # per table; --json has everything
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.state import HandleState
-from engine.view import ServiceStateView, view_of
-from replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
-from replay.metrics import (
+from kvledger.engine.state import HandleState
+from kvledger.engine.view import ServiceStateView, view_of
+from kvledger.replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
+from kvledger.replay.metrics import (
     RequestMetrics,
     WindowMetrics,
     WindowSpec,
@@ -21,8 +21,8 @@ from replay.metrics import (
     saved_work,
     window_metrics,
 )
-from replay.projector import Projector, collector_paused
-from schemas.canonical import digest
+from kvledger.replay.projector import Projector, collector_paused
+from kvledger.schemas.canonical import digest
 
 
 class HandleSnapshot(msgspec.Struct, frozen=True):

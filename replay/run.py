@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from journal.contract import Journal
-from replay.metrics import WindowSpec
-from replay.projector import Projector, collector_paused
-from replay.report import Report, build
-from replay.sources import journal_events, jsonl_events
-from schemas import events as ev
-from schemas.codec import decode_event
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.journal.contract import Journal
+from kvledger.replay.metrics import WindowSpec
+from kvledger.replay.projector import Projector, collector_paused
+from kvledger.replay.report import Report, build
+from kvledger.replay.sources import journal_events, jsonl_events
+from kvledger.schemas import events as ev
+from kvledger.schemas.codec import decode_event
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 CHECKPOINT = "replay"  # default checkpoint name in kvl_checkpoints
 

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from journal.contract import Journal
-from schemas import events as ev
-from schemas.codec import MAX_EVENT_BYTES, decode_event
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.journal.contract import Journal
+from kvledger.schemas import events as ev
+from kvledger.schemas.codec import MAX_EVENT_BYTES, decode_event
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 
 def jsonl_bodies(path: str | Path, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
@@ -25,7 +25,7 @@ def jsonl_bodies(path: str | Path, limit: int | None = None) -> Iterator[tuple[i
     if limit is not None and limit <= 0:
         return iter(())
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed by the generator
+        f = open(path, "rb")
     except OSError as exc:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot read {path}: {exc.strerror}") from None
     return _lines(f, path, limit)

@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from journal.contract import StoredEvent, StoredReceipt
-from schemas import events as ev
-from schemas.receipts import Receipt, receipt_decoder
+from kvledger.journal.contract import StoredEvent, StoredReceipt
+from kvledger.schemas import events as ev
+from kvledger.schemas.receipts import Receipt, receipt_decoder
 
 _UNSET = msgspec.Raw(b"null")
 _SMALL = 512  # an envelope field longer than this is not decoded for a finding's names

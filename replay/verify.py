@@ -27,24 +27,24 @@ from pathlib import Path
 
 import msgspec
 
-from engine.evolve import cut, evolve
-from engine.service import _head as head_facts  # the head row exactly as the service writes it
-from engine.state import HandleState
-from journal.contract import Journal, StoredEvent, StoredReceipt
-from replay.sources import jsonl_bodies
-from replay.stored import column_problems, names, position_of, receipt_problems, short
-from schemas import events as ev
-from schemas.canonical import canonical_json, sha256_hex
-from schemas.codec import decode_event, noncanonical
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.manifest import (
+from kvledger.engine.evolve import cut, evolve
+from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
+from kvledger.engine.state import HandleState
+from kvledger.journal.contract import Journal, StoredEvent, StoredReceipt
+from kvledger.replay.sources import jsonl_bodies
+from kvledger.replay.stored import column_problems, names, position_of, receipt_problems, short
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json, sha256_hex
+from kvledger.schemas.codec import decode_event, noncanonical
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.manifest import (
     b_token,
     cache_abi_sha256,
     manifest_sha256,
     prefix_identity_sha256,
     validate_manifest,
 )
-from schemas.receipts import Receipt
+from kvledger.schemas.receipts import Receipt
 
 # Verify-only codes (the rest are schemas.errors.ErrorCode values).
 POSITION_GAP = "POSITION_GAP"  # global positions not 1, 2, 3, ...

@@ -3,11 +3,11 @@
 The leftmost layer: imports nothing of kvledger's own.
 """
 
-from schemas.canonical import canonical_json, digest, sha256_hex
-from schemas.codec import decode_event, encode_event
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.events import CURRENT_VERSION, EVENT_CLASSES, PAYLOAD_CLASSES, Event
-from schemas.manifest import (
+from kvledger.schemas.canonical import canonical_json, digest, sha256_hex
+from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import CURRENT_VERSION, EVENT_CLASSES, PAYLOAD_CLASSES, Event
+from kvledger.schemas.manifest import (
     Manifest,
     b_token,
     cache_abi_sha256,

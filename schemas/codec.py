@@ -6,9 +6,9 @@ from typing import Any
 
 import msgspec
 
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.events import CURRENT_VERSION, Event
-from schemas.upcast import UPCASTERS
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import CURRENT_VERSION, Event
+from kvledger.schemas.upcast import UPCASTERS
 
 MAX_EVENT_BYTES = 64 << 20
 
@@ -78,7 +78,7 @@ def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
             payload = step(payload, raw)
     except KvLedgerError:
         raise
-    except Exception as exc:  # a v1 payload that is not even valid v1
+    except Exception as exc:  # noqa: BLE001 - an upcaster over a v1 payload that is not even valid v1
         raise KvLedgerError(
             ErrorCode.MALFORMED_EVENT, f"{event_type} v{version} payload cannot be upcast: {exc}"
         ) from None

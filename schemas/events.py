@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from schemas.manifest import Manifest
+from kvledger.schemas.manifest import Manifest
 
 # Bounds keep a forged or corrupt line from becoming an unbounded allocation.
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
@@ -262,7 +262,7 @@ class ReleaseEvent(Envelope, tag="release"):
     payload: Release
 
 
-Event = Union[
+Event = Union[  # noqa: UP007 - Union[...] keeps one member a line, and __args__ enumerates them
     RequestAllocateEvent,
     AppendStartEvent,
     AppendPublishEvent,

@@ -13,8 +13,8 @@ from typing import Literal
 
 import msgspec
 
-from schemas.canonical import digest
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.canonical import digest
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 MANIFEST_SCHEMA_VERSION = 1
 EMPTY_SHA256 = digest(None)  # digest of "null": the declared absence of side data / salt
@@ -112,9 +112,9 @@ def new_manifest(
     cache_schema: CacheSchema,
     max_new_tokens: int,
     max_context_tokens: int | None = None,
-    position_contract: PositionContract = PositionContract(),
+    position_contract: PositionContract = PositionContract(),  # noqa: B008 - frozen Struct: a shared default is safe
     stop_token_ids: tuple[int, ...] = (),
-    sampling: SamplingPolicy = SamplingPolicy(),
+    sampling: SamplingPolicy = SamplingPolicy(),  # noqa: B008 - frozen Struct: a shared default is safe
 ) -> Manifest:
     """The manifest of a new request: its own lineage, the prompt digest computed, and a
     context limit of prompt + max_new_tokens unless one is declared."""

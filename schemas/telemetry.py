@@ -25,11 +25,14 @@ Times are integer nanoseconds; byte counts are integers.
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
+
+from kvledger.schemas import events as ev
 
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
 Count = Annotated[int, Meta(ge=0)]
@@ -124,8 +127,8 @@ class ResidencyObservation(_Envelope, tag="residency"):
     resident_payload_bytes: dict[Name, Count]  # per tier
 
 
-Record = Union[Header, Trailer, Mutation, AllocatorObservation, ResidencyObservation]
-AuditRecord = Union[Mutation, AllocatorObservation, ResidencyObservation]
+Record = Header | Trailer | Mutation | AllocatorObservation | ResidencyObservation
+AuditRecord = Mutation | AllocatorObservation | ResidencyObservation
 
 record_decoder = msgspec.json.Decoder(Record)
 
@@ -179,6 +182,7 @@ IDENTITY_LABELS = frozenset({"request_id", "trace_id", "span_id", "operation_id"
                              "handle_id", "stream_id", "txn_id", "caused_by_event_id"})
 
 __all__ = [
+    "event_outcome", "event_snapshots", "trace_id_of",
     "ALLOCATOR",
     "BLOCK_SIZE",
     "CONVERSION",
@@ -201,3 +205,41 @@ __all__ = [
     "Trailer",
     "record_decoder",
 ]
+
+
+# -- what a mutation record states about the event it reports (the producer writes it,
+# reconcile checks it) ------------------------------------------------------------------
+
+def trace_id_of(request_id: str) -> str:
+    """One trace per request: a stable W3C-sized (16-byte) id derived from it."""
+    return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+
+
+def event_snapshots(e: ev.Event) -> tuple[int | None, int | None, int | None]:
+    """(base snapshot, result snapshot, committed length) a journal event states."""
+    p = e.payload
+    t = e.event_type
+    if t == "request_allocate":
+        return None, 0, 0
+    if t in ("append_start", "failure"):
+        return p.base_snapshot_version, None, None
+    if t == "append_publish":
+        return p.base_snapshot_version, p.result_snapshot_version, p.committed_length
+    if t == "output_emit":
+        return p.snapshot_version, p.snapshot_version, None
+    if t == "fork":
+        return p.parent_snapshot_version, 0, p.prefix_length
+    if t == "truncate":
+        return p.base_snapshot_version, p.result_snapshot_version, p.new_length
+    if t == "cancel_request":
+        return p.base_snapshot_version, p.result_snapshot_version, None
+    if t == "finish":
+        return None, None, p.committed_length
+    if t == "release":
+        return p.base_snapshot_version, p.result_snapshot_version, 0
+    return None, None, None
+
+
+def event_outcome(e: ev.Event) -> str:
+    """A committed event's outcome: a failure's own outcome, else success."""
+    return e.payload.outcome if e.event_type == "failure" else SUCCESS

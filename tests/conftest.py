@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvledger.pgserver import ThrowawayPostgres, find_bin  # noqa: E402
-from kvledger.storage import init_database  # noqa: E402
+from kvledger.journal.pgserver import ThrowawayPostgres, find_bin
+from kvledger.migrations.storage import init_database
 
 REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
 _names = itertools.count()
@@ -69,7 +69,7 @@ def pg_admin():
     if reason is None:
         try:
             server = ThrowawayPostgres(fsync=False).start()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - whatever stops the server starting is the reason reported
             reason = f"cannot start a throwaway PostgreSQL: {exc}"
     if reason:
         if REQUIRE_PG:
@@ -82,7 +82,7 @@ def pg_admin():
 @pytest.fixture(scope="session")
 def model():
     """The default seeded model (read-only: tests must not change its weights)."""
-    from engine.model import DEFAULT_CONFIG, Transformer
+    from kvledger.worker.model import DEFAULT_CONFIG, Transformer
 
     return Transformer.from_config(DEFAULT_CONFIG, seed=0)
 

@@ -11,20 +11,20 @@ import random
 import time
 from pathlib import Path
 
-from factories import make_manifest
+from kvledger.engine import commands as c
+from kvledger.engine.service import CommandService
+from kvledger.journal import faults
+from kvledger.migrations.storage import open_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
 
-from engine import commands as c
-from engine.service import CommandService
-from journal import faults
-from kvledger.storage import open_journal
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import Receipt
+from factories import make_manifest
 
 PROMPT = (5, 6, 7, 8)
 CAPACITY = 24
 
 
-PRELOAD = ["kvledger", "kvledger.storage", "engine.service", "journal", "replay.linearizability", "psycopg",
+PRELOAD = ["kvledger", "kvledger.migrations.storage", "engine.service", "journal", "replay.linearizability", "psycopg",
            "sqlalchemy.dialects.postgresql.psycopg", "sqlalchemy.dialects.sqlite.pysqlite"]
 
 
@@ -133,7 +133,7 @@ def racer(url: str, process: int, handles: list[str], n_ops: int, seed: int, his
     log = _Log(history)
     try:
         _race(url, process, handles, n_ops, seed, log, go, mutant, fault, p_fork, p_refresh)
-    except BaseException:  # noqa: BLE001 - recorded for the test to show, then re-raised
+    except BaseException:
         import traceback
 
         log(type="crash", op=f"p{process}", error=traceback.format_exc())
@@ -297,7 +297,7 @@ def fault_child(url: str, spec: str | None, what: str) -> None:
 
 
 def _next(op):
-    from journal import Guard
+    from kvledger.journal import Guard
 
     h = op.writes[0].head
     return Guard(h.generation, h.snapshot_version, h.stream_position)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import uuid
 
-from journal import Guard, HeadFacts, Operation, StreamWrite
-from schemas import events as ev
-from schemas.canonical import canonical_json
-from schemas.manifest import (
+from kvledger.journal import Guard, HeadFacts, Operation, StreamWrite
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
     Manifest,
@@ -55,7 +55,8 @@ def envelope(cls, handle: str, position: int, payload, generation: int = 0, op: 
     )
 
 
-def head(handle: str, generation: int, snapshot: int, position: int, committed: int, phase: str = "WAITING_PREFILL") -> HeadFacts:
+def head(handle: str, generation: int, snapshot: int, position: int, committed: int,
+         phase: str = "WAITING_PREFILL") -> HeadFacts:
     return HeadFacts(handle, generation, snapshot, position, committed, phase, ZERO, ZERO)
 
 
@@ -87,7 +88,8 @@ def publish_op(handle: str, base: Guard, op_id: str, fingerprint: str | None = N
     e = envelope(ev.AppendPublishEvent, handle, base.stream_position + 1, payload, base.generation, op_id)
     return Operation(
         operation_id=op_id, fingerprint=fingerprint or f"fp-{op_id}",
-        writes=(StreamWrite(handle, base, head(handle, base.generation, s + 1, base.stream_position + 1, s + n), (e,)),),
+        writes=(StreamWrite(handle, base, head(handle, base.generation, s + 1, base.stream_position + 1, s + n),
+                            (e,)),),
     )
 
 

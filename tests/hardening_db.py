@@ -16,7 +16,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from kvledger.cli import main
-from schemas.errors import ErrorCode
+from kvledger.schemas.errors import ErrorCode
 
 ROOT = Path(__file__).resolve().parents[1]
 CODES = {c.value for c in ErrorCode}

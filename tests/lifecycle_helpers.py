@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from factories import make_manifest
-
 from kvledger import Ledger
+
+from factories import make_manifest
 
 
 class ManualClock:

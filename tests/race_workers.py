@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from factories import guard_of, publish_op
+from kvledger.migrations.storage import open_journal
+from kvledger.schemas.receipts import Receipt
 
-from kvledger.storage import open_journal
-from schemas.receipts import Receipt
+from factories import guard_of, publish_op
 
 
 def publisher(url: str, handle: str, worker: int, attempts: int, out) -> None:

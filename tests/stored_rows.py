@@ -8,10 +8,10 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from journal import make_engine, parse_url
 from kvledger.cli import main
-from kvledger.storage import open_journal
-from replay import import_jsonl
+from kvledger.journal import make_engine, parse_url
+from kvledger.migrations.storage import open_journal
+from kvledger.replay import import_jsonl
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.pgserver import find_bin
+from kvledger.journal.pgserver import find_bin
 
 ROOT = Path(__file__).resolve().parent.parent
 # Figures that need the optional `bench` extra (eventsourcing, psycopg_pool).

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-import migrations
-from journal.tables import SCHEMA_REVISION
+from kvledger import migrations
+from kvledger.journal.tables import SCHEMA_REVISION
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,8 +75,8 @@ def test_migrated_schema_matches_the_table_metadata(db_url):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from journal import make_engine, parse_url
-    from journal.tables import metadata
+    from kvledger.journal import make_engine, parse_url
+    from kvledger.journal.tables import metadata
 
     engine = make_engine(parse_url(db_url))
     with engine.connect() as conn:
@@ -88,8 +88,8 @@ def test_migrated_schema_matches_the_table_metadata(db_url):
 
 def test_unmigrated_postgres_is_refused_with_a_hint(pg_admin):
     url = pg_admin.create(migrated=False)
-    from kvledger.storage import open_journal
-    from schemas.errors import ErrorCode, KvLedgerError
+    from kvledger.migrations.storage import open_journal
+    from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
     with pytest.raises(KvLedgerError) as e:
         open_journal(url)
@@ -97,7 +97,7 @@ def test_unmigrated_postgres_is_refused_with_a_hint(pg_admin):
 
 
 def test_new_sqlite_file_initializes_itself(tmp_path):
-    from kvledger.storage import open_journal
+    from kvledger.migrations.storage import open_journal
 
     with open_journal(f"sqlite:///{tmp_path}/fresh.db") as j:
         assert j.last_position() == 0

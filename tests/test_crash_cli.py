@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from journal import faults
+from kvledger.journal import faults
 
 TRIALS = 50
 

@@ -16,16 +16,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import crash_workers as cw
 import pytest
-from factories import allocate_op, publish_op
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from journal import Guard, Operation, faults
-from kvledger.storage import init_database, open_journal
-from schemas.receipts import Receipt
+from kvledger.journal import Guard, Operation, faults
+from kvledger.migrations.storage import init_database, open_journal
+from kvledger.schemas.receipts import Receipt
+
+import crash_workers as cw
+from factories import allocate_op, publish_op
 
 BEFORE_COMMIT = ["before_update", "mid_batch", "after_update", "before_commit"]
 SEEN: Counter = Counter()  # what the examples exercised, checked after the run
@@ -190,7 +191,7 @@ def machine(url_factory, ctx):
 
 
 def _ids(journal):
-    from schemas.codec import decode_event
+    from kvledger.schemas.codec import decode_event
 
     return [(p, decode_event(b).event_id) for p, b in journal.read_raw()]
 

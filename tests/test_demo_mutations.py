@@ -9,16 +9,17 @@ import json
 
 import pytest
 import torch
-from test_worker import _tokens, run_workload
 
-from engine.kvstore import KVStore
-from engine.model import DEFAULT_CONFIG
-from engine.reexec import reexecute
-from engine.worker import RequestSpec
 from kvledger.cli import main
 from kvledger.demo import SCENARIOS
-from kvledger.storage import open_journal
-from replay import verify_journal
+from kvledger.migrations.storage import open_journal
+from kvledger.replay import verify_journal
+from kvledger.worker.kvstore import KVStore
+from kvledger.worker.model import DEFAULT_CONFIG
+from kvledger.worker.reexec import reexecute
+from kvledger.worker.serving import RequestSpec
+
+from test_worker import _tokens, run_workload
 
 EVENT_TYPES = {"request_allocate", "append_start", "append_publish", "failure", "output_emit", "fork",
                "truncate", "reorder", "cancel_request", "finish", "release"}
@@ -123,9 +124,9 @@ def test_a_failed_forward_call_ends_its_appends_and_they_run_again(model, db_url
 
 
 def test_a_request_whose_calls_keep_failing_is_cancelled_and_released(model, tmp_path):
-    from engine.loading import load_model
-    from engine.service import CommandService
-    from engine.worker import Worker
+    from kvledger.engine.service import CommandService
+    from kvledger.worker.loading import load_model
+    from kvledger.worker.serving import Worker
 
     url = f"sqlite:///{tmp_path}/give-up.db"
     _, artifact = load_model()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
+from kvledger import Ledger, full_layers
+from kvledger.engine import commands as c
+from kvledger.schemas.errors import ErrorCode as E
+from kvledger.schemas.errors import KvLedgerError
+
 from factories import make_manifest
 from lifecycle_helpers import ManualClock, allocate, base, decode, emit, prefill
-
-from engine import commands as c
-from kvledger import Ledger, full_layers
-from schemas.errors import ErrorCode as E
-from schemas.errors import KvLedgerError
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_position_mask_mismatch(ledger):
 
 def test_abi_mismatch(ledger):
     other = make_manifest(adapters=("lora-b",))
-    from schemas.manifest import cache_abi_sha256
+    from kvledger.schemas.manifest import cache_abi_sha256
 
     expect(ledger, E.ABI_MISMATCH, ledger.begin_append, "H", txn_id="x", kind="decode",
            base=base(ledger, "H"), start=4, token_ids=(55,), cache_abi_sha256=cache_abi_sha256(other))

@@ -9,14 +9,15 @@ import subprocess
 import sys
 import timeit
 
-import crash_workers as cw
 import pytest
-from factories import allocate_op, guard_of, publish_op
 
-from journal import Check, Guard, Operation, faults
-from kvledger.storage import open_journal
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import Receipt
+from kvledger.journal import Check, Guard, Operation, faults
+from kvledger.migrations.storage import open_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
+
+import crash_workers as cw
+from factories import allocate_op, guard_of, publish_op
 
 IN_TXN = ["before_update", "mid_batch", "after_update", "before_commit"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.storage import open_journal
-from replay import WindowSpec, import_jsonl, replay_journal, replay_jsonl, to_json
+from kvledger.migrations.storage import open_journal
+from kvledger.replay import WindowSpec, import_jsonl, replay_journal, replay_jsonl, to_json
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MS = 1_000_000

@@ -17,15 +17,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from engine import commands as c
-from factories import make_manifest
-from journal.tables import metadata
 from kvledger import Ledger
-from kvledger.storage import open_journal
-from replay import WindowSpec, export_jsonl, import_jsonl, replay_journal, verify_journal
-from schemas.errors import ErrorCode as E
-from schemas.errors import KvLedgerError
-from schemas.manifest import SamplingPolicy
+from kvledger.engine import commands as c
+from kvledger.journal.tables import metadata
+from kvledger.migrations.storage import open_journal
+from kvledger.replay import WindowSpec, export_jsonl, import_jsonl, replay_journal, verify_journal
+from kvledger.schemas.errors import ErrorCode as E
+from kvledger.schemas.errors import KvLedgerError
+from kvledger.schemas.manifest import SamplingPolicy
+
+from factories import make_manifest
 
 INVALID = E.INVALID_ARGUMENT
 
@@ -100,7 +101,8 @@ HOSTILE = {
     "negative generation": ("allocate", ("n", make_manifest("n")), {"reserved_capacity": 8, "generation": -1}, INVALID),
     "generation beyond BIGINT": ("allocate", ("n", make_manifest("n")),
                                  {"reserved_capacity": 8, "generation": 1 << 63}, INVALID),
-    "empty operation id": ("allocate", ("n", make_manifest("n")), {"reserved_capacity": 8, "operation_id": ""}, INVALID),
+    "empty operation id": ("allocate", ("n", make_manifest("n")), {"reserved_capacity": 8, "operation_id": ""},
+                           INVALID),
     "int operation id": ("allocate", ("n", make_manifest("n")), {"reserved_capacity": 8, "operation_id": 7}, INVALID),
     "empty request id in the manifest": ("allocate", ("n", make_manifest("")), {"reserved_capacity": 8}, INVALID),
     "NaN temperature in the manifest": ("allocate", ("n", _nan_manifest()), {"reserved_capacity": 8}, INVALID),

@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_hardening_api import prefilled, snapshot
 
-from factories import make_manifest
 from kvledger import Ledger
 from kvledger.cli import main
-from kvledger.storage import open_journal
-from test_hardening_api import prefilled, snapshot
+from kvledger.migrations.storage import open_journal
+
+from factories import make_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 2048  # the default model's max_position_embeddings

@@ -11,16 +11,16 @@ import time
 
 import psycopg
 import pytest
-from factories import allocate_op
-from hardening_db import ROOT, cli, cli_process, execute, refused, snapshot
 from sqlalchemy.engine import make_url
 
-import migrations
-from journal.contract import ImportTables
-from journal.tables import REVISIONS, SCHEMA_REVISION
-from kvledger import Ledger
-from kvledger.storage import init_database, open_journal
-from schemas.errors import ErrorCode, KvLedgerError, one_line
+from kvledger import Ledger, migrations
+from kvledger.journal.contract import ImportTables
+from kvledger.journal.tables import REVISIONS, SCHEMA_REVISION
+from kvledger.migrations.storage import init_database, open_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError, one_line
+
+from factories import allocate_op
+from hardening_db import ROOT, cli, cli_process, execute, refused, snapshot
 
 READ_COMMANDS = [["verify"], ["replay"], ["export", "--out", "-"], ["recover", "--no-continue"]]
 
@@ -222,7 +222,7 @@ def test_an_emptied_version_table_with_other_tables_is_a_schema_mismatch(db_url)
 _RACER = """
 import sys, time
 from kvledger import Ledger
-from kvledger.storage import init_database
+from kvledger.migrations.storage import init_database
 url, how, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
 while time.time() < start:
     pass

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from stored_rows import FIXTURES, TABLES, cli, one_coded_line, picture, sql
 
-from kvledger.storage import init_database
+from kvledger.migrations.storage import init_database
+
+from stored_rows import FIXTURES, TABLES, cli, one_coded_line, picture, sql
 
 ROOT = Path(__file__).resolve().parent.parent
 LINES = (FIXTURES / "two_request_trajectory.jsonl").read_bytes().splitlines()

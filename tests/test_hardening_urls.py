@@ -12,6 +12,14 @@ from urllib.parse import quote, quote_plus
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy.engine import make_url
+
+from kvledger.journal.url import parse_url, redact
+from kvledger.migrations.storage import init_database
+from kvledger.schemas.errors import KvLedgerError
+
 from hardening_db import (
     CODES,
     PASSWORD,
@@ -22,13 +30,6 @@ from hardening_db import (
     refused,
     snapshot,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from sqlalchemy.engine import make_url
-
-from journal.url import parse_url, redact
-from kvledger.storage import init_database
-from schemas.errors import KvLedgerError
 
 SECRET = "Zq7XkPw2"  # distinctive: any occurrence in an output is a leak
 

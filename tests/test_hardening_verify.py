@@ -14,12 +14,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from stored_rows import FIXTURES, cli, imported, one_coded_line, sql
 
-from journal import open_journal
 from kvledger import Ledger
-from replay import verify_journal
-from replay.stored import EVENT_COLUMNS
+from kvledger.journal import open_journal
+from kvledger.replay import verify_journal
+from kvledger.replay.stored import EVENT_COLUMNS
+
+from stored_rows import FIXTURES, cli, imported, one_coded_line, sql
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -96,10 +97,10 @@ def test_a_column_edit_that_changes_state_is_caught(db_url):
 def test_pages_of_one_snapshot_cover_every_row(db_url, monkeypatch):
     """Events and receipts are read in keyset pages inside the snapshot: with pages of 2
     rows, every row is still read exactly once, and a damaged one on a page edge is named."""
-    import journal.snapshot
+    from kvledger.journal import snapshot
 
     events = imported(db_url)
-    monkeypatch.setattr(journal.snapshot, "PAGE", 2)
+    monkeypatch.setattr(snapshot, "PAGE", 2)
     with open_journal(db_url) as j:
         result = verify_journal(j)
     assert result.ok and result.events == len(events) == 21
@@ -148,7 +149,7 @@ def test_every_zeroed_sqlite_page_is_found(tmp_path, capsys):
     cannot be opened as a journal at all, which is one coded line and exit 2. Never a
     clean exit 0, never a traceback."""
     url = f"sqlite:///{tmp_path / 'j.db'}"
-    from kvledger.storage import init_database
+    from kvledger.migrations.storage import init_database
 
     init_database(url)
     imported(url)
@@ -176,7 +177,7 @@ def test_every_zeroed_sqlite_page_is_found(tmp_path, capsys):
 
 def test_sqlite_zeroed_index_page_names_the_check(tmp_path):
     url = f"sqlite:///{tmp_path / 'j.db'}"
-    from kvledger.storage import init_database
+    from kvledger.migrations.storage import init_database
 
     init_database(url)
     imported(url)
@@ -284,7 +285,7 @@ def test_an_undecodable_stored_body_is_named_by_its_row(db_url, capsys, body, co
 def test_a_text_body_is_named_and_refused_by_readers(tmp_path, capsys):
     """SQLite stores whatever type a row is given: a body edited as TEXT."""
     url = f"sqlite:///{tmp_path / 'j.db'}"
-    from kvledger.storage import init_database
+    from kvledger.migrations.storage import init_database
 
     init_database(url)
     events = imported(url)
@@ -302,7 +303,7 @@ def test_a_text_body_is_named_and_refused_by_readers(tmp_path, capsys):
 
 def test_a_text_position_is_named(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'j.db'}"
-    from kvledger.storage import init_database
+    from kvledger.migrations.storage import init_database
 
     init_database(url)
     events = imported(url)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from factories import allocate_op, envelope, guard_of, head, publish_op
 
-from journal import Check, Guard, Operation, Rejection, StreamWrite
-from kvledger.storage import open_journal
-from schemas import events as ev
-from schemas.canonical import canonical_json
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import Receipt
+from kvledger.journal import Check, Guard, Operation, Rejection, StreamWrite
+from kvledger.migrations.storage import open_journal
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
+
+from factories import allocate_op, envelope, guard_of, head, publish_op
 
 
 @pytest.fixture

@@ -4,12 +4,13 @@ and every misprediction falls back to the general path with the same results."""
 from __future__ import annotations
 
 import pytest
-from factories import allocate_op, guard_of, publish_op
 
-from journal import Rejection
-from kvledger.storage import open_journal
-from schemas.errors import ErrorCode
-from schemas.receipts import Receipt
+from kvledger.journal import Rejection
+from kvledger.migrations.storage import open_journal
+from kvledger.schemas.errors import ErrorCode
+from kvledger.schemas.receipts import Receipt
+
+from factories import allocate_op, guard_of, publish_op
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def pg_url(pg_admin):
 def pipelined(request, monkeypatch):
     """Loopback connections send statements one by one; remote ones pipeline them.
     Run both ways here (the server is on loopback)."""
-    from journal.postgres import _PIPELINE, PostgresStatements
+    from kvledger.journal.postgres import _PIPELINE, PostgresStatements
 
     if request.param and not _PIPELINE:
         pytest.skip("libpq without pipeline mode")
@@ -109,7 +110,7 @@ def test_binary_arrays_round_trip(pg_admin):
     """The hand-built binary array parameters read back as the values they carry."""
     import psycopg
 
-    from journal.postgres import _byteas, _int4s, _int8s, _register_arrays, _texts
+    from kvledger.journal.postgres import _byteas, _int4s, _int8s, _register_arrays, _texts
 
     url = pg_admin.create(migrated=False)
     from sqlalchemy.engine import make_url

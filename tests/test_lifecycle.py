@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from lifecycle_helpers import ManualClock, allocate, base, decode, emit, prefill
 
-from engine.view import view_of
 from kvledger import Ledger, full_layers
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.engine.view import view_of
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+from lifecycle_helpers import ManualClock, allocate, base, decode, emit, prefill
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_runtime_trace_0x07(ledger):
     events = list(ledger.journal.read_all())
     assert len(events) == 14
     states, table = {}, []
-    from engine.evolve import evolve
+    from kvledger.engine.evolve import evolve
 
     for e in events:
         states[e.stream_id] = evolve(states.get(e.stream_id), e)
@@ -217,7 +218,7 @@ def test_phases_across_a_chunked_prefill(ledger):
 
 
 def test_chain_is_one_operation_fenced_by_its_first_step(ledger):
-    from engine import commands as c
+    from kvledger.engine import commands as c
 
     allocate(ledger, "Q")
     prefill(ledger, "Q")
@@ -254,7 +255,8 @@ def test_submitted_commands_are_acknowledged_only_by_the_wait(ledger):
     """submit_many (the worker's overlapped commit): the rows are written when it
     returns, but no state, hook or receipt sees them before the wait; then the results
     are what execute_many would have given, in order, a refused command included."""
-    from engine import commands as c
+    from kvledger.engine import commands as c
+
     from factories import make_manifest
 
     service = ledger.service
@@ -282,9 +284,9 @@ def test_relative_commands_take_the_state_their_batch_leaves_and_stay_fenced(led
     """Relative commands (what a worker sends) are bound at decision time to the state the
     earlier commands of the batch leave; bound against a stale view they are refused by
     the journal's guard like any command, never applied to a head they did not see."""
-    from factories import make_manifest
+    from kvledger.engine import commands as c
 
-    from engine import commands as c
+    from factories import make_manifest
 
     service = ledger.service
     allocate(ledger, "R")

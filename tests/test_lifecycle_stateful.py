@@ -10,15 +10,16 @@ import tempfile
 from dataclasses import dataclass, field
 
 import pytest
-from factories import make_manifest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.evolve import fold
 from kvledger import Ledger, full_layers
-from schemas import events as ev
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.engine.evolve import fold
+from kvledger.schemas import events as ev
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+from factories import make_manifest
 
 LAYERS = 2
 PROMPT = (3, 1, 4, 1)

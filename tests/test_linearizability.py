@@ -8,11 +8,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import crash_workers as cw
 import pytest
 
-from kvledger.storage import open_journal
-from replay.linearizability import (
+from kvledger.migrations.storage import open_journal
+from kvledger.replay.linearizability import (
     Facts,
     Op,
     Step,
@@ -21,6 +20,8 @@ from replay.linearizability import (
     facts_from_journal,
     load_history,
 )
+
+import crash_workers as cw
 
 HISTORIES = 50
 
@@ -147,8 +148,9 @@ def test_racing_histories_are_linearizable(ctx, db_url, tmp_path):
 
 
 def test_a_stale_fork_is_linearizable_only_with_the_conditional_write(ctx, db_url, tmp_path, request):
-    from engine import commands as c
-    from engine.service import CommandService
+    from kvledger.engine import commands as c
+    from kvledger.engine.service import CommandService
+
     from factories import make_manifest
 
     results = {}
@@ -186,7 +188,7 @@ def test_a_stale_fork_is_linearizable_only_with_the_conditional_write(ctx, db_ur
 def _fresh_like(db_url, tmp_path, request):
     """Another fresh journal on the same backend."""
     if db_url.startswith("sqlite"):
-        from kvledger.storage import init_database
+        from kvledger.migrations.storage import init_database
 
         url = f"sqlite:///{tmp_path}/mutant.db"
         init_database(url)

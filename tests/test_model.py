@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model import (
+from kvledger.worker.model import (
     DEFAULT_CONFIG,
     ModelConfig,
     SimpleKV,
@@ -91,7 +91,7 @@ def test_from_config_deterministic():
 
 
 def test_seeded_weights_are_part_of_the_artifact_identity():
-    """engine.loading names the default model by (init, seed, config) alone, so the
+    """kvledger.worker.loading names the default model by (init, seed, config) alone, so the
     draws a seed gives may never change: journals recorded by an older kvledger must
     re-execute on the same weights. (Digest of the state dict, HF names in order,
     recorded with the code before q/k/v were fused.)"""

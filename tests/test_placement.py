@@ -1,4 +1,4 @@
-"""Where the model thread and the journal's writers run (journal.placement): the I/O CPU
+"""Where the model thread and the journal's writers run (kvledger.worker.placement): the I/O CPU
 read from /proc/interrupts, its override, and the affinities a worker's set-up leaves on
 real threads and a real writer process."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from journal import placement
+from kvledger.worker import placement
 
 # The shape of /proc/interrupts on the VMs these figures come from (trimmed), plus an
 # NVMe queue and a network queue whose counts must not count as disk completions.
@@ -41,11 +41,11 @@ def _probe(env_cpu: str, tmp_path: Path) -> subprocess.CompletedProcess:
     script = f"""
 import json, os, threading
 import torch
-from engine.remote import command_service
-from engine.service import CommandService
-from engine.worker import use_threads, leave_a_core
-from journal import placement
-from kvledger.storage import init_database, open_journal
+from kvledger.engine.remote import command_service
+from kvledger.engine.service import CommandService
+from kvledger.worker.serving import use_threads, leave_a_core
+from kvledger.worker import placement
+from kvledger.migrations.storage import init_database, open_journal
 from tests.test_remote_service import _allocate
 
 out = {{"allowed": sorted(os.sched_getaffinity(0)), "io": placement.io_cpu()}}

@@ -6,10 +6,10 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections import Counter
 
+from kvledger.migrations.storage import open_journal
+
 import race_workers
 from factories import allocate_op
-
-from kvledger.storage import open_journal
 
 WORKERS, ATTEMPTS = 4, 200
 

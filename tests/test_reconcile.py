@@ -12,11 +12,11 @@ import msgspec
 import pytest
 
 from kvledger.cli import main
-from kvledger.storage import init_database, open_journal
-from replay.archive import import_jsonl
-from replay.reconcile import reconcile
-from replay.sources import jsonl_bodies, jsonl_events
-from schemas.telemetry import FINDING_CLASS, ReconcileCode
+from kvledger.migrations.storage import init_database, open_journal
+from kvledger.replay.archive import import_jsonl
+from kvledger.replay.reconcile import reconcile
+from kvledger.replay.sources import jsonl_bodies, jsonl_events
+from kvledger.schemas.telemetry import FINDING_CLASS, ReconcileCode
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "telemetry"
 EXPECTED = json.loads((FIX / "expected.json").read_text())

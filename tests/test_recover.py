@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.evolve import fold
-from engine.loading import load_model
-from engine.service import CommandService
-from engine.worker import RequestSpec, Worker
-from kvledger.recover import recover, verify_findings
-from kvledger.storage import init_database, open_journal
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.engine.evolve import fold
+from kvledger.engine.service import CommandService
+from kvledger.migrations.storage import init_database, open_journal
+from kvledger.recovery.recover import recover, verify_findings
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.worker.loading import load_model
+from kvledger.worker.serving import RequestSpec, Worker
 
 WORKER = {"capacity": 64, "prefill_chunk": 16, "prefill_tokens": 32, "max_running": 4}
 
@@ -129,7 +129,7 @@ def test_a_journal_from_another_model_is_refused_before_anything_is_written(db_u
 
 
 def test_a_digest_that_does_not_recompute_stops_recovery(served, tmp_path):
-    from replay import export_jsonl, import_jsonl
+    from kvledger.replay import export_jsonl, import_jsonl
 
     src, dst = f"sqlite:///{tmp_path}/src.db", f"sqlite:///{tmp_path}/dst.db"
     init_database(src)
@@ -250,8 +250,8 @@ def test_adopt_without_ready_logits_recomputes_the_last_row(served, tmp_path):
     """A handle whose newest publication has ready logits that the caller cannot supply
     (adopt(..., logits=None)): the worker truncates one row, decodes it again and goes
     on with the same greedy outputs."""
-    from engine import commands as c
-    from engine.reexec import reexecute
+    from kvledger.engine import commands as c
+    from kvledger.worker.reexec import reexecute
 
     model, artifact = served
     spec = RequestSpec(request_id="g", prompt=tuple(range(20, 31)), max_new_tokens=6)

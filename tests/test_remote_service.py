@@ -1,4 +1,4 @@
-"""The command service in a writer process (engine.remote, `--writer process`): the
+"""The command service in a writer process (kvledger.engine.remote, `--writer process`): the
 same results as in-process, and what a caller can know when either process dies (a
 real os._exit at a fault point, a real SIGKILL of the writer or of its parent)."""
 
@@ -11,14 +11,15 @@ import sys
 import time
 
 import pytest
-from factories import make_manifest
 
-from engine import commands as c
-from engine.remote import command_service
-from engine.service import CommandService
-from kvledger.storage import open_journal
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import Receipt
+from kvledger.engine import commands as c
+from kvledger.engine.remote import command_service
+from kvledger.engine.service import CommandService
+from kvledger.migrations.storage import open_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
+
+from factories import make_manifest
 
 
 def _allocate(h: str) -> c.Allocate:
@@ -141,8 +142,8 @@ def test_the_writer_outlives_no_parent(db_url):
     """A parent SIGKILLed while its writer waits: the writer sees the pipe close and
     exits by itself (no orphan holding the database)."""
     code = ("import os, signal\n"
-            "from engine.remote import command_service\n"
-            "from kvledger.storage import open_journal\n"
+            "from kvledger.engine.remote import command_service\n"
+            "from kvledger.migrations.storage import open_journal\n"
             f"s = command_service(open_journal({db_url!r}), writer='process')\n"
             "print(s.pid, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from lifecycle_helpers import ManualClock
 from test_replay_workload import WINDOW, write_workload
 
-from journal import open_journal as open_existing
 from kvledger import Ledger
 from kvledger.cli import main
-from kvledger.storage import open_journal
-from replay import Projector, build, journal_events, project, replay_incremental, replay_journal, to_json
+from kvledger.journal import open_journal as open_existing
+from kvledger.migrations.storage import open_journal
+from kvledger.replay import Projector, build, journal_events, project, replay_incremental, replay_journal, to_json
+
+from lifecycle_helpers import ManualClock
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 KEYS = {"position", "handles", "ledger", "peaks", "byte_time", "requests", "window"}

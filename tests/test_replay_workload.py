@@ -8,11 +8,12 @@ import random
 from collections.abc import Iterator
 
 import pytest
-from factories import make_manifest
-from lifecycle_helpers import ManualClock
 
 from kvledger import Ledger
-from replay import WindowSpec, replay_journal
+from kvledger.replay import WindowSpec, replay_journal
+
+from factories import make_manifest
+from lifecycle_helpers import ManualClock
 
 MS = 1_000_000
 WINDOW = WindowSpec(slo_ttft_ns=20 * MS, slo_tbt_ns=10 * MS)
@@ -228,7 +229,7 @@ def oracle(states: dict, owning: set[str]) -> dict:
 
 
 def test_incremental_ledgers_equal_a_full_resum_at_every_event(workload):
-    from engine.evolve import evolve
+    from kvledger.engine.evolve import evolve
 
     report = replay_journal(workload, WINDOW, trajectory=True)
     events = list(workload.read_all())

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from factories import allocate_op, make_manifest
 
-from schemas import events as ev
-from schemas.canonical import canonical_json, digest
-from schemas.codec import decode_event, encode_event
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.manifest import (
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import canonical_json, digest
+from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.manifest import (
     CacheSchema,
     ScalarType,
     b_token,
@@ -20,6 +19,8 @@ from schemas.manifest import (
     prompt_token_ids_sha256,
     validate_manifest,
 )
+
+from factories import allocate_op, make_manifest
 
 FP16, INT8 = ScalarType("fp16", 2), ScalarType("int8", 1)
 

@@ -17,20 +17,21 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import commands as c
-from engine.service import CommandService
-from engine.telemetry import Telemetry
-from engine.worker import use_threads
-from factories import make_manifest
-from journal import placement
 from kvledger.cli import main
 from kvledger.demo import run_demo
-from kvledger.storage import init_database, open_journal
-from replay.reconcile import reconcile
-from replay.sources import journal_events, jsonl_bodies
-from replay.verify import verify_journal
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.telemetry import IDENTITY_LABELS, Mutation, record_decoder
+from kvledger.engine import commands as c
+from kvledger.engine.service import CommandService
+from kvledger.migrations.storage import init_database, open_journal
+from kvledger.replay.reconcile import reconcile
+from kvledger.replay.sources import journal_events, jsonl_bodies
+from kvledger.replay.verify import verify_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.telemetry import IDENTITY_LABELS, Mutation, record_decoder
+from kvledger.telemetry.producer import Telemetry
+from kvledger.worker import placement
+from kvledger.worker.serving import use_threads
+
+from factories import make_manifest
 
 
 def _records(path: Path) -> list:
@@ -198,7 +199,7 @@ class KillableSink:
     """A binary sink that fails every write once killed (a dead collector)."""
 
     def __init__(self, path: Path) -> None:
-        self.f = open(path, "wb")  # noqa: SIM115
+        self.f = open(path, "wb")
         self.killed = threading.Event()
 
     def write(self, data: bytes) -> int:
@@ -308,7 +309,7 @@ def test_a_batch_that_cannot_be_encoded_is_dropped_and_counted_not_raised(tmp_pa
 
 class SlowSink:
     def __init__(self, path: Path) -> None:
-        self.f = open(path, "wb")  # noqa: SIM115
+        self.f = open(path, "wb")
 
     def write(self, data: bytes) -> int:
         time.sleep(0.03)

@@ -8,17 +8,18 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from lifecycle_helpers import ManualClock
 from sqlalchemy import text
 from test_replay_workload import write_workload
 
-from journal import make_engine, open_journal, parse_url
 from kvledger import Ledger
 from kvledger.cli import main
-from kvledger.storage import open_journal as open_or_create
-from replay import import_jsonl, verify_bodies, verify_journal, verify_jsonl
-from schemas.canonical import canonical_json
-from schemas.receipts import receipt_decoder, receipt_encoder
+from kvledger.journal import make_engine, open_journal, parse_url
+from kvledger.migrations.storage import open_journal as open_or_create
+from kvledger.replay import import_jsonl, verify_bodies, verify_journal, verify_jsonl
+from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.receipts import receipt_decoder, receipt_encoder
+
+from lifecycle_helpers import ManualClock
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 VALID = sorted(p.stem for p in FIXTURES.glob("*.jsonl"))

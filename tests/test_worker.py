@@ -9,17 +9,17 @@ import msgspec
 import pytest
 import torch
 
-from engine.executor import Member, run_call, shape_of
-from engine.kvstore import KVStore
-from engine.loading import load_model
-from engine.model import DEFAULT_CONFIG
-from engine.reexec import reexecute
-from engine.remote import command_service
-from engine.service import CommandService
-from engine.worker import RequestSpec, Worker
 from kvledger import Ledger
 from kvledger.demo import demo_workload
-from kvledger.storage import open_journal
+from kvledger.engine.remote import command_service
+from kvledger.engine.service import CommandService
+from kvledger.migrations.storage import open_journal
+from kvledger.worker.executor import Member, run_call, shape_of
+from kvledger.worker.kvstore import KVStore
+from kvledger.worker.loading import load_model
+from kvledger.worker.model import DEFAULT_CONFIG
+from kvledger.worker.reexec import reexecute
+from kvledger.worker.serving import RequestSpec, Worker
 
 
 def _tokens(n, seed=0):
@@ -263,7 +263,7 @@ def test_a_writer_process_journals_the_same_run(model, db_url, tmp_path):
     """Commands decided and committed by a writer process (overlapped with the model
     call) journal the same greedy outputs as the in-process service, on both backends; the journal verifies
     clean and its rows re-execute bit for bit."""
-    from replay import verify_journal
+    from kvledger.replay import verify_journal
 
     specs = demo_workload(12, 8, seed=6, vocab=model.cfg.vocab_size)
     here, _ = run_workload(f"sqlite:///{tmp_path}/t.db", specs, model)
@@ -283,10 +283,10 @@ def test_a_failing_model_call_still_waits_for_its_overlapped_commit(model, tmp_p
     (another thread appends), and verify is clean."""
     import threading
 
-    from factories import make_manifest
+    from kvledger.engine import commands as c
+    from kvledger.replay import verify_journal
 
-    from engine import commands as c
-    from replay import verify_journal
+    from factories import make_manifest
 
     url = f"sqlite:///{tmp_path}/f.db"
     _, artifact = load_model()

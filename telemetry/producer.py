@@ -37,14 +37,12 @@ from typing import Any, BinaryIO
 import structlog
 from prometheus_client import CollectorRegistry
 
-from engine import commands as c
-from engine.export import Exporter, event_outcome, event_snapshots, trace_id_of
-from engine.metrics import COMPONENTS, Metrics
-from engine.service import SystemClock
-from schemas import events as ev
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.receipts import Receipt
-from schemas.telemetry import (
+from kvledger.engine import commands as c
+from kvledger.engine.service import SystemClock
+from kvledger.schemas import events as ev
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
+from kvledger.schemas.telemetry import (
     ALLOCATOR,
     BLOCK_SIZE,
     OBSERVED_EVENT_TYPES,
@@ -53,7 +51,12 @@ from schemas.telemetry import (
     SERVICE,
     TELEMETRY_SCHEMA_VERSION,
     Header,
+    event_outcome,
+    event_snapshots,
+    trace_id_of,
 )
+from kvledger.telemetry.exporter import Exporter
+from kvledger.telemetry.metrics import COMPONENTS, Metrics
 
 log = structlog.get_logger("kvledger.telemetry")
 

@@ -1,4 +1,4 @@
-"""Opening and migrating journals for the facade and the CLI.
+"""Opening journals, and creating or migrating them where a command may (the facade, the CLI, recovery).
 
 Which commands may create a database: `init`, and the writing commands (`demo`,
 `generate`, `import`, `Ledger.open`) on a new SQLite file. Reading commands open with
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from sqlalchemy.engine import URL
 
-import migrations
-from journal import SqlJournal, make_engine, parse_url, resolve_url
-from journal.driver_errors import is_driver_error, translate
-from journal.url import redact
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger import migrations
+from kvledger.journal import SqlJournal, make_engine, parse_url, resolve_url
+from kvledger.journal.driver_errors import is_driver_error, translate
+from kvledger.journal.url import redact
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 
 def init_database(raw_url: str | None = None) -> str:

@@ -12,8 +12,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from engine.kvstore import KVStore
-from engine.model import Transformer
+from kvledger.worker.kvstore import KVStore
+from kvledger.worker.model import Transformer
 
 
 class Member(NamedTuple):

@@ -12,7 +12,7 @@ while it forks. Per trial it forks
     killed with SIGKILL at a random moment, or exits (os._exit), raises or stalls at a
     chosen fault point (journal.faults);
   - a check child: reopens the journal, checks acknowledgements and atomicity,
-    verifies, runs recovery (kvledger.recover), resubmits the requests whose
+    verifies, runs recovery (kvledger.recovery.recover), resubmits the requests whose
     allocation was never acknowledged (the client's retry), compares outputs with the
     baseline, recovers a second time (must write nothing) and checks the checkpoint.
 A forked child starts in milliseconds; spawning a Python with torch costs seconds.
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import msgspec
 
-from engine.service import BatchSurface
-from journal import faults
-from journal.url import parse_url, redact, resolve_url
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.engine.service import BatchSurface
+from kvledger.journal import faults
+from kvledger.journal.url import parse_url, redact, resolve_url
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 POINTS = faults.POINTS
 ACTIONS = ("exit", "raise", "stall")
@@ -58,7 +58,7 @@ STALL_SECONDS = 60.0
 def workload(seed: int, vocab: int = 512):
     """Plain greedy requests with ragged prompts (one long one, prefilled in chunks),
     arriving two per iteration; more requests than running slots, so one waits."""
-    from engine.worker import RequestSpec
+    from kvledger.worker.serving import RequestSpec
 
     rng = random.Random(seed)
     return [RequestSpec(request_id=f"crash-{i}", max_new_tokens=MAX_NEW_TOKENS, arrival_step=i // 2,
@@ -111,7 +111,7 @@ class Backend:
     name = ""
 
     def prepare(self) -> None: ...
-    def fresh(self, k: int) -> str: raise NotImplementedError  # noqa: E704
+    def fresh(self, k: int) -> str: raise NotImplementedError  # noqa: E704 - an abstract one-liner
     def release(self, k: int) -> None: ...  # the trial passed: its journal may go
     def keep(self, k: int) -> str: return ""  # noqa: E704 - the trial failed: keep its journal
     def close(self) -> None: ...
@@ -129,7 +129,7 @@ class SqliteBackend(Backend):
         self.template = self.dir / "template.db"
 
     def prepare(self) -> None:
-        from kvledger.storage import init_database
+        from kvledger.migrations.storage import init_database
 
         init_database(f"sqlite:///{self.template}")  # engine disposed: nothing open at fork
 
@@ -177,7 +177,7 @@ class PostgresBackend(Backend):
         try:
             return psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
         except psycopg.Error as exc:
-            from journal.driver_errors import translate
+            from kvledger.journal.driver_errors import translate
 
             raise translate(exc, u.set(database=dbname)) from None
 
@@ -185,7 +185,7 @@ class PostgresBackend(Backend):
         return self.url.set(database=name).render_as_string(hide_password=False)
 
     def prepare(self) -> None:
-        from kvledger.storage import init_database
+        from kvledger.migrations.storage import init_database
 
         with self._connect(self.url.database) as conn:  # every connection is closed before a fork
             conn.execute(f'DROP DATABASE IF EXISTS "{self.template}"')  # names built here, not input
@@ -224,7 +224,7 @@ _MODEL = None
 def _model():
     global _MODEL
     if _MODEL is None:
-        from engine.loading import load_model
+        from kvledger.worker.loading import load_model
 
         _MODEL = load_model()
     return _MODEL
@@ -235,8 +235,8 @@ def warm() -> None:
     child starts in milliseconds. No database is opened here."""
     import torch
 
-    from engine.executor import Member, run_call, shape_of
-    from engine.kvstore import KVStore
+    from kvledger.worker.executor import Member, run_call, shape_of
+    from kvledger.worker.kvstore import KVStore
 
     torch.set_num_threads(1)
     try:
@@ -257,7 +257,7 @@ class _Acking(BatchSurface):
     def __init__(self, service, ack_path: str) -> None:
         import msgspec
 
-        from schemas.receipts import Receipt
+        from kvledger.schemas.receipts import Receipt
 
         self._service, self._receipt = service, Receipt
         self._fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -287,7 +287,7 @@ def _acking_service(journal, ack_path: str, writer: str = "thread") -> _Acking:
     receipts go to `ack_path`, and whose journal notes every transaction's operation ids
     before sending it (`<ack_path>.intents`, journal.faults.intend): the checker's unit of
     all-or-nothing."""
-    from engine.remote import command_service
+    from kvledger.engine.remote import command_service
 
     faults.record_intents(ack_path + ".intents")
     os.environ["KVLEDGER_INTENTS_LOG"] = ack_path + ".intents"  # for a writer process
@@ -296,9 +296,9 @@ def _acking_service(journal, ack_path: str, writer: str = "thread") -> _Acking:
 
 def _run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log: str, ready_fd: int,
                count_faults: bool = False, writer: str = "thread") -> dict:
-    from engine.worker import Worker
-    from kvledger.storage import open_journal
-    from replay import WindowSpec, replay_incremental
+    from kvledger.migrations.storage import open_journal
+    from kvledger.replay import WindowSpec, replay_incremental
+    from kvledger.worker.serving import Worker
 
     if count_faults:
         fault_spec = ",".join(f"{p}:count" for p in POINTS)
@@ -347,11 +347,11 @@ def _read_lines(path: str) -> list:
 
 
 def _check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]]) -> dict:
-    from engine.evolve import fold
-    from engine.worker import Worker
-    from kvledger.recover import recover, verify_findings
-    from kvledger.storage import open_journal
-    from replay import WindowSpec, replay_incremental, replay_journal, to_json
+    from kvledger.engine.evolve import fold
+    from kvledger.migrations.storage import open_journal
+    from kvledger.recovery.recover import recover, verify_findings
+    from kvledger.replay import WindowSpec, replay_incremental, replay_journal, to_json
+    from kvledger.worker.serving import Worker
 
     model, artifact = _model()
     out: dict = {}
@@ -524,7 +524,7 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
     """Run `trials` crash trials against the backend of `db` (see the module docstring),
     with the worker's command service in its process or in a writer process (`writer`).
     Returns the report; `report["ok"]` is False on any violation."""
-    from engine.remote import WRITERS
+    from kvledger.engine.remote import WRITERS
 
     if writer not in WRITERS:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"writer must be one of {', '.join(WRITERS)}")

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.executor import CallShape, Member, run_call
-from engine.kvstore import KVStore
-from engine.model import Transformer
-from schemas import events as ev
+from kvledger.schemas import events as ev
+from kvledger.worker.executor import CallShape, Member, run_call
+from kvledger.worker.kvstore import KVStore
+from kvledger.worker.model import Transformer
 
 SCRATCH = "__scratch__"
 
@@ -76,7 +76,7 @@ def _reexecute(model: Transformer, events: Iterable[ev.Event], slots: int, capac
             torch.set_num_threads(call.threads)
         logits = run_call(model, store, members, CallShape(call.size, call.new_pad, call.key_extent),
                           all_rows=verify)
-        for b, m in enumerate(members):
+        for b in range(len(members)):
             e = by_index.get(b)
             if e is None:
                 continue

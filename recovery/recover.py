@@ -15,7 +15,7 @@ The algorithm (docs/CRASH.md):
      deterministic operation id (`recover-abort-<handle>-<txn>`): a second recovery,
      or a retry after a crash of this one, writes nothing new.
   5. re-execute the appends of the live handles (and of their fork ancestors up to the
-     fork) call by call with their recorded shapes (engine.reexec) and compare every
+     fork) call by call with their recorded shapes (kvledger.worker.reexec) and compare every
      recorded row digest. Any mismatch stops here: K/V that differs from what was
      published is not continued.
   6. continue: a worker adopts every live handle with its rebuilt rows, its outputs
@@ -43,13 +43,13 @@ from dataclasses import asdict, dataclass, field
 
 import msgspec
 
-from engine import commands as c
-from engine.service import CommandService
-from engine.state import HandleState
-from journal.contract import Journal
-from schemas import events as ev
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.manifest import Manifest, cache_abi_sha256
+from kvledger.engine import commands as c
+from kvledger.engine.service import CommandService
+from kvledger.engine.state import HandleState
+from kvledger.journal.contract import Journal
+from kvledger.schemas import events as ev
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.manifest import Manifest, cache_abi_sha256
 
 SOURCE = "kvledger-recover"
 
@@ -95,7 +95,7 @@ class RecoveryReport:
 def verify_findings(journal: Journal) -> list[dict]:
     """The one adapter between recovery and replay.verify (its API is still settling):
     every finding of a whole-journal verify, as plain dicts."""
-    from replay.verify import verify_journal
+    from kvledger.replay.verify import verify_journal
 
     return [msgspec.to_builtins(f) for f in verify_journal(journal).findings]
 
@@ -142,7 +142,7 @@ def recover(journal: Journal, *, model=None, artifact=None, model_dir: str | Non
         return _done(report, journal, t0, verify_after)
 
     # Rebuild K/V by re-execution, proving every recorded row digest.
-    from engine.reexec import reexecute
+    from kvledger.worker.reexec import reexecute
 
     events, skipped = _rebuild_events(journal, live, states)
     report.not_rebuildable.update(skipped)
@@ -169,7 +169,7 @@ def recover(journal: Journal, *, model=None, artifact=None, model_dir: str | Non
     report.rebuilt = rebuildable
 
     # Continue every unfinished request to completion.
-    from engine.worker import Worker
+    from kvledger.worker.serving import Worker
 
     seeds = _seeds(rebuildable, states, streams, manifests, journal)
     need = max([states[h].reserved_capacity for h in rebuildable] + [1])
@@ -219,7 +219,7 @@ def _manifest(journal: Journal, s: HandleState, streams: dict[str, list[ev.Event
 def _model(model, artifact, model_dir: str | None, device: str, manifests: dict[str, Manifest]):
     if model is not None:
         return model, artifact
-    from engine.loading import load_model
+    from kvledger.worker.loading import load_model
 
     dtypes = {m.cache_schema.key_dtype.name for m in manifests.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else "fp32"
@@ -230,7 +230,7 @@ def _model(model, artifact, model_dir: str | None, device: str, manifests: dict[
 
 def _check_abi(model, artifact, states: dict[str, HandleState], manifests: dict[str, Manifest]) -> None:
     """Each live handle's cache ABI must be the one a worker on this model declares."""
-    from engine.worker import RequestSpec, Worker
+    from kvledger.worker.serving import RequestSpec, Worker
 
     probe = Worker(model, service=None, artifact=artifact, max_running=1, capacity=1,
                    device=str(next(model.parameters()).device))
@@ -301,7 +301,7 @@ def _seeds(handles: Iterable[str], states: dict[str, HandleState], streams: dict
 
 
 def _spec(s: HandleState, m: Manifest, seed: int):
-    from engine.worker import RequestSpec
+    from kvledger.worker.serving import RequestSpec
 
     sampling = m.request_policy.sampling
     return RequestSpec(request_id=s.request_id, prompt=s.prompt,

@@ -5,7 +5,8 @@ issued it: on the 2-vCPU VM these figures come from, a loop of fdatasyncs from e
 CPU doubled a batch-1 decode step running on the interrupt CPU and left one on the
 other CPU untouched. So when torch leaves a core for the journal's writer (a writer
 process, or the commit thread), the core it leaves is that one: the writer runs there,
-the model thread on the others (engine.worker.use_threads).
+the model thread on the others (kvledger.worker.serving.use_threads). Importing
+this module installs pin_writer as the journal's writer placement (journal.writers).
 
 The interrupt CPU is read from /proc/interrupts (the CPU with the most block-device
 queue interrupts among those this process may use). `KVLEDGER_IO_CPU` overrides it:
@@ -19,7 +20,8 @@ import contextlib
 import os
 import re
 
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.journal import writers
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 # Block-device queues: virtio-blk, NVMe, AHCI/ATA, SCSI HBAs, Xen block frontends.
 _BLOCK = re.compile(r"virtio\d+-req|nvme\d+q\d+|ahci|ata_|scsi|megasas|mpt\dsas|blkif|xen-blkfront")
@@ -109,3 +111,6 @@ def describe() -> dict:
     (None: not placed), for a run's report."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(usable_cpus())
     return {"io_cpu": io_cpu() if _apart else None, "model_cpus": sorted(cpus)}
+
+
+writers.install(pin_writer)

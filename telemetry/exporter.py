@@ -5,7 +5,6 @@ queue or a failing sink drops records and counts them; producers never wait for 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import threading
@@ -14,16 +13,17 @@ from typing import Any, BinaryIO
 import msgspec
 import structlog
 
-from engine.metrics import Metrics
-from journal import placement
-from schemas import events as ev
-from schemas.telemetry import (
+from kvledger.journal import writers
+from kvledger.schemas.telemetry import (
     ALLOCATOR,
     RESIDENCY,
     SERVICE,
-    SUCCESS,
     Trailer,
+    event_outcome,
+    event_snapshots,
+    trace_id_of,
 )
+from kvledger.telemetry.metrics import Metrics
 
 log = structlog.get_logger("kvledger.telemetry")
 
@@ -112,7 +112,7 @@ class Exporter:
     def __init__(self, sink: str | os.PathLike | BinaryIO, *, capacity: int, metrics: Metrics,
                  linger: float = 0.05, batch: int = 64) -> None:
         if isinstance(sink, (str, os.PathLike)):
-            self._file: BinaryIO = open(sink, "wb")  # noqa: SIM115 - closed by stop()
+            self._file: BinaryIO = open(sink, "wb")
             self._owns = True
         else:
             self._file, self._owns = sink, False
@@ -209,7 +209,7 @@ class Exporter:
             return exc, audit
 
     def _run(self) -> None:
-        placement.pin_writer()  # it writes files: beside the journal's writers, off the model's CPU
+        writers.place()  # it writes files: beside the journal's writers, off the model's CPU
         while True:
             try:
                 chunk = self._q.get(timeout=self.linger)
@@ -243,41 +243,6 @@ class Exporter:
 
 
 # -- records -----------------------------------------------------------------------------
-
-def trace_id_of(request_id: str) -> str:
-    """One trace per request: a stable W3C-sized (16-byte) id derived from it."""
-    return hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
-
-
-def event_snapshots(e: ev.Event) -> tuple[int | None, int | None, int | None]:
-    """(base snapshot, result snapshot, committed length) a journal event states."""
-    p = e.payload
-    t = e.event_type
-    if t == "request_allocate":
-        return None, 0, 0
-    if t in ("append_start", "failure"):
-        return p.base_snapshot_version, None, None
-    if t == "append_publish":
-        return p.base_snapshot_version, p.result_snapshot_version, p.committed_length
-    if t == "output_emit":
-        return p.snapshot_version, p.snapshot_version, None
-    if t == "fork":
-        return p.parent_snapshot_version, 0, p.prefix_length
-    if t == "truncate":
-        return p.base_snapshot_version, p.result_snapshot_version, p.new_length
-    if t == "cancel_request":
-        return p.base_snapshot_version, p.result_snapshot_version, None
-    if t == "finish":
-        return None, None, p.committed_length
-    if t == "release":
-        return p.base_snapshot_version, p.result_snapshot_version, 0
-    return None, None, None
-
-
-def event_outcome(e: ev.Event) -> str:
-    """A committed event's outcome: a failure's own outcome, else success."""
-    return e.payload.outcome if e.event_type == "failure" else SUCCESS
-
 
 def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
     """Exporter thread: one queued tuple -> records, in envelope order."""

@@ -16,9 +16,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from schemas import events as ev
-from schemas.errors import ErrorCode
-from schemas.telemetry import (
+from kvledger.schemas import events as ev
+from kvledger.schemas.errors import ErrorCode
+from kvledger.schemas.telemetry import (
     ALLOCATOR,
     RESIDENCY,
     SERVICE,

@@ -169,7 +169,7 @@ class SimpleKV:
             return k_new, v_new, None
         B, _, P, _ = k_old.shape
         T = k_new.shape[2]
-        lens = lambda n: torch.full((B,), n, dtype=torch.long, device=k_new.device)  # noqa: E731
+        lens = lambda n: torch.full((B,), n, dtype=torch.long, device=k_new.device)  # noqa: E731 - a local shorthand
         mask = causal_mask(lens(P), lens(T), P + T, T)
         return torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2), mask
 

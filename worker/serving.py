@@ -22,17 +22,12 @@ import structlog
 import torch
 from torch import Tensor
 
-from engine import commands as c
-from engine.ids import new_id
-from engine.executor import CallShape, Member, run_call
-from engine.kvstore import KVStore
-from engine.loading import require_context
-from engine.model import Transformer
-from engine.service import CommandService
-from engine.state import HandleState
-from journal import placement
-from schemas.events import ForwardCall, LayerRows
-from schemas.manifest import (
+from kvledger.engine import commands as c
+from kvledger.engine.ids import new_id
+from kvledger.engine.service import CommandService
+from kvledger.engine.state import HandleState
+from kvledger.schemas.events import ForwardCall, LayerRows
+from kvledger.schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
     Manifest,
@@ -43,7 +38,12 @@ from schemas.manifest import (
     cache_abi_sha256,
     new_manifest,
 )
-from schemas.receipts import Receipt
+from kvledger.schemas.receipts import Receipt
+from kvledger.worker import placement
+from kvledger.worker.executor import CallShape, Member, run_call
+from kvledger.worker.kvstore import KVStore
+from kvledger.worker.loading import require_context
+from kvledger.worker.model import Transformer
 
 log = structlog.get_logger("kvledger.worker")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -573,7 +573,7 @@ class Worker:
             pass  # _plan_prefill continues the prompt from the committed rows
         else:
             # Rows committed but no logits to choose from: recompute the last row.
-            from engine.evolve import cut
+            from kvledger.engine.evolve import cut
 
             new_len = state.committed_length - 1
             lv.outputs = list(cut(state, new_len)["outputs"])
@@ -655,7 +655,7 @@ class Worker:
 def use_threads(n: int) -> int:
     """Set torch's CPU thread pool to n threads. When that leaves a core for a journal
     writer, the calling (model) thread moves off the CPU that takes the disk's interrupts,
-    so the core left is that one (journal.placement); with every core in the pool it may
+    so the core left is that one (kvledger.worker.placement); with every core in the pool it may
     run anywhere again. Returns n."""
     torch.set_num_threads(n)
     placement.pin_model(_leaves_a_core(n))
@@ -669,7 +669,7 @@ def _leaves_a_core(threads: int) -> bool:
 
 def leave_a_core() -> int:
     """Shrink torch's CPU thread pool by one core (never below 1) for a journal writer
-    process (engine.remote) to run on; returns the thread count now set. The writer's
+    process (kvledger.engine.remote) to run on; returns the thread count now set. The writer's
     commit then overlaps the model call instead of preempting it. What the model gives
     up (2 cores, default model): nothing at batch 1, 10-25% of its rate at batch 16."""
     return use_threads(max(1, min(torch.get_num_threads(), placement.usable_cpus() - 1)))

@@ -10,10 +10,10 @@ import msgspec
 import torch
 from safetensors import SafetensorError
 
-from engine.model import DEFAULT_CONFIG, ModelConfig, Transformer
-from schemas.canonical import digest
-from schemas.errors import ErrorCode, KvLedgerError
-from schemas.manifest import ArtifactIdentity
+from kvledger.schemas.canonical import digest
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.manifest import ArtifactIdentity
+from kvledger.worker.model import DEFAULT_CONFIG, ModelConfig, Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

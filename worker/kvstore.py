@@ -15,8 +15,8 @@ import hashlib
 import torch
 from torch import Tensor
 
-from engine.model import ModelConfig
-from schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.worker.model import ModelConfig
 
 
 class KVStore:
