@@ -280,7 +280,7 @@ Event = Union[  # noqa: UP007 - Union[...] keeps one member a line, and __args__
     ReleaseEvent,
 ]
 
-EVENT_CLASSES: dict[str, type] = {cls.event_type: cls for cls in Event.__args__}  # type: ignore[attr-defined]
+EVENT_CLASSES: dict[str, type] = {cls.event_type: cls for cls in Event.__args__}  # type: ignore[attr-defined]  # mypy types a Union alias as a special form
 PAYLOAD_CLASSES: dict[str, type] = {
     name: next(f.type for f in msgspec.structs.fields(cls) if f.name == "payload")
     for name, cls in EVENT_CLASSES.items()
