@@ -31,7 +31,8 @@ def find_bin() -> Path | None:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 class ThrowawayPostgres:
@@ -81,7 +82,7 @@ class ThrowawayPostgres:
         return self.url(name)
 
     def stop(self) -> None:
-        if self.dir is None:
+        if self.dir is None or self.bin is None:  # (a dir means start() found the binaries)
             return
         try:
             self._run(str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "stop")

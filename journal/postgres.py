@@ -19,10 +19,10 @@ binary arrays faster than array literals.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 from psycopg.adapt import Dumper
@@ -30,7 +30,7 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
-from kvledger.journal.statements import Statements, _head_columns
+from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -53,7 +53,7 @@ class PostgresStatements(Statements):
     def _pipeline(self) -> Any:
         return self.conn.pipeline() if self.pipeline else nullcontext()
 
-    def transaction(self, fn: Callable[[Any], Any]) -> Any:
+    def transaction(self, fn: Callable[[Any], T]) -> T:
         conn = self.conn
         with self._pipeline(), conn.transaction(), conn.cursor() as cur:
             return fn(cur)
@@ -172,8 +172,8 @@ class PostgresStatements(Statements):
         "SELECT * FROM unnest(%(op)b, %(fp)b, %(first)b, %(lastpos)b, %(rbody)b)"
     )
 
-    def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[tuple],
-                  receipt_rows: list[tuple], last: int) -> bool:
+    def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[EventRow],
+                  receipt_rows: list[ReceiptRow], last: int) -> bool:
         params = _guarded_update_params(updates)
         epos, eid, sid, sp, et, sv, eop, body = zip(*event_rows)
         op, fp, first, lastpos, rbody = zip(*receipt_rows)
@@ -244,7 +244,7 @@ class PostgresStatements(Statements):
         )
         return {r[0] for r in cur.fetchall()}
 
-    def insert_events(self, cur: Any, rows: list[tuple]) -> None:
+    def insert_events(self, cur: Any, rows: list[EventRow]) -> None:
         pos, eid, sid, sp, et, sv, op, body = zip(*rows)
         cur.execute(
             "INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "
@@ -254,7 +254,7 @@ class PostgresStatements(Statements):
              _byteas(body)),
         )
 
-    def insert_receipts(self, cur: Any, rows: list[tuple]) -> None:
+    def insert_receipts(self, cur: Any, rows: list[ReceiptRow]) -> None:
         op, fp, first, last, body = zip(*rows)
         cur.execute(
             "INSERT INTO kvl_receipts (operation_id, fingerprint, first_global_position, "
@@ -293,6 +293,8 @@ _HEAD = struct.Struct(">iiiii")
 
 class _Array:
     __slots__ = ("data",)
+    oid: ClassVar[int]  # the array type's, and its element type's
+    elem: ClassVar[int]
 
     def __init__(self, data: bytes) -> None:
         self.data = data
@@ -321,7 +323,7 @@ class _ByteaArray(_Array):
 _STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 
 
-def _ints(cls: type[_Array], code: str, size: int, values: tuple | list) -> _Array:
+def _ints(cls: type[_Array], code: str, size: int, values: Sequence[int]) -> _Array:
     n = len(values)
     if not n:
         return cls(struct.pack(">iii", 0, 0, cls.elem))
@@ -337,15 +339,16 @@ def _ints(cls: type[_Array], code: str, size: int, values: tuple | list) -> _Arr
     return cls(_HEAD.pack(1, 0, cls.elem, n, 1) + body)
 
 
-def _int8s(values: tuple | list) -> _Array:
+def _int8s(values: Sequence[int]) -> _Array:
     return _ints(_Int8Array, "q", 8, values)
 
 
-def _int4s(values: tuple | list) -> _Array:
+def _int4s(values: Sequence[int]) -> _Array:
     return _ints(_Int4Array, "i", 4, values)
 
 
-def _varlena(cls: type[_Array], values: tuple | list, encode: bool) -> _Array:
+def _varlena(cls: type[_Array], values: Sequence[Any], encode: bool) -> _Array:
+    """`values`: str when `encode`, else bytes; None is NULL (see _texts, _byteas)."""
     n = len(values)
     if not n:
         return cls(struct.pack(">iii", 0, 0, cls.elem))
@@ -364,11 +367,11 @@ def _varlena(cls: type[_Array], values: tuple | list, encode: bool) -> _Array:
     return cls(b"".join(parts))
 
 
-def _texts(values: tuple | list) -> _Array:
+def _texts(values: Sequence[str | None]) -> _Array:
     return _varlena(_TextArray, values, True)
 
 
-def _byteas(values: tuple | list) -> _Array:
+def _byteas(values: Sequence[bytes | None]) -> _Array:
     return _varlena(_ByteaArray, values, False)
 
 

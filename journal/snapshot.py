@@ -9,16 +9,23 @@ stays bounded and every page sees the same commit point as the receipts and head
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredEvent, StoredReceipt
-from kvledger.journal.statements import Statements
+from kvledger.journal.statements import Row, Statements, T
 
 PAGE = 5000
 
 
+class Call(Protocol):
+    """Runs a driver call, mapping driver errors to coded ones (SqlJournal._call)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> T: ...
+
+
 class SqlSnapshot(Snapshot):
-    def __init__(self, sql: Statements, cur: Any, call: Callable[[Callable[[], Any]], Any]) -> None:
+    def __init__(self, sql: Statements, cur: Any, call: Call) -> None:
         self._sql, self._cur, self._call = sql, cur, call  # `call` maps driver errors to codes
 
     def integrity(self) -> Integrity:
@@ -39,10 +46,10 @@ class SqlSnapshot(Snapshot):
     def manifest(self, manifest_sha256: str) -> Any:
         return self._call(lambda: self._sql.raw_manifest(self._cur, manifest_sha256))
 
-    def _pages(self, pages: tuple[str, str]) -> Iterator[tuple]:
-        after = None
+    def _pages(self, pages: tuple[str, str]) -> Iterator[Row]:
+        after: Any = None  # the key column as stored
         while True:
-            rows = self._call(lambda after=after: self._sql.page(self._cur, pages, after, PAGE))
+            rows = self._call(partial(self._sql.page, self._cur, pages, after, PAGE))
             yield from rows
             if len(rows) < PAGE:
                 return

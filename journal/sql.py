@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -42,6 +43,7 @@ from kvledger.journal.contract import (
 )
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
+from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
     REVISIONS,
@@ -113,6 +115,7 @@ class SqlJournal(Journal):
         self.url = url
         self.display_url = redact(url)
         self.dialect = url.get_backend_name()
+        backend: type[Statements]
         if self.dialect == "sqlite":
             from kvledger.journal.sqlite import SqliteStatements as backend
         else:
@@ -130,7 +133,9 @@ class SqlJournal(Journal):
         try:
             self.engine = make_engine(url)
             self._proxy = self.engine.raw_connection()
-            self.conn = self._proxy.driver_connection
+            conn = self._proxy.driver_connection
+            assert conn is not None  # None only once the pool invalidates the connection
+            self.conn = conn
             self.sql = backend(self.conn)
             revision = self.sql.schema_revision(VERSION_TABLE)
             tables = self.sql.existing_tables(JOURNAL_TABLES) if revision is None else None
@@ -246,22 +251,26 @@ class SqlJournal(Journal):
             return None
         handles: set[str] = set()
         op_ids: set[str] = set()
+        updates: list[tuple[StreamWrite, Guard]] = []
         for op in ops:
-            if len(op.writes) != 1 or op.checks or op.manifests or op.writes[0].expected is None:
+            if len(op.writes) != 1 or op.checks or op.manifests:
                 return None
-            handles.add(op.writes[0].handle_id)
+            w = op.writes[0]
+            if w.expected is None:
+                return None
+            handles.add(w.handle_id)
             op_ids.add(op.operation_id)
+            updates.append((w, w.expected))
         if len(handles) != len(ops) or len(op_ids) != len(ops):
             return None
         last = self._predicted
         assert last is not None
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         event_rows, receipt_rows, _, position = self._rows(ops, range(len(ops)), results, last)
-        updates = [(op.writes[0], op.writes[0].expected) for op in ops]
         fault("before_update")
         if self.sql.append_if(updates, event_rows, receipt_rows, last):
             self._predicted, self._misses = position, 0
-            return results  # type: ignore[return-value]
+            return results  # type: ignore[return-value]  # _rows filled every slot
         # Another writer moved the journal (or a guard failed, or this is a retry): back
         # off exponentially so a contended journal does not pay a wasted round trip each time.
         self._misses = min(self._misses + 1, 6)
@@ -279,7 +288,7 @@ class SqlJournal(Journal):
             op_id = op.operation_id
             if op_id in stored:
                 fingerprint, body = stored[op_id]
-                results[i] = _replay(op, fingerprint, body)
+                results[i] = _stored_receipt(op, fingerprint, body)
             elif op_id in first_in_batch:
                 continue  # resolved against the first occurrence after the rounds
             else:
@@ -309,18 +318,18 @@ class SqlJournal(Journal):
         if manifest_rows:
             self.sql.insert_manifests(cur, list(manifest_rows.items()))
         fault("before_commit")
-        return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]  # stored, rejected, _rows or the retry loop filled each slot
 
     @staticmethod
     def _rows(
         ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None], last: int
-    ) -> tuple[list[tuple], list[tuple], dict[str, bytes], int]:
+    ) -> tuple[list[EventRow], list[ReceiptRow], dict[str, bytes], int]:
         """Event, receipt and manifest rows of the operations at `indexes` not yet decided
         in `results`, at global positions after `last`; fills in their receipts. Returns
         the rows and the last position used."""
         now = time.time_ns()
-        event_rows: list[tuple] = []
-        receipt_rows: list[tuple] = []
+        event_rows: list[EventRow] = []
+        receipt_rows: list[ReceiptRow] = []
         manifest_rows: dict[str, bytes] = {}
         add_event, add_receipt = event_rows.append, receipt_rows.append
         encode, replace, encode_receipt = encode_event, msgspec.structs.replace, receipt_encoder.encode
@@ -367,6 +376,7 @@ class SqlJournal(Journal):
             op = ops[unit[0]]
             if len(unit) > 1:  # a chain: first base, last head
                 first, last = op.writes[0], ops[unit[-1]].writes[0]
+                assert first.expected is not None  # _chains joins only guarded writes
                 updates.append((StreamWrite(first.handle_id, first.expected, last.head, ()), first.expected))
                 return
             spans = spans or len(op.writes) + len(op.checks) > 1
@@ -439,7 +449,7 @@ class SqlJournal(Journal):
         while remaining is None or remaining > 0:
             page = READ_PAGE if remaining is None else min(READ_PAGE, remaining)
             with self._lock:
-                rows = self._read(lambda cur, after=after, page=page: self.sql.bodies_after(cur, after, page))
+                rows = self._read(partial(self.sql.bodies_after, after=after, limit=page))
             yield from rows
             if len(rows) < page:
                 return
@@ -507,7 +517,7 @@ class SqlJournal(Journal):
 
     # -- helpers -----------------------------------------------------------------
 
-    def _read(self, fn: Any) -> Any:
+    def _read(self, fn: Callable[[Any], T]) -> T:
         self._check_process()
         try:
             return self.sql.read(fn)
@@ -538,7 +548,7 @@ class SqlJournal(Journal):
             if self.sql.has_rows(cur):
                 raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{self.display_url} is not empty: "
                                     "import loads an exported journal into an empty one")
-            page: list[tuple] = []
+            page: list[EventRow] = []
             size = 0
             for e, body in events:
                 # The schema_version column describes the stored body, which an upcast
@@ -585,7 +595,7 @@ class SqlJournal(Journal):
                 with contextlib.suppress(Exception):  # a broken connection has nothing to end
                     self.sql.end_read(cur)
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _call(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
@@ -595,7 +605,7 @@ class SqlJournal(Journal):
         after = 0
         while True:
             with self._lock:
-                rows = self._read(lambda cur, after=after: self.sql.receipt_bodies_after(cur, after, READ_PAGE))
+                rows = self._read(partial(self.sql.receipt_bodies_after, after=after, limit=READ_PAGE))
             for _, body in rows:
                 yield receipt_decoder.decode(body)
             if len(rows) < READ_PAGE:
@@ -624,16 +634,17 @@ def _chains(ops: Sequence[Operation], indexes: list[int]) -> list[list[int]]:
             w = op.writes[0]
             chain = tail.get(w.handle_id)
             if chain is not None and chain[1] == w.expected:
-                chain[0].append(i)
+                unit = chain[0]
+                unit.append(i)
             else:
-                units.append([i])
-                chain = (units[-1], None)
+                unit = [i]
+                units.append(unit)
             h = w.head
-            tail[w.handle_id] = (chain[0], Guard(h.generation, h.snapshot_version, h.stream_position))
+            tail[w.handle_id] = (unit, Guard(h.generation, h.snapshot_version, h.stream_position))
             continue
         units.append([i])
-        for h in [w.handle_id for w in op.writes] + [c.handle_id for c in op.checks]:
-            tail.pop(h, None)  # anything else on a handle ends its chain
+        for handle in [w.handle_id for w in op.writes] + [c.handle_id for c in op.checks]:
+            tail.pop(handle, None)  # anything else on a handle ends its chain
     return units
 
 
@@ -690,7 +701,9 @@ def _validate(op: Operation) -> None:
             raise bad(f"head of {handle} does not end at its last event")
 
 
-def _replay(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:
+def _stored_receipt(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:
+    """A retry's answer: the receipt stored under its operation id, or CONFLICT when the
+    retry's fingerprint differs from the committed operation's."""
     if fingerprint != op.fingerprint:
         return _conflict(op)
     return receipt_decoder.decode(body)
@@ -703,11 +716,6 @@ def _conflict(op: Operation) -> Rejection:
         handle_id=op.writes[0].handle_id,
         message=f"operation {op.operation_id} was committed with another fingerprint",
     )
-
-
-def _handle_result(w: StreamWrite) -> HandleResult:
-    h = w.head
-    return HandleResult(w.handle_id, h.generation, h.snapshot_version, h.stream_position, h.committed_length)
 
 
 __all__ = ["Guard", "SqlJournal", "make_engine", "open_journal"]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvledger.journal.contract import Integrity
-from kvledger.journal.statements import Statements
+from kvledger.journal.statements import Statements, T
 
 
 class SqliteStatements(Statements):
@@ -30,7 +30,7 @@ class SqliteStatements(Statements):
         finally:
             cur.close()
 
-    def transaction(self, fn: Callable[[Any], Any]) -> Any:
+    def transaction(self, fn: Callable[[Any], T]) -> T:
         cur = self.begin()
         try:
             result = fn(cur)

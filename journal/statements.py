@@ -6,8 +6,9 @@ the statements whose best form differs over a network (set-based, one round trip
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -17,8 +18,17 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 _json_encode = msgspec.json.Encoder().encode
 
+T = TypeVar("T")
+# Cursors and connections are the driver's (sqlite3, psycopg): typed Any at that boundary.
+Row = tuple[Any, ...]  # a row as the driver returned it (a damaged row can hold anything)
+# (global_position, event_id, stream_id, stream_position, event_type, schema_version,
+#  operation_id, body)
+EventRow = tuple[int, str, str, int, str, int, str | None, bytes]
+# (operation_id, fingerprint, first_global_position, last_global_position, body)
+ReceiptRow = tuple[str, str, int, int, bytes]
 
-class Statements:
+
+class Statements(abc.ABC):
     placeholder = "?"
     # True when append_if exists: a whole append in one round trip, committed only if
     # its predictions hold (journal.sql.SqlJournal._append_speculative).
@@ -34,9 +44,12 @@ class Statements:
     # Whether begin()/end() let SqlJournal.append_deferred commit on another thread.
     deferred_commit = False
 
-    def transaction(self, fn: Callable[[Any], Any]) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def transaction(self, fn: Callable[[Any], T]) -> T:
+        """Run `fn(cursor)` in a write transaction holding the writer lock; commit if it
+        returns, roll back if it raises."""
 
+    # Only where deferred_commit is set (an optional capability, as append_if is).
     def begin(self) -> Any:
         """Open a write transaction holding the writer lock; return its cursor."""
         raise NotImplementedError
@@ -45,24 +58,25 @@ class Statements:
         """COMMIT (or ROLLBACK) what begin() opened, and close its cursor."""
         raise NotImplementedError
 
-    def read(self, fn: Callable[[Any], Any]) -> Any:
+    def read(self, fn: Callable[[Any], T]) -> T:
         cur = self.conn.cursor()
         try:
             return fn(cur)
         finally:
             cur.close()
 
-    def schema_revision(self, version_table: str) -> str | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def schema_revision(self, version_table: str) -> str | None: ...
 
-    def existing_tables(self, names: tuple[str, ...]) -> set[str]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def existing_tables(self, names: tuple[str, ...]) -> set[str]: ...
 
-    def lock_and_last_position(self, cur: Any) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def lock_and_last_position(self, cur: Any) -> int: ...
 
-    def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[tuple],
-                  receipt_rows: list[tuple], last: int) -> bool:
+    # Only where speculative is set.
+    def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[EventRow],
+                  receipt_rows: list[ReceiptRow], last: int) -> bool:
         raise NotImplementedError
 
     def begin_append(self, cur: Any, operation_ids: list[str]) -> tuple[int, dict[str, tuple[str, bytes]]]:
@@ -152,10 +166,10 @@ class Statements:
         "last_global_position, body) VALUES (?, ?, ?, ?, ?)"
     )
 
-    def insert_events(self, cur: Any, rows: list[tuple]) -> None:
+    def insert_events(self, cur: Any, rows: list[EventRow]) -> None:
         cur.executemany(self.q(self.INSERT_EVENTS), rows)
 
-    def insert_receipts(self, cur: Any, rows: list[tuple]) -> None:
+    def insert_receipts(self, cur: Any, rows: list[ReceiptRow]) -> None:
         cur.executemany(self.q(self.INSERT_RECEIPTS), rows)
 
     def insert_manifests(self, cur: Any, rows: list[tuple[str, bytes]]) -> None:
@@ -222,7 +236,7 @@ class Statements:
         "committed_length, phase, prefix_identity_sha256, cache_abi_sha256"
     )
 
-    def heads(self, cur: Any, prefix: str | None, handle_id: str | None) -> list[tuple]:
+    def heads(self, cur: Any, prefix: str | None, handle_id: str | None) -> list[Row]:
         sql = f"SELECT {self.HEAD_COLUMNS} FROM kvl_heads"  # constant column list, no input
         if handle_id is not None:
             cur.execute(self.q(sql + " WHERE handle_id = ?"), (handle_id,))
@@ -230,7 +244,8 @@ class Statements:
             cur.execute(self.q(sql + " WHERE prefix_identity_sha256 = ?"), (prefix,))
         else:
             cur.execute(sql + " ORDER BY handle_id")
-        return cur.fetchall()
+        rows: list[Row] = cur.fetchall()
+        return rows
 
     def manifest(self, cur: Any, manifest_sha256: str) -> bytes | None:
         cur.execute(self.q("SELECT body FROM kvl_manifests WHERE manifest_sha256 = ?"), (manifest_sha256,))
@@ -261,9 +276,9 @@ class Statements:
         return False
 
     # -- verify: one read-only snapshot, every column as stored ------------------------
+    @abc.abstractmethod
     def begin_read(self) -> Any:
         """Open a read-only transaction whose reads all see one snapshot; return its cursor."""
-        raise NotImplementedError
 
     def end_read(self, cur: Any) -> None:
         try:
@@ -271,8 +286,8 @@ class Statements:
         finally:
             cur.close()
 
-    def integrity(self, cur: Any) -> Integrity:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def integrity(self, cur: Any) -> Integrity: ...
 
     # Keyset pages, as (first page, each next page). The first page has no lower bound,
     # so a row whose key was edited to zero or below is read too (a `> 0` bound would
@@ -290,13 +305,14 @@ class Statements:
         "FROM kvl_receipts WHERE operation_id > ? ORDER BY operation_id LIMIT ?",
     )
 
-    def page(self, cur: Any, pages: tuple[str, str], after: Any, limit: int) -> list[tuple]:
+    def page(self, cur: Any, pages: tuple[str, str], after: Any, limit: int) -> list[Row]:
         """Rows after key `after` (None: from the start), at most `limit`."""
         if after is None:
             cur.execute(self.q(pages[0]), (limit,))
         else:
             cur.execute(self.q(pages[1]), (after, limit))
-        return cur.fetchall()
+        rows: list[Row] = cur.fetchall()
+        return rows
 
     def raw_manifest(self, cur: Any, manifest_sha256: str) -> Any:
         cur.execute(self.q("SELECT body FROM kvl_manifests WHERE manifest_sha256 = ?"), (manifest_sha256,))
@@ -329,7 +345,7 @@ def stored_int(value: Any, what: str) -> int:
                                                    f"{str(value)[:40]!r} (run `kvledger verify`)")
 
 
-def _head_columns(w: StreamWrite) -> tuple:
+def _head_columns(w: StreamWrite) -> tuple[str, int, int, int, int, str, str, str]:
     h = w.head
     return (h.request_id, h.generation, h.snapshot_version, h.stream_position, h.committed_length,
             h.phase, h.prefix_identity_sha256, h.cache_abi_sha256)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from urllib.parse import quote_plus
 
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import ArgumentError
 
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -154,7 +154,7 @@ def _check_postgres(url: URL) -> None:
                             "connection parameters)") from None
 
 
-def _dialect(url: URL):
+def _dialect(url: URL) -> Dialect:
     return url.get_dialect()()
 
 

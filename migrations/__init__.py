@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -53,7 +54,8 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
             # pysqlite runs DDL outside a transaction (each CREATE commits alone): make the
             # whole migration one IMMEDIATE transaction instead, so a second process
             # initializing the same new file waits for it, then finds it migrated.
-            raw = conn.connection.driver_connection
+            # the sqlite3 connection (a driver's: typed Any); None only once invalidated
+            raw: Any = conn.connection.driver_connection
             level, raw.isolation_level = raw.isolation_level, None
             conn.exec_driver_sql("BEGIN IMMEDIATE")
         else:  # transactional DDL; the lock makes concurrent inits take turns

@@ -84,7 +84,8 @@ def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
         ) from None
     upgraded: dict[str, Any] = {**raw, "payload": payload, "schema_version": current}
     try:
-        return msgspec.convert(upgraded, Event)
+        event: Event = msgspec.convert(upgraded, Event)  # a Union is no type[T]: typed here
+        return event
     except msgspec.ValidationError as exc:
         raise _validation_error(exc) from None
     except RecursionError:

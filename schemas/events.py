@@ -38,11 +38,13 @@ AppendKind = Literal["prefill", "chunk", "decode", "repair", "verify"]
 FailureOutcome = Literal["failed", "aborted", "rejected"]
 
 
+# Subclasses repeat frozen=True: msgspec inherits it, but mypy's dataclass_transform reads
+# each class's own keywords and would take them for mutable.
 class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     pass
 
 
-class RequestAllocate(_Payload):
+class RequestAllocate(_Payload, frozen=True):
     manifest: Manifest
     manifest_sha256: Digest
     cache_abi_sha256: Digest
@@ -72,7 +74,7 @@ class ForwardCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     threads: Count = 0
 
 
-class AppendStart(_Payload):
+class AppendStart(_Payload, frozen=True):
     txn_id: Id
     kind: AppendKind
     base_snapshot_version: Count
@@ -98,7 +100,7 @@ class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
     rows_sha256: Digest | None = None  # digest of the K and V rows this layer adds
 
 
-class AppendPublish(_Payload):
+class AppendPublish(_Payload, frozen=True):
     txn_id: Id
     base_snapshot_version: Count
     result_snapshot_version: Count
@@ -116,7 +118,7 @@ class AppendPublish(_Payload):
             _hex(*digests)
 
 
-class Failure(_Payload):
+class Failure(_Payload, frozen=True):
     txn_id: Id
     outcome: FailureOutcome
     code: Id
@@ -124,13 +126,13 @@ class Failure(_Payload):
     detail: Text = ""
 
 
-class OutputEmit(_Payload):
+class OutputEmit(_Payload, frozen=True):
     output_index: Count
     token_id: Annotated[int, Meta(ge=0, le=INT64_MAX)]
     snapshot_version: Count  # the snapshot whose logits produced this token
 
 
-class Fork(_Payload):
+class Fork(_Payload, frozen=True):
     """Written on the child's stream: the parent is not mutated by a fork."""
 
     parent_handle_id: Id
@@ -154,40 +156,42 @@ class Fork(_Payload):
         _hex(self.manifest_sha256, self.cache_abi_sha256, self.prefix_identity_sha256)
 
 
-class Truncate(_Payload):
+class Truncate(_Payload, frozen=True):
     base_snapshot_version: Count
     result_snapshot_version: Count
     new_length: Count
     output_count: Count  # outputs kept: ids beyond the cut are rolled back with the rows
 
 
-class Reorder(_Payload):
+class Reorder(_Payload, frozen=True):
     group_id: Id
     rows: Annotated[tuple[Id, ...], Meta(max_length=4096)]  # handle per row, before
     permutation: Annotated[tuple[Count, ...], Meta(max_length=4096)]  # new[i] = old[perm[i]]
     row_index: Count  # this handle's row after the reorder
 
 
-class CancelRequest(_Payload):
+class CancelRequest(_Payload, frozen=True):
     base_snapshot_version: Count
     result_snapshot_version: Count
     aborted_txn_ids: tuple[Id, ...] = ()
     reason: Text = ""
 
 
-class Finish(_Payload):
+class Finish(_Payload, frozen=True):
     reason: Literal["eos", "max_tokens", "stop", "client", "length"]
     output_count: Count
     committed_length: Count
 
 
-class Release(_Payload):
+class Release(_Payload, frozen=True):
     base_snapshot_version: Count
     result_generation: Count
     result_snapshot_version: Count
     released_length: Count
 
 
+# Each event class names its tag as a Literal so mypy narrows `Event` on `event_type`;
+# subclasses repeat frozen=True (see _Payload).
 class Envelope(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="event_type", forbid_unknown_fields=True,
     gc=False,
@@ -207,58 +211,58 @@ class Envelope(
     observed_wall_time: Count = 0  # wall clock, ns since the epoch
 
 
-class RequestAllocateEvent(Envelope, tag="request_allocate"):
-    event_type: ClassVar[str] = "request_allocate"
+class RequestAllocateEvent(Envelope, tag="request_allocate", frozen=True):
+    event_type: ClassVar[Literal["request_allocate"]] = "request_allocate"
     payload: RequestAllocate
 
 
-class AppendStartEvent(Envelope, tag="append_start"):
-    event_type: ClassVar[str] = "append_start"
+class AppendStartEvent(Envelope, tag="append_start", frozen=True):
+    event_type: ClassVar[Literal["append_start"]] = "append_start"
     payload: AppendStart
 
 
-class AppendPublishEvent(Envelope, tag="append_publish"):
-    event_type: ClassVar[str] = "append_publish"
+class AppendPublishEvent(Envelope, tag="append_publish", frozen=True):
+    event_type: ClassVar[Literal["append_publish"]] = "append_publish"
     payload: AppendPublish
 
 
-class FailureEvent(Envelope, tag="failure"):
-    event_type: ClassVar[str] = "failure"
+class FailureEvent(Envelope, tag="failure", frozen=True):
+    event_type: ClassVar[Literal["failure"]] = "failure"
     payload: Failure
 
 
-class OutputEmitEvent(Envelope, tag="output_emit"):
-    event_type: ClassVar[str] = "output_emit"
+class OutputEmitEvent(Envelope, tag="output_emit", frozen=True):
+    event_type: ClassVar[Literal["output_emit"]] = "output_emit"
     payload: OutputEmit
 
 
-class ForkEvent(Envelope, tag="fork"):
-    event_type: ClassVar[str] = "fork"
+class ForkEvent(Envelope, tag="fork", frozen=True):
+    event_type: ClassVar[Literal["fork"]] = "fork"
     payload: Fork
 
 
-class TruncateEvent(Envelope, tag="truncate"):
-    event_type: ClassVar[str] = "truncate"
+class TruncateEvent(Envelope, tag="truncate", frozen=True):
+    event_type: ClassVar[Literal["truncate"]] = "truncate"
     payload: Truncate
 
 
-class ReorderEvent(Envelope, tag="reorder"):
-    event_type: ClassVar[str] = "reorder"
+class ReorderEvent(Envelope, tag="reorder", frozen=True):
+    event_type: ClassVar[Literal["reorder"]] = "reorder"
     payload: Reorder
 
 
-class CancelRequestEvent(Envelope, tag="cancel_request"):
-    event_type: ClassVar[str] = "cancel_request"
+class CancelRequestEvent(Envelope, tag="cancel_request", frozen=True):
+    event_type: ClassVar[Literal["cancel_request"]] = "cancel_request"
     payload: CancelRequest
 
 
-class FinishEvent(Envelope, tag="finish"):
-    event_type: ClassVar[str] = "finish"
+class FinishEvent(Envelope, tag="finish", frozen=True):
+    event_type: ClassVar[Literal["finish"]] = "finish"
     payload: Finish
 
 
-class ReleaseEvent(Envelope, tag="release"):
-    event_type: ClassVar[str] = "release"
+class ReleaseEvent(Envelope, tag="release", frozen=True):
+    event_type: ClassVar[Literal["release"]] = "release"
     payload: Release
 
 
@@ -276,7 +280,7 @@ Event = Union[  # noqa: UP007 - Union[...] keeps one member a line, and __args__
     ReleaseEvent,
 ]
 
-EVENT_CLASSES: dict[str, type] = {cls.event_type: cls for cls in Event.__args__}  # type: ignore[attr-defined]
+EVENT_CLASSES: dict[str, type] = {cls.event_type: cls for cls in Event.__args__}  # type: ignore[attr-defined]  # mypy types a Union alias as a special form
 PAYLOAD_CLASSES: dict[str, type] = {
     name: next(f.type for f in msgspec.structs.fields(cls) if f.name == "payload")
     for name, cls in EVENT_CLASSES.items()

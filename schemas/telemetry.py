@@ -85,6 +85,7 @@ class Trailer(msgspec.Struct, frozen=True, kw_only=True, tag="trailer", tag_fiel
     observed_wall_time: Count = 0
 
 
+# subclasses repeat frozen=True for mypy (see schemas.events._Payload)
 class _Envelope(msgspec.Struct, frozen=True, kw_only=True, tag_field="record"):
     # Stable delivery and correlation identity.
     event_id: Id
@@ -106,7 +107,7 @@ class _Envelope(msgspec.Struct, frozen=True, kw_only=True, tag_field="record"):
     outcome: Outcome | None = None
 
 
-class Mutation(_Envelope, tag="mutation"):
+class Mutation(_Envelope, tag="mutation", frozen=True):
     """A committed journal event (event_id = its id) or a refused command."""
 
     journal_watermark: Count | None = None  # last global position of the commit it follows
@@ -114,7 +115,7 @@ class Mutation(_Envelope, tag="mutation"):
     code: Name | None = None  # refused: the stable error code
 
 
-class AllocatorObservation(_Envelope, tag="allocator"):
+class AllocatorObservation(_Envelope, tag="allocator", frozen=True):
     caused_by_event_id: Id
     blocks: Count
     slots: Count
@@ -122,7 +123,7 @@ class AllocatorObservation(_Envelope, tag="allocator"):
     block_size: Annotated[int, Meta(gt=0)]
 
 
-class ResidencyObservation(_Envelope, tag="residency"):
+class ResidencyObservation(_Envelope, tag="residency", frozen=True):
     caused_by_event_id: Id
     resident_payload_bytes: dict[Name, Count]  # per tier
 
@@ -217,25 +218,24 @@ def trace_id_of(request_id: str) -> str:
 
 def event_snapshots(e: ev.Event) -> tuple[int | None, int | None, int | None]:
     """(base snapshot, result snapshot, committed length) a journal event states."""
-    p = e.payload
-    t = e.event_type
-    if t == "request_allocate":
+    p = e.payload  # narrowed by its class: mypy cannot follow `e.event_type` into `p`
+    if isinstance(p, ev.RequestAllocate):
         return None, 0, 0
-    if t in ("append_start", "failure"):
+    if isinstance(p, (ev.AppendStart, ev.Failure)):
         return p.base_snapshot_version, None, None
-    if t == "append_publish":
+    if isinstance(p, ev.AppendPublish):
         return p.base_snapshot_version, p.result_snapshot_version, p.committed_length
-    if t == "output_emit":
+    if isinstance(p, ev.OutputEmit):
         return p.snapshot_version, p.snapshot_version, None
-    if t == "fork":
+    if isinstance(p, ev.Fork):
         return p.parent_snapshot_version, 0, p.prefix_length
-    if t == "truncate":
+    if isinstance(p, ev.Truncate):
         return p.base_snapshot_version, p.result_snapshot_version, p.new_length
-    if t == "cancel_request":
+    if isinstance(p, ev.CancelRequest):
         return p.base_snapshot_version, p.result_snapshot_version, None
-    if t == "finish":
+    if isinstance(p, ev.Finish):
         return None, None, p.committed_length
-    if t == "release":
+    if isinstance(p, ev.Release):
         return p.base_snapshot_version, p.result_snapshot_version, 0
     return None, None, None
 
