@@ -38,7 +38,7 @@ class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
         return digest(msgspec.structs.replace(self, operation_id=None))
 
 
-class Allocate(_Command):
+class Allocate(_Command, frozen=True):
     handle_id: Id
     manifest: Manifest
     reserved_capacity: N
@@ -47,7 +47,7 @@ class Allocate(_Command):
     generation: N = 0
 
 
-class BeginAppend(_Command):
+class BeginAppend(_Command, frozen=True):
     handle_id: Id
     txn_id: Id
     kind: AppendKind
@@ -62,7 +62,7 @@ class BeginAppend(_Command):
     call: ForwardCall | None = None
 
 
-class Publish(_Command):
+class Publish(_Command, frozen=True):
     handle_id: Id
     txn_id: Id
     base_generation: N | None
@@ -74,7 +74,7 @@ class Publish(_Command):
     workspace_bytes: N = 0
 
 
-class Fail(_Command):
+class Fail(_Command, frozen=True):
     handle_id: Id
     txn_id: Id
     outcome: FailureOutcome
@@ -82,7 +82,7 @@ class Fail(_Command):
     detail: Text = ""
 
 
-class EmitOutput(_Command):
+class EmitOutput(_Command, frozen=True):
     handle_id: Id
     base_generation: N | None
     snapshot_version: N | None
@@ -90,7 +90,7 @@ class EmitOutput(_Command):
     token_id: N
 
 
-class Fork(_Command):
+class Fork(_Command, frozen=True):
     parent_handle_id: Id
     base_generation: N
     base_snapshot_version: N
@@ -99,14 +99,14 @@ class Fork(_Command):
     child_request_ids: Ids = ()  # default: "<parent request>.<i>"
 
 
-class Truncate(_Command):
+class Truncate(_Command, frozen=True):
     handle_id: Id
     base_generation: N
     base_snapshot_version: N
     new_length: N
 
 
-class Reorder(_Command):
+class Reorder(_Command, frozen=True):
     """One permutation over coupled rows: new row i takes old row permutation[i]. The
     per-component permutations exist only so a split reorder can be named and refused."""
 
@@ -120,19 +120,19 @@ class Reorder(_Command):
     sampler_permutation: Perm | None = None
 
 
-class CancelRequest(_Command):
+class CancelRequest(_Command, frozen=True):
     handle_id: Id
     base_generation: N
     reason: Text = ""
 
 
-class Finish(_Command):
+class Finish(_Command, frozen=True):
     handle_id: Id
     base_generation: N | None
     reason: Literal["eos", "max_tokens", "stop", "client", "length"] = "max_tokens"
 
 
-class Release(_Command):
+class Release(_Command, frozen=True):
     handle_id: Id
     base_generation: N | None
     base_snapshot_version: N | None = None
@@ -141,7 +141,7 @@ class Release(_Command):
 Step = BeginAppend | Publish | EmitOutput | Finish | Release
 
 
-class Chain(_Command):
+class Chain(_Command, frozen=True):
     """Several commands on one handle as one operation: one decision, one guarded write,
     one receipt. The first step names its base like any command; each later step may
     leave its base as None, meaning the state the steps before it leave. That is safe
@@ -152,7 +152,7 @@ class Chain(_Command):
     steps: Annotated[tuple[Step, ...], Meta(max_length=4096)]
 
 
-_RELATIVE = {
+_RELATIVE: dict[type, tuple[str, ...]] = {
     BeginAppend: ("base_generation", "base_snapshot_version"),
     Publish: ("base_generation", "base_snapshot_version"),
     EmitOutput: ("base_generation", "snapshot_version"),
@@ -243,7 +243,7 @@ def handles_of(cmd: Command) -> tuple[str, ...]:
 # check kvledger.engine.remote's writer applies to every frame. The worker's own commands skip it.
 
 _wire_encode = msgspec.msgpack.Encoder().encode
-_wire_decode = msgspec.msgpack.Decoder(Command | Relative).decode
+_wire_decode: Callable[[bytes], Command | Relative] = msgspec.msgpack.Decoder(Command | Relative).decode
 _json_encode = msgspec.json.Encoder().encode
 # PostgreSQL text cannot hold NUL and a journal must move between backends (export, then
 # import elsewhere), so no string of a command may contain one.

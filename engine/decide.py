@@ -8,8 +8,8 @@ are events without envelope stamps (ids, clocks, positions): the service adds th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from kvledger.engine import commands as c
 from kvledger.engine.evolve import cut
@@ -25,18 +25,24 @@ from kvledger.schemas.manifest import (
     validate_manifest,
 )
 
+Payload = (
+    ev.RequestAllocate | ev.AppendStart | ev.AppendPublish | ev.Failure | ev.OutputEmit | ev.Fork
+    | ev.Truncate | ev.Reorder | ev.CancelRequest | ev.Finish | ev.Release
+)
+States = Mapping[str, HandleState | None]
+
 
 class Draft(NamedTuple):
     handle_id: str
-    event_cls: type
-    payload: object
+    event_cls: type[ev.Event]
+    payload: Payload  # the one event_cls carries
 
 
 def reject(code: E, message: str) -> KvLedgerError:
     return KvLedgerError(code, message)
 
 
-def decide(states: Mapping[str, HandleState | None], cmd: c.Command) -> list[Draft]:
+def decide(states: States, cmd: c.Command) -> list[Draft]:
     missing = c.unnamed_base(cmd)
     if missing is not None:
         raise reject(E.INVALID_ARGUMENT, f"{type(cmd).__name__}.{missing} must be named: only a "
@@ -49,16 +55,17 @@ def decide(states: Mapping[str, HandleState | None], cmd: c.Command) -> list[Dra
 
 # -- shared checks ------------------------------------------------------------------
 
-def _existing(states: Mapping[str, HandleState | None], handle_id: str) -> HandleState:
+def _existing(states: States, handle_id: str) -> HandleState:
     s = states.get(handle_id)
     if s is None:
         raise reject(E.UNKNOWN_HANDLE, f"no handle {handle_id}")
     return s
 
 
-def _fence(s: HandleState, generation: int, snapshot: int | None = None) -> None:
+def _fence(s: HandleState, generation: int | None, snapshot: int | None = None) -> None:
     """Generation and snapshot fence: a stale base is refused even if a recycled
-    slot or handle name looks the same (the ABA case)."""
+    slot or handle name looks the same (the ABA case). A command's base fields are
+    optional (a chain's later steps), but decide refuses an unnamed one before this."""
     if generation != s.generation or (snapshot is not None and snapshot != s.snapshot_version):
         want = f"generation {generation}" + ("" if snapshot is None else f", snapshot {snapshot}")
         raise reject(E.STALE_BASE, f"{s.handle_id} is at generation {s.generation}, snapshot "
@@ -83,7 +90,7 @@ def _abort_open(s: HandleState, reason: str) -> list[Draft]:
 
 # -- commands -----------------------------------------------------------------------
 
-def _allocate(states, cmd: c.Allocate) -> list[Draft]:
+def _allocate(states: States, cmd: c.Allocate) -> list[Draft]:
     if states.get(cmd.handle_id) is not None:
         raise reject(E.HANDLE_EXISTS, f"handle {cmd.handle_id} already exists")
     m = cmd.manifest
@@ -97,7 +104,7 @@ def _allocate(states, cmd: c.Allocate) -> list[Draft]:
         allocator_bytes_per_copy=cmd.allocator_bytes_per_copy))]
 
 
-def _begin_append(states, cmd: c.BeginAppend) -> list[Draft]:
+def _begin_append(states: States, cmd: c.BeginAppend) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     if cmd.cache_abi_sha256 != s.cache_abi_sha256:
         raise reject(E.ABI_MISMATCH, f"rows for ABI {cmd.cache_abi_sha256[:12]}, handle has "
@@ -122,7 +129,7 @@ def _begin_append(states, cmd: c.BeginAppend) -> list[Draft]:
         raise reject(E.CAPACITY_EXCEEDED, f"[{t}, {t + n}) exceeds reserved capacity {s.reserved_capacity}")
     _check_frontier(s, cmd)
     return [Draft(s.handle_id, ev.AppendStartEvent, ev.AppendStart(
-        txn_id=cmd.txn_id, kind=cmd.kind, base_snapshot_version=cmd.base_snapshot_version,
+        txn_id=cmd.txn_id, kind=cmd.kind, base_snapshot_version=s.snapshot_version,  # the command's, fenced
         interval_start=t, interval_count=n, token_ids=cmd.token_ids,
         cache_positions=cmd.cache_positions, mask_key_extent=cmd.mask_key_extent,
         cache_abi_sha256=cmd.cache_abi_sha256, call=cmd.call))]
@@ -157,15 +164,16 @@ def _check_frontier(s: HandleState, cmd: c.BeginAppend) -> None:
         raise reject(E.POSITION_MASK_MISMATCH, "prefill covers prompt rows only")
 
 
-def _publish(states, cmd: c.Publish) -> list[Draft]:
+def _publish(states: States, cmd: c.Publish) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     txn = s.open_txn(cmd.txn_id)
-    staged = txn.interval_count if txn else None
-    accepted = cmd.accepted_count if cmd.accepted_count is not None else staged
-    layers = cmd.layers
+    # Set when the transaction is open, the one case that publishes (refused below otherwise).
+    accepted = 0
+    layers: tuple[ev.LayerRows, ...] = ()
     if txn is not None:
-        if layers is None:
-            layers = full_layers(s.num_layers, txn.interval_start, accepted)
+        staged = txn.interval_count
+        accepted = cmd.accepted_count if cmd.accepted_count is not None else staged
+        layers = cmd.layers if cmd.layers is not None else full_layers(s.num_layers, txn.interval_start, accepted)
         _check_layer_set(s, layers, txn.interval_start, accepted, txn.kind, staged)
     _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     if txn is None:
@@ -216,7 +224,7 @@ def _check_layer_set(s: HandleState, layers: tuple[ev.LayerRows, ...], start: in
             raise reject(E.PARTIAL_LAYER_SET, f"layer {r.layer} has {r.count} rows, expected {accepted}")
 
 
-def _fail(states, cmd: c.Fail) -> list[Draft]:
+def _fail(states: States, cmd: c.Fail) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     txn = s.open_txn(cmd.txn_id)
     if txn is None:
@@ -226,7 +234,7 @@ def _fail(states, cmd: c.Fail) -> list[Draft]:
         base_snapshot_version=txn.base_snapshot_version, detail=cmd.detail))]
 
 
-def _emit(states, cmd: c.EmitOutput) -> list[Draft]:
+def _emit(states: States, cmd: c.EmitOutput) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     _fence(s, cmd.base_generation, cmd.snapshot_version)
     _owned(s)
@@ -238,7 +246,7 @@ def _emit(states, cmd: c.EmitOutput) -> list[Draft]:
         output_index=cmd.output_index, token_id=cmd.token_id, snapshot_version=s.snapshot_version))]
 
 
-def _fork(states, cmd: c.Fork) -> list[Draft]:
+def _fork(states: States, cmd: c.Fork) -> list[Draft]:
     s = _existing(states, cmd.parent_handle_id)
     _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     _owned(s, allow_finished=True)
@@ -268,7 +276,7 @@ def _fork(states, cmd: c.Fork) -> list[Draft]:
     ]
 
 
-def _truncate(states, cmd: c.Truncate) -> list[Draft]:
+def _truncate(states: States, cmd: c.Truncate) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     _owned(s)
@@ -281,7 +289,7 @@ def _truncate(states, cmd: c.Truncate) -> list[Draft]:
         new_length=cmd.new_length, output_count=len(cut(s, cmd.new_length)["outputs"])))]
 
 
-def _reorder(states, cmd: c.Reorder) -> list[Draft]:
+def _reorder(states: States, cmd: c.Reorder) -> list[Draft]:
     n, perm = len(cmd.rows), cmd.permutation
     if sorted(perm) != list(range(n)) or len(set(cmd.rows)) != n:
         raise reject(E.NOT_A_PERMUTATION, f"{list(perm)} is not a bijection over {n} distinct rows; "
@@ -293,7 +301,7 @@ def _reorder(states, cmd: c.Reorder) -> list[Draft]:
                                           "under one permutation")
     if len(cmd.bases) != n:
         raise reject(E.INVALID_ARGUMENT, "one base per row")
-    drafts = []
+    drafts: list[Draft] = []
     new_index = {old: new for new, old in enumerate(perm)}
     for i, h in enumerate(cmd.rows):
         s = _existing(states, h)
@@ -304,7 +312,7 @@ def _reorder(states, cmd: c.Reorder) -> list[Draft]:
     return drafts
 
 
-def _cancel(states, cmd: c.CancelRequest) -> list[Draft]:
+def _cancel(states: States, cmd: c.CancelRequest) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     _fence(s, cmd.base_generation)
     _owned(s)
@@ -313,7 +321,7 @@ def _cancel(states, cmd: c.CancelRequest) -> list[Draft]:
         aborted_txn_ids=tuple(t.txn_id for t in s.open_txns), reason=cmd.reason))]
 
 
-def _finish(states, cmd: c.Finish) -> list[Draft]:
+def _finish(states: States, cmd: c.Finish) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     _fence(s, cmd.base_generation)
     _owned(s)
@@ -321,7 +329,7 @@ def _finish(states, cmd: c.Finish) -> list[Draft]:
         reason=cmd.reason, output_count=len(s.outputs), committed_length=s.committed_length))]
 
 
-def _release(states, cmd: c.Release) -> list[Draft]:
+def _release(states: States, cmd: c.Release) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
     _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     if s.lifecycle == "RELEASED":
@@ -333,7 +341,9 @@ def _release(states, cmd: c.Release) -> list[Draft]:
         result_snapshot_version=s.snapshot_version + 1, released_length=s.committed_length))]
 
 
-_HANDLERS = {
+# Keyed by the command's class; each handler takes that class, a pairing a dict's type
+# cannot state, hence Any for the command.
+_HANDLERS: dict[type, Callable[[States, Any], list[Draft]]] = {
     c.Allocate: _allocate, c.BeginAppend: _begin_append, c.Publish: _publish, c.Fail: _fail,
     c.EmitOutput: _emit, c.Fork: _fork, c.Truncate: _truncate, c.Reorder: _reorder,
     c.CancelRequest: _cancel, c.Finish: _finish, c.Release: _release,

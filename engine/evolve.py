@@ -6,13 +6,23 @@ evolve does not re-validate; it only applies. Replay and the command service sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypedDict
+
 from msgspec.structs import replace
 
 from kvledger.engine.state import HandleState, OpenTxn
 from kvledger.schemas import events as ev
 
 
-def cut(state: HandleState, new_length: int) -> dict:
+class Cut(TypedDict):
+    outputs: tuple[int, ...]
+    output_ns: tuple[int, ...]
+    committed_length: int
+    logits_ready: bool
+
+
+def cut(state: HandleState, new_length: int) -> Cut:
     """Token-state fields after cutting committed rows to `new_length` (truncate, fork).
 
     Output ids beyond the cut are rolled back with the rows. The output at position
@@ -145,7 +155,9 @@ def _release(state: HandleState, e: ev.ReleaseEvent) -> HandleState:
                    lifecycle="RELEASED", release_ns=e.monotonic_ns, logits_ready=False, open_txns=())
 
 
-APPLY = {
+# Keyed by the event's class; each function takes that class (and the state before it,
+# None for an allocation or a fork), a pairing a dict's type cannot state.
+APPLY: dict[type, Callable[[Any, Any], HandleState]] = {
     ev.RequestAllocateEvent: _allocate, ev.ForkEvent: _fork, ev.AppendStartEvent: _start,
     ev.AppendPublishEvent: _publish, ev.FailureEvent: _failure, ev.OutputEmitEvent: _emit,
     ev.TruncateEvent: _truncate, ev.ReorderEvent: _reorder, ev.CancelRequestEvent: _cancel,

@@ -27,12 +27,13 @@ import struct
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvledger.engine import commands as c
 from kvledger.engine.evolve import fold
+from kvledger.engine.port import CommandPort, CommitHook, RejectHook
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.journal import writers
@@ -89,13 +90,13 @@ class RemoteService(BatchSurface):
         self.display_url = journal.display_url
         self.source_instance = source_instance
         self.clock = SystemClock()  # the writer stamps with the same system clocks
-        self.on_commit: list[Callable[[Receipt, list[Event]], None]] = []
-        self.on_reject: list[Callable[[Any, KvLedgerError], None]] = []
+        self.on_commit: list[CommitHook] = []
+        self.on_reject: list[RejectHook] = []
         self.states: dict[str, HandleState] = {}
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(_Reply).decode
-        self._pending: Callable[[], list] | None = None
-        self._proc: subprocess.Popen | None = subprocess.Popen(
+        self._pending: Callable[[], list[Receipt | KvLedgerError]] | None = None
+        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             [sys.executable, "-m", "kvledger.engine.remote"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         assert self._proc.stdin is not None and self._proc.stdout is not None
@@ -154,16 +155,15 @@ class RemoteService(BatchSurface):
             if results is None:
                 self._pending = None
                 reply = self._answer()
-                results = [r if r is not None else KvLedgerError(ErrorCode(e[0]), e[1])
-                           for r, e in zip(reply.receipts, reply.errors)]
+                results = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
                 for i, r in enumerate(results):
                     if isinstance(r, Receipt):
-                        for hook in self.on_commit:
-                            hook(r, reply.events[i] if reply.events else [])
+                        for on_commit in self.on_commit:
+                            on_commit(r, reply.events[i] if reply.events else [])
                     else:
-                        cmd = reply.rejected[i] if reply.rejected and reply.rejected[i] else cmds[i]
-                        for hook in self.on_reject:
-                            hook(cmd, r)
+                        cmd = (reply.rejected[i] if reply.rejected else None) or cmds[i]
+                        for on_reject in self.on_reject:
+                            on_reject(cmd, r)
             return results
 
         self._pending = wait
@@ -187,6 +187,17 @@ class RemoteService(BatchSurface):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _error(e: tuple[str, str] | None) -> KvLedgerError:
+    """A reply's errors[i], set wherever its receipts[i] is not."""
+    assert e is not None, "a reply with neither a receipt nor an error"
+    return KvLedgerError(ErrorCode(e[0]), e[1])
+
+
+if TYPE_CHECKING:
+    def _implements_port(service: RemoteService) -> CommandPort:
+        return service  # mypy checks RemoteService against the port here
 
 
 # -- frames ---------------------------------------------------------------------------
@@ -255,7 +266,7 @@ def serve(fd_in: int, fd_out: int) -> None:
             else:
                 ok = [r if type(r) is Receipt else None for r in results]
                 reply = _Reply(
-                    ok, [None if r is not None else (e.code.value, e.message) for r, e in zip(ok, results)],
+                    ok, [(e.code.value, e.message) if isinstance(e, KvLedgerError) else None for e in results],
                     [committed.get(r.operation_id, []) if r else [] for r in ok] if request.events else None,
                     _at_refusals(ok, refused) if request.rejected else None)
             try:
@@ -264,7 +275,8 @@ def serve(fd_in: int, fd_out: int) -> None:
                 return  # the parent is gone: what committed is in the journal, unacknowledged
 
 
-def _at_refusals(ok: list[Receipt | None], refused: list) -> list:
+def _at_refusals(ok: list[Receipt | None], refused: list[c.Command | c.Relative]
+                 ) -> list[c.Command | c.Relative | None]:
     it = iter(refused)
     return [None if r is not None else next(it, None) for r in ok]
 

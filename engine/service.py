@@ -9,8 +9,10 @@ the second decide rejects it; otherwise it commits against the new head.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Self, overload
 
 import msgspec
 
@@ -18,6 +20,7 @@ from kvledger.engine import commands as c
 from kvledger.engine.decide import Draft, decide
 from kvledger.engine.evolve import evolve, fold
 from kvledger.engine.ids import new_id
+from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
 from kvledger.schemas import events as ev
@@ -39,19 +42,22 @@ class SystemClock:
 
 @dataclass
 class Plan:
+    cmd: c.Command  # as decided: bound, with its operation id
     op: Operation
     states: dict[str, HandleState]
     events: list[ev.Event]
 
 
-CommitHook = Callable[[Receipt, list[ev.Event]], None]
-# Called for each command this call refused (nothing written), after its outcome is final.
-RejectHook = Callable[[object, KvLedgerError], None]
-
-
-class BatchSurface:
+class BatchSurface(ABC):
     """execute, execute_many and the context manager, built on `submit_many` and
     `close`: the same for this process's service and kvledger.engine.remote's writer process."""
+
+    @abstractmethod
+    def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
+                    defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
 
     def execute(self, cmd: c.Command | c.Relative) -> Receipt:
         [result] = self.execute_many([cmd])
@@ -69,7 +75,7 @@ class BatchSurface:
         still fenced like any other command."""
         return self.submit_many(cmds, defer=False)()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -80,7 +86,7 @@ class BatchSurface:
 class CommandService(BatchSurface):
     journal: Journal
     source_instance: str = "kvledger"
-    clock: object = field(default_factory=SystemClock)
+    clock: Clock = field(default_factory=SystemClock)
     on_commit: list[CommitHook] = field(default_factory=list)
     on_reject: list[RejectHook] = field(default_factory=list)
     states: dict[str, HandleState] = field(default_factory=dict)
@@ -129,17 +135,17 @@ class CommandService(BatchSurface):
                 first = lambda: outcomes  # noqa: E731 - the already-known outcome as the wait function
 
         def wait() -> list[Receipt | KvLedgerError]:
-            pending = self._settle(cmds, results, planned, first()) if first is not None else []
+            pending = self._settle(results, planned, first()) if first is not None else []
             for _ in range(MAX_ATTEMPTS - 1):
                 if not pending:
                     break
-                again = self._decide(cmds, results, pending)
+                again = self._decide(cmds, results, [i for i, _ in pending])
                 if not again:
                     pending = []
                     break
-                pending = self._settle(cmds, results, again, self.journal.append([p.op for _, p in again]))
-            for i in pending:
-                results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: gave up after "
+                pending = self._settle(results, again, self.journal.append([p.op for _, p in again]))
+            for i, p in pending:
+                results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{p.op.operation_id}: gave up after "
                                                                  f"{MAX_ATTEMPTS} contended attempts")
             if self.on_reject:
                 for cmd, r in zip(cmds, results):
@@ -150,46 +156,49 @@ class CommandService(BatchSurface):
 
         return wait
 
-    def _decide(self, cmds: list, results: list, todo: Sequence[int]) -> list[tuple[int, Plan]]:
+    def _decide(self, cmds: list[c.Command | c.Relative], results: list[Receipt | KvLedgerError | None],
+                todo: Sequence[int]) -> list[tuple[int, Plan]]:
         """Build, key and plan the commands at `todo` in order, each against the states
         the earlier ones leave; a refused one gets its result now."""
         local: dict[str, HandleState | None] = {}
         planned: list[tuple[int, Plan]] = []
         for i in todo:
+            cmd = cmds[i]
             if self.strict:
                 try:
-                    cmds[i] = c.validate(cmds[i])
+                    cmd = cmds[i] = c.validate(cmd)
                 except KvLedgerError as exc:  # not even its operation id can be looked up
                     results[i] = exc
                     continue
             try:
-                if isinstance(cmds[i], c.Relative):
-                    cmds[i] = c.bind_current(cmds[i].command,
-                                             lambda h: local[h] if h in local else self.state(h))
-                if cmds[i].operation_id is None:
-                    cmds[i] = msgspec.structs.replace(cmds[i], operation_id=new_id())
-                plan = self._plan(cmds[i], local)
+                if isinstance(cmd, c.Relative):
+                    cmd = cmds[i] = c.bind_current(cmd.command,
+                                                   lambda h: local[h] if h in local else self.state(h))
+                operation_id = cmd.operation_id
+                if operation_id is None:
+                    operation_id = new_id()
+                    cmd = cmds[i] = msgspec.structs.replace(cmd, operation_id=operation_id)
+                plan = self._plan(cmd, operation_id, local)
             except KvLedgerError as exc:
-                built = isinstance(cmds[i], c.Command)
-                results[i] = self._explain(cmds[i], exc) if built else exc
+                results[i] = self._explain(cmd, exc) if isinstance(cmd, c.Command) else exc
                 continue
             local.update(plan.states)
             planned.append((i, plan))
         return planned
 
-    def _settle(self, cmds: list, results: list, planned: list[tuple[int, Plan]],
-                outcomes: Sequence[Receipt | Rejection]) -> list[int]:
+    def _settle(self, results: list[Receipt | KvLedgerError | None], planned: list[tuple[int, Plan]],
+                outcomes: Sequence[Receipt | Rejection]) -> list[tuple[int, Plan]]:
         """Record the journal's outcomes; return the commands to decide again."""
-        pending: list[int] = []
+        pending: list[tuple[int, Plan]] = []
         # A command decided on the planned effects of an earlier one in this batch must
         # not be retried alone when that one was refused: its base never existed, and
         # a later successor could carry the same version numbers (the ABA shape).
         broken: set[str] = set()
         for (i, plan), out in zip(planned, outcomes):
-            touched = set(c.handles_of(cmds[i]))
+            touched = set(c.handles_of(plan.cmd))
             if touched & broken:
                 broken |= touched
-                results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{cmds[i].operation_id}: an "
+                results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{plan.op.operation_id}: an "
                                            "earlier command of this batch on the same handle was refused")
                 continue
             if isinstance(out, Receipt):
@@ -208,12 +217,12 @@ class CommandService(BatchSurface):
                 broken |= touched
                 for h in touched:
                     self.state(h, refresh=True)
-                pending.append(i)
+                pending.append((i, plan))
         return pending
 
     def _explain(self, cmd: c.Command, exc: KvLedgerError) -> Receipt | KvLedgerError:
         """A command that no longer decides may be a retry of one already committed."""
-        receipt = self.journal.receipt(cmd.operation_id)
+        receipt = None if cmd.operation_id is None else self.journal.receipt(cmd.operation_id)
         if receipt is None:
             return exc
         if receipt.fingerprint == cmd.fingerprint():
@@ -221,37 +230,40 @@ class CommandService(BatchSurface):
         return KvLedgerError(ErrorCode.CONFLICT, f"operation {cmd.operation_id} was committed "
                                                  "with another fingerprint")
 
-    def _plan(self, cmd: c.Command, local: Mapping[str, HandleState | None]) -> Plan:
+    def _plan(self, cmd: c.Command, operation_id: str, local: Mapping[str, HandleState | None]) -> Plan:
         before = {h: local[h] if h in local else self.state(h) for h in c.handles_of(cmd)}
         now_mono, now_wall = self.clock.monotonic_ns(), self.clock.wall_ns()
         after: dict[str, HandleState | None] = dict(before)
+        written: dict[str, HandleState] = {}  # the handles this command writes, as it leaves them
         events: list[ev.Event] = []
         by_handle: dict[str, list[ev.Event]] = {}
         for step in self._steps(cmd):
-            if step is not cmd and after[cmd.handle_id] is not None and c.unnamed_base(step):
-                s = after[cmd.handle_id]
+            # Only a chain's later steps may leave their base to the steps before them.
+            if (isinstance(cmd, c.Chain) and step is not cmd and (s := after[cmd.handle_id]) is not None
+                    and isinstance(step, c.Step) and c.unnamed_base(step)):
                 step = c.bind(step, s.generation, s.snapshot_version)
             drafts = decide(after, step)
             for d in drafts:
-                event = self._stamp(d, after.get(d.handle_id), step, cmd.operation_id, before,
+                event = self._stamp(d, after.get(d.handle_id), step, operation_id, before,
                                     now_mono, now_wall)
                 if self.strict:
                     _decodable(event)
-                after[d.handle_id] = evolve(after.get(d.handle_id), event)
+                after[d.handle_id] = written[d.handle_id] = evolve(after.get(d.handle_id), event)
                 events.append(event)
                 by_handle.setdefault(d.handle_id, []).append(event)
         writes = tuple(
-            StreamWrite(h, _guard(before[h]), _head(after[h]), tuple(evs))
+            StreamWrite(h, _guard(before[h]), _head(written[h]), tuple(evs))
             for h, evs in by_handle.items()
         )
         checks = tuple(Check(h, _guard(s)) for h, s in before.items()
                        if h not in by_handle and s is not None)
-        manifests = ()
+        manifests: tuple[tuple[str, bytes], ...] = ()
         if isinstance(cmd, c.Allocate):
             p = drafts[0].payload
+            assert isinstance(p, ev.RequestAllocate)  # decide's one draft for an allocation
             manifests = ((p.manifest_sha256, canonical_json(cmd.manifest)),)
-        op = Operation(cmd.operation_id, cmd.fingerprint(), writes, checks, manifests)
-        return Plan(op, {h: after[h] for h in by_handle}, events)
+        op = Operation(operation_id, cmd.fingerprint(), writes, checks, manifests)
+        return Plan(cmd, op, written, events)
 
     @staticmethod
     def _steps(cmd: c.Command) -> tuple[c.Command, ...]:
@@ -271,8 +283,9 @@ class CommandService(BatchSurface):
             generation, position = cmd.generation, 0
             request_id = cmd.manifest.request_identity.request_id
         else:  # a fork child
-            assert isinstance(cmd, c.Fork)
+            assert isinstance(cmd, c.Fork) and isinstance(d.payload, ev.Fork)
             parent = before[cmd.parent_handle_id]
+            assert parent is not None  # decide refuses a fork of no handle
             i = d.payload.child_index
             request_id = (cmd.child_request_ids[i] if cmd.child_request_ids
                           else f"{parent.request_id}.{i}")
@@ -283,7 +296,8 @@ class CommandService(BatchSurface):
             schema_version=ev.CURRENT_VERSION[d.event_cls.event_type], request_id=request_id,
             handle_generation=generation, operation_id=operation_id,
             source_instance=self.source_instance, local_sequence=self.local_sequence,
-            monotonic_ns=mono, observed_wall_time=wall, payload=d.payload,
+            # decide pairs each event class with its own payload type (Draft): mypy sees the unions
+            monotonic_ns=mono, observed_wall_time=wall, payload=d.payload,  # type: ignore[arg-type]
         )
 
 
@@ -301,6 +315,10 @@ def _decodable(event: ev.Event) -> None:
                             f"its {event.event_type} event cannot be encoded: {exc}") from None
 
 
+@overload
+def _guard(s: HandleState) -> Guard: ...
+@overload
+def _guard(s: HandleState | None) -> Guard | None: ...
 def _guard(s: HandleState | None) -> Guard | None:
     return None if s is None else Guard(s.generation, s.snapshot_version, s.stream_position)
 
@@ -308,6 +326,11 @@ def _guard(s: HandleState | None) -> Guard | None:
 def _head(s: HandleState) -> HeadFacts:
     return HeadFacts(s.request_id, s.generation, s.snapshot_version, s.stream_position,
                      s.committed_length, s.lifecycle, s.prefix_identity_sha256, s.cache_abi_sha256)
+
+
+if TYPE_CHECKING:
+    def _implements_port(service: CommandService) -> CommandPort:
+        return service  # mypy checks CommandService against the port here
 
 
 __all__ = ["CommandService", "Rejection", "SystemClock"]

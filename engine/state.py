@@ -51,10 +51,6 @@ class HandleState(msgspec.Struct, frozen=True, gc=False):
         """Token state the request holds: prompt plus emitted outputs."""
         return len(self.prompt) + len(self.outputs)
 
-    def token_at(self, position: int) -> int:
-        p = len(self.prompt)
-        return self.prompt[position] if position < p else self.outputs[position - p]
-
     def logical_tokens(self, start: int, stop: int) -> tuple[int, ...]:
         return (self.prompt + self.outputs)[start:stop]
 

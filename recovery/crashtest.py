@@ -33,9 +33,10 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -43,6 +44,13 @@ from kvledger.engine.service import BatchSurface
 from kvledger.journal import faults
 from kvledger.journal.url import parse_url, redact, resolve_url
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+if TYPE_CHECKING:
+    from kvledger.engine import commands as c
+    from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
+    from kvledger.engine.state import HandleState
+    from kvledger.journal.contract import Journal
+    from kvledger.schemas.receipts import Receipt
 
 POINTS = faults.POINTS
 ACTIONS = ("exit", "raise", "stall")
@@ -254,7 +262,7 @@ class _Acking(BatchSurface):
     """The worker's command service, appending each acknowledged receipt to an fsync'd
     log after the commit returned (one fsync per worker commit)."""
 
-    def __init__(self, service, ack_path: str) -> None:
+    def __init__(self, service: CommandPort, ack_path: str) -> None:
         import msgspec
 
         from kvledger.schemas.receipts import Receipt
@@ -263,10 +271,43 @@ class _Acking(BatchSurface):
         self._fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._encode = msgspec.json.Encoder().encode
 
-    def submit_many(self, cmds, *, defer=True):  # execute and execute_many (BatchSurface) too
+    # The rest of the port is the wrapped service's: a hook added here runs on its commits.
+    @property
+    def journal(self) -> Journal:
+        return self._service.journal
+
+    @property
+    def source_instance(self) -> str:
+        return self._service.source_instance
+
+    @property
+    def clock(self) -> Clock:
+        return self._service.clock
+
+    @property
+    def states(self) -> Mapping[str, HandleState]:
+        return self._service.states
+
+    @property
+    def on_commit(self) -> list[CommitHook]:
+        return self._service.on_commit
+
+    @property
+    def on_reject(self) -> list[RejectHook]:
+        return self._service.on_reject
+
+    def state(self, handle_id: str, *, refresh: bool = False) -> HandleState | None:
+        return self._service.state(handle_id, refresh=refresh)
+
+    def close(self) -> None:
+        self._service.close()
+
+    def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
+                    defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+        # execute and execute_many (BatchSurface) come through here too
         wait = self._service.submit_many(cmds, defer=defer)
 
-        def acknowledged():
+        def acknowledged() -> list[Receipt | KvLedgerError]:
             results = wait()
             lines = [self._encode({"op": r.operation_id, "first": r.first_global_position,
                                    "last": r.last_global_position, "events": r.event_ids}) + b"\n"
@@ -278,8 +319,10 @@ class _Acking(BatchSurface):
 
         return acknowledged
 
-    def __getattr__(self, name):
-        return getattr(self._service, name)
+
+if TYPE_CHECKING:
+    def _implements_port(service: _Acking) -> CommandPort:
+        return service  # mypy checks the acking wrapper against the port here
 
 
 def _acking_service(journal, ack_path: str, writer: str = "thread") -> _Acking:

@@ -32,12 +32,13 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import structlog
 from prometheus_client import CollectorRegistry
 
 from kvledger.engine import commands as c
+from kvledger.engine.port import CommandPort
 from kvledger.engine.service import SystemClock
 from kvledger.schemas import events as ev
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -57,6 +58,9 @@ from kvledger.schemas.telemetry import (
 )
 from kvledger.telemetry.exporter import Exporter
 from kvledger.telemetry.metrics import COMPONENTS, Metrics
+
+if TYPE_CHECKING:
+    from kvledger.worker.serving import Worker  # torch: for the annotation only
 
 log = structlog.get_logger("kvledger.telemetry")
 
@@ -119,7 +123,7 @@ class Telemetry:
         self._row_bytes = 0
 
     # -- wiring --------------------------------------------------------------------
-    def attach(self, service: Any, worker: Any = None) -> Telemetry:
+    def attach(self, service: CommandPort, worker: Worker | None = None) -> Telemetry:
         """Hook into a CommandService (and its Worker) and write the header. The file
         covers the journal events of this service's source_instance committed after
         the journal's current last position."""

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from kvledger.engine import commands as c
 from kvledger.engine.ids import new_id
-from kvledger.engine.service import CommandService
+from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
 from kvledger.schemas.events import ForwardCall, LayerRows
 from kvledger.schemas.manifest import (
@@ -146,7 +146,7 @@ class _Chain:
 
 
 class Worker:
-    def __init__(self, model: Transformer, *, service: CommandService | None, artifact: ArtifactIdentity,
+    def __init__(self, model: Transformer, *, service: CommandPort | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
                  capacity: int = 512, device: str = "cpu", pipeline: bool | None = None,
                  retries: int = 1) -> None:
