@@ -5,7 +5,7 @@ rebuild live K/V by re-execution (every row digest checked) and run every unfini
 request to completion. Exit 0 when done and clean, 1 on findings (verify findings,
 digest mismatches, handles left unfinished), 2 on errors (ABI_MISMATCH, ...).
 
-crash-test: trials of kill-and-recover (kvledger.recovery.crashtest). Exit 1 on any violation.
+crash-test: trials of kill-and-recover (kvledger.recovery.crash_trials). Exit 1 on any violation.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("recover", help="after a crash: verify, abort in-doubt appends, rebuild live K/V "
                                        "by re-execution and finish every unfinished request")
     p.add_argument("--db", help=DB_HELP)
@@ -100,7 +100,7 @@ def _print_recovery(r) -> None:
 
 
 def _cmd_crash_test(args: argparse.Namespace) -> int:
-    from kvledger.recovery.crashtest import run_crash_test
+    from kvledger.recovery.crash_trials import run_crash_test
 
     if args.trials < 1:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--trials must be >= 1")
