@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
@@ -139,6 +139,8 @@ class Snapshot(abc.ABC):
 class Journal(abc.ABC):
     """Abstract recorder. Implementations: journal.sql.SqlJournal (SQLite, PostgreSQL)."""
 
+    display_url: str  # the journal's location for messages, password redacted
+
     @abc.abstractmethod
     def append(self, operations: Sequence[Operation]) -> list[Receipt | Rejection]:
         """Commit every operation whose guards hold, in one transaction, in order.
@@ -189,7 +191,7 @@ class Journal(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> Journal:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,10 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvledger import args as a
 from kvledger.engine.remote import WRITERS
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from kvledger.recovery.recover import RecoveryReport
 
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
@@ -63,7 +70,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _print_recovery(r) -> None:
+def _print_recovery(r: RecoveryReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -120,7 +127,7 @@ def _cmd_crash_test(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def _progress(total: int):
+def _progress(total: int) -> tuple[Progress | None, Callable[[int, a.JsonDoc], None] | None]:
     if not sys.stderr.isatty():
         return None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -130,7 +137,7 @@ def _progress(total: int):
     task = bar.add_task("", total=total)
     bad = [0]
 
-    def on_trial(_k: int, result: dict) -> None:
+    def on_trial(_k: int, result: a.JsonDoc) -> None:
         c = result.get("check") or {}
         if "check" not in result or c.get("lost") or c.get("partial") or c.get("output_mismatches"):
             bad[0] += 1
@@ -139,7 +146,7 @@ def _progress(total: int):
     return bar, on_trial
 
 
-def _print_crash(r: dict) -> None:
+def _print_crash(r: a.JsonDoc) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -36,6 +36,7 @@ TokenIds = Annotated[tuple[Annotated[int, Meta(ge=0, le=INT64_MAX)], ...], Meta(
 
 AppendKind = Literal["prefill", "chunk", "decode", "repair", "verify"]
 FailureOutcome = Literal["failed", "aborted", "rejected"]
+FinishReason = Literal["eos", "max_tokens", "stop", "client", "length"]
 
 
 class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -176,7 +177,7 @@ class CancelRequest(_Payload):
 
 
 class Finish(_Payload):
-    reason: Literal["eos", "max_tokens", "stop", "client", "length"]
+    reason: FinishReason
     output_count: Count
     committed_length: Count
 
