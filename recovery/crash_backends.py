@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvledger.journal.url import parse_url
+
+if TYPE_CHECKING:
+    import psycopg
 
 
 class Backend:
@@ -71,7 +75,7 @@ class PostgresBackend(Backend):
         self.dirty = False
         self.made = 0
 
-    def _connect(self, dbname: str):
+    def _connect(self, dbname: str | None) -> psycopg.Connection[tuple[Any, ...]]:  # None: the server's default
         import psycopg
 
         u = self.url

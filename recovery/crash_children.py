@@ -13,6 +13,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import msgspec
 
@@ -21,15 +22,33 @@ from kvledger.journal import faults
 from kvledger.recovery.crash_backends import Backend
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+if TYPE_CHECKING:
+    from kvledger.journal import SqlJournal
+    from kvledger.schemas.manifest import ArtifactIdentity
+    from kvledger.worker.model import Transformer
+    from kvledger.worker.serving import RequestSpec, Worker
+
+# A child's result or a trial's: JSON values, written to a file by the child and read
+# back by the parent.
+Result = dict[str, Any]
+
+
+class _WorkerShape(TypedDict):
+    capacity: int
+    prefill_chunk: int
+    prefill_tokens: int
+    max_running: int
+
+
 REQUESTS, MAX_NEW_TOKENS = 5, 8
-WORKER = {"capacity": 64, "prefill_chunk": 16, "prefill_tokens": 32, "max_running": 4}
+WORKER: _WorkerShape = {"capacity": 64, "prefill_chunk": 16, "prefill_tokens": 32, "max_running": 4}
 CHECKPOINT_EVERY = 2  # iterations between projection checkpoints in the run child
 CHECKPOINT = "crash-test"
 
 
 # -- the workload ---------------------------------------------------------------------
 
-def workload(seed: int, vocab: int = 512):
+def workload(seed: int, vocab: int = 512) -> list[RequestSpec]:
     """Plain greedy requests with ragged prompts (one long one, prefilled in chunks),
     arriving two per iteration; more requests than running slots, so one waits."""
     from kvledger.worker.serving import RequestSpec
@@ -42,10 +61,10 @@ def workload(seed: int, vocab: int = 512):
 
 # -- children -------------------------------------------------------------------------
 
-_MODEL = None
+_MODEL: tuple[Transformer, ArtifactIdentity] | None = None
 
 
-def _model():
+def _model() -> tuple[Transformer, ArtifactIdentity]:
     global _MODEL
     if _MODEL is None:
         from kvledger.worker.loading import load_model
@@ -106,7 +125,7 @@ class _Acking(BatchSurface):
         return getattr(self._service, name)
 
 
-def _acking_service(journal, ack_path: str, writer: str = "thread") -> _Acking:
+def _acking_service(journal: SqlJournal, ack_path: str, writer: str = "thread") -> _Acking:
     """A command service (in this process, or in a writer process) whose acknowledged
     receipts go to `ack_path`, and whose journal notes every transaction's operation ids
     before sending it (`<ack_path>.intents`, journal.faults.intend): the checker's unit of
@@ -118,8 +137,8 @@ def _acking_service(journal, ack_path: str, writer: str = "thread") -> _Acking:
     return _Acking(command_service(journal, writer=writer, source_instance="kvledger-crash-test"), ack_path)
 
 
-def run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log: str, ready_fd: int,
-               count_faults: bool = False, writer: str = "thread") -> dict:
+def run_child(url: str, specs: list[RequestSpec], ack_path: str, fault_spec: str | None, fault_log: str,
+              ready_fd: int, count_faults: bool = False, writer: str = "thread") -> Result:
     from kvledger.migrations.storage import open_journal
     from kvledger.replay import WindowSpec, replay_incremental
     from kvledger.worker.serving import Worker
@@ -139,7 +158,7 @@ def run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log:
         for s in specs:
             worker.submit(s)
 
-        def sidecar(w) -> None:  # a projector beside the worker, checkpointing as it goes
+        def sidecar(w: Worker) -> None:  # a projector beside the worker, checkpointing as it goes
             if w.step_no % CHECKPOINT_EVERY == 0:
                 replay_incremental(journal, window, name=CHECKPOINT)
 
@@ -156,8 +175,8 @@ def run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log:
                 "events": journal.last_position(), "hits": dict(hits)}
 
 
-def _read_lines(path: str) -> list:
-    acks = []
+def _read_lines(path: str) -> list[Any]:  # JSON values, one a line
+    acks: list[Any] = []
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -170,7 +189,7 @@ def _read_lines(path: str) -> list:
     return acks
 
 
-def check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]]) -> dict:
+def check_child(url: str, specs: list[RequestSpec], ack_path: str, baseline: dict[str, list[int]]) -> Result:
     from kvledger.engine.evolve import fold
     from kvledger.migrations.storage import open_journal
     from kvledger.recovery.recover import recover, verify_findings
@@ -178,7 +197,7 @@ def check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]]) 
     from kvledger.worker.serving import Worker
 
     model, artifact = _model()
-    out: dict = {}
+    out: Result = {}
     with open_journal(url) as j:
         out["position_at_crash"] = j.last_position()
         # 1. acknowledged writes and atomicity, straight from the tables
@@ -195,7 +214,7 @@ def check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]]) 
                     (r.first_global_position, r.last_global_position) != (a["first"], a["last"]) or
                     got != list(zip(range(a["first"], a["last"] + 1), a["events"]))):
                 lost.append(a["op"])
-        partial = []
+        partial: list[str | None] = []
         for op, r in receipts.items():
             if by_op.get(op, []) != list(zip(range(r.first_global_position, r.last_global_position + 1),
                                              r.event_ids)):
@@ -227,10 +246,10 @@ def check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]]) 
         mismatches = []
         for s in specs:
             st = fold(j.read_stream(s.request_id))
-            got = list(st.outputs) if st is not None else None
+            outputs = list(st.outputs) if st is not None else None
             want = baseline.get(s.request_id)
-            if got != want:
-                mismatches.append(_mismatch(model, s, got, want))
+            if outputs != want:
+                mismatches.append(_mismatch(model, s, outputs, want))
         out["output_mismatches"] = mismatches
         # 4. a second recovery changes nothing
         again = recover(j, model=model, artifact=artifact)
@@ -244,11 +263,11 @@ def check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]]) 
     return out
 
 
-def _mismatch(model, spec, got, want) -> dict:
+def _mismatch(model: Transformer, spec: RequestSpec, got: list[int] | None, want: list[int] | None) -> Result:
     """A differing output, with the top-2 logit margin of the uninterrupted run at the
     first difference (from a cache-free forward): a tie within ~1e-6 is a rounding
     flip of a recovered continuation, anything larger is a bug."""
-    d = {"request": spec.request_id, "got": got, "want": want}
+    d: Result = {"request": spec.request_id, "got": got, "want": want}
     if got is None or want is None:
         return d
     i = next((n for n, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -266,7 +285,8 @@ def _mismatch(model, spec, got, want) -> dict:
 
 # -- forking --------------------------------------------------------------------------
 
-def fork(fn: Callable, *args, result: str | None = None, log: str | None = None, **kwargs) -> int:
+def fork(fn: Callable[..., Any], *args: Any, result: str | None = None, log: str | None = None,
+         **kwargs: Any) -> int:  # fn(*args, **kwargs) runs in the child
     pid = os.fork()
     if pid:
         return pid
@@ -313,12 +333,12 @@ def kill_group(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def baseline_run(backend: Backend, specs, root: Path, writer: str) -> dict:
+def baseline_run(backend: Backend, specs: list[RequestSpec], root: Path, writer: str) -> Result:
     """One uninterrupted run, counting how often each fault point is reached."""
     url = backend.fresh(-1)
     path = root / "baseline.json"
     pid = fork(run_child, url, specs, str(root / "baseline.acks"), None, str(root / "baseline.faults"), -1,
-                count_faults=True, writer=writer, result=str(path), log=str(root / "baseline.log"))
+               count_faults=True, writer=writer, result=str(path), log=str(root / "baseline.log"))
     status = wait_child(pid, 300)
     if status is None:
         kill_group(pid)

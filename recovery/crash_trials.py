@@ -34,12 +34,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvledger.journal import faults
 from kvledger.journal.url import parse_url, redact, resolve_url
 from kvledger.recovery.crash_backends import Backend, PostgresBackend, SqliteBackend
 from kvledger.recovery.crash_children import (
     MAX_NEW_TOKENS,
+    Result,
     baseline_run,
     check_child,
     fork,
@@ -50,6 +52,9 @@ from kvledger.recovery.crash_children import (
     workload,
 )
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+if TYPE_CHECKING:
+    from kvledger.worker.serving import RequestSpec
 
 POINTS = faults.POINTS
 ACTIONS = ("exit", "raise", "stall")
@@ -102,8 +107,8 @@ class Totals:
     trials: int = 0
     crashed: int = 0
     completed_before_crash: int = 0
-    modes: Counter = field(default_factory=Counter)
-    fault_points_hit: Counter = field(default_factory=Counter)
+    modes: Counter[str] = field(default_factory=Counter)
+    fault_points_hit: Counter[str] = field(default_factory=Counter)
     acknowledged_writes_checked: int = 0
     transactions_checked: int = 0
     unacknowledged_commits: int = 0
@@ -121,12 +126,12 @@ class Totals:
     aborted_appends: int = 0
     rows_reexecuted: int = 0
     resubmitted: int = 0
-    progress_quartiles: Counter = field(default_factory=Counter)
+    progress_quartiles: Counter[str] = field(default_factory=Counter)
 
 
 def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: str | None = None,
-                   on_trial: Callable[[int, dict], None] | None = None, trial_timeout: float = 120.0,
-                   writer: str = "thread") -> dict:
+                   on_trial: Callable[[int, Result], None] | None = None, trial_timeout: float = 120.0,
+                   writer: str = "thread") -> Result:
     """Run `trials` crash trials against the backend of `db` (see the module docstring),
     with the worker's command service in its process or in a writer process (`writer`).
     Returns the report; `report["ok"]` is False on any violation."""
@@ -150,7 +155,7 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
     specs = workload(seed)
     try:
         baseline = baseline_run(backend, specs, root, writer)
-        totals, violations, moments, timing = Totals(), [], [], Counter()
+        totals, violations, moments, timing = Totals(), [], [], Counter[str]()
         for plan in plans(trials, seed, baseline["hits"], baseline["seconds"]):
             result = _trial(backend, plan, specs, baseline, root, trial_timeout, writer)
             problems = _tally(totals, result, baseline)
@@ -213,8 +218,8 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
 
 
 
-def _trial(backend: Backend, plan: Plan, specs, baseline: dict, root: Path, timeout: float,
-           writer: str) -> dict:
+def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Result, root: Path, timeout: float,
+           writer: str) -> Result:
     d = root / f"trial-{plan.trial:05d}"
     d.mkdir()
     t0 = time.monotonic()
@@ -269,7 +274,7 @@ def _trial(backend: Backend, plan: Plan, specs, baseline: dict, root: Path, time
     return result
 
 
-def _tally(t: Totals, result: dict, baseline: dict) -> list[str]:
+def _tally(t: Totals, result: Result, baseline: Result) -> list[str]:
     t.trials += 1
     t.modes[result["mode"]] += 1
     if result["crashed"]:
