@@ -2,7 +2,7 @@
 
 Implemented by kvledger.engine.service.CommandService (this process),
 kvledger.engine.remote.RemoteService (a writer process) and the crash test's acking
-wrapper (kvledger.recovery.crashtest); mypy checks each against it where it is defined.
+wrapper (kvledger.recovery.crash_children); mypy checks each against it where it is defined.
 Attributes are read-only here so that an implementation may hold a narrower type (a
 dict of states) or delegate (the acking wrapper's properties).
 """

@@ -139,6 +139,8 @@ class Snapshot(abc.ABC):
 class Journal(abc.ABC):
     """Abstract recorder. Implementations: journal.sql.SqlJournal (SQLite, PostgreSQL)."""
 
+    display_url: str  # the journal's location for messages, password redacted
+
     @abc.abstractmethod
     def append(self, operations: Sequence[Operation]) -> list[Receipt | Rejection]:
         """Commit every operation whose guards hold, in one transaction, in order.

@@ -20,8 +20,12 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+# A --json document (or a part of one): nested JSON values, shaped per command.
+JsonDoc = dict[str, Any]
 
 MAX_INT64 = (1 << 63) - 1
 # Milliseconds become integer nanoseconds in the journal's BIGINT clock columns.

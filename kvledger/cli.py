@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)  # the argument types raise coded errors (kvledger.args)
         a.check_outputs(args)
-        return args.run(args)
+        run: Callable[[argparse.Namespace], int] = args.run  # set by each command's register()
+        return run(args)
     except KvLedgerError as exc:
         print(str(exc), file=sys.stderr)  # one line: str() escapes control characters
         return 2

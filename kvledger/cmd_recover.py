@@ -5,7 +5,7 @@ rebuild live K/V by re-execution (every row digest checked) and run every unfini
 request to completion. Exit 0 when done and clean, 1 on findings (verify findings,
 digest mismatches, handles left unfinished), 2 on errors (ABI_MISMATCH, ...).
 
-crash-test: trials of kill-and-recover (kvledger.recovery.crashtest). Exit 1 on any violation.
+crash-test: trials of kill-and-recover (kvledger.recovery.crash_trials). Exit 1 on any violation.
 """
 
 from __future__ import annotations
@@ -13,15 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvledger import args as a
 from kvledger.engine.remote import WRITERS
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from kvledger.recovery.recover import RecoveryReport
+
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("recover", help="after a crash: verify, abort in-doubt appends, rebuild live K/V "
                                        "by re-execution and finish every unfinished request")
     p.add_argument("--db", help=DB_HELP)
@@ -63,7 +70,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _print_recovery(r) -> None:
+def _print_recovery(r: RecoveryReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -100,7 +107,7 @@ def _print_recovery(r) -> None:
 
 
 def _cmd_crash_test(args: argparse.Namespace) -> int:
-    from kvledger.recovery.crashtest import run_crash_test
+    from kvledger.recovery.crash_trials import run_crash_test
 
     if args.trials < 1:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--trials must be >= 1")
@@ -120,7 +127,7 @@ def _cmd_crash_test(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def _progress(total: int):
+def _progress(total: int) -> tuple[Progress | None, Callable[[int, a.JsonDoc], None] | None]:
     if not sys.stderr.isatty():
         return None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -130,7 +137,7 @@ def _progress(total: int):
     task = bar.add_task("", total=total)
     bad = [0]
 
-    def on_trial(_k: int, result: dict) -> None:
+    def on_trial(_k: int, result: a.JsonDoc) -> None:
         c = result.get("check") or {}
         if "check" not in result or c.get("lost") or c.get("partial") or c.get("output_mismatches"):
             bad[0] += 1
@@ -139,7 +146,7 @@ def _progress(total: int):
     return bar, on_trial
 
 
-def _print_crash(r: dict) -> None:
+def _print_crash(r: a.JsonDoc) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -11,17 +11,21 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvledger import args as a
 from kvledger.cli import add_slo_arguments
 from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 MS = 1_000_000
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("replay", help="fold the journal into snapshots, byte ledgers, byte-time "
                                       "and service metrics")
     _source(p)
@@ -203,7 +207,7 @@ def _ns(ms: float) -> int:
     return round(ms * MS)
 
 
-def _console():
+def _console() -> Console:
     from rich.console import Console
 
     # Piped output has no terminal width; 80 columns would truncate ids and digests.

@@ -7,17 +7,26 @@ import json
 import sys
 import uuid
 from collections import Counter
-from typing import get_args
+from collections.abc import Callable
+from typing import TYPE_CHECKING, get_args
 
+from kvledger.args import JsonDoc
 from kvledger.cli import add_slo_arguments
 from kvledger.engine.remote import WRITERS
 from kvledger.journal import redact, resolve_url
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from kvledger.journal import Journal
+    from kvledger.schemas.events import Event
+    from kvledger.worker.serving import Worker
+
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # The parsers for demo and generate are declared in cli.py (their command lines are
     # part of the foundation); this module supplies what they run.
     for name, run in (("demo", _cmd_demo), ("generate", _cmd_generate)):
@@ -48,7 +57,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def own_events(journal, after: int, source_instance: str) -> list:
+def own_events(journal: Journal, after: int, source_instance: str) -> list[Event]:
     """The events after `after` that this run's service wrote (its source instance names
     the run), renumbered 1.. in their global order: another run writing to the same
     journal meanwhile must not count in this run's summary, and the projector folds
@@ -59,7 +68,7 @@ def own_events(journal, after: int, source_instance: str) -> list:
     return [replace(e, global_position=i) for i, e in enumerate(mine, 1)]
 
 
-def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float, source_instance: str) -> dict:
+def summarize(journal: Journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float, source_instance: str) -> JsonDoc:
     from kvledger.replay.metrics import WindowSpec
     from kvledger.replay.projector import Projector
     from kvledger.replay.report import build
@@ -87,7 +96,7 @@ def summarize(journal, after: int, slo_ttft_ms: float, slo_tbt_ms: float, source
     }
 
 
-def _progress(total: int):
+def _progress(total: int) -> tuple[Progress | None, Callable[[Worker], None] | None]:
     if not sys.stderr.isatty():
         return None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -96,7 +105,7 @@ def _progress(total: int):
                    TimeElapsedColumn(), transient=True, console=None)
     task = bar.add_task("demo", total=total)
 
-    def on_step(worker) -> None:
+    def on_step(worker: Worker) -> None:
         done = sum(1 for lv in worker.live.values() if lv.done is not None and "." not in lv.handle[-2:])
         bar.update(task, completed=min(done, total))
 
@@ -138,7 +147,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             telemetry_out = finish_demo_telemetry(telemetry, args)
         summary = summarize(journal, first, args.slo_ttft_ms, args.slo_tbt_ms, source)
         position = journal.last_position()
-    out = {
+    out: JsonDoc = {
         "journal": redact(url), "position": position, "requests": result["requests"],
         "handles": result["handles"], "tokens": result["tokens"],
         "iterations": result["iterations"], "model_calls": result["model_calls"],
@@ -159,7 +168,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if not result["errors"] else 1
 
 
-def _fmt(v, unit: str = "") -> str:
+def _fmt(v: float | None, unit: str = "") -> str:
     if v is None:
         return "n/a"
     if isinstance(v, float):
@@ -167,17 +176,17 @@ def _fmt(v, unit: str = "") -> str:
     return f"{v:,}{unit}"
 
 
-def _writer_row(w: dict) -> str:
+def _writer_row(w: JsonDoc) -> str:
     where = f" on CPU {w['io_cpu']}" if w["io_cpu"] is not None else ""
     cpus = ",".join(map(str, w["model_cpus"]))
     return f"{w['kind']}{where}, torch x{w['torch_threads']} on CPU {cpus}"
 
 
-def _event_rows(out: dict) -> list[tuple[str, int]]:
+def _event_rows(out: JsonDoc) -> list[tuple[str, int]]:
     """Events written by type, in the order of the event union; append starts also by kind."""
     from kvledger.schemas.events import EVENT_CLASSES, AppendKind
 
-    rows = []
+    rows: list[tuple[str, int]] = []
     for kind in EVENT_CLASSES:
         rows.append((kind, out["events_by_type"].get(kind, 0)))
         if kind == "append_start":
@@ -186,7 +195,7 @@ def _event_rows(out: dict) -> list[tuple[str, int]]:
     return rows
 
 
-def _print_demo(out: dict) -> None:
+def _print_demo(out: JsonDoc) -> None:
     from rich.console import Console
     from rich.table import Table
 

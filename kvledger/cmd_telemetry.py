@@ -12,15 +12,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 from kvledger import args as a
 from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+if TYPE_CHECKING:
+    from kvledger.replay.reconcile import ReconcileResult
+    from kvledger.telemetry.producer import Telemetry
+
 DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "reconcile",
         help="compare telemetry (audit records, allocator/residency observations, a metrics "
@@ -51,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # -- demo wiring (called by kvledger.cmd_serve) ------------------------------------------
 
-def demo_telemetry(args: argparse.Namespace):
+def demo_telemetry(args: argparse.Namespace) -> Telemetry | None:
     """A Telemetry for `kvledger demo` when any telemetry flag is set, else None."""
     path = getattr(args, "telemetry", None)
     port = getattr(args, "metrics_port", None)
@@ -71,7 +76,16 @@ def demo_telemetry(args: argparse.Namespace):
     return telemetry
 
 
-def finish_demo_telemetry(telemetry, args: argparse.Namespace) -> dict | None:
+class TelemetrySummary(TypedDict):
+    file: str | None
+    metrics_port: int | None
+    metrics_out: str | None
+    records: int
+    written: int
+    dropped: int
+
+
+def finish_demo_telemetry(telemetry: Telemetry | None, args: argparse.Namespace) -> TelemetrySummary | None:
     """Close the telemetry (drain, trailer), write --metrics-out; a summary for the output."""
     if telemetry is None:
         return None
@@ -119,7 +133,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _print(result, source: str, telemetry: str) -> None:
+def _print(result: ReconcileResult, source: str, telemetry: str) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table

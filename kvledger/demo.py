@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -11,6 +13,9 @@ from kvledger.engine.remote import command_service
 from kvledger.journal import SqlJournal
 from kvledger.worker.loading import load_model
 from kvledger.worker.serving import RequestSpec, Worker
+
+if TYPE_CHECKING:
+    from kvledger.telemetry.producer import Telemetry
 
 # The scenarios, most telling first: a demo of N requests plays the first min(N, 8).
 SCENARIOS = ("long", "fork", "cancel", "truncate", "repair", "speculate", "fault", "plain")
@@ -43,10 +48,23 @@ def demo_workload(requests: int, max_new_tokens: int, seed: int, vocab: int,
     return specs
 
 
+class DemoResult(TypedDict):
+    outputs: dict[str, list[int]]  # request id -> output token ids
+    requests: int
+    handles: int
+    tokens: int
+    events_written: int
+    iterations: int
+    model_calls: int
+    seconds: float
+    errors: list[str]
+
+
+# SqlJournal, not the Journal contract: a writer process reopens the journal by its URL
 def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 16, seed: int = 0,
-             model_dir: str | None = None, device: str = "cpu", on_step=None,
-             source_instance: str = "kvledger-demo", run_id: str = "", telemetry=None,
-             writer: str = "thread") -> dict:
+             model_dir: str | None = None, device: str = "cpu", on_step: Callable[[Worker], None] | None = None,
+             source_instance: str = "kvledger-demo", run_id: str = "", telemetry: Telemetry | None = None,
+             writer: str = "thread") -> DemoResult:
     """`telemetry`: an kvledger.telemetry.producer.Telemetry to attach to the service and worker
     (the caller closes it). `writer`: see kvledger.engine.remote.command_service."""
     torch.manual_seed(seed)

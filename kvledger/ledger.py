@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 from kvledger.engine import commands as c
 from kvledger.engine.decide import full_layers
-from kvledger.engine.service import CommandService
+from kvledger.engine.service import CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.engine.view import ServiceStateView, view_of
-from kvledger.journal import SqlJournal
+from kvledger.journal import Journal
 from kvledger.migrations.storage import open_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-from kvledger.schemas.events import LayerRows
+from kvledger.schemas.events import AppendKind, FailureOutcome, FinishReason, LayerRows
 from kvledger.schemas.manifest import Manifest
 from kvledger.schemas.receipts import Receipt
 
@@ -34,15 +35,17 @@ Base = tuple[int, int]  # (generation, snapshot_version)
 
 
 class Ledger:
-    def __init__(self, journal: SqlJournal, *, source_instance: str = "kvledger", clock=None) -> None:
+    def __init__(self, journal: Journal, *, source_instance: str = "kvledger",
+                 clock: object | None = None) -> None:
         self.journal = journal
-        kwargs = {"clock": clock} if clock is not None else {}
         c.check_id(source_instance, "source instance")
-        self.service = CommandService(journal, source_instance=source_instance, strict=True, **kwargs)
+        self.service = CommandService(journal, source_instance=source_instance, strict=True,
+                                      clock=SystemClock() if clock is None else clock)
 
     @classmethod
-    def open(cls, url: str | None = None, **kwargs) -> Ledger:
-        return cls(open_journal(url), **kwargs)
+    def open(cls, url: str | None = None, *, source_instance: str = "kvledger",
+             clock: object | None = None) -> Ledger:
+        return cls(open_journal(url), source_instance=source_instance, clock=clock)
 
     def close(self) -> None:
         self.journal.close()
@@ -95,7 +98,7 @@ class Ledger:
                 generation=generation, operation_id=operation_id)
         return self.execute(cmd)
 
-    def begin_append(self, handle_id: str, *, txn_id: str, kind: str, base: Base, start: int,
+    def begin_append(self, handle_id: str, *, txn_id: str, kind: AppendKind, base: Base, start: int,
                      token_ids: Sequence[int], cache_abi_sha256: str | None = None,
                      cache_positions: Sequence[int] | None = None, mask_key_extent: int | None = None,
                      operation_id: str | None = None) -> Receipt:
@@ -124,7 +127,7 @@ class Ledger:
                 operation_id=operation_id)
         return self.execute(cmd)
 
-    def fail(self, handle_id: str, *, txn_id: str, outcome: str = "failed", code: str = "FAILED",
+    def fail(self, handle_id: str, *, txn_id: str, outcome: FailureOutcome = "failed", code: str = "FAILED",
              detail: str = "", operation_id: str | None = None) -> Receipt:
         return self.execute(c.Fail(handle_id=handle_id, txn_id=txn_id, outcome=outcome, code=code,
                                    detail=detail, operation_id=operation_id))
@@ -155,14 +158,16 @@ class Ledger:
         return self.execute(cmd)
 
     def reorder(self, group_id: str, *, rows: Sequence[str], permutation: Sequence[int],
-                bases: Sequence[Base] | None = None, operation_id: str | None = None, **parts) -> Receipt:
+                bases: Sequence[Base] | None = None, operation_id: str | None = None,
+                **parts: Sequence[int]) -> Receipt:
         with _arguments():
             rows = tuple(rows)
         if bases is None:
             bases = [(s.generation, s.snapshot_version) for s in map(self.state, rows)]
         with _arguments():
             cmd = c.Reorder(
-                group_id=group_id, rows=rows, bases=tuple(tuple(b) for b in bases),
+                # cast: a caller's list becomes a tuple; strict validation holds it to two numbers
+                group_id=group_id, rows=rows, bases=tuple(cast(Base, tuple(b)) for b in bases),
                 permutation=tuple(permutation), operation_id=operation_id,
                 **{k: tuple(v) for k, v in parts.items()})
         return self.execute(cmd)
@@ -172,7 +177,7 @@ class Ledger:
         return self.execute(c.CancelRequest(handle_id=handle_id, base_generation=generation,
                                             reason=reason, operation_id=operation_id))
 
-    def finish(self, handle_id: str, *, generation: int, reason: str = "max_tokens",
+    def finish(self, handle_id: str, *, generation: int, reason: FinishReason = "max_tokens",
                operation_id: str | None = None) -> Receipt:
         return self.execute(c.Finish(handle_id=handle_id, base_generation=generation, reason=reason,
                                      operation_id=operation_id))

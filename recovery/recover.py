@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -51,6 +52,14 @@ from kvledger.schemas import events as ev
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import Manifest, cache_abi_sha256
 
+if TYPE_CHECKING:
+    from kvledger.schemas.manifest import ArtifactIdentity
+    from kvledger.worker.model import Transformer
+    from kvledger.worker.serving import RequestSpec
+
+# A finding or a mismatch as plain JSON values (msgspec.to_builtins, dataclasses.asdict).
+PlainFinding = dict[str, Any]
+
 SOURCE = "kvledger-recover"
 
 
@@ -59,14 +68,14 @@ class RecoveryReport:
     journal: str
     position_before: int
     position_after: int = 0
-    verify_findings: list[dict] = field(default_factory=list)  # before recovery
-    verify_after: list[dict] = field(default_factory=list)
+    verify_findings: list[PlainFinding] = field(default_factory=list)  # before recovery
+    verify_after: list[PlainFinding] = field(default_factory=list)
     live_handles: list[str] = field(default_factory=list)
     aborted: list[tuple[str, str]] = field(default_factory=list)  # (handle, txn id)
     rebuilt: list[str] = field(default_factory=list)
     not_rebuildable: dict[str, str] = field(default_factory=dict)  # handle -> why
     rows_reexecuted: int = 0
-    digest_mismatches: list[dict] = field(default_factory=list)
+    digest_mismatches: list[PlainFinding] = field(default_factory=list)
     continued: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)  # still live after recovery
@@ -84,7 +93,7 @@ class RecoveryReport:
         return not (self.verify_findings or self.verify_after or self.digest_mismatches or self.errors
                     or self.unfinished or self.not_rebuildable)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:  # JSON values
         d = asdict(self)
         d["aborted"] = [list(x) for x in self.aborted]
         d["events_written"] = self.events_written
@@ -92,7 +101,7 @@ class RecoveryReport:
         return d
 
 
-def verify_findings(journal: Journal) -> list[dict]:
+def verify_findings(journal: Journal) -> list[PlainFinding]:
     """The one adapter between recovery and replay.verify (its API is still settling):
     every finding of a whole-journal verify, as plain dicts."""
     from kvledger.replay.verify import verify_journal
@@ -100,14 +109,15 @@ def verify_findings(journal: Journal) -> list[dict]:
     return [msgspec.to_builtins(f) for f in verify_journal(journal).findings]
 
 
-def recover(journal: Journal, *, model=None, artifact=None, model_dir: str | None = None,
+def recover(journal: Journal, *, model: Transformer | None = None, artifact: ArtifactIdentity | None = None,
+            model_dir: str | None = None,
             device: str = "cpu", continue_requests: bool = True, verify_after: bool = True,
             source_instance: str = SOURCE, display: str | None = None) -> RecoveryReport:
     """Recover `journal` after a crash (see the module docstring). `model`/`artifact`:
     an already loaded model (load_model's pair); otherwise `model_dir` is loaded (None:
     the default small random model) in the dtype the handles' cache schema names."""
     t0 = time.perf_counter()
-    display = display or getattr(journal, "display_url", "journal")
+    display = display or journal.display_url
     report = RecoveryReport(display, journal.last_position())
     report.verify_findings = verify_findings(journal)
     if report.verify_findings:  # a journal that breaks its own rules is not continued
@@ -118,14 +128,15 @@ def recover(journal: Journal, *, model=None, artifact=None, model_dir: str | Non
     report.live_handles = live
     if not live:
         return _done(report, journal, t0, verify_after=False)
-    states = {h: service.state(h) for h in live}
+    states = _live_states(service, live)
     streams = {h: journal.read_stream(h) for h in live}
 
     # The model that served them, checked before anything is written.
     manifests = {h: _manifest(journal, states[h], streams) for h in live}
+    loaded = None
     if continue_requests:
-        model, artifact = _model(model, artifact, model_dir, device, manifests)
-        _check_abi(model, artifact, states, manifests)
+        loaded = _model(model, artifact, model_dir, device, manifests)
+        _check_abi(*loaded, states, manifests)
 
     # In-doubt operations: appends started but neither published nor failed.
     aborts = [c.Fail(handle_id=h, txn_id=t.txn_id, outcome="aborted", code=ErrorCode.TXN_ABORTED.value,
@@ -137,9 +148,10 @@ def recover(journal: Journal, *, model=None, artifact=None, model_dir: str | Non
             report.errors.append(f"abort of {cmd.txn_id} on {cmd.handle_id}: {result}")
         else:
             report.aborted.append((cmd.handle_id, cmd.txn_id))
-    states = {h: service.state(h, refresh=True) for h in live}
-    if not continue_requests or report.errors:
+    states = _live_states(service, live, refresh=True)
+    if loaded is None or report.errors:  # loaded: continue_requests
         return _done(report, journal, t0, verify_after)
+    model, artifact = loaded
 
     # Rebuild K/V by re-execution, proving every recorded row digest.
     from kvledger.worker.reexec import reexecute
@@ -216,8 +228,22 @@ def _manifest(journal: Journal, s: HandleState, streams: dict[str, list[ev.Event
     return msgspec.json.decode(body, type=Manifest)
 
 
-def _model(model, artifact, model_dir: str | None, device: str, manifests: dict[str, Manifest]):
+def _live_states(service: CommandService, live: list[str], *, refresh: bool = False) -> dict[str, HandleState]:
+    states = {}
+    for h in live:
+        s = service.state(h, refresh=refresh)
+        if s is None:  # a head is written with its stream's first event
+            raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"{h} has a head but no events")
+        states[h] = s
+    return states
+
+
+def _model(model: Transformer | None, artifact: ArtifactIdentity | None, model_dir: str | None, device: str,
+           manifests: dict[str, Manifest]) -> tuple[Transformer, ArtifactIdentity]:
     if model is not None:
+        if artifact is None:  # a worker stamps every manifest with it
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "recover: pass the model with its artifact "
+                                                            "(load_model's pair)")
         return model, artifact
     from kvledger.worker.loading import load_model
 
@@ -228,7 +254,8 @@ def _model(model, artifact, model_dir: str | None, device: str, manifests: dict[
     return load_model(model_dir, device=device, dtype=dtype)
 
 
-def _check_abi(model, artifact, states: dict[str, HandleState], manifests: dict[str, Manifest]) -> None:
+def _check_abi(model: Transformer, artifact: ArtifactIdentity, states: dict[str, HandleState],
+               manifests: dict[str, Manifest]) -> None:
     """Each live handle's cache ABI must be the one a worker on this model declares."""
     from kvledger.worker.serving import RequestSpec, Worker
 
@@ -300,7 +327,7 @@ def _seeds(handles: Iterable[str], states: dict[str, HandleState], streams: dict
     return {h: seed(h) for h in handles}
 
 
-def _spec(s: HandleState, m: Manifest, seed: int):
+def _spec(s: HandleState, m: Manifest, seed: int) -> RequestSpec:
     from kvledger.worker.serving import RequestSpec
 
     sampling = m.request_policy.sampling

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -39,7 +40,7 @@ class ImportSummary(msgspec.Struct, frozen=True):
     manifests: int
 
 
-def export_jsonl(journal: Journal, out: str | Path, progress=None) -> int:
+def export_jsonl(journal: Journal, out: str | Path, progress: Callable[[int], None] | None = None) -> int:
     """Write every stored body, one per line, in global order. `out` "-" is stdout; a
     file is written beside its destination and renamed into place, so a failed export
     never leaves a truncated journal that looks complete."""
@@ -68,7 +69,7 @@ def _umask() -> int:
     return mask
 
 
-def _write(journal: Journal, f, progress) -> int:
+def _write(journal: Journal, f: BinaryIO, progress: Callable[[int], None] | None) -> int:
     n = 0
     for _, body in journal.read_raw():
         f.write(body)

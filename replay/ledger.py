@@ -114,6 +114,24 @@ class LedgerAccumulator:
 
     __slots__ = (*_SCALARS, *(f"peak_{n}" for n in PEAK_NAMES), "peak_at", "resident", "owners",
                  "_max", "_max_stale")
+    # The slots set by name (setattr) in __init__, declared for the type checker.
+    logical: int
+    materialized: int
+    reserved: int
+    allocator: int
+    workspace: int
+    logical_byte_ns: int
+    physical_byte_ns: int
+    mark_ns: int
+    start_ns: int | None
+    end_ns: int | None
+    peak_logical: int
+    peak_materialized: int
+    peak_reserved: int
+    peak_allocator: int
+    peak_physical: int
+    peak_workspace: int
+    peak_instantaneous: int
 
     def __init__(self, state: LedgerState | None = None) -> None:
         state = state if state is not None else LedgerState()
@@ -154,6 +172,7 @@ class LedgerAccumulator:
 
     def _integrate(self) -> None:
         """Bring the byte-time integrals up to the clock, before the ledgers change."""
+        assert self.end_ns is not None  # an owner exists: advance() has run
         dt = self.end_ns - self.mark_ns
         if dt:
             self.logical_byte_ns += self.logical * dt
@@ -168,6 +187,7 @@ class LedgerAccumulator:
         ledgers this call can raise are compared with their peaks: this runs at every
         publish, the hottest path of a replay."""
         end = self.end_ns
+        assert end is not None  # advance() runs before every event's change
         dt = end - self.mark_ns  # _integrate, inlined
         if dt:
             self.logical_byte_ns += self.logical * dt
@@ -175,7 +195,7 @@ class LedgerAccumulator:
             self.mark_ns = end
         own = self.owners.get(handle_id)
         first = own is None
-        if first:
+        if own is None:
             own = self._own(handle_id, h, position)
         committed = h.committed_length
         before = own.committed

@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from kvledger.journal.contract import Journal
 
 Head = tuple[int, int, int]  # generation, snapshot_version, stream_position
 INF = float("inf")
@@ -53,7 +57,7 @@ class Op:
     complete: int | None = None  # None: info (no completion seen)
     status: str = "info"  # ok | fail | info
     steps: tuple[Step, ...] = ()  # a write: the guarded steps of its last attempt
-    receipt: dict | None = None  # ok write: operation_id, event_ids, first, last
+    receipt: dict[str, Any] | None = None  # ok write, as its client logged it: event_ids, first, last
     value: dict[str, Head | None] | None = None  # read: the heads it returned
     error: str | None = None
 
@@ -66,11 +70,17 @@ class Op:
         return set(self.value) if self.value is not None else {s.handle for s in self.steps}
 
 
+class ReceiptFacts(TypedDict):
+    first: int
+    last: int
+    event_ids: list[str]
+
+
 @dataclass
 class Facts:
     """What the journal holds for the history's operations."""
 
-    receipts: dict[str, dict] = field(default_factory=dict)  # op id -> first, last, event_ids
+    receipts: dict[str, ReceiptFacts] = field(default_factory=dict)  # op id -> its receipt
     events: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # op id -> (position, id)
 
 
@@ -84,7 +94,7 @@ class Violation:
 
 # -- histories ---------------------------------------------------------------------
 
-def _head(x) -> Head | None:
+def _head(x: Sequence[int] | None) -> Head | None:
     return None if x is None else (int(x[0]), int(x[1]), int(x[2]))
 
 
@@ -153,10 +163,12 @@ def check_linear(ops: list[Op], facts: Facts, initial: Mapping[str, Head | None]
             else:
                 present.append(o)
     # real-time order of completed writes is kept in global_position
-    done = sorted((o for o in present if o.status == "ok"), key=lambda o: o.complete)
-    completes = [o.complete for o in done]
+    # an ok operation has its completion time
+    done = sorted(((o.complete, o) for o in present if o.status == "ok" and o.complete is not None),
+                  key=lambda d: d[0])
+    completes = [c for c, _ in done]
     best: list[tuple[int, str]] = []  # prefix max of last positions
-    for o in done:
+    for _, o in done:
         last = facts.receipts[o.key]["last"]
         best.append(max(best[-1], (last, o.key)) if best else (last, o.key))
     for o in present:
@@ -179,7 +191,7 @@ def check_linear(ops: list[Op], facts: Facts, initial: Mapping[str, Head | None]
     # no read misses a write acknowledged before the read began
     newest: dict[str, list[tuple[int, int, str]]] = {}  # handle -> (complete, stream position, op)
     for o in present:
-        if o.status == "ok":
+        if o.status == "ok" and o.complete is not None:
             for s in o.steps:
                 if s.new is not None:
                     newest.setdefault(s.handle, []).append((o.complete, s.new[2], o.key))
@@ -191,7 +203,7 @@ def check_linear(ops: list[Op], facts: Facts, initial: Mapping[str, Head | None]
             acc.append(max(acc[-1], (p, k)) if acc else (p, k))
         index[h] = ([c for c, _, _ in rows], acc)
     for o in ops:
-        if not o.is_read or o.status != "ok":
+        if o.value is None or o.status != "ok":  # o.value: o.is_read
             continue
         for h, v in o.value.items():
             if h not in index:
@@ -229,7 +241,7 @@ def _apply(state: Head | None, e: _Entry) -> tuple[bool, Head | None]:
 
 
 def check_wgl(ops: list[Op], initial: Mapping[str, Head | None] | None = None, *,
-              max_ops: int = 30, budget: int = 2_000_000) -> tuple[list[Violation], dict]:
+              max_ops: int = 30, budget: int = 2_000_000) -> tuple[list[Violation], dict[str, int]]:
     """Search each handle's subhistory for a linearization. ok operations must apply
     inside their interval with the results they returned; info ones may apply (after
     their invocation) or not at all; fail ones never happened. Returns violations and
@@ -238,8 +250,8 @@ def check_wgl(ops: list[Op], initial: Mapping[str, Head | None] | None = None, *
     for o in ops:
         if o.status == "fail":
             continue
-        if o.is_read:
-            if o.status != "ok":
+        if o.value is not None:  # o.is_read
+            if o.status != "ok" or o.complete is None:  # an ok one has its completion time
                 continue
             for h, v in o.value.items():
                 per.setdefault(h, []).append(_Entry(o, o.invoke, o.complete, True, (), v))
@@ -249,7 +261,8 @@ def check_wgl(ops: list[Op], initial: Mapping[str, Head | None] | None = None, *
             by_handle.setdefault(s.handle, []).append((s.expected, s.new))
         for h, steps in by_handle.items():
             done = o.status == "ok"
-            per.setdefault(h, []).append(_Entry(o, o.invoke, o.complete if done else INF, done, tuple(steps)))
+            complete = o.complete if done and o.complete is not None else INF
+            per.setdefault(h, []).append(_Entry(o, o.invoke, complete, done, tuple(steps)))
     violations: list[Violation] = []
     stats = {"handles": 0, "skipped": 0, "states": 0, "ops": 0}
     for h, entries in sorted(per.items()):
@@ -306,7 +319,7 @@ def _search(entries: list[_Entry], start: Head | None, budget: int) -> tuple[boo
     return False, explored, f"at most {deepest} linearize; cannot place {stuck[:5]}"
 
 
-def facts_from_journal(journal, handles: Iterable[str], op_ids: Iterable[str]) -> Facts:
+def facts_from_journal(journal: Journal, handles: Iterable[str], op_ids: Iterable[str]) -> Facts:
     """Receipts and events of `op_ids`, read from the streams of `handles`."""
     facts = Facts()
     for h in handles:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import msgspec
 
@@ -167,6 +168,7 @@ class Projector:
         sid = e.stream_id
         txns = old.open_txns
         txn = txns[0] if len(txns) == 1 else old.open_txn(p.txn_id)  # one open is the rule
+        assert txn is not None  # the fold has just applied this publish to its open txn
         start, n = txn.interval_start, txn.interval_count
         work = self.work.get(sid)
         if work is None:
@@ -199,7 +201,10 @@ class Projector:
         self.ledger.workspace = 0
 
 
-_HOOKS = {
+# Keyed by the event's class: each hook takes an event of that class (Any: the dispatch
+# pairs them), the handle's state before it (None only for a fork's new child) and after.
+_Hook = Callable[[Projector, Any, HandleState, Any], None]
+_HOOKS: dict[type[ev.Event], _Hook] = {
     ev.AppendPublishEvent: Projector._on_publish,
     ev.ForkEvent: Projector._on_fork,
     ev.TruncateEvent: Projector._on_truncate,

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict, Unpack
 
 import msgspec
 
@@ -171,19 +171,29 @@ class _Rec(NamedTuple):
     rec: Mutation | AllocatorObservation | ResidencyObservation
 
 
+class _FindingExtras(TypedDict, total=False):
+    source: str | None
+    sequences: tuple[int, ...]
+    metric: str | None
+    scrape_lines: tuple[int, ...]
+    count: int | None
+
+
 class _Findings:
     def __init__(self) -> None:
         self.items: list[Finding] = []
 
     def add(self, code: ReconcileCode, message: str, *, recs: Iterable[_Rec] = (),
-            journal: Iterable[_J | None] = (), ids: Iterable[str] = (), **kw) -> None:
+            journal: Iterable[_J | None] = (), ids: Iterable[str] = (), lines: tuple[int, ...] | None = None,
+            **kw: Unpack[_FindingExtras]) -> None:
         recs = list(recs)
         js = [j for j in journal if j is not None]
-        lines = tuple(r.line for r in recs)[:_MAX_POINTERS]
+        if lines is None:  # the telemetry lines of the records
+            lines = tuple(r.line for r in recs)[:_MAX_POINTERS]
         self.items.append(Finding(
             code=code.value, finding_class=FINDING_CLASS[code],
             severity="info" if code in INFO_CODES else "error", message=message,
-            lines=kw.pop("lines", lines), record_ids=tuple(r.rec.event_id for r in recs)[:_MAX_POINTERS],
+            lines=lines, record_ids=tuple(r.rec.event_id for r in recs)[:_MAX_POINTERS],
             positions=tuple(j.position for j in js)[:_MAX_POINTERS],
             event_ids=tuple(ids)[:_MAX_POINTERS], **kw))
 
@@ -294,7 +304,7 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
                         source=_src(rec))
                 continue
             paired.add(rec.event_id)
-            _check_mutation(out, r, j)
+            _check_mutation(out, r, rec, j)
         else:
             observations += 1
             j = index.get(rec.caused_by_event_id)
@@ -304,12 +314,12 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
                                              f"published", recs=(r,), source=_src(rec))
                 continue
             observed.add((rec.source_component, rec.caused_by_event_id))
-            _check_observation(out, r, j, block_size)
+            _check_observation(out, r, rec, j, block_size)
 
     # -- what the journal published and the telemetry never said -------------------------
     in_scope = 0
     unseen = 0
-    if hdr is not None:
+    if header is not None and hdr is not None:  # hdr: header[1]
         end = trailer.last_position if trailer is not None else last_position
         observers = [k for k in (ALLOCATOR, RESIDENCY) if k in hdr.components]
         for eid in order:
@@ -367,8 +377,7 @@ def _diff(a: msgspec.Struct, b: msgspec.Struct) -> list[str]:
     return [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
 
 
-def _check_mutation(out: _Findings, r: _Rec, j: _J) -> None:
-    rec: Mutation = r.rec
+def _check_mutation(out: _Findings, r: _Rec, rec: Mutation, j: _J) -> None:  # rec: r.rec
     eid = rec.event_id
     if rec.handle_generation < j.generation:
         out.add(C.STALE_GENERATION, f"{rec.event_type} of {rec.handle_id} names generation "
@@ -403,8 +412,8 @@ def _check_mutation(out: _Findings, r: _Rec, j: _J) -> None:
                 source=_src(rec))
 
 
-def _check_observation(out: _Findings, r: _Rec, j: _J, block_size: int | None) -> None:
-    rec = r.rec
+def _check_observation(out: _Findings, r: _Rec, rec: AllocatorObservation | ResidencyObservation, j: _J,
+                       block_size: int | None) -> None:  # rec: r.rec
     cause = rec.caused_by_event_id
     src = _src(rec)
     if rec.handle_id != j.stream_id:
@@ -418,8 +427,8 @@ def _check_observation(out: _Findings, r: _Rec, j: _J, block_size: int | None) -
                                      f"{j.event_type} it follows: a negative duration between two "
                                      f"sources; order them by causality, not wall time",
                 recs=(r,), journal=(j,), ids=(cause,), source=src)
-    if j.gen_after is None:
-        return  # the journal stream does not fold: verify reports why
+    if j.gen_after is None or j.committed_after is None or j.b_token is None:
+        return  # the journal stream does not fold (all three None): verify reports why
     if rec.handle_generation != j.gen_after:
         code = C.STALE_GENERATION if rec.handle_generation < j.gen_after else C.TELEMETRY_CONTRADICTS_JOURNAL
         out.add(code, f"{rec.event_type} of {rec.handle_id} names generation {rec.handle_generation}; "

@@ -54,7 +54,7 @@ def names(body: Any) -> Names:
         env = _envelope.decode(body)
     except (msgspec.DecodeError, RecursionError, TypeError):
         return Names()
-    found = {}
+    found: dict[str, Any] = {}  # JSON values, each of its field's kind (checked below)
     for field, kind in _KINDS.items():
         raw = getattr(env, field)
         if len(raw) > _SMALL:

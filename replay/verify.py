@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from kvledger.engine.evolve import cut, evolve
 from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import Journal, StoredEvent, StoredReceipt
+from kvledger.journal.contract import HeadFacts, Journal, StoredEvent, StoredReceipt
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.replay.stored import column_problems, names, position_of, receipt_problems, short
 from kvledger.schemas import events as ev
@@ -173,9 +174,10 @@ class Checker:
         try:
             e = decode_event(body)
         except KvLedgerError as exc:
-            e = self._undecodable(body, exc, line, at)
-            if e is None:
+            checked = self._undecodable(body, exc, line, at)
+            if checked is None:
                 return None
+            e = checked
         problem = noncanonical(body, e)
         if problem is not None:
             self._event_finding(e, NON_CANONICAL, f"body {problem}")
@@ -196,7 +198,7 @@ class Checker:
         whatever of its envelope still reads); a failure that claims a state change is
         checked without the claim, so the fold goes on."""
         known = names(body)
-        raw = None
+        raw: Any = None  # the body's JSON value, if it decodes
         if known.event_type == "failure":
             try:
                 raw = msgspec.json.decode(body)
@@ -213,7 +215,7 @@ class Checker:
                     e = decode_event(msgspec.json.encode(stripped))
                 except KvLedgerError:
                     e = None
-                if e is not None:
+                if isinstance(e, ev.FailureEvent):  # its event_type is failure: not None
                     self._event_finding(e, FAILURE_CHANGES_STATE,
                                         f"failure of {e.payload.txn_id} carries {', '.join(claimed)}: "
                                         "a failure publishes nothing and leaves its base visible")
@@ -525,6 +527,7 @@ class Checker:
                                           "each must end in a publish or a failure first")
 
     def _find(self, code: str, message: str) -> None:
+        assert self._e is not None  # called from check(), which sets it
         self._event_finding(self._e, code, message)
 
     def _event_finding(self, e: ev.Event, code: str, message: str) -> None:
@@ -536,7 +539,8 @@ class Checker:
     def result(self, *, stopped: str | None = None, storage: str | None = None) -> VerifyResult:
         return VerifyResult(self.events, self.findings, self.count - len(self.findings), stopped, storage)
 
-    def finish(self, receipts: Iterable | None = None, heads: dict | None = None) -> list[Finding]:
+    def finish(self, receipts: Iterable[Receipt | StoredReceipt] | None = None,
+               heads: dict[str, HeadFacts] | None = None) -> list[Finding]:
         if receipts is not None:
             self._check_receipts(receipts)
         if heads is not None:
@@ -586,7 +590,7 @@ class Checker:
                              position_of(row.first_global_position)))
         return r
 
-    def _check_heads(self, heads: dict) -> None:
+    def _check_heads(self, heads: dict[str, HeadFacts]) -> None:
         for sid, s in self.states.items():
             h = heads.get(sid)
             pos, event_id = self._last.get(sid, (None, None))
@@ -599,7 +603,9 @@ class Checker:
                                  stream_id=sid))
 
 
-_CHECKS = {
+# Keyed by the event's class: each check takes an event of that class (Any: the dispatch
+# pairs them) and its handle's state (None only for an allocate).
+_CHECKS: dict[type[ev.Event], Callable[[Checker, Any, Any], bool]] = {
     ev.RequestAllocateEvent: Checker._allocate,
     ev.ForkEvent: Checker._fork,
     ev.AppendStartEvent: Checker._start,
@@ -614,8 +620,8 @@ _CHECKS = {
 }
 
 
-def verify_bodies(bodies: Iterable[tuple[int | None, bytes]], *, receipts: Iterable | None = None,
-                  heads: dict | None = None,
+def verify_bodies(bodies: Iterable[tuple[int | None, bytes]], *,
+                  receipts: Iterable[Receipt | StoredReceipt] | None = None, heads: dict[str, HeadFacts] | None = None,
                   manifest_lookup: Callable[[str], bytes | None] | None = None,
                   keep: int = KEEP) -> VerifyResult:
     """Check `(line number, body)` pairs in order, then the receipts and heads given."""

@@ -36,6 +36,7 @@ TokenIds = Annotated[tuple[Annotated[int, Meta(ge=0, le=INT64_MAX)], ...], Meta(
 
 AppendKind = Literal["prefill", "chunk", "decode", "repair", "verify"]
 FailureOutcome = Literal["failed", "aborted", "rejected"]
+FinishReason = Literal["eos", "max_tokens", "stop", "client", "length"]
 
 
 # Subclasses repeat frozen=True: msgspec inherits it, but mypy's dataclass_transform reads
@@ -178,7 +179,7 @@ class CancelRequest(_Payload, frozen=True):
 
 
 class Finish(_Payload, frozen=True):
-    reason: Literal["eos", "max_tokens", "stop", "client", "length"]
+    reason: FinishReason
     output_count: Count
     committed_length: Count
 

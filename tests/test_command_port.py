@@ -14,7 +14,7 @@ from kvledger.engine.port import CommandPort
 from kvledger.engine.remote import RemoteService
 from kvledger.engine.service import CommandService
 from kvledger.migrations.storage import init_database, open_journal
-from kvledger.recovery.crashtest import _Acking
+from kvledger.recovery.crash_children import _Acking
 
 from factories import make_manifest
 
