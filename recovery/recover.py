@@ -219,11 +219,11 @@ def _manifest(journal: Journal, s: HandleState, streams: dict[str, list[ev.Event
 def _model(model, artifact, model_dir: str | None, device: str, manifests: dict[str, Manifest]):
     if model is not None:
         return model, artifact
-    from kvledger.worker.loading import load_model
+    from kvledger.worker.loading import DTYPES, load_model
 
     dtypes = {m.cache_schema.key_dtype.name for m in manifests.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else "fp32"
-    if dtype not in ("fp32", "bf16", "fp16"):
+    if dtype not in DTYPES:
         dtype = "fp32"
     return load_model(model_dir, device=device, dtype=dtype)
 
