@@ -245,11 +245,11 @@ def _model(model: Transformer | None, artifact: ArtifactIdentity | None, model_d
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "recover: pass the model with its artifact "
                                                             "(load_model's pair)")
         return model, artifact
-    from kvledger.worker.loading import load_model
+    from kvledger.worker.loading import DTYPES, load_model
 
     dtypes = {m.cache_schema.key_dtype.name for m in manifests.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else "fp32"
-    if dtype not in ("fp32", "bf16", "fp16"):
+    if dtype not in DTYPES:
         dtype = "fp32"
     return load_model(model_dir, device=device, dtype=dtype)
 

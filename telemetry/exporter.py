@@ -5,19 +5,23 @@ queue or a failing sink drops records and counts them; producers never wait for 
 
 from __future__ import annotations
 
+import enum
 import os
 import queue
 import threading
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Final, Literal
 
 import msgspec
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 from kvledger.journal import writers
+from kvledger.schemas import events as ev
 from kvledger.schemas.telemetry import (
     ALLOCATOR,
     RESIDENCY,
     SERVICE,
+    Header,
     Trailer,
     event_outcome,
     event_snapshots,
@@ -31,6 +35,24 @@ log = structlog.get_logger("kvledger.telemetry")
 
 _encoder = msgspec.json.Encoder()
 
+# What the hooks queue, one tuple per hook call, tagged by its first element (_render):
+# "m" (source, local_sequence before, journal watermark, monotonic_ns, wall, events)
+MutationItem = tuple[Literal["m"], str, int, int, int, int, list[ev.Event]]
+# one observed row of a store: (cause event id, operation id, handle, request, generation,
+# tier, snapshot version, slots, used slots, resident payload bytes)
+ObservationRow = tuple[str, str | None, str, str, int, str, int | None, int, int, int]
+# "o" (source, nonce, allocator and residency sequences before, block size, monotonic_ns,
+# wall, rows)
+ObservationItem = tuple[Literal["o"], str, str, int, int, int, int, int, list[ObservationRow]]
+# "r" a refused command's mutation record, as its fields
+RefusedItem = tuple[Literal["r"], dict[str, str | int | None]]
+# "h" the header; "t" the trailer's (source, last position, records, wall)
+HeaderItem = tuple[Literal["h"], Header]
+TrailerItem = tuple[Literal["t"], str, int, int, int]
+Item = MutationItem | ObservationItem | RefusedItem | HeaderItem | TrailerItem
+# a rendered batch: (JSON lines, or why it could not be rendered; its audit records)
+_Chunk = tuple[bytes | Exception, int]
+
 
 class _Rendered:
     """structlog's wrapped logger for the exporter: hands the rendered lines back to
@@ -40,12 +62,18 @@ class _Rendered:
         return lines
 
 
-def _json_lines(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
+def _json_lines(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> bytes:
     """The renderer: the batch's records, one JSON object per line."""
     return _encoder.encode_lines(event_dict["records"])
 
 
-_STOP = object()
+class _Stop(enum.Enum):
+    """The writer thread's stop mark (an enum member, so `is` narrows the queue's type)."""
+
+    STOP = 0
+
+
+_STOP: Final = _Stop.STOP
 
 
 class _MutationLine(msgspec.Struct, gc=False):
@@ -109,7 +137,7 @@ class Exporter:
     then waits at the pool's barrier (docs/PERFORMANCE.md, telemetry). A batch left
     partial for `linger` seconds, because traffic stopped, is rendered by the thread."""
 
-    def __init__(self, sink: str | os.PathLike | BinaryIO, *, capacity: int, metrics: Metrics,
+    def __init__(self, sink: str | os.PathLike[str] | BinaryIO, *, capacity: int, metrics: Metrics,
                  linger: float = 0.05, batch: int = 64) -> None:
         if isinstance(sink, (str, os.PathLike)):
             self._file: BinaryIO = open(sink, "wb")
@@ -121,8 +149,8 @@ class Exporter:
         self.linger = linger  # seconds a partial batch may wait before the thread renders it
         self.batch = batch  # queued items rendered together by the producer
         self._lock = threading.Lock()  # the pending batch; taken inside the Telemetry lock
-        self._pending: list[tuple] = []
-        self._q: queue.SimpleQueue = queue.SimpleQueue()  # rendered (lines, records), in order
+        self._pending: list[tuple[Item, int]] = []
+        self._q: queue.SimpleQueue[_Chunk | _Stop] = queue.SimpleQueue()  # rendered (lines, records), in order
         self._in = 0  # audit records accepted (under self._lock)
         self._out = 0  # audit records written or dropped by the sink (writer thread only)
         self.written = 0
@@ -147,7 +175,7 @@ class Exporter:
     def dropped(self) -> int:
         return self.metrics.dropped_queue + self.metrics.dropped_sink
 
-    def put(self, item: tuple, records: int) -> bool:
+    def put(self, item: Item, records: int) -> bool:
         with self._lock:
             if records and self._in - self._out + records > self.capacity:
                 self.metrics.dropped_queue += records
@@ -170,7 +198,7 @@ class Exporter:
             except OSError:
                 pass
 
-    def render(self, items: list[tuple]) -> bytes:
+    def render(self, items: list[Item]) -> bytes:
         """Queued items -> JSON lines, without writing (for measuring)."""
         lines = self._render_lines([(item, 0) for item in items])[0]
         if isinstance(lines, Exception):
@@ -191,7 +219,7 @@ class Exporter:
             batch, self._pending = self._pending, []
             self._q.put(self._render_lines(batch))
 
-    def _render_lines(self, batch: list[tuple]) -> tuple[bytes | Exception, int]:
+    def _render_lines(self, batch: list[tuple[Item, int]]) -> _Chunk:
         """(JSON lines, audit records) of a batch; an exception in place of the lines if
         the batch could not be encoded: the writer then counts it as dropped, and the
         producer, whose hook this runs in, never sees it."""
@@ -244,10 +272,9 @@ class Exporter:
 
 # -- records -----------------------------------------------------------------------------
 
-def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
+def _render(out: list[Any], item: Item, exporter: Exporter) -> None:
     """Exporter thread: one queued tuple -> records, in envelope order."""
-    kind = item[0]
-    if kind == "m":
+    if item[0] == "m":
         _, source, seq, watermark, mono, wall, events = item
         trace = exporter.trace_id
         for e in events:
@@ -257,25 +284,25 @@ def _render(out: list[Any], item: tuple, exporter: Exporter) -> None:
                 "mutation", e.event_id, trace(e.request_id), source, SERVICE, seq, mono, wall,
                 e.request_id, e.stream_id, e.handle_generation, e.operation_id, e.event_type, base,
                 result, event_outcome(e), watermark, committed))
-    elif kind == "o":
+    elif item[0] == "o":
         _, source, nonce, seq_a, seq_r, block_size, mono, wall, rows = item
         for (cause, op, handle, request, generation, tier, snapshot, slots, used, payload) in rows:
             seq_a += 1
             seq_r += 1
-            trace = exporter.trace_id(request)
+            trace_id = exporter.trace_id(request)
             out.append(_ObservationLine(
-                ALLOCATOR, f"{nonce}1{seq_a:015x}", trace, source, ALLOCATOR, seq_a, mono, wall, request,
+                ALLOCATOR, f"{nonce}1{seq_a:015x}", trace_id, source, ALLOCATOR, seq_a, mono, wall, request,
                 handle, generation, op, "allocator_observation", snapshot, "observed", cause,
                 blocks=-(-slots // block_size), slots=slots, used_slots=used, block_size=block_size))
             out.append(_ObservationLine(
-                RESIDENCY, f"{nonce}2{seq_r:015x}", trace, source, RESIDENCY, seq_r, mono, wall, request,
+                RESIDENCY, f"{nonce}2{seq_r:015x}", trace_id, source, RESIDENCY, seq_r, mono, wall, request,
                 handle, generation, op, "residency_observation", snapshot, "observed", cause,
                 resident_payload_bytes={tier: payload}))
-    elif kind == "r":
+    elif item[0] == "r":
         out.append(item[1])
-    elif kind == "h":
+    elif item[0] == "h":
         out.append({"record": "header", **msgspec.structs.asdict(item[1])})
-    elif kind == "t":
+    elif item[0] == "t":
         _, source, last_position, records, wall = item
         out.append({"record": "trailer", **msgspec.structs.asdict(Trailer(
             source_instance=source, last_position=last_position, records=records,

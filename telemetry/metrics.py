@@ -8,12 +8,14 @@ count never grows with traffic.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    Metric,
 )
 
 from kvledger.schemas import events as ev
@@ -76,7 +78,7 @@ class Metrics:
         self.kv = dict.fromkeys(LEDGERS, 0)
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.itl = _Histogram(ITL_BUCKETS)
-        self.queue_depth = lambda: 0
+        self.queue_depth: Callable[[], int] = lambda: 0  # the exporter's, once there is one
         self.registry.register(self)
 
     def scrape(self) -> bytes:
@@ -84,21 +86,22 @@ class Metrics:
         return generate_latest(self.registry)
 
     # prometheus_client collector protocol
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return list(self._families(empty=True))
 
-    def collect(self):
+    def collect(self) -> list[Metric]:
         return list(self._families())
 
-    def _families(self, empty: bool = False):
-        def counter(name, doc, label, values):
+    def _families(self, empty: bool = False) -> Iterator[Metric]:
+        def counter(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
             f = CounterMetricFamily(name, doc, labels=[label])
             if not empty:
                 for k, v in list(values.items()):
                     f.add_metric([k], v)
             return f
 
-        def gauge(name, doc, value=None, label=None, values=None):
+        def gauge(name: str, doc: str, value: float = 0, label: str | None = None,
+                  values: dict[str, int] | None = None) -> GaugeMetricFamily:
             f = GaugeMetricFamily(name, doc, labels=[label] if label else None)
             if not empty:
                 if values is None:

@@ -56,18 +56,19 @@ from kvledger.schemas.telemetry import (
     event_snapshots,
     trace_id_of,
 )
-from kvledger.telemetry.exporter import Exporter
+from kvledger.telemetry.exporter import Exporter, ObservationRow
 from kvledger.telemetry.metrics import COMPONENTS, Metrics
 
-if TYPE_CHECKING:
-    from kvledger.worker.serving import Worker  # torch: for the annotation only
+if TYPE_CHECKING:  # annotations only: telemetry never loads torch for the worker it observes
+    from kvledger.worker.kvstore import KVStore
+    from kvledger.worker.serving import Worker
 
 log = structlog.get_logger("kvledger.telemetry")
 
 _OBSERVED = frozenset(OBSERVED_EVENT_TYPES)
 
 # The event a refused command would have written (for its outcome record).
-_COMMAND_EVENT = {
+_COMMAND_EVENT: dict[type[c.Command], str] = {
     c.Allocate: "request_allocate", c.BeginAppend: "append_start", c.Publish: "append_publish",
     c.Fail: "failure", c.EmitOutput: "output_emit", c.Fork: "fork", c.Truncate: "truncate",
     c.Reorder: "reorder", c.CancelRequest: "cancel_request", c.Finish: "finish", c.Release: "release",
@@ -80,6 +81,7 @@ class _Handle:
 
     __slots__ = ("b_token", "capacity_bytes", "allocator", "copies", "tier", "committed", "owning",
                  "state", "arrival", "last_output")
+    last_output: int | None  # monotonic_ns of the handle's newest output_emit
 
     def __init__(self, b_token: int, capacity: int, allocator: int, tiers: tuple[str, ...],
                  arrival: int | None) -> None:
@@ -96,7 +98,7 @@ class Telemetry:
     sample_rate < 1 keeps whole traces (requests) by a hash of the request id and
     says so in the header, so a reader never concludes absence from it."""
 
-    def __init__(self, sink: str | os.PathLike | BinaryIO | None = None, *,
+    def __init__(self, sink: str | os.PathLike[str] | BinaryIO | None = None, *,
                  registry: CollectorRegistry | None = None, queue_size: int = 65536,
                  sample_rate: float = 1.0, block_size: int = BLOCK_SIZE) -> None:
         if not 0.0 < sample_rate <= 1.0:
@@ -109,14 +111,14 @@ class Telemetry:
         self.block_size = block_size
         self.source_instance = "kvledger"
         self.service: Any = None
-        self.store: Any = None
+        self.store: KVStore | None = None
         self.metrics_port: int | None = None
         self._clock: Any = SystemClock()
         self._nonce = os.urandom(8).hex()  # observation ids: nonce, component (1, 2), sequence
         self._lock = threading.Lock()
         self._seq = {SERVICE: 0, ALLOCATOR: 0, RESIDENCY: 0}
         self._handles: dict[str, _Handle] = {}
-        self._stash: OrderedDict[str, list[tuple]] = OrderedDict()  # op id -> events to observe
+        self._stash: OrderedDict[str, list[tuple[ev.Event, str]]] = OrderedDict()  # op id -> events to observe
         self._server: Any = None
         self._closed = False
         self._logical = self._reserved = self._allocator = 0
@@ -132,11 +134,11 @@ class Telemetry:
         self._clock = service.clock  # the clock the journal's events are stamped with
         components: tuple[str, ...] = (SERVICE,)
         if worker is not None:
-            self.store = worker.store
+            self.store = store = worker.store
             # payload bytes per committed row of the store: what KVStore.payload_bytes counts
-            layers, _, heads, _, dim = self.store.k.shape
-            self._row_bytes = layers * heads * dim * (self.store.k.element_size()
-                                                      + self.store.v.element_size())
+            layers, _, heads, _, dim = store.k.shape
+            self._row_bytes = layers * heads * dim * (store.k.element_size()
+                                                      + store.v.element_size())
             worker.on_applied = self._on_applied
             components = COMPONENTS
         if self.exporter is not None:
@@ -244,12 +246,12 @@ class Telemetry:
 
     def _on_applied(self, receipt: Receipt) -> None:
         pending = self._stash.pop(receipt.operation_id, None)
-        x = self.exporter
-        if not pending or x is None:
+        x, store = self.exporter, self.store
+        if not pending or x is None or store is None:
             return
-        store, row_bytes = self.store, self._row_bytes
+        row_bytes = self._row_bytes
         results = {r.handle_id: r for r in receipt.handles}
-        rows = []
+        rows: list[ObservationRow] = []
         for e, tier in pending:
             handle = e.stream_id
             r = results.get(handle)
@@ -267,7 +269,7 @@ class Telemetry:
         self.metrics.records[ALLOCATOR] += n
         self.metrics.records[RESIDENCY] += n
 
-    def _on_reject(self, cmd: Any, exc: KvLedgerError) -> None:
+    def _on_reject(self, cmd: object, exc: KvLedgerError) -> None:
         if not isinstance(cmd, c.Command):
             return  # a relative command that could not even be bound (no such handle)
         m = self.metrics
@@ -293,6 +295,7 @@ class Telemetry:
         base = getattr(cmd, "base_snapshot_version", None)
         if base is None and not isinstance(cmd, c.Allocate) and state is not None:
             base = state.snapshot_version
+        fields: dict[str, str | int | None]
         fields = {"record": "mutation", "event_id": uuid.uuid4().hex, "trace_id": trace_id_of(request),
                   "source_instance": self.source_instance, "source_component": SERVICE,
                   "local_sequence": 0, "monotonic_ns": self._clock.monotonic_ns(),
@@ -320,8 +323,8 @@ class Telemetry:
             m.events[t] += 1
             sid = e.stream_id
             h = handles.get(sid)
-            p = e.payload
-            if t == "output_emit":
+            p = e.payload  # its class is the event type's (the envelope's tag): branch on it
+            if isinstance(p, ev.OutputEmit):
                 if h is None:
                     continue
                 now = e.monotonic_ns
@@ -331,41 +334,41 @@ class Telemetry:
                 else:
                     m.itl.observe(max(0, now - h.last_output) / 1e9)
                 h.last_output = now
-            elif t == "append_start":
+            elif isinstance(p, ev.AppendStart):
                 m.attempts[p.kind] += 1
                 if h is not None and h.state == 0:
                     h.state = 1
                     m.waiting -= 1
                     m.running += 1
-            elif t == "append_publish":
+            elif isinstance(p, ev.AppendPublish):
                 m.outcomes["success"] += 1
                 if h is not None:
                     self._own(h, p.committed_length)
                     moved = True
-            elif t == "request_allocate":
+            elif isinstance(p, ev.RequestAllocate):
                 handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
                                        p.copy_tiers, e.monotonic_ns)
                 m.waiting += 1
-            elif t == "fork":
+            elif isinstance(p, ev.Fork):
                 h = handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
                                            p.copy_tiers, None)
                 h.state, h.last_output = 1, e.monotonic_ns
                 m.running += 1
                 self._own(h, p.prefix_length)
                 moved = True
-            elif t == "failure":
+            elif isinstance(p, ev.Failure):
                 m.outcomes[p.outcome] += 1
             elif h is None:
                 continue  # allocated before this telemetry started: counted, not tracked
-            elif t == "truncate":
+            elif isinstance(p, ev.Truncate):
                 if h.owning:
                     self._own(h, p.new_length)
                     moved = True
-            elif t in ("cancel_request", "finish"):
-                if t == "cancel_request" and p.aborted_txn_ids:
+            elif isinstance(p, (ev.CancelRequest, ev.Finish)):
+                if isinstance(p, ev.CancelRequest) and p.aborted_txn_ids:
                     m.outcomes["cancelled"] += len(p.aborted_txn_ids)
                 self._terminal(h)
-            elif t == "release":
+            elif isinstance(p, ev.Release):
                 self._terminal(h)
                 if h.owning:
                     self._logical -= h.committed * h.b_token

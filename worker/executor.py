@@ -37,7 +37,8 @@ class _SlabView:
     """KVView over the store: stage this call's rows in place past each slot's
     frontier (invisible until commit), then attend over the slab's prefix."""
 
-    def __init__(self, store: KVStore, members: list[Member], shape: CallShape, device) -> None:
+    def __init__(self, store: KVStore, members: list[Member], shape: CallShape,
+                 device: torch.device) -> None:
         self.store = store
         self.members = members
         slots = [store.slot[m.handle_id] for m in members]
@@ -56,7 +57,7 @@ class _SlabView:
         keys = torch.arange(shape.key_extent, device=device)
         self.mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T_new, T_kv]
 
-    def __call__(self, layer: int, k_new: Tensor, v_new: Tensor):
+    def __call__(self, layer: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         K, V = self.store.k[layer], self.store.v[layer]
         if self.decode:  # one index_copy_ per tensor: under half the cost of K[slots, :, past] = ...
             d = K.shape[-1]
@@ -92,7 +93,7 @@ def run_call(model: Transformer, store: KVStore, members: list[Member], shape: C
     pos = torch.tensor([range(m.past, m.past + pad) for m in members], dtype=torch.long, device=device)
     view = _SlabView(store, members, shape, device)
     rows = "all" if all_rows else torch.tensor([len(m.token_ids) - 1 for m in members], device=device)
-    logits = model(ids, pos, kv=view, logits_rows=rows)
+    logits: Tensor = model(ids, pos, kv=view, logits_rows=rows)
     for m in members:
         store.staged(m.handle_id, m.past + len(m.token_ids))
     return logits

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -128,7 +129,8 @@ class KVStore:
             idx = (rows[:, None, :] + self._layer_rows[None, :, None]).reshape(-1)  # [B, L, H_kv]
             k = self.k.view(-1, dim).index_select(0, idx).view(len(single), layers, heads * dim)
             v = self.v.view(-1, dim).index_select(0, idx).view(len(single), layers, heads * dim)
-            buf = memoryview(_bytes(torch.stack((k, v), dim=2))).cast("B")  # [B, L, K|V, H x d_h]
+            # numpy's stubs declare ndarray's buffer protocol (__buffer__) only for Python >= 3.12
+            buf = memoryview(_bytes(torch.stack((k, v), dim=2))).cast("B")  # type: ignore[arg-type]
             n = len(buf) // (len(single) * layers)
             digests = [hashlib.sha256(buf[o:o + n]).hexdigest() for o in range(0, len(buf), n)]
             for j, i in enumerate(single):
@@ -136,10 +138,10 @@ class KVStore:
         for i, (h, start, n) in enumerate(spans):
             if out[i] is None:
                 s = self.slot[h]
-                k = _bytes(self.k[:, s, :, start:start + n])  # [L, H, n, d_h]
-                v = _bytes(self.v[:, s, :, start:start + n])
-                out[i] = _per_layer(k, v)
-        return out  # type: ignore[return-value]
+                kb = _bytes(self.k[:, s, :, start:start + n])  # [L, H, n, d_h]
+                vb = _bytes(self.v[:, s, :, start:start + n])
+                out[i] = _per_layer(kb, vb)
+        return out  # type: ignore[return-value]  # the loops above fill every entry
 
     def payload_bytes(self, handle_id: str) -> int:
         """Bytes of the visible rows: committed x B_token (H_kv heads, never H_q)."""
@@ -148,11 +150,11 @@ class KVStore:
         return t * layers * heads * dim * (self.k.element_size() + self.v.element_size())
 
 
-def _bytes(t: Tensor):
+def _bytes(t: Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).cpu().numpy()
 
 
-def _per_layer(k, v) -> list[str]:
+def _per_layer(k: np.ndarray, v: np.ndarray) -> list[str]:
     digests = []
     for layer in range(k.shape[0]):
         h = hashlib.sha256(k[layer].data)

@@ -15,7 +15,9 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import ArtifactIdentity
 from kvledger.worker.model import DEFAULT_CONFIG, ModelConfig, Transformer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The dtypes a model runs in, by the name --dtype and a cache schema's ScalarType give them.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES: dict[torch.dtype, str] = {t: name for name, t in DTYPES.items()}
 
 
 def load_model(model_dir: str | None = None, *, device: str = "cpu", dtype: str = "fp32",

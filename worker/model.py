@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
+from torch.types import Device
 
 __all__ = [
     "DEFAULT_CONFIG", "KVView", "ModelConfig", "SimpleKV", "Transformer", "causal_mask",
@@ -55,7 +56,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("rope_theta and rms_norm_eps must be positive")
 
     @classmethod
-    def from_hf_config(cls, d: dict) -> ModelConfig:
+    def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:  # config.json: any JSON values
         """Read a Hugging Face config.json dict (model_type llama, mistral or qwen2).
 
         Refuses anything whose math this file does not implement rather than
@@ -90,7 +91,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"sliding_window={sw} < max_position_embeddings={max_pos} "
                              "is not implemented (attention would differ past the window)")
 
-        def first(tok):  # Llama 3 style lists: keep the primary id
+        def first(tok: object) -> int | None:  # Llama 3 style lists: keep the primary id
             return tok[0] if isinstance(tok, list) and tok else (tok if isinstance(tok, int) else None)
 
         heads = d["num_attention_heads"]
@@ -160,23 +161,27 @@ class SimpleKV:
     def length(self) -> int:
         return 0 if self.k[0] is None else self.k[0].shape[2]
 
-    def __call__(self, layer: int, k_new: Tensor, v_new: Tensor):
+    def __call__(self, layer: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.staged[layer] is not None:
             raise RuntimeError(f"layer {layer} already has staged rows; commit() or discard() first")
         self.staged[layer] = (k_new, v_new)
         k_old, v_old = self.k[layer], self.v[layer]
-        if k_old is None:
+        if k_old is None or v_old is None:  # both, or neither: commit() sets them together
             return k_new, v_new, None
         B, _, P, _ = k_old.shape
         T = k_new.shape[2]
-        lens = lambda n: torch.full((B,), n, dtype=torch.long, device=k_new.device)  # noqa: E731 - a local shorthand
+
+        def lens(n: int) -> Tensor:
+            return torch.full((B,), n, dtype=torch.long, device=k_new.device)
+
         mask = causal_mask(lens(P), lens(T), P + T, T)
         return torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2), mask
 
     def commit(self) -> None:
-        if any(s is None for s in self.staged):
+        staged = [s for s in self.staged if s is not None]
+        if len(staged) < len(self.staged):
             raise RuntimeError("commit() needs rows staged by every layer (incomplete forward?)")
-        for layer, (k, v) in enumerate(self.staged):
+        for layer, (k, v) in enumerate(staged):
             old_k, old_v = self.k[layer], self.v[layer]
             self.k[layer] = k if old_k is None else torch.cat([old_k, k], 2)
             self.v[layer] = v if old_v is None else torch.cat([old_v, v], 2)
@@ -204,7 +209,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin [B, 1, T, d_h] of `positions` [B, T], computed in fp32 and cast to
     `dtype` (model.to(bf16) must not quantise the frequencies)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float,
@@ -235,17 +240,18 @@ class Attention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.empty(sum(self.sizes))) if cfg.qkv_bias else None
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
+    def _save_to_state_dict(self, destination: dict[str, Tensor], prefix: str, keep_vars: bool) -> None:
         # HF's names and order (each projection's weight, then its bias), as views of
         # the fused tensors: writing into them writes the model.
-        fused = [(p if keep_vars else p.detach()).split(self.sizes)
+        fused = [(p if keep_vars else p.detach()).split_with_sizes(self.sizes)
                  for p in (self.qkv_weight, self.qkv_bias) if p is not None]
         for i, part in enumerate(self._PARTS):
             for kind, pieces in zip(("weight", "bias"), fused):
                 destination[f"{prefix}{part}.{kind}"] = pieces[i]
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict: dict[str, Tensor], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
         absent = []
         for kind, p in (("weight", self.qkv_weight), ("bias", self.qkv_bias)):
             keys = [f"{prefix}{part}.{kind}" for part in self._PARTS]
@@ -278,7 +284,8 @@ class Attention(nn.Module):
         # repeat_interleave with bool masks, is_causal, and fp32/bf16/fp16.)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=True)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+        out: Tensor = self.o_proj(o.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+        return out
 
 
 class MLP(nn.Module):
@@ -289,7 +296,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class Block(nn.Module):
@@ -300,9 +308,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, kv):
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVView | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp: Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp
 
 
 class Transformer(nn.Module):
@@ -359,7 +368,7 @@ class Transformer(nn.Module):
         return cs[..., :d].to(dtype), cs[..., d:].to(dtype)
 
     @classmethod
-    def _empty(cls, cfg: ModelConfig, dtype: torch.dtype, device) -> Transformer:
+    def _empty(cls, cfg: ModelConfig, dtype: torch.dtype, device: Device) -> Transformer:
         # Build on meta so construction neither allocates twice nor consumes global RNG.
         with torch.device("meta"):
             model = cls(cfg)
@@ -368,7 +377,7 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig = DEFAULT_CONFIG, seed: int = 0,
-                    dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+                    dtype: torch.dtype = torch.float32, device: Device = "cpu") -> Transformer:
         """Deterministic random init: same seed -> same weights on any device/dtype."""
         model = cls._empty(cfg, dtype, device)
         g = torch.Generator().manual_seed(seed)  # CPU fp32 draws, then cast/copy
@@ -384,7 +393,7 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device="cpu") -> Transformer:
+                        device: Device = "cpu") -> Transformer:
         """Load a HF Llama/Mistral/Qwen2 directory: config.json + (sharded) safetensors."""
         path = Path(path)
         cfg = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from typing import TypedDict
 
 from kvledger.journal import writers
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -88,9 +89,9 @@ def pin_writer(pid: int = 0) -> None:
     core in torch's pool, a writer pinned there would wait behind a spinning torch thread
     instead. Placement is only about speed: a writer that cannot be moved (it already
     exited, the cpuset changed) runs where it is."""
-    if _apart:
+    if _apart and (cpu := io_cpu()) is not None:  # apart only once a CPU was found (pin_model)
         with contextlib.suppress(OSError):
-            os.sched_setaffinity(pid, {io_cpu()})
+            os.sched_setaffinity(pid, {cpu})
 
 
 def pin_model(leaves_a_core: bool) -> None:
@@ -106,7 +107,12 @@ def pin_model(leaves_a_core: bool) -> None:
         _apart = leaves_a_core
 
 
-def describe() -> dict:
+class Placement(TypedDict):
+    io_cpu: int | None
+    model_cpus: list[int]
+
+
+def describe() -> Placement:
     """Where the calling (model) thread may run, and the CPU writers were placed on
     (None: not placed), for a run's report."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(usable_cpus())

@@ -63,7 +63,8 @@ def _reexecute(model: Transformer, events: Iterable[ev.Event], slots: int, capac
     def run(call_id: str) -> None:
         members_ev = calls.pop(call_id)
         call = members_ev[0].payload.call
-        by_index = {e.payload.call.index: e for e in members_ev}
+        assert call is not None  # calls holds only starts that name their call (below)
+        by_index = {e.payload.call.index: e for e in members_ev if e.payload.call is not None}
         members = []
         for i in range(call.size):
             e = by_index.get(i)

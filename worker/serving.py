@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 import structlog
@@ -26,7 +27,7 @@ from kvledger.engine import commands as c
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
-from kvledger.schemas.events import ForwardCall, LayerRows
+from kvledger.schemas.events import AppendKind, ForwardCall, LayerRows
 from kvledger.schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
@@ -42,11 +43,10 @@ from kvledger.schemas.receipts import Receipt
 from kvledger.worker import placement
 from kvledger.worker.executor import CallShape, Member, run_call
 from kvledger.worker.kvstore import KVStore
-from kvledger.worker.loading import require_context
+from kvledger.worker.loading import DTYPE_NAMES, require_context
 from kvledger.worker.model import Transformer
 
 log = structlog.get_logger("kvledger.worker")
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class RequestSpec(msgspec.Struct, frozen=True):
@@ -90,7 +90,7 @@ class Live:
 class Planned:
     handle: str
     txn: str
-    kind: str
+    kind: AppendKind
     past: int
     tokens: tuple[int, ...]
 
@@ -105,7 +105,9 @@ class Ran:
     greedy: int | None = None  # argmax of the last row, computed for the whole call at once
 
 
-Entry = tuple[object, Callable[[Receipt | None], None] | None, Callable[[Exception], None] | None]
+Ok = Callable[[Receipt | None], None]  # a command's receipt (None: journaling off)
+Err = Callable[[Exception], None]  # why it was refused
+Entry = tuple[c.Command | c.Relative, Ok | None, Err | None]
 
 
 class InjectedFault(RuntimeError):
@@ -118,12 +120,12 @@ class _Chain:
     guarded write, one receipt. The publication names the real base; the later steps
     leave theirs to the chain. Any other command on the handle ends the chain."""
 
-    def __init__(self, handle: str, first: c.Publish, ok: Callable | None, err: Callable | None) -> None:
+    def __init__(self, handle: str, first: c.Publish, ok: Ok | None, err: Err | None) -> None:
         self.handle, self.first = handle, first
         self.steps: list[c.Step] = []
         self.oks, self.errs = [ok], [err]
 
-    def add(self, step: c.Step, err: Callable | None = None) -> None:
+    def add(self, step: c.Step, err: Err | None = None) -> None:
         self.steps.append(step)
         self.errs.append(err)
 
@@ -132,12 +134,12 @@ class _Chain:
             return (c.Relative(self.first), self.oks[0], self.errs[0])
         chain = c.Relative(c.Chain(handle_id=self.handle, steps=(self.first, *self.steps)))
 
-        def ok(r):
+        def ok(r: Receipt | None) -> None:
             for f in self.oks:
                 if f:
                     f(r)
 
-        def err(exc):
+        def err(exc: Exception) -> None:
             for f in self.errs:
                 if f:
                     f(exc)
@@ -206,11 +208,11 @@ class Worker:
 
     # -- one iteration -------------------------------------------------------------
     def step(self) -> None:
-        batch: list[Entry] = []
+        batch: list[Entry | _Chain] = []
         nxt: list[Planned] = []
         self._chains = {}
-        for ran in self.ran:
-            self._publish(ran, batch, nxt)
+        for prev in self.ran:
+            self._publish(prev, batch, nxt)
         self.ran = []
         for p, why in self.failed:
             self._fail(p, why, batch, nxt)
@@ -260,17 +262,17 @@ class Worker:
         """Decide and write the iteration's commands now (and commit them, unless
         `overlap`). The returned function waits until their commit is durable, then
         applies each result (store effects, errors)."""
-        batch = [e.entry() if isinstance(e, _Chain) else e for e in batch]
+        entries = [e.entry() if isinstance(e, _Chain) else e for e in batch]
         if self.service is None:  # journaling off: the same loop, nothing durable
             def done_off() -> None:
-                for _, ok, _ in batch:
+                for _, ok, _ in entries:
                     if ok:
                         ok(None)
             return done_off
-        wait = self.service.submit_many([e[0] for e in batch], defer=overlap)
+        wait = self.service.submit_many([e[0] for e in entries], defer=overlap)
 
         def done() -> None:
-            for (_, ok, err), r in zip(batch, wait()):
+            for (_, ok, err), r in zip(entries, wait()):
                 if isinstance(r, Exception):
                     if err:
                         err(r)
@@ -285,7 +287,7 @@ class Worker:
         return done
 
     # -- what the last calls produced ----------------------------------------------
-    def _publish(self, ran: Ran, batch: list[Entry], nxt: list[Planned]) -> None:
+    def _publish(self, ran: Ran, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
         p, lv = ran.planned, self.live[ran.planned.handle]
         end = p.past + ran.accepted
         accepted = ran.accepted if p.kind == "verify" else None
@@ -293,12 +295,12 @@ class Worker:
         publish = c.Publish(handle_id=p.handle, txn_id=p.txn, base_generation=None, base_snapshot_version=None,
                             layers=ran.layers, accepted_count=accepted, workspace_bytes=self._workspace(p))
 
-        def failed(exc: Exception, h=p.handle) -> None:
+        def failed(exc: Exception, h: str = p.handle) -> None:
             self.store.discard(h)
             self.errors.append(str(exc))
             self.live[h].done = self.live[h].done or "failed"
 
-        chain = _Chain(p.handle, publish, lambda r, h=p.handle: self.store.commit(h, end), failed)
+        chain = _Chain(p.handle, publish, lambda r: self.store.commit(p.handle, end), failed)
         batch.append(chain)
         self._chains[p.handle] = chain
         if p.kind == "repair":
@@ -307,6 +309,7 @@ class Worker:
         if p.kind == "verify":
             drafts = p.tokens[: ran.accepted]
             lv.outputs.extend(drafts)
+            assert ran.correction is not None  # a verify call always chooses one (_run)
             self._emit(lv, ran.correction, batch, nxt)
             return
         if end < len(lv.spec.prompt):
@@ -315,7 +318,7 @@ class Worker:
         lv.greedy = ran.greedy
         self._on_ready(lv, batch, nxt)
 
-    def _on_ready(self, lv: Live, batch: list[Entry], nxt: list[Planned]) -> None:
+    def _on_ready(self, lv: Live, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
         """Logits of a publication are ready: fork, speculate or emit."""
         spec = lv.spec
         if spec.n > 1 and not lv.forked and not lv.outputs:
@@ -339,7 +342,7 @@ class Worker:
                 return
         self._emit(lv, self._sample(lv), batch, nxt)
 
-    def _emit(self, lv: Live, token: int, batch: list[Entry], nxt: list[Planned]) -> None:
+    def _emit(self, lv: Live, token: int, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
         spec = lv.spec
         index = len(lv.outputs)
 
@@ -354,8 +357,9 @@ class Worker:
         lv.logits, lv.greedy = None, None
         eos = self.cfg.eos_token_id
         if (eos is not None and token == eos) or len(lv.outputs) >= spec.max_new_tokens:
-            lv.done = "eos" if token == eos else "max_tokens"
-            batch.append(self._simple(lv, c.Finish(handle_id=lv.handle, base_generation=None, reason=lv.done)))
+            reason: Literal["eos", "max_tokens"] = "eos" if token == eos else "max_tokens"
+            lv.done = reason
+            batch.append(self._simple(lv, c.Finish(handle_id=lv.handle, base_generation=None, reason=reason)))
             if spec.repair:
                 nxt.append(Planned(lv.handle, _txn(), "repair", self._length(lv), (token,)))
             else:
@@ -373,20 +377,20 @@ class Worker:
             del lv.outputs[keep:]
             batch.append(self._simple(lv, c.Truncate(handle_id=lv.handle, base_generation=0,
                                                      base_snapshot_version=0, new_length=new_len),
-                                      ok=lambda r, h=lv.handle: self.store.truncate(h, new_len)))
+                                      ok=lambda r: self.store.truncate(lv.handle, new_len)))
             nxt.append(Planned(lv.handle, _txn(), "decode", new_len, (lv.outputs[-1],)))
         else:
             nxt.append(Planned(lv.handle, _txn(), "decode", self._length(lv), (token,)))
 
     # -- new work ------------------------------------------------------------------
-    def _arrive(self, spec: RequestSpec, batch: list[Entry]) -> None:
+    def _arrive(self, spec: RequestSpec, batch: list[Entry | _Chain]) -> None:
         h = spec.request_id
         manifest = self.manifest(spec)
         self.live[h] = Live(h, spec, spec.seed, abi=cache_abi_sha256(manifest))
         self.order.append(h)
         reserved = len(spec.prompt) + spec.max_new_tokens + 1  # +1: room to repair the frontier
         batch.append((c.Allocate(handle_id=h, manifest=manifest, reserved_capacity=reserved),
-                      None, lambda exc, h=h: self._drop(h, exc)))
+                      None, lambda exc: self._drop(h, exc)))
 
     def _plan_prefill(self, nxt: list[Planned]) -> None:
         budget = self.prefill_tokens
@@ -411,13 +415,13 @@ class Worker:
                                lv.spec.prompt[done:done + n]))
 
     def _group(self, planned: list[Planned]) -> list[tuple[str, list[Planned]]]:
-        groups = {"prefill": [], "decode": [], "verify": []}
+        groups: dict[str, list[Planned]] = {"prefill": [], "decode": [], "verify": []}
         for p in planned:
             groups["decode" if p.kind in ("decode", "repair") else
                    "prefill" if p.kind in ("prefill", "chunk") else "verify"].append(p)
         return [(new_id(), g) for g in groups.values() if g]
 
-    def _fail(self, p: Planned, why: str, batch: list[Entry], nxt: list[Planned]) -> None:
+    def _fail(self, p: Planned, why: str, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
         """End an append whose forward call raised with a failure event, then run it
         again, or, past the retries, cancel the request."""
         if not p.txn:
@@ -439,7 +443,7 @@ class Worker:
                                                           reason="forward call failed")))
         batch.append(self._release(lv))
 
-    def _reorder_groups(self, batch: list[Entry]) -> None:
+    def _reorder_groups(self, batch: list[Entry | _Chain]) -> None:
         """A fork group's requested reorder, once every row has `reorder_after` outputs.
         The journal commits the permutation; the store's rows follow it when it has."""
         for lv in list(self._to_reorder):
@@ -456,8 +460,12 @@ class Worker:
             for h in rows:
                 self._chains.pop(h, None)  # the reorder comes after their chains
             self._structural = True
+
+            def reordered(r: Receipt | None, rows: tuple[str, ...] = rows, perm: tuple[int, ...] = perm) -> None:
+                self.store.reorder(rows, perm)
+
             batch.append((c.Relative(c.Reorder(group_id=lv.handle, rows=rows, bases=(), permutation=perm)),
-                          lambda r, rows=rows, perm=perm: self.store.reorder(rows, perm), None))
+                          reordered, None))
 
     def _start(self, p: Planned, call: ForwardCall) -> Entry | None:
         """The append_start of a planned append: a step of its handle's open chain (None
@@ -510,7 +518,7 @@ class Worker:
             if real[b]:
                 accepted[b] = len(p.tokens)
                 if verify:
-                    accepted[b] = _accepted(self.live[p.handle].logits, logits[b, :len(p.tokens)], p.tokens)
+                    accepted[b] = _accepted(self._logits(self.live[p.handle]), logits[b, :len(p.tokens)], p.tokens)
                     self.store.staged(p.handle, p.past + accepted[b])  # rejected drafts' rows are dropped
         greedy = logits[:, -1].argmax(-1).tolist() if not verify else None  # one op for the batch
         digests = dict(zip(accepted, self.store.rows_sha256_many(
@@ -523,7 +531,7 @@ class Worker:
                                      v_complete=True, rows_sha256=d) for i, d in enumerate(digests[b]))
             correction = None
             if verify:  # the target's own choice after the accepted drafts
-                after = self.live[p.handle].logits if accepted[b] == 0 else logits[b, accepted[b] - 1]
+                after = self._logits(self.live[p.handle]) if accepted[b] == 0 else logits[b, accepted[b] - 1]
                 correction = int(after.argmax())
             ran.append(Ran(p, logits[b], accepted[b], layers, correction,
                            greedy[b] if greedy is not None else None))
@@ -555,15 +563,17 @@ class Worker:
         self.store.committed[h] = self.store.pending[h] = n
         self._adopted.append((lv, state))
 
-    def _resume(self, lv: Live, state: HandleState, batch: list[Entry], nxt: list[Planned]) -> None:
+    def _resume(self, lv: Live, state: HandleState, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
         spec, h = lv.spec, lv.handle
         if state.lifecycle in ("FINISHED", "CANCELLED"):
             batch.append(self._release(lv))  # all that was left to do
             return
         eos = self.cfg.eos_token_id
         if len(lv.outputs) >= spec.max_new_tokens or (eos is not None and lv.outputs and lv.outputs[-1] == eos):
-            lv.done = "eos" if eos is not None and lv.outputs and lv.outputs[-1] == eos else "max_tokens"
-            batch.append(self._simple(lv, c.Finish(handle_id=h, base_generation=None, reason=lv.done)))
+            reason: Literal["eos", "max_tokens"] = \
+                "eos" if eos is not None and lv.outputs and lv.outputs[-1] == eos else "max_tokens"
+            lv.done = reason
+            batch.append(self._simple(lv, c.Finish(handle_id=h, base_generation=None, reason=reason)))
             batch.append(self._release(lv))
         elif lv.logits is not None:
             self._on_ready(lv, batch, nxt)
@@ -611,8 +621,13 @@ class Worker:
         # The append's own K/V rows are the temporary workspace until publication.
         return len(p.tokens) * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * 2 * self.itemsize
 
+    def _logits(self, lv: Live) -> Tensor:
+        """The ready logits a sample, a draft or a verify starts from (_on_ready's)."""
+        assert lv.logits is not None, f"{lv.handle}: no ready logits"
+        return lv.logits
+
     def _sample(self, lv: Live) -> int:
-        logits = lv.logits
+        logits = self._logits(lv)
         if lv.spec.temperature == 0:
             return lv.greedy if lv.greedy is not None else int(logits.argmax())
         probs = torch.softmax(logits.float() / lv.spec.temperature, dim=-1)
@@ -623,23 +638,23 @@ class Worker:
     def _draft(self, lv: Live, k: int) -> tuple[int, ...]:
         """Prompt-lookup drafts: what followed the last occurrence of the newest token."""
         seq = list(lv.spec.prompt) + lv.outputs
-        nxt = int(lv.logits.argmax())  # the target's own next token anchors the lookup
+        nxt = int(self._logits(lv).argmax())  # the target's own next token anchors the lookup
         for i in range(len(seq) - 1, -1, -1):
             if seq[i] == nxt and i + 1 < len(seq):
                 return (nxt, *seq[i + 1:i + k])[:k]
         return (nxt,)[:k]
 
-    def _simple(self, lv: Live, cmd: c.Command, ok=None) -> Entry:
+    def _simple(self, lv: Live, cmd: c.Command, ok: Ok | None = None) -> Entry:
         """A command of its own, on the state the handle's earlier commands leave."""
         self._chains.pop(lv.handle, None)  # a command of its own ends the handle's chain
         return (c.Relative(cmd), ok, None)
 
     def _release(self, lv: Live) -> Entry:
         return self._simple(lv, c.Release(handle_id=lv.handle, base_generation=None),
-                            ok=lambda r, h=lv.handle: self.store.release(h))
+                            ok=lambda r: self.store.release(lv.handle))
 
     def _fork(self, lv: Live, kids: list[str]) -> Entry:
-        def ok(r, parent=lv.handle):
+        def ok(r: Receipt | None, parent: str = lv.handle) -> None:
             for k in kids:
                 self.store.fork(parent, k, self.store.pending[parent])
 
