@@ -36,8 +36,10 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+from kvledger.engine.ids import new_id
+
 from bench import Context, best_rate, paired_ratio
-from bench.ops import Head, Ids, allocate_op, handle_ids, publish_op, random_hex
+from bench.ops import Head, allocate_op, handle_ids, publish_op, random_hex
 
 BATCH = 64
 
@@ -95,7 +97,7 @@ class Kvledger(System):
         self.backend = backend
         url = ctx.sqlite_journal_url("kvl") if backend == "sqlite" else ctx.pg_journal_url("kvl")
         self.journal = open_journal(url)
-        self.ids = Ids()
+        self.ids = new_id
         self.heads = [Head(h) for h in handle_ids(handles)]
         self._receipt = Receipt
         for i in range(0, handles, 256):
@@ -123,7 +125,7 @@ def _sample_bodies() -> tuple[bytes, bytes]:
     from kvledger.schemas.codec import encode_event
     from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-    ids, h = Ids(), Head(random_hex(1)[0])
+    ids, h = new_id, Head(random_hex(1)[0])
     op = publish_op(h, ids)
     e = op.writes[0].events[0]
     body = encode_event(msgspec.structs.replace(e, global_position=123456))
@@ -165,7 +167,7 @@ class RawSqlite(System):
         for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=60000", "foreign_keys=ON"):
             self.conn.execute(f"PRAGMA {pragma}")
         self.cur = self.conn.cursor()
-        self.ids = Ids()
+        self.ids = new_id
         self.heads = [Head(h) for h in handle_ids(handles)]
         z = "0" * 64
         self.cur.execute("BEGIN IMMEDIATE")
@@ -240,7 +242,7 @@ class RawPostgres(System):
         url = ctx.pg_journal_url("raw")
         dbname = url.rsplit("/", 1)[1]
         self.conn = psycopg.connect(ctx.pg_conninfo(dbname), autocommit=True)
-        self.ids = Ids()
+        self.ids = new_id
         self.heads = [Head(h) for h in handle_ids(handles)]
         z = "0" * 64
         with self.conn.transaction(), self.conn.cursor() as cur:

@@ -37,6 +37,26 @@ class SystemClock:
         return time.time_ns()
 
 
+class ManualClock:
+    """A clock its caller sets, in ms: tests and fixtures state when an event happens,
+    and their journals regenerate byte for byte."""
+
+    WALL_EPOCH_NS = 1_700_000_000_000_000_000
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def at(self, ms: float) -> ManualClock:
+        self.ns = round(ms * 1_000_000)
+        return self
+
+    def monotonic_ns(self) -> int:
+        return self.ns
+
+    def wall_ns(self) -> int:
+        return self.WALL_EPOCH_NS + self.ns
+
+
 @dataclass
 class Plan:
     op: Operation
@@ -310,4 +330,4 @@ def _head(s: HandleState) -> HeadFacts:
                      s.committed_length, s.lifecycle, s.prefix_identity_sha256, s.cache_abi_sha256)
 
 
-__all__ = ["CommandService", "Rejection", "SystemClock"]
+__all__ = ["CommandService", "ManualClock", "Rejection", "SystemClock"]

@@ -15,10 +15,9 @@ import json
 import sys
 
 from kvledger import args as a
+from kvledger.args import DB_HELP
 from kvledger.engine.remote import WRITERS
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvledger import args as a
+from kvledger.args import DB_HELP
 from kvledger.cli import add_slo_arguments
 from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 MS = 1_000_000
 
 

@@ -14,8 +14,6 @@ from kvledger.engine.remote import WRITERS
 from kvledger.journal import redact, resolve_url
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     # The parsers for demo and generate are declared in cli.py (their command lines are

@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 from kvledger import args as a
+from kvledger.args import DB_HELP
 from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -104,7 +104,7 @@ def test_incremental_cli_follows_a_growing_journal(db_url, capsys):
     code, first, _ = cli(capsys, "replay", "--db", db_url, "--incremental", "--json")
     assert code == 0
     with Ledger.open(db_url, clock=clock) as led:  # more commands after the checkpoint
-        clock.at_ms(10_000)
+        clock.at(10_000)
         write_workload(led, clock, seed=4)
     _, full, _ = cli(capsys, "replay", "--db", db_url, "--json")
     _, resumed, _ = cli(capsys, "replay", "--db", db_url, "--incremental", "--json")

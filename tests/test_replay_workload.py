@@ -186,7 +186,7 @@ def write_workload(led: Ledger, clock: ManualClock, seed: int = 0, rounds: int =
     t = 0.0
     while live:
         t += rnd.randint(1, 3)
-        clock.at_ms(t)
+        clock.at(t)
         it = rnd.choice(live)
         try:
             next(it)

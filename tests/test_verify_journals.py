@@ -71,7 +71,7 @@ def test_real_journals_verify_clean(db_url, capsys):
     clock = ManualClock()
     with Ledger.open(db_url, clock=clock) as led:
         write_workload(led, clock, seed=13, rounds=2)
-        clock.at_ms(5_000)
+        clock.at(5_000)
         write_workload(led, clock, seed=14, finish=False)  # requests still live at the end
         result = verify_journal(led.journal)
     assert result.ok, result.findings
