@@ -141,7 +141,7 @@ class RawSqlite(System):
     backend, name = "sqlite", "raw"
     UPDATE = (
         "UPDATE kvl_heads SET generation = ?, snapshot_version = ?, stream_position = ?, "
-        "committed_length = ?, phase = ? "
+        "committed_length = ?, lifecycle = ? "
         "WHERE handle_id = ? AND generation = ? AND snapshot_version = ? AND stream_position = ?"
     )
     EVENTS = (
@@ -154,8 +154,8 @@ class RawSqlite(System):
     )
     HEAD = (
         "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
-        "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
-        "VALUES (?, ?, 0, 0, 1, 0, 'DECODING', ?, ?)"
+        "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
+        "VALUES (?, ?, 0, 0, 1, 0, 'ACTIVE', ?, ?)"
     )
 
     def __init__(self, ctx: Context, handles: int) -> None:
@@ -189,7 +189,7 @@ class RawSqlite(System):
             g, s, p = h.generation, h.snapshot, h.position
             pos += 1
             op = ids()
-            updates.append((g, s + 1, p + 1, s + 1, "DECODING", h.handle, g, s, p))
+            updates.append((g, s + 1, p + 1, s + 1, "ACTIVE", h.handle, g, s, p))
             events.append((pos, ids(), h.handle, p + 1, "append_publish", 1, op, body))
             receipts.append((op, op, pos, pos, rbody))
         cur.executemany(self.UPDATE, updates)
@@ -221,7 +221,7 @@ class RawPostgres(System):
         "%b::text[], %b::text[], %b::bytea[], %b::bytea[]) WITH ORDINALITY "
         "AS v(h, g, s, p, eid, op, body, rbody, ord)), "
         "u AS (UPDATE kvl_heads AS t SET snapshot_version = v.s + 1, stream_position = v.p + 1, "
-        "committed_length = v.s + 1, phase = 'DECODING' FROM v WHERE t.handle_id = v.h "
+        "committed_length = v.s + 1, lifecycle = 'ACTIVE' FROM v WHERE t.handle_id = v.h "
         "AND t.generation = v.g AND t.snapshot_version = v.s AND t.stream_position = v.p "
         "RETURNING v.ord), "
         "ok AS (SELECT v.*, m.last + row_number() OVER (ORDER BY v.ord) AS pos FROM v "
@@ -248,8 +248,8 @@ class RawPostgres(System):
         with self.conn.transaction(), self.conn.cursor() as cur:
             cur.executemany(
                 "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
-                "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
-                "VALUES (%s, %s, 0, 0, 1, 0, 'DECODING', %s, %s)",
+                "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
+                "VALUES (%s, %s, 0, 0, 1, 0, 'ACTIVE', %s, %s)",
                 [(h.handle, h.handle, z, z) for h in self.heads])
             cur.executemany(
                 "INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "

@@ -6,7 +6,7 @@ fixtures (the engine builds these for real; the journal contract must not depend
 from __future__ import annotations
 
 import uuid
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.schemas import events as ev
@@ -28,7 +28,18 @@ from kvledger.schemas.manifest import (
 FP16 = ScalarType("fp16", 2)
 ZERO = "0" * 64
 ACTIVE = "ACTIVE"  # the lifecycle the service writes while a request runs
-E = TypeVar("E", bound=ev.Envelope)
+P = TypeVar("P", contravariant=True)
+E = TypeVar("E", covariant=True)
+
+
+class EventClass(Protocol[P, E]):
+    """An event class: its tag, and a constructor taking its own payload type."""
+
+    @property
+    def event_type(self) -> str: ...
+
+    def __call__(self, *, event_id: str, stream_id: str, stream_position: int, schema_version: int,
+                 request_id: str, handle_generation: int, operation_id: str | None, payload: P) -> E: ...
 
 
 def cache_schema(layers: int = 2, kv_heads: int = 2, head_dim: int = 4, query_heads: int = 4,
@@ -53,7 +64,7 @@ def make_manifest(request_id: str = "req-1", prompt: tuple[int, ...] = (11, 22, 
         position_contract=PositionContract(rope=RopeConfig(theta=10000.0)))
 
 
-def envelope(cls: type[E], handle: str, position: int, payload: object, generation: int = 0,
+def envelope(cls: EventClass[P, E], handle: str, position: int, payload: P, generation: int = 0,
              op: str | None = None, event_id: str | None = None) -> E:
     """An event of `cls` on stream `handle` (its own request), a fresh id unless given."""
     return cls(

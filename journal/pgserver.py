@@ -31,14 +31,14 @@ def find_bin() -> Path | None:
     return Path(found).parent if found else None
 
 
-def conninfo(url: str | URL, **override: object) -> str:
+def conninfo(url: str | URL, **override: str | int | None) -> str:
     """The libpq conninfo of a SQLAlchemy PostgreSQL URL (psycopg cannot read the
     `postgresql+psycopg://` form), with fields overridden by keyword, e.g. dbname=."""
     u = make_url(url)
-    fields: dict[str, object] = {"host": u.host, "port": u.port, "user": u.username,
+    fields: dict[str, str | int | None] = {"host": u.host, "port": u.port, "user": u.username,
                                  "password": u.password, "dbname": u.database}
     fields.update(override)
-    return psycopg.conninfo.make_conninfo(**fields)  # None values are left out
+    return psycopg.conninfo.make_conninfo("", **fields)  # None values are left out
 
 
 def _free_port() -> int:

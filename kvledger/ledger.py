@@ -67,7 +67,7 @@ class Ledger:
         """Live handles holding a prefix identity. Empty means eviction-eligible; which
         physical bytes that frees is the allocator's business, not the ledger's."""
         heads = self.journal.heads(prefix_identity_sha256=c.check_id(prefix_identity_sha256, "prefix identity"))
-        return tuple(sorted(h for h, f in heads.items() if f.phase != "RELEASED"))
+        return tuple(sorted(h for h, f in heads.items() if f.lifecycle != "RELEASED"))
 
     def require_evictable(self, prefix_identity_sha256: str) -> None:
         owners = self.prefix_owners(prefix_identity_sha256)

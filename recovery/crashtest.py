@@ -374,7 +374,7 @@ def _check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]])
             out["resubmit_errors"] = worker.errors
         out["verify_after"] = verify_findings(j)
         heads = j.heads()
-        out["unfinished"] = sorted(h for h, f in heads.items() if f.phase != "RELEASED")
+        out["unfinished"] = sorted(h for h, f in heads.items() if f.lifecycle != "RELEASED")
         # 3. outputs equal an uninterrupted run
         mismatches = []
         for s in specs:

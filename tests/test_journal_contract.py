@@ -232,8 +232,8 @@ def test_journal_refuses_use_after_close(db_url):
 def test_envelope_helper_matches_writes():
     e = envelope(ev.FinishEvent, "h", 3, ev.Finish(reason="eos", output_count=1, committed_length=4))
     assert e.schema_version == 1 and e.stream_position == 3
-    w = StreamWrite("h", Guard(0, 0, 2), head("h", 0, 0, 3, 4, "FINISHED_RETAINED"), (e,))
-    assert w.head.phase == "FINISHED_RETAINED"
+    w = StreamWrite("h", Guard(0, 0, 2), head("h", 0, 0, 3, 4, "FINISHED"), (e,))
+    assert w.head.lifecycle == "FINISHED"
 
 
 def test_deferred_append_acknowledges_only_what_it_committed(journal, db_url):

@@ -87,7 +87,7 @@ def test_recovery_finishes_an_abandoned_run_with_the_same_outputs(db_url, served
         assert r.rows_reexecuted > 0 or steps == 1
         assert set(r.released) == set(r.live_handles) and r.unfinished == []
         heads = j.heads()
-        assert all(heads[h].phase == "RELEASED" for h in heads)
+        assert all(heads[h].lifecycle == "RELEASED" for h in heads)
         # every request the journal accepted finished with the uninterrupted outputs
         got = _outputs(j, [s.request_id for s in specs if s.request_id in heads])
         assert got and all(v == baseline[h.split("-")[1]] for h, v in got.items())
@@ -150,7 +150,7 @@ def test_a_digest_that_does_not_recompute_stops_recovery(served, tmp_path):
         r = recover(j, model=served[0], artifact=served[1])
         assert not r.ok and r.digest_mismatches and r.continued == []
         assert {m["handle_id"] for m in r.digest_mismatches} == {"d-0"}
-        assert any(j.heads()[h].phase != "RELEASED" for h in j.heads())  # nothing continued
+        assert any(j.heads()[h].lifecycle != "RELEASED" for h in j.heads())  # nothing continued
 
 
 # -- the acceptance run: kill -9 of `kvledger demo`, then recover and verify -------------
@@ -210,7 +210,7 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
         # demo never acknowledged), sees its pipe closed and exits: recover after that.
         _wait_gone(writers)
         killed_at = j.last_position()
-        live = [h for h, f in j.heads().items() if f.phase != "RELEASED"]
+        live = [h for h, f in j.heads().items() if f.lifecycle != "RELEASED"]
     assert live, f"killed at position {killed_at} with no live handle"
     p = _cli("recover", "--db", db_url, "--json")
     assert p.returncode == 0, p.stderr + p.stdout
@@ -221,7 +221,7 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
     assert v.returncode == 0, v.stdout + v.stderr
     with open_journal(db_url) as j:
         heads = j.heads()
-        assert all(f.phase == "RELEASED" for f in heads.values())
+        assert all(f.lifecycle == "RELEASED" for f in heads.values())
         # a recovered request ran to its max_new_tokens (forks included); a cancelled
         # one was only released
         for h in live:

@@ -158,7 +158,7 @@ def test_import_then_replay_and_export_round_trip(db_url, capsys, tmp_path):
     # the derived tables are what the command service writes
     with open_existing(db_url) as journal:
         heads = journal.heads()
-        assert heads["R"].generation == 8 and heads["R"].phase == "RELEASED"
+        assert heads["R"].generation == 8 and heads["R"].lifecycle == "RELEASED"
         receipts = list(journal.read_receipts())
         assert len(receipts) == len({e.operation_id for e in journal_events(journal)})
         assert all(r.fingerprint == "imported" for r in receipts)

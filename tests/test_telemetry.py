@@ -237,7 +237,7 @@ def test_killed_sink_loses_only_counted_records(tmp_path):
         assert verify_journal(journal).ok
         heads = journal.heads()
     # the journal is complete: every request (and the fork child) ran to its release
-    assert len(heads) == result["handles"] == 7 and all(h.phase == "RELEASED" for h in heads.values())
+    assert len(heads) == result["handles"] == 7 and all(h.lifecycle == "RELEASED" for h in heads.values())
     assert sum(1 for e in events if e.event_type == "output_emit") >= 6 * 4
     written = _records(path)
     stats = telemetry.stats()
