@@ -24,7 +24,7 @@ from kvledger.engine.service import CommandService
 from kvledger.engine.state import HandleState
 from kvledger.engine.view import ServiceStateView, view_of
 from kvledger.journal import SqlJournal
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import LayerRows
 from kvledger.schemas.manifest import Manifest
@@ -42,7 +42,7 @@ class Ledger:
 
     @classmethod
     def open(cls, url: str | None = None, **kwargs) -> Ledger:
-        return cls(open_journal(url), **kwargs)
+        return cls(open_or_create_journal(url), **kwargs)
 
     def close(self) -> None:
         self.journal.close()

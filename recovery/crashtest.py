@@ -272,7 +272,7 @@ def _acking_service(journal, ack_path: str, writer: str = "thread") -> _Acking:
 
 def _run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log: str, ready_fd: int,
                count_faults: bool = False, writer: str = "thread") -> dict:
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.replay import WindowSpec, replay_incremental
     from kvledger.worker.serving import Worker
 
@@ -285,7 +285,7 @@ def _run_child(url: str, specs, ack_path: str, fault_spec: str | None, fault_log
         os.environ.update(KVLEDGER_FAULTS=fault_spec, KVLEDGER_FAULTS_LOG=fault_log)
     model, artifact = _model()
     window = WindowSpec(slo_ttft_ns=10**9, slo_tbt_ns=10**9)
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         service = _acking_service(journal, ack_path, writer)
         worker = Worker(model, service=service, artifact=artifact, **WORKER)
         for s in specs:
@@ -324,14 +324,14 @@ def _read_lines(path: str) -> list:
 
 def _check_child(url: str, specs, ack_path: str, baseline: dict[str, list[int]]) -> dict:
     from kvledger.engine.evolve import fold
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.recovery.recover import recover, verify_findings
     from kvledger.replay import WindowSpec, replay_incremental, replay_journal, to_json
     from kvledger.worker.serving import Worker
 
     model, artifact = _model()
     out: dict = {}
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         out["position_at_crash"] = j.last_position()
         # 1. acknowledged writes and atomicity, straight from the tables
         acks = _read_lines(ack_path)

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from kvledger import Ledger
 from kvledger.engine import commands as c
 from kvledger.journal.tables import metadata
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import WindowSpec, export_jsonl, import_jsonl, replay_journal, verify_journal
 from kvledger.schemas.errors import ErrorCode as E
 from kvledger.schemas.errors import KvLedgerError
@@ -61,7 +61,7 @@ def assert_replays(ledger: Ledger, tmp_path: Path) -> None:
     assert verify_journal(journal).ok
     out = tmp_path / f"export-{journal.last_position()}.jsonl"
     n = export_jsonl(journal, out)
-    with open_journal(f"sqlite:///{tmp_path}/imported-{journal.last_position()}.db") as copy:
+    with open_or_create_journal(f"sqlite:///{tmp_path}/imported-{journal.last_position()}.db") as copy:
         assert import_jsonl(copy, out).events == n == journal.last_position()
         assert copy.heads().keys() == journal.heads().keys()
 

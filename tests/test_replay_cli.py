@@ -17,7 +17,7 @@ from test_replay_workload import WINDOW, write_workload
 from kvledger import Ledger
 from kvledger.cli import main
 from kvledger.journal import open_journal as open_existing
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import Projector, build, journal_events, project, replay_incremental, replay_journal, to_json
 
 from lifecycle_helpers import ManualClock
@@ -231,7 +231,7 @@ def test_import_creates_a_new_sqlite_journal(capsys, tmp_path):
     assert code == 0
     with sqlite3.connect(tmp_path / "new.db") as conn:
         assert conn.execute("SELECT count(*) FROM kvl_events").fetchone()[0] == 21
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         assert replay_journal(journal, WINDOW).peaks["physical"].value == 1072
 
 

@@ -14,7 +14,7 @@ from test_replay_workload import write_workload
 from kvledger import Ledger
 from kvledger.cli import main
 from kvledger.journal import make_engine, open_journal, parse_url
-from kvledger.migrations.storage import open_journal as open_or_create
+from kvledger.migrations.storage import open_or_create_journal as open_or_create
 from kvledger.replay import import_jsonl, verify_bodies, verify_journal, verify_jsonl
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.receipts import receipt_decoder, receipt_encoder
