@@ -121,7 +121,7 @@ class Lockstep:
             token = (start + n) % 50_000
             publish = c.Publish(handle_id=h, txn_id=self.txn[h], base_generation=None, base_snapshot_version=None,
                                 layers=tuple(layers))
-            emit = c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None,
+            emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None,
                                 output_index=self.outputs[h], token_id=token)
             self.outputs[h] += 1
             self.pos[h] = start + n

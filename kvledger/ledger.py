@@ -133,7 +133,7 @@ class Ledger:
              operation_id: str | None = None) -> Receipt:
         with _arguments():
             cmd = c.EmitOutput(
-                handle_id=handle_id, base_generation=base[0], snapshot_version=base[1],
+                handle_id=handle_id, base_generation=base[0], base_snapshot_version=base[1],
                 output_index=output_index, token_id=token_id, operation_id=operation_id)
         return self.execute(cmd)
 
@@ -167,18 +167,20 @@ class Ledger:
                 **{k: tuple(v) for k, v in parts.items()})
         return self.execute(cmd)
 
-    def cancel(self, handle_id: str, *, generation: int, reason: str = "",
+    def cancel(self, handle_id: str, *, base: int, reason: str = "",
                operation_id: str | None = None) -> Receipt:
-        return self.execute(c.CancelRequest(handle_id=handle_id, base_generation=generation,
+        return self.execute(c.CancelRequest(handle_id=handle_id, base_generation=base,
                                             reason=reason, operation_id=operation_id))
 
-    def finish(self, handle_id: str, *, generation: int, reason: str = "max_tokens",
+    def finish(self, handle_id: str, *, base: int, reason: str = "max_tokens",
                operation_id: str | None = None) -> Receipt:
-        return self.execute(c.Finish(handle_id=handle_id, base_generation=generation, reason=reason,
+        return self.execute(c.Finish(handle_id=handle_id, base_generation=base, reason=reason,
                                      operation_id=operation_id))
 
-    def release(self, handle_id: str, *, generation: int, snapshot_version: int | None = None,
-                operation_id: str | None = None) -> Receipt:
+    def release(self, handle_id: str, *, base: int | Base, operation_id: str | None = None) -> Receipt:
+        """`base` is the generation, or (generation, snapshot_version) to fence on the snapshot too."""
+        with _arguments():
+            generation, snapshot_version = (base, None) if isinstance(base, int) else base
         return self.execute(c.Release(handle_id=handle_id, base_generation=generation,
                                       base_snapshot_version=snapshot_version, operation_id=operation_id))
 

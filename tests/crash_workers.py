@@ -113,7 +113,7 @@ def _choose(rng: random.Random, s, key: str, p_fork: float = 0.15):
     if s.open_txns:
         return "publish", c.Publish(handle_id=h, txn_id=s.open_txns[0].txn_id, operation_id=key, **snap)
     if s.logits_ready:
-        return "emit", c.EmitOutput(handle_id=h, base_generation=s.generation, snapshot_version=s.snapshot_version,
+        return "emit", c.EmitOutput(handle_id=h, base_generation=s.generation, base_snapshot_version=s.snapshot_version,
                                     output_index=len(s.outputs), token_id=rng.randrange(64), operation_id=key)
     if s.committed_length == 0 or s.has_frontier:
         n0 = s.committed_length
@@ -339,7 +339,7 @@ def scripted_emit(url: str, history: str, ready, go) -> None:
         s = service.state("H")
         log(type="invoke", op="emit-1", process=1, f="emit", t=time.monotonic_ns())
         r = service.execute(c.EmitOutput(handle_id="H", base_generation=s.generation,
-                                         snapshot_version=s.snapshot_version, output_index=len(s.outputs),
+                                         base_snapshot_version=s.snapshot_version, output_index=len(s.outputs),
                                          token_id=9, operation_id="emit-1"))
         log(type="ok", op="emit-1", t=time.monotonic_ns(), receipt={
             "event_ids": list(r.event_ids), "first": r.first_global_position, "last": r.last_global_position})

@@ -37,7 +37,7 @@ def journal(db_url):
     with Ledger.open(db_url) as ledger:
         base = prefilled(ledger, "h")
         ledger.emit("h", base=base, output_index=0, token_id=3)
-        ledger.finish("h", generation=base[0])
+        ledger.finish("h", base=base[0])
         prefilled(ledger, "k")
     return db_url
 
@@ -214,7 +214,7 @@ def _foreign_request(ledger: Ledger, handle: str) -> None:
     """A whole request by another writer: it would count as completed in a mixed summary."""
     base = prefilled(ledger, handle)
     ledger.emit(handle, base=base, output_index=0, token_id=1)
-    ledger.finish(handle, generation=base[0])
+    ledger.finish(handle, base=base[0])
 
 
 def test_demo_summary_counts_only_its_own_run(db_url):

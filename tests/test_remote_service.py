@@ -34,7 +34,7 @@ def _batch(h: str) -> list:
                           token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
                           cache_abi_sha256="")
     publish = c.Publish(handle_id=h, txn_id=f"{h}-p", base_generation=None, base_snapshot_version=None)
-    emit = c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None, output_index=0, token_id=9)
+    emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None, output_index=0, token_id=9)
     return [c.Relative(x) for x in (start, publish, emit)]
 
 

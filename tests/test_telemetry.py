@@ -333,7 +333,7 @@ def _drive(service: CommandService, start: int, n: int, batch: int = 10, prefix:
                               token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
                               cache_abi_sha256=""),
                 c.Publish(handle_id=h, txn_id=f"t{h}", base_generation=None, base_snapshot_version=None),
-                c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None, output_index=0,
+                c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None, output_index=0,
                              token_id=7),
                 c.Finish(handle_id=h, base_generation=None),
                 c.Release(handle_id=h, base_generation=None))]
