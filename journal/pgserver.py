@@ -84,13 +84,10 @@ class ThrowawayPostgres:
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{dbname}"
 
-    def create_database(self, name: str, template: str | None = None) -> str:
-        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres",
-                             autocommit=True) as conn:
-            if template:
-                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')  # test-chosen names
-            else:
-                conn.execute(f'CREATE DATABASE "{name}"')
+    def create_database(self, name: str) -> str:
+        """An empty database (ScratchDatabases makes migrated ones)."""
+        with psycopg.connect(conninfo(self.url()), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')  # test-chosen names
         return self.url(name)
 
     def stop(self) -> None:

@@ -144,7 +144,8 @@ def machine(url_factory, ctx):
                 self._start()
                 SEEN["idle crash"] += 1
             elif how == "kill_in_txn":  # stalled before its commit, killed there
-                ops = self._batch(rnd, 2)
+                # rounds: the general path (PostgreSQL's one-statement append has no before_commit)
+                ops = self._batch(rnd, 2, rounds=True)
                 self._send(("sleep_append", (0.2, ops)), crash_expect=None)
                 time.sleep(delay)
                 self.proc.kill()
