@@ -62,7 +62,7 @@ class Context:
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvledger-bench-")))
     _pg: Any = None
     _pg_error: str | None = None
-    _pg_template: str | None = None
+    _pg_scratch: Any = None
     _names: int = 0
 
     @property
@@ -118,13 +118,12 @@ class Context:
 
     def pg_journal_url(self, stem: str) -> str:
         """A fresh, migrated kvledger database (from one migrated template)."""
-        pg = self.postgres()
-        if self._pg_template is None:
+        if self._pg_scratch is None:
+            from kvledger.journal.pgserver import ScratchDatabases
             from kvledger.migrations.storage import init_database
 
-            self._pg_template = "kvl_bench_template"
-            init_database(pg.create_database(self._pg_template))
-        return pg.create_database(self.name(stem), template=self._pg_template)
+            self._pg_scratch = ScratchDatabases(self.postgres().url(), "kvl_bench", init_database)
+        return self._pg_scratch.create(self.name(stem))
 
     def postgres_version(self) -> str | None:
         if self._pg is None:

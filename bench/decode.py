@@ -80,10 +80,10 @@ def serving_worker(model, artifact, prompts, g: int, service):
 def _worker_rate(ctx: Context, model, artifact, prompts, g: int, writer: str | None) -> float:
     """Tokens/s of the worker with the journal written by `writer`, or off (None)."""
     from kvledger.engine.remote import command_service
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
 
     url = ctx.sqlite_journal_url("decode")
-    with open_journal(url) as j, command_service(j, writer=writer) if writer else nullcontext() as service:
+    with open_or_create_journal(url) as j, command_service(j, writer=writer) if writer else nullcontext() as service:
         w = serving_worker(model, artifact, prompts, g, service)
         t0 = time.perf_counter()
         w.run()

@@ -36,8 +36,10 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+from kvledger.engine.ids import new_id
+
 from bench import Context, best_rate, paired_ratio
-from bench.ops import Head, Ids, allocate_op, handle_ids, publish_op, random_hex
+from bench.ops import Head, allocate_op, handle_ids, publish_op, random_hex
 
 BATCH = 64
 
@@ -95,7 +97,7 @@ class Kvledger(System):
         self.backend = backend
         url = ctx.sqlite_journal_url("kvl") if backend == "sqlite" else ctx.pg_journal_url("kvl")
         self.journal = open_journal(url)
-        self.ids = Ids()
+        self.ids = new_id
         self.heads = [Head(h) for h in handle_ids(handles)]
         self._receipt = Receipt
         for i in range(0, handles, 256):
@@ -123,7 +125,7 @@ def _sample_bodies() -> tuple[bytes, bytes]:
     from kvledger.schemas.codec import encode_event
     from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-    ids, h = Ids(), Head(random_hex(1)[0])
+    ids, h = new_id, Head(random_hex(1)[0])
     op = publish_op(h, ids)
     e = op.writes[0].events[0]
     body = encode_event(msgspec.structs.replace(e, global_position=123456))
@@ -139,7 +141,7 @@ class RawSqlite(System):
     backend, name = "sqlite", "raw"
     UPDATE = (
         "UPDATE kvl_heads SET generation = ?, snapshot_version = ?, stream_position = ?, "
-        "committed_length = ?, phase = ? "
+        "committed_length = ?, lifecycle = ? "
         "WHERE handle_id = ? AND generation = ? AND snapshot_version = ? AND stream_position = ?"
     )
     EVENTS = (
@@ -152,8 +154,8 @@ class RawSqlite(System):
     )
     HEAD = (
         "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
-        "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
-        "VALUES (?, ?, 0, 0, 1, 0, 'DECODING', ?, ?)"
+        "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
+        "VALUES (?, ?, 0, 0, 1, 0, 'ACTIVE', ?, ?)"
     )
 
     def __init__(self, ctx: Context, handles: int) -> None:
@@ -165,7 +167,7 @@ class RawSqlite(System):
         for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=60000", "foreign_keys=ON"):
             self.conn.execute(f"PRAGMA {pragma}")
         self.cur = self.conn.cursor()
-        self.ids = Ids()
+        self.ids = new_id
         self.heads = [Head(h) for h in handle_ids(handles)]
         z = "0" * 64
         self.cur.execute("BEGIN IMMEDIATE")
@@ -187,7 +189,7 @@ class RawSqlite(System):
             g, s, p = h.generation, h.snapshot, h.position
             pos += 1
             op = ids()
-            updates.append((g, s + 1, p + 1, s + 1, "DECODING", h.handle, g, s, p))
+            updates.append((g, s + 1, p + 1, s + 1, "ACTIVE", h.handle, g, s, p))
             events.append((pos, ids(), h.handle, p + 1, "append_publish", 1, op, body))
             receipts.append((op, op, pos, pos, rbody))
         cur.executemany(self.UPDATE, updates)
@@ -219,7 +221,7 @@ class RawPostgres(System):
         "%b::text[], %b::text[], %b::bytea[], %b::bytea[]) WITH ORDINALITY "
         "AS v(h, g, s, p, eid, op, body, rbody, ord)), "
         "u AS (UPDATE kvl_heads AS t SET snapshot_version = v.s + 1, stream_position = v.p + 1, "
-        "committed_length = v.s + 1, phase = 'DECODING' FROM v WHERE t.handle_id = v.h "
+        "committed_length = v.s + 1, lifecycle = 'ACTIVE' FROM v WHERE t.handle_id = v.h "
         "AND t.generation = v.g AND t.snapshot_version = v.s AND t.stream_position = v.p "
         "RETURNING v.ord), "
         "ok AS (SELECT v.*, m.last + row_number() OVER (ORDER BY v.ord) AS pos FROM v "
@@ -240,14 +242,14 @@ class RawPostgres(System):
         url = ctx.pg_journal_url("raw")
         dbname = url.rsplit("/", 1)[1]
         self.conn = psycopg.connect(ctx.pg_conninfo(dbname), autocommit=True)
-        self.ids = Ids()
+        self.ids = new_id
         self.heads = [Head(h) for h in handle_ids(handles)]
         z = "0" * 64
         with self.conn.transaction(), self.conn.cursor() as cur:
             cur.executemany(
                 "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
-                "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
-                "VALUES (%s, %s, 0, 0, 1, 0, 'DECODING', %s, %s)",
+                "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
+                "VALUES (%s, %s, 0, 0, 1, 0, 'ACTIVE', %s, %s)",
                 [(h.handle, h.handle, z, z) for h in self.heads])
             cur.executemany(
                 "INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "

@@ -37,26 +37,16 @@ NOTES = {
 
 def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, outputs: int = 16) -> int:
     """A lifecycle-valid synthetic journal of about `events` events; returns the count."""
+    from kvledger.journal.builders import allocate_payload, cache_schema, make_manifest
     from kvledger.schemas import events as ev
     from kvledger.schemas.codec import encode_event
-    from kvledger.schemas.manifest import (
-        ArtifactIdentity,
-        CacheSchema,
-        ScalarType,
-        b_token,
-        cache_abi_sha256,
-        manifest_sha256,
-        new_manifest,
-        prefix_identity_sha256,
-    )
+    from kvledger.schemas.manifest import ScalarType
     from kvledger.worker.model import DEFAULT_CONFIG
 
     cfg = DEFAULT_CONFIG
     fp32 = ScalarType("fp32", 4)
-    schema = CacheSchema(num_cache_layers=cfg.num_layers, kv_heads_per_rank=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, key_dtype=fp32, value_dtype=fp32,
-                         num_query_heads=cfg.num_heads)
-    art = ArtifactIdentity(model_artifact_sha256="a" * 64, model_config_sha256="c" * 64)
+    schema = cache_schema(layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                          query_heads=cfg.num_heads, key_dtype=fp32, value_dtype=fp32)
     digest_rows = "d" * 64
     position = 0
     t = 0
@@ -87,12 +77,9 @@ def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, 
         r = Req()
         r.h, r.pos, r.snap, r.step, r.committed, r.outputs, r.txn = f"r{n_req}", 0, 0, 0, 0, 0, ""
         toks = tuple((n_req * 7 + i) % cfg.vocab_size for i in range(prompt))
-        m = new_manifest(namespace="bench", request_id=r.h, prompt=toks, artifact=art, cache_schema=schema,
-                         max_new_tokens=outputs, max_context_tokens=prompt + outputs + 1)
-        body = envelope(ev.RequestAllocateEvent, r, ev.RequestAllocate(
-            manifest=m, manifest_sha256=manifest_sha256(m), cache_abi_sha256=cache_abi_sha256(m),
-            prefix_identity_sha256=prefix_identity_sha256(m), b_token=b_token(schema),
-            reserved_capacity=prompt + outputs + 1, copy_tiers=("gpu",)))
+        m = make_manifest(r.h, toks, schema=schema, namespace="bench", max_new_tokens=outputs,
+                          max_context_tokens=prompt + outputs + 1)
+        body = envelope(ev.RequestAllocateEvent, r, allocate_payload(m, reserved_capacity=prompt + outputs + 1))
         return r, body
 
     abi = None

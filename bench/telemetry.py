@@ -36,11 +36,11 @@ NOTES = {
 
 def _rate(ctx: Context, model, artifact, prompts, g: int, telemetry_on: bool) -> tuple[float, dict]:
     from kvledger.engine.service import CommandService
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.telemetry.producer import Telemetry
 
     url = ctx.sqlite_journal_url("telemetry")
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         service = CommandService(j)
         w = serving_worker(model, artifact, prompts, g, service)
         telemetry = None
@@ -81,11 +81,11 @@ def _intrinsic(ctx: Context, model, artifact, prompts, g: int) -> tuple[float, f
     import io
 
     from kvledger.engine.service import CommandService
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.telemetry.producer import Telemetry
 
     calls: list[tuple] = []
-    with open_journal(ctx.sqlite_journal_url("telemetry")) as j:
+    with open_or_create_journal(ctx.sqlite_journal_url("telemetry")) as j:
         service = CommandService(j)
         w = serving_worker(model, artifact, prompts, g, service)
         telemetry = Telemetry(io.BytesIO()).attach(service, w)

@@ -121,7 +121,7 @@ class Lockstep:
             token = (start + n) % 50_000
             publish = c.Publish(handle_id=h, txn_id=self.txn[h], base_generation=None, base_snapshot_version=None,
                                 layers=tuple(layers))
-            emit = c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None,
+            emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None,
                                 output_index=self.outputs[h], token_id=token)
             self.outputs[h] += 1
             self.pos[h] = start + n
@@ -134,10 +134,10 @@ def chain_rate(url: str, layers: int, steps: int, repeats: int) -> tuple[float, 
     """Best tokens/s of `steps` lockstep steps, over `repeats` fresh groups of handles in
     one journal; returns it with the tokens written."""
     from kvledger.engine.service import CommandService
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
 
     rates, tokens = [], 0
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         service = CommandService(j)
         for r in range(repeats):
             group = Lockstep(service, layers, steps, f"t{r}")
@@ -155,7 +155,7 @@ def _worker_run(url: str | None, layers: int, g: int, writer: str | None) -> tup
     from contextlib import nullcontext
 
     from kvledger.engine.remote import command_service
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.worker.loading import load_model
     from kvledger.worker.model import ModelConfig
 
@@ -163,7 +163,7 @@ def _worker_run(url: str | None, layers: int, g: int, writer: str | None) -> tup
 
     model, artifact = load_model(config=ModelConfig(**{**NEAR_FREE, "num_layers": layers}))
     prompts = bench_prompts(BATCH, NEAR_FREE["vocab_size"])
-    with (open_journal(url) if url else nullcontext()) as j, \
+    with (open_or_create_journal(url) if url else nullcontext()) as j, \
             (command_service(j, writer=writer) if writer else nullcontext()) as service:
         w = serving_worker(model, artifact, prompts, g, service)
         t0 = time.perf_counter()
@@ -192,12 +192,12 @@ def disk_bytes(path: str) -> dict[str, Any]:
 
 def replay_rate(url: str, tokens: int) -> float:
     """Tokens/s of a full projection (ledgers, byte-time, service metrics) of the journal."""
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS, WindowSpec
     from kvledger.replay.projector import Projector
     from kvledger.replay.report import build
 
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         t0 = time.perf_counter()
         build(Projector().feed(j.read_all()),
               WindowSpec(slo_ttft_ns=int(DEFAULT_SLO_TTFT_MS * 1e6), slo_tbt_ns=int(DEFAULT_SLO_TBT_MS * 1e6)))

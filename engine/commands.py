@@ -85,7 +85,7 @@ class Fail(_Command, frozen=True):
 class EmitOutput(_Command, frozen=True):
     handle_id: Id
     base_generation: N | None
-    snapshot_version: N | None
+    base_snapshot_version: N | None
     output_index: N
     token_id: N
 
@@ -155,7 +155,7 @@ class Chain(_Command, frozen=True):
 _RELATIVE: dict[type, tuple[str, ...]] = {
     BeginAppend: ("base_generation", "base_snapshot_version"),
     Publish: ("base_generation", "base_snapshot_version"),
-    EmitOutput: ("base_generation", "snapshot_version"),
+    EmitOutput: ("base_generation", "base_snapshot_version"),
     Finish: ("base_generation",),
     Release: ("base_generation",),
 }
@@ -171,8 +171,7 @@ def unnamed_base(cmd: object) -> str | None:
 
 def bind(step: Step, generation: int, snapshot_version: int) -> Step:
     """A chain step with its unnamed base fields set to the given state's."""
-    values = {"base_generation": generation, "base_snapshot_version": snapshot_version,
-              "snapshot_version": snapshot_version}
+    values = {"base_generation": generation, "base_snapshot_version": snapshot_version}
     fields = {n: values[n] for n in _RELATIVE[type(step)] if getattr(step, n) is None}
     return msgspec.structs.replace(step, **fields) if fields else step
 
@@ -213,7 +212,7 @@ def bind_current(cmd: Command, state_of: Callable[[str], HandleState | None]) ->
     if isinstance(cmd, (Publish, Truncate)):
         return replace(cmd, base_generation=g, base_snapshot_version=v)
     if isinstance(cmd, EmitOutput):
-        return replace(cmd, base_generation=g, snapshot_version=v)
+        return replace(cmd, base_generation=g, base_snapshot_version=v)
     if isinstance(cmd, (Finish, Release, CancelRequest)):
         return replace(cmd, base_generation=g)
     if isinstance(cmd, Fork):

@@ -236,7 +236,7 @@ def _fail(states: States, cmd: c.Fail) -> list[Draft]:
 
 def _emit(states: States, cmd: c.EmitOutput) -> list[Draft]:
     s = _existing(states, cmd.handle_id)
-    _fence(s, cmd.base_generation, cmd.snapshot_version)
+    _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     _owned(s)
     if not s.logits_ready:
         raise reject(E.OUTPUT_NOT_READY, f"{s.handle_id} has no published logits to choose from")

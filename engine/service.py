@@ -40,6 +40,26 @@ class SystemClock:
         return time.time_ns()
 
 
+class ManualClock:
+    """A clock its caller sets, in ms: tests and fixtures state when an event happens,
+    and their journals regenerate byte for byte."""
+
+    WALL_EPOCH_NS = 1_700_000_000_000_000_000
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def at(self, ms: float) -> ManualClock:
+        self.ns = round(ms * 1_000_000)
+        return self
+
+    def monotonic_ns(self) -> int:
+        return self.ns
+
+    def wall_ns(self) -> int:
+        return self.WALL_EPOCH_NS + self.ns
+
+
 @dataclass
 class Plan:
     cmd: c.Command  # as decided: bound, with its operation id
@@ -333,4 +353,4 @@ if TYPE_CHECKING:
         return service  # mypy checks CommandService against the port here
 
 
-__all__ = ["CommandService", "Rejection", "SystemClock"]
+__all__ = ["CommandService", "ManualClock", "Rejection", "SystemClock"]

@@ -37,7 +37,7 @@ class HeadFacts(msgspec.Struct, frozen=True):
     snapshot_version: int
     stream_position: int
     committed_length: int
-    phase: str
+    lifecycle: str  # ACTIVE, FINISHED, CANCELLED or RELEASED
     prefix_identity_sha256: str
     cache_abi_sha256: str
 

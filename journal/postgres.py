@@ -155,7 +155,7 @@ class PostgresStatements(Statements):
     # receipts primary key the same way.
     APPEND_IF = (
         "WITH u AS (UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
-        "stream_position = v.np, committed_length = v.nc, phase = v.ph "
+        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph "
         "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
         "AS v(h, g, s, p, ng, ns, np, nc, ph) "
         "WHERE h.handle_id = v.h AND h.generation = v.g "
@@ -198,7 +198,7 @@ class PostgresStatements(Statements):
     # would test every head against the whole array, one comparison per element).
     GUARDED_UPDATE_SET = (
         "UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
-        "stream_position = v.np, committed_length = v.nc, phase = v.ph "
+        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph "
         "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
         "AS v(h, g, s, p, ng, ns, np, nc, ph) "
         "WHERE h.handle_id = v.h AND h.generation = v.g "
@@ -273,7 +273,7 @@ class PostgresStatements(Statements):
 def _guarded_update_params(rows: list[tuple[StreamWrite, Guard]]) -> dict[str, Any]:
     h, g, s, p, ng, ns, np_, nc, ph = zip(*[
         (w.handle_id, g.generation, g.snapshot_version, g.stream_position, w.head.generation,
-         w.head.snapshot_version, w.head.stream_position, w.head.committed_length, w.head.phase)
+         w.head.snapshot_version, w.head.stream_position, w.head.committed_length, w.head.lifecycle)
         for w, g in rows
     ])
     return {"h": _texts(h), "g": _int8s(g), "s": _int8s(s), "p": _int8s(p), "ng": _int8s(ng),

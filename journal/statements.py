@@ -96,18 +96,18 @@ class Statements(abc.ABC):
     # -- guarded writes: per-row forms; postgres overrides with set-based ones -------
     GUARDED_UPDATE = (
         "UPDATE kvl_heads SET generation = ?, snapshot_version = ?, stream_position = ?, "
-        "committed_length = ?, phase = ? "
+        "committed_length = ?, lifecycle = ? "
         "WHERE handle_id = ? AND generation = ? AND snapshot_version = ? AND stream_position = ?"
     )
     CREATE_HEAD = (
         "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
-        "stream_position, committed_length, phase, prefix_identity_sha256, cache_abi_sha256) "
+        "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (handle_id) DO NOTHING"
     )
     # test-only mutant (journal.faults.UNGUARDED): the same update with its guard ignored
     UNGUARDED_UPDATE = (
         "UPDATE kvl_heads SET generation = ?, snapshot_version = ?, stream_position = ?, "
-        "committed_length = ?, phase = ? "
+        "committed_length = ?, lifecycle = ? "
         "WHERE handle_id = ? AND ? IS NOT NULL AND ? IS NOT NULL AND ? IS NOT NULL"
     )
     CHECK_HEAD = (
@@ -122,7 +122,7 @@ class Statements(abc.ABC):
         are redone one by one to learn which guards failed."""
         sql = self.q(self.UNGUARDED_UPDATE if faults.UNGUARDED else self.GUARDED_UPDATE)
         params = [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
-                   w.head.committed_length, w.head.phase, w.handle_id, g.generation,
+                   w.head.committed_length, w.head.lifecycle, w.handle_id, g.generation,
                    g.snapshot_version, g.stream_position) for w, g in rows]
         if len(rows) >= 4:
             cur.execute("SAVEPOINT kvl_guards")
@@ -233,7 +233,7 @@ class Statements(abc.ABC):
 
     HEAD_COLUMNS = (
         "handle_id, request_id, generation, snapshot_version, stream_position, "
-        "committed_length, phase, prefix_identity_sha256, cache_abi_sha256"
+        "committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256"
     )
 
     def heads(self, cur: Any, prefix: str | None, handle_id: str | None) -> list[Row]:
@@ -348,4 +348,4 @@ def stored_int(value: Any, what: str) -> int:
 def _head_columns(w: StreamWrite) -> tuple[str, int, int, int, int, str, str, str]:
     h = w.head
     return (h.request_id, h.generation, h.snapshot_version, h.stream_position, h.committed_length,
-            h.phase, h.prefix_identity_sha256, h.cache_abi_sha256)
+            h.lifecycle, h.prefix_identity_sha256, h.cache_abi_sha256)

@@ -20,7 +20,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 # Every alembic revision this code knows (migrations/versions), oldest first; the last
 # is the head it reads and writes. A database at a revision not listed here was written
 # by a newer kvledger. (tests/test_cli_foundation checks this against alembic.)
-REVISIONS = ("0001",)
+REVISIONS = ("0001", "0002")
 SCHEMA_REVISION = REVISIONS[-1]
 VERSION_TABLE = "kvl_alembic_version"
 JOURNAL_TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints")
@@ -59,7 +59,7 @@ heads = Table(
     Column("snapshot_version", BigInteger, nullable=False),
     Column("stream_position", BigInteger, nullable=False),
     Column("committed_length", BigInteger, nullable=False),
-    Column("phase", String(32), nullable=False),
+    Column("lifecycle", String(32), nullable=False),
     Column("prefix_identity_sha256", String(64), nullable=False),
     Column("cache_abi_sha256", String(64), nullable=False),
     Index("kvl_heads_prefix_ix", "prefix_identity_sha256"),

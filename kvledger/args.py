@@ -31,6 +31,7 @@ MAX_INT64 = (1 << 63) - 1
 # Milliseconds become integer nanoseconds in the journal's BIGINT clock columns.
 MAX_MS = MAX_INT64 // 1_000_000
 SQLITE_COMPANIONS = ("", "-wal", "-shm", "-journal")
+DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
 def _bad(message: str) -> KvLedgerError:

@@ -13,9 +13,8 @@ import sys
 from collections.abc import Callable
 
 from kvledger import args as a
+from kvledger.args import DB_HELP
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 # Modules with a `register(subparsers)` function, one per command family.
 COMMAND_MODULES: list[str] = ["cmd_serve", "cmd_replay", "cmd_telemetry", "cmd_recover"]
@@ -53,13 +52,6 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(_args: argparse.Namespace) -> int:
-        raise KvLedgerError(ErrorCode.NOT_BUILT, f"`kvledger {name}` is not built yet")
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvledger",
@@ -93,7 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face checkpoint directory (default: small random model)")
     p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=_not_built("demo"))
 
     p = sub.add_parser("generate", help="greedy completion of one prompt, journaled")
     p.add_argument("--model", type=a.model_dir,
@@ -104,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=_not_built("generate"))
 
     # Each command family registers its own subcommands (kvledger/cmd_*.py).
     for name in COMMAND_MODULES:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvledger import args as a
+from kvledger.args import DB_HELP
 from kvledger.engine.remote import WRITERS
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
     from kvledger.recovery.recover import RecoveryReport
 
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvledger import args as a
+from kvledger.args import DB_HELP
 from kvledger.cli import add_slo_arguments
 from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -21,7 +22,6 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 if TYPE_CHECKING:
     from rich.console import Console
 
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 MS = 1_000_000
 
 

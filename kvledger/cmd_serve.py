@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from kvledger.schemas.events import Event
     from kvledger.worker.serving import Worker
 
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -117,7 +116,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from kvledger.cmd_telemetry import demo_telemetry, finish_demo_telemetry
     from kvledger.demo import run_demo
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.worker import placement
 
     url = resolve_url(args.db)
@@ -128,7 +127,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # refused command must not leave a new database behind.
     telemetry = demo_telemetry(args)
     try:
-        journal = open_journal(url)
+        journal = open_or_create_journal(url)
     except BaseException:
         finish_demo_telemetry(telemetry, args)
         raise
@@ -238,7 +237,7 @@ PREFILL_CHUNK = 512
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvledger.engine.remote import command_service
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.worker.loading import load_model, require_context
     from kvledger.worker.serving import RequestSpec, Worker
 
@@ -251,7 +250,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     url = resolve_url(args.db)
     handle = f"gen-{uuid.uuid4().hex[:12]}"
     _make_room(args)
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         first = journal.last_position()
         with command_service(journal, writer=args.writer, source_instance="kvledger-generate") as service:
             worker = Worker(model, service=service, artifact=artifact, max_running=1, capacity=capacity,

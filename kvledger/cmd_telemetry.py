@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from kvledger import args as a
+from kvledger.args import DB_HELP
 from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from kvledger.replay.reconcile import ReconcileResult
     from kvledger.telemetry.producer import Telemetry
 
-DB_HELP = "database URL (default: $KVLEDGER_DB, else sqlite:///kvledger.db)"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

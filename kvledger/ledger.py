@@ -25,7 +25,7 @@ from kvledger.engine.service import CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.engine.view import ServiceStateView, view_of
 from kvledger.journal import Journal
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import AppendKind, FailureOutcome, FinishReason, LayerRows
 from kvledger.schemas.manifest import Manifest
@@ -45,7 +45,7 @@ class Ledger:
     @classmethod
     def open(cls, url: str | None = None, *, source_instance: str = "kvledger",
              clock: object | None = None) -> Ledger:
-        return cls(open_journal(url), source_instance=source_instance, clock=clock)
+        return cls(open_or_create_journal(url), source_instance=source_instance, clock=clock)
 
     def close(self) -> None:
         self.journal.close()
@@ -70,7 +70,7 @@ class Ledger:
         """Live handles holding a prefix identity. Empty means eviction-eligible; which
         physical bytes that frees is the allocator's business, not the ledger's."""
         heads = self.journal.heads(prefix_identity_sha256=c.check_id(prefix_identity_sha256, "prefix identity"))
-        return tuple(sorted(h for h, f in heads.items() if f.phase != "RELEASED"))
+        return tuple(sorted(h for h, f in heads.items() if f.lifecycle != "RELEASED"))
 
     def require_evictable(self, prefix_identity_sha256: str) -> None:
         owners = self.prefix_owners(prefix_identity_sha256)
@@ -136,7 +136,7 @@ class Ledger:
              operation_id: str | None = None) -> Receipt:
         with _arguments():
             cmd = c.EmitOutput(
-                handle_id=handle_id, base_generation=base[0], snapshot_version=base[1],
+                handle_id=handle_id, base_generation=base[0], base_snapshot_version=base[1],
                 output_index=output_index, token_id=token_id, operation_id=operation_id)
         return self.execute(cmd)
 
@@ -172,18 +172,20 @@ class Ledger:
                 **{k: tuple(v) for k, v in parts.items()})
         return self.execute(cmd)
 
-    def cancel(self, handle_id: str, *, generation: int, reason: str = "",
+    def cancel(self, handle_id: str, *, base: int, reason: str = "",
                operation_id: str | None = None) -> Receipt:
-        return self.execute(c.CancelRequest(handle_id=handle_id, base_generation=generation,
+        return self.execute(c.CancelRequest(handle_id=handle_id, base_generation=base,
                                             reason=reason, operation_id=operation_id))
 
-    def finish(self, handle_id: str, *, generation: int, reason: FinishReason = "max_tokens",
+    def finish(self, handle_id: str, *, base: int, reason: FinishReason = "max_tokens",
                operation_id: str | None = None) -> Receipt:
-        return self.execute(c.Finish(handle_id=handle_id, base_generation=generation, reason=reason,
+        return self.execute(c.Finish(handle_id=handle_id, base_generation=base, reason=reason,
                                      operation_id=operation_id))
 
-    def release(self, handle_id: str, *, generation: int, snapshot_version: int | None = None,
-                operation_id: str | None = None) -> Receipt:
+    def release(self, handle_id: str, *, base: int | Base, operation_id: str | None = None) -> Receipt:
+        """`base` is the generation, or (generation, snapshot_version) to fence on the snapshot too."""
+        with _arguments():
+            generation, snapshot_version = (base, None) if isinstance(base, int) else base
         return self.execute(c.Release(handle_id=handle_id, base_generation=generation,
                                       base_snapshot_version=snapshot_version, operation_id=operation_id))
 

@@ -43,10 +43,11 @@ def _migrate(url: URL) -> None:
             engine.dispose()
 
 
-def open_journal(raw_url: str | None = None) -> SqlJournal:
-    """Open a journal to write. A new SQLite database (no kvledger tables at all) is
-    initialized on the spot; anything else un-migrated (PostgreSQL, an older revision,
-    an emptied version table) must go through `kvledger init` first."""
+def open_or_create_journal(raw_url: str | None = None) -> SqlJournal:
+    """Open a journal to write, creating it if it is a new SQLite database (no kvledger
+    tables at all: migrated on the spot; kvledger.journal.open_journal refuses it). Anything
+    else un-migrated (PostgreSQL, an older revision, an emptied version table) must go
+    through `kvledger init` first."""
     url = parse_url(resolve_url(raw_url))
     try:
         return SqlJournal(url)
@@ -60,7 +61,7 @@ def open_journal(raw_url: str | None = None) -> SqlJournal:
 
 @contextlib.contextmanager
 def creating_journal(raw_url: str | None = None) -> Iterator[SqlJournal]:
-    """`open_journal` for a command that is all or nothing (import): a new SQLite file is
+    """`open_or_create_journal` for a command that is all or nothing (import): a new SQLite file is
     built under a temporary name beside it and takes its own name only if the command
     succeeds, so a refused command leaves no file behind. The final name is taken with
     link(2), which never replaces a file another process created meanwhile."""
@@ -68,12 +69,12 @@ def creating_journal(raw_url: str | None = None) -> Iterator[SqlJournal]:
     path = _sqlite_path(url)
     if path is None or path.exists() or not os.access(path.parent, os.W_OK):
         # (an unwritable directory: let opening say so, naming the file asked for)
-        with open_journal(url.render_as_string(hide_password=False)) as journal:
+        with open_or_create_journal(url.render_as_string(hide_password=False)) as journal:
             yield journal
         return
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.creating")
     try:
-        with open_journal(url.set(database=str(temp)).render_as_string(hide_password=False)) as journal:
+        with open_or_create_journal(url.set(database=str(temp)).render_as_string(hide_password=False)) as journal:
             journal.display_url = redact(url)  # messages name the file the user asked for
             yield journal
         # Closed: the last connection has checkpointed the WAL into the file.
@@ -112,5 +113,5 @@ def _sqlite_path(url: URL) -> Path | None:
     return Path(url.database).expanduser()
 
 
-__all__ = ["creating_journal", "init_database", "open_existing_journal", "open_journal", "redact",
+__all__ = ["creating_journal", "init_database", "open_existing_journal", "open_or_create_journal", "redact",
            "require_existing"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvledger.journal.url import parse_url
 
 if TYPE_CHECKING:
-    import psycopg
+    pass
 
 
 class Backend:
@@ -68,56 +68,32 @@ class PostgresBackend(Backend):
     TABLES = "kvl_events, kvl_heads, kvl_receipts, kvl_manifests, kvl_checkpoints"
 
     def __init__(self, url: str) -> None:
-        self.url = parse_url(url)
+        from kvledger.journal.pgserver import ScratchDatabases
+        from kvledger.migrations.storage import init_database
+
         self.prefix = f"kvl_crash_{os.getpid()}"
-        self.template = f"{self.prefix}_tmpl"
+        self.scratch = ScratchDatabases(parse_url(url), self.prefix, init_database)
         self.current: str | None = None
         self.dirty = False
         self.made = 0
 
-    def _connect(self, dbname: str | None) -> psycopg.Connection[tuple[Any, ...]]:  # None: the server's default
-        import psycopg
-
-        u = self.url
-        conninfo = psycopg.conninfo.make_conninfo(host=u.host, port=u.port, user=u.username,
-                                                  password=u.password, dbname=dbname)
-        try:
-            return psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
-        except psycopg.Error as exc:
-            from kvledger.journal.driver_errors import translate
-
-            raise translate(exc, u.set(database=dbname)) from None
-
-    def _url(self, name: str) -> str:
-        return self.url.set(database=name).render_as_string(hide_password=False)
-
     def prepare(self) -> None:
-        from kvledger.migrations.storage import init_database
-
-        with self._connect(self.url.database) as conn:  # every connection is closed before a fork
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.template}"')  # names built here, not input
-            conn.execute(f'CREATE DATABASE "{self.template}"')
-        init_database(self._url(self.template))
+        self.scratch.prepare()  # every connection is closed before a fork
 
     def fresh(self, k: int) -> str:
         if self.current is None:
             self.made += 1
             self.current = f"{self.prefix}_{self.made}"
-            with self._connect(self.url.database) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{self.current}" WITH (FORCE)')
-                conn.execute(f'CREATE DATABASE "{self.current}" TEMPLATE "{self.template}"')
+            self.scratch.create(self.current)
         elif self.dirty:
-            with self._connect(self.current) as conn:
+            with self.scratch.connect(self.current) as conn:
                 conn.execute(f"TRUNCATE {self.TABLES}")  # constant table names
         self.dirty = True
-        return self._url(self.current)
+        return self.scratch.url(self.current)
 
     def keep(self, k: int) -> str:
         kept, self.current = self.current, None
-        return self._url(kept) if kept else ""
+        return self.scratch.url(kept) if kept else ""
 
     def close(self) -> None:
-        with self._connect(self.url.database) as conn:
-            if self.current is not None:
-                conn.execute(f'DROP DATABASE IF EXISTS "{self.current}" WITH (FORCE)')
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.template}" WITH (FORCE)')
+        self.scratch.drop(*([self.current] if self.current is not None else []), self.scratch.template)

@@ -179,7 +179,7 @@ def _acking_service(journal: SqlJournal, ack_path: str, writer: str = "thread") 
 
 def run_child(url: str, specs: list[RequestSpec], ack_path: str, fault_spec: str | None, fault_log: str,
               ready_fd: int, count_faults: bool = False, writer: str = "thread") -> Result:
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.replay import WindowSpec, replay_incremental
     from kvledger.worker.serving import Worker
 
@@ -192,7 +192,7 @@ def run_child(url: str, specs: list[RequestSpec], ack_path: str, fault_spec: str
         os.environ.update(KVLEDGER_FAULTS=fault_spec, KVLEDGER_FAULTS_LOG=fault_log)
     model, artifact = _model()
     window = WindowSpec(slo_ttft_ns=10**9, slo_tbt_ns=10**9)
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         service = _acking_service(journal, ack_path, writer)
         worker = Worker(model, service=service, artifact=artifact, **WORKER)
         for s in specs:
@@ -231,14 +231,14 @@ def _read_lines(path: str) -> list[Any]:  # JSON values, one a line
 
 def check_child(url: str, specs: list[RequestSpec], ack_path: str, baseline: dict[str, list[int]]) -> Result:
     from kvledger.engine.evolve import fold
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.recovery.recover import recover, verify_findings
     from kvledger.replay import WindowSpec, replay_incremental, replay_journal, to_json
     from kvledger.worker.serving import Worker
 
     model, artifact = _model()
     out: Result = {}
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         out["position_at_crash"] = j.last_position()
         # 1. acknowledged writes and atomicity, straight from the tables
         acks = _read_lines(ack_path)
@@ -281,7 +281,7 @@ def check_child(url: str, specs: list[RequestSpec], ack_path: str, baseline: dic
             out["resubmit_errors"] = worker.errors
         out["verify_after"] = verify_findings(j)
         heads = j.heads()
-        out["unfinished"] = sorted(h for h, f in heads.items() if f.phase != "RELEASED")
+        out["unfinished"] = sorted(h for h, f in heads.items() if f.lifecycle != "RELEASED")
         # 3. outputs equal an uninterrupted run
         mismatches = []
         for s in specs:

@@ -124,7 +124,7 @@ def recover(journal: Journal, *, model: Transformer | None = None, artifact: Art
         return _done(report, journal, t0, verify_after=False)
 
     service = CommandService(journal, source_instance=source_instance)
-    live = sorted(h for h, f in journal.heads().items() if f.phase != "RELEASED")
+    live = sorted(h for h, f in journal.heads().items() if f.lifecycle != "RELEASED")
     report.live_handles = live
     if not live:
         return _done(report, journal, t0, verify_after=False)
@@ -202,8 +202,8 @@ def recover(journal: Journal, *, model: Transformer | None = None, artifact: Art
     report.tokens_generated = sum(len(report.outputs[h]) - before[h] for h in rebuildable)
     report.errors.extend(worker.errors)
     heads = journal.heads()
-    report.released = [h for h in rebuildable if heads[h].phase == "RELEASED"]
-    report.unfinished = [h for h in rebuildable if heads[h].phase != "RELEASED"]
+    report.released = [h for h in rebuildable if heads[h].lifecycle == "RELEASED"]
+    report.unfinished = [h for h in rebuildable if heads[h].lifecycle != "RELEASED"]
     return _done(report, journal, t0, verify_after)
 
 

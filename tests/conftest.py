@@ -8,12 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-import psycopg
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvledger.journal.pgserver import ThrowawayPostgres, find_bin
+from kvledger.journal.pgserver import ScratchDatabases, ThrowawayPostgres, find_bin
 from kvledger.migrations.storage import init_database
 
 REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
@@ -21,39 +20,15 @@ _names = itertools.count()
 
 
 class PgAdmin:
-    """Creates one fresh, migrated database per test from a migrated template."""
+    """Creates one fresh database per test, migrated ones from a migrated template."""
 
     def __init__(self, admin_url: str, server: ThrowawayPostgres | None) -> None:
         self.admin_url = admin_url  # postgresql+psycopg://user@host:port/db
         self.server = server
-        self.template: str | None = None
-
-    def _conninfo(self) -> str:
-        from sqlalchemy.engine import make_url
-
-        u = make_url(self.admin_url)
-        return psycopg.conninfo.make_conninfo(
-            host=u.host, port=u.port, user=u.username, password=u.password, dbname=u.database
-        )
-
-    def url_for(self, name: str) -> str:
-        from sqlalchemy.engine import make_url
-
-        return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
+        self.scratch = ScratchDatabases(admin_url, f"kvl_template_{os.getpid()}", init_database)
 
     def create(self, migrated: bool = True) -> str:
-        name = f"kvl_test_{os.getpid()}_{next(_names)}"
-        with psycopg.connect(self._conninfo(), autocommit=True) as conn:
-            if migrated:
-                if self.template is None:
-                    self.template = f"kvl_template_{os.getpid()}"
-                    conn.execute(f'DROP DATABASE IF EXISTS "{self.template}"')
-                    conn.execute(f'CREATE DATABASE "{self.template}"')
-                    init_database(self.url_for(self.template))
-                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"')
-            else:
-                conn.execute(f'CREATE DATABASE "{name}"')
-        return self.url_for(name)
+        return self.scratch.create(f"kvl_test_{os.getpid()}_{next(_names)}", migrated=migrated)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 from kvledger.engine import commands as c
 from kvledger.engine.service import CommandService
 from kvledger.journal import faults
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
@@ -81,7 +81,7 @@ def _g(guard):
 
 def allocate_handles(url: str, names: list[str]) -> dict[str, list[int]]:
     """Allocate the shared handles; returns their heads (the histories' initial state)."""
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         service = CommandService(j, source_instance="race-setup")
         for h in names:
             service.execute(c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT),
@@ -113,7 +113,7 @@ def _choose(rng: random.Random, s, key: str, p_fork: float = 0.15):
     if s.open_txns:
         return "publish", c.Publish(handle_id=h, txn_id=s.open_txns[0].txn_id, operation_id=key, **snap)
     if s.logits_ready:
-        return "emit", c.EmitOutput(handle_id=h, base_generation=s.generation, snapshot_version=s.snapshot_version,
+        return "emit", c.EmitOutput(handle_id=h, base_generation=s.generation, base_snapshot_version=s.snapshot_version,
                                     output_index=len(s.outputs), token_id=rng.randrange(64), operation_id=key)
     if s.committed_length == 0 or s.has_frontier:
         n0 = s.committed_length
@@ -146,7 +146,7 @@ def _race(url, process, handles, n_ops, seed, log, go, mutant, fault, p_fork, p_
     if fault:
         faults.configure(fault)
     rng = random.Random(seed)
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}")
         log(type="ready", op=f"p{process}")
         _await(go)
@@ -180,7 +180,7 @@ def _race(url, process, handles, n_ops, seed, log, go, mutant, fault, p_fork, p_
                 log(type=status, op=key, t=time.monotonic_ns(), error=exc.code.value)
                 if status == "info":  # the connection may be gone: reopen, as a client would
                     j.close()
-                    j = open_journal(url)
+                    j = open_or_create_journal(url)
                     service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}")
                 continue
             assert isinstance(r, Receipt)
@@ -253,7 +253,7 @@ def run_history(ctx, url: str, workdir: Path, *, handles: list[str], processes: 
 def writer(url: str, conn) -> None:
     """Append what the parent sends, answer with the results. ("fault", spec) arms a
     fault for the next appends (an `exit` one ends this process mid-append)."""
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         while True:
             try:
                 kind, arg = conn.recv()
@@ -286,7 +286,7 @@ def fault_child(url: str, spec: str | None, what: str) -> None:
 
     if spec is not None:  # None: keep what the environment armed
         faults.configure(spec)
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         if what == "checkpoint":
             j.save_checkpoint("c", 2, b"new")
             return
@@ -313,7 +313,7 @@ def scripted_fork(url: str, history: str, ready, go, mutant: bool) -> None:
     if mutant:
         faults.UNGUARDED = True
     log = _Log(history)
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         service = CommandService(RecordingJournal(j, log), source_instance="scripted-fork")
         s = service.state("H")
         ready.set()
@@ -334,12 +334,12 @@ def scripted_emit(url: str, history: str, ready, go) -> None:
     """Once the forker has cached H: emit H's next output (moves its stream), then go."""
     log = _Log(history)
     ready.wait(60)
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         service = CommandService(RecordingJournal(j, log), source_instance="scripted-emit")
         s = service.state("H")
         log(type="invoke", op="emit-1", process=1, f="emit", t=time.monotonic_ns())
         r = service.execute(c.EmitOutput(handle_id="H", base_generation=s.generation,
-                                         snapshot_version=s.snapshot_version, output_index=len(s.outputs),
+                                         base_snapshot_version=s.snapshot_version, output_index=len(s.outputs),
                                          token_id=9, operation_id="emit-1"))
         log(type="ok", op="emit-1", t=time.monotonic_ns(), receipt={
             "event_ids": list(r.event_ids), "first": r.first_global_position, "last": r.last_global_position})

@@ -1,97 +1,13 @@
-"""Small builders of valid manifests, events and operations for journal-level tests
-(the engine builds these for real; the journal contract must not depend on it)."""
+"""The builders of valid manifests, events and operations for journal-level tests live in
+kvledger.journal.builders (the benchmarks and the fixtures use them too)."""
 
 from __future__ import annotations
 
-import uuid
-
-from kvledger.journal import Guard, HeadFacts, Operation, StreamWrite
-from kvledger.schemas import events as ev
-from kvledger.schemas.canonical import canonical_json
-from kvledger.schemas.manifest import (
-    ArtifactIdentity,
-    CacheSchema,
-    Manifest,
-    PositionContract,
-    RopeConfig,
-    ScalarType,
-    b_token,
-    cache_abi_sha256,
-    manifest_sha256,
-    new_manifest,
-    prefix_identity_sha256,
+from kvledger.journal.builders import (  # noqa: F401 - re-exported for the tests
+    allocate_op,
+    envelope,
+    guard_of,
+    head,
+    make_manifest,
+    publish_op,
 )
-
-FP16 = ScalarType("fp16", 2)
-ZERO = "0" * 64
-
-
-def make_manifest(
-    request_id: str = "req-1",
-    prompt: tuple[int, ...] = (11, 22, 33, 44),
-    adapters: tuple[str, ...] = (),
-    layers: int = 2,
-    kv_heads: int = 2,
-    head_dim: int = 4,
-    key_dtype: ScalarType = FP16,
-    value_dtype: ScalarType = FP16,
-    query_heads: int = 4,
-) -> Manifest:
-    return new_manifest(
-        namespace="test", request_id=request_id, prompt=prompt,
-        artifact=ArtifactIdentity(model_artifact_sha256="a" * 64, model_config_sha256="c" * 64,
-                                  adapter_set=adapters),
-        cache_schema=CacheSchema(num_cache_layers=layers, kv_heads_per_rank=kv_heads, head_dim=head_dim,
-                                 key_dtype=key_dtype, value_dtype=value_dtype, num_query_heads=query_heads),
-        max_new_tokens=8, max_context_tokens=len(prompt) + 64,
-        position_contract=PositionContract(rope=RopeConfig(theta=10000.0)))
-
-
-def envelope(cls, handle: str, position: int, payload, generation: int = 0, op: str | None = None):
-    return cls(
-        event_id=uuid.uuid4().hex, stream_id=handle, stream_position=position,
-        schema_version=ev.CURRENT_VERSION[cls.event_type], request_id=handle,
-        handle_generation=generation, operation_id=op, payload=payload,
-    )
-
-
-def head(handle: str, generation: int, snapshot: int, position: int, committed: int,
-         phase: str = "WAITING_PREFILL") -> HeadFacts:
-    return HeadFacts(handle, generation, snapshot, position, committed, phase, ZERO, ZERO)
-
-
-def allocate_op(handle: str, op_id: str | None = None) -> Operation:
-    m = make_manifest(request_id=handle)
-    payload = ev.RequestAllocate(
-        manifest=m, manifest_sha256=manifest_sha256(m), cache_abi_sha256=cache_abi_sha256(m),
-        prefix_identity_sha256=prefix_identity_sha256(m), b_token=b_token(m.cache_schema),
-        reserved_capacity=8, copy_tiers=("gpu",),
-    )
-    op_id = op_id or f"alloc-{handle}"
-    e = envelope(ev.RequestAllocateEvent, handle, 1, payload, op=op_id)
-    return Operation(
-        operation_id=op_id, fingerprint=f"fp-{op_id}",
-        writes=(StreamWrite(handle, None, head(handle, 0, 0, 1, 0), (e,)),),
-        manifests=((payload.manifest_sha256, canonical_json(m)),),
-    )
-
-
-def publish_op(handle: str, base: Guard, op_id: str, fingerprint: str | None = None, n: int = 1) -> Operation:
-    """A publish-shaped event advancing the snapshot by one (journal-level only)."""
-    s = base.snapshot_version
-    payload = ev.AppendPublish(
-        txn_id=op_id, base_snapshot_version=s, result_snapshot_version=s + 1,
-        committed_length=s + n, accepted_count=n,
-        layers=tuple(ev.LayerRows(layer=i, start=s, count=n, k_complete=True, v_complete=True) for i in range(2)),
-        logits_ready=True,
-    )
-    e = envelope(ev.AppendPublishEvent, handle, base.stream_position + 1, payload, base.generation, op_id)
-    return Operation(
-        operation_id=op_id, fingerprint=fingerprint or f"fp-{op_id}",
-        writes=(StreamWrite(handle, base, head(handle, base.generation, s + 1, base.stream_position + 1, s + n),
-                            (e,)),),
-    )
-
-
-def guard_of(facts: HeadFacts) -> Guard:
-    return Guard(facts.generation, facts.snapshot_version, facts.stream_position)

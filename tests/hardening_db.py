@@ -16,6 +16,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from kvledger.cli import main
+from kvledger.journal.pgserver import conninfo
 from kvledger.schemas.errors import ErrorCode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,12 +75,6 @@ def snapshot(url: str) -> object:
         for t in tables:  # names read from the catalog of a test database
             rows[t] = sorted(map(repr, conn.execute(f'SELECT * FROM "{t}"').fetchall()))
     return rows
-
-
-def conninfo(url: str) -> str:
-    u = make_url(url)
-    return psycopg.conninfo.make_conninfo(host=u.host, port=u.port, user=u.username,
-                                          password=u.password, dbname=u.database)
 
 
 def execute(url: str, *statements: str) -> None:

@@ -3,24 +3,9 @@
 from __future__ import annotations
 
 from kvledger import Ledger
+from kvledger.engine.service import ManualClock  # noqa: F401 - re-exported for the tests
 
 from factories import make_manifest
-
-
-class ManualClock:
-    """Deterministic clock: tests set the time an event happens at, in ms."""
-
-    def __init__(self) -> None:
-        self.ns = 0
-
-    def at_ms(self, ms: float) -> None:
-        self.ns = int(ms * 1_000_000)
-
-    def monotonic_ns(self) -> int:
-        return self.ns
-
-    def wall_ns(self) -> int:
-        return 1_700_000_000_000_000_000 + self.ns
 
 
 def base(ledger: Ledger, handle: str) -> tuple[int, int]:

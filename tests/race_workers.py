@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.receipts import Receipt
 
 from factories import guard_of, publish_op
@@ -13,7 +13,7 @@ from factories import guard_of, publish_op
 def publisher(url: str, handle: str, worker: int, attempts: int, out) -> None:
     """Publish on one handle from whatever base this process last read."""
     results = []
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         for n in range(attempts):
             base = guard_of(j.head(handle))
             [r] = j.append([publish_op(handle, base, f"w{worker}-{n}")])
@@ -25,7 +25,7 @@ def tailer(url: str, stop, out) -> None:
     """Follow global_position; record every event seen, in the order seen."""
     seen: list[tuple[int, str]] = []
     last = 0
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         while True:
             stopping = stop.is_set()
             for e in j.read_all(after=last):

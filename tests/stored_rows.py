@@ -10,7 +10,7 @@ from sqlalchemy import text
 
 from kvledger.cli import main
 from kvledger.journal import make_engine, parse_url
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import import_jsonl
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -51,7 +51,7 @@ def picture(db_url: str) -> object:
 
 def imported(db_url: str, name: str = "two_request_trajectory") -> dict:
     """Import a fixture journal; its events by global position."""
-    with open_journal(db_url) as journal:
+    with open_or_create_journal(db_url) as journal:
         import_jsonl(journal, FIXTURES / f"{name}.jsonl")
         return {e.global_position: e for e in journal.read_all()}
 

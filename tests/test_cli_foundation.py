@@ -88,16 +88,16 @@ def test_migrated_schema_matches_the_table_metadata(db_url):
 
 def test_unmigrated_postgres_is_refused_with_a_hint(pg_admin):
     url = pg_admin.create(migrated=False)
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
     from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
     with pytest.raises(KvLedgerError) as e:
-        open_journal(url)
+        open_or_create_journal(url)
     assert e.value.code is ErrorCode.NOT_MIGRATED and "kvledger init" in str(e.value)
 
 
 def test_new_sqlite_file_initializes_itself(tmp_path):
-    from kvledger.migrations.storage import open_journal
+    from kvledger.migrations.storage import open_or_create_journal
 
-    with open_journal(f"sqlite:///{tmp_path}/fresh.db") as j:
+    with open_or_create_journal(f"sqlite:///{tmp_path}/fresh.db") as j:
         assert j.last_position() == 0

@@ -13,7 +13,7 @@ from kvledger.engine import commands as c
 from kvledger.engine.port import CommandPort
 from kvledger.engine.remote import RemoteService
 from kvledger.engine.service import CommandService
-from kvledger.migrations.storage import init_database, open_journal
+from kvledger.migrations.storage import init_database, open_or_create_journal
 from kvledger.recovery.crash_children import _Acking
 
 from factories import make_manifest
@@ -31,7 +31,7 @@ def _shape(fn) -> list[tuple[str, object, object]]:
 def journal(tmp_path):
     url = f"sqlite:///{tmp_path}/journal.db"
     init_database(url)
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         yield j
 
 

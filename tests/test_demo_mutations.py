@@ -12,7 +12,7 @@ import torch
 
 from kvledger.cli import main
 from kvledger.demo import SCENARIOS
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import verify_journal
 from kvledger.worker.kvstore import KVStore
 from kvledger.worker.model import DEFAULT_CONFIG
@@ -95,7 +95,7 @@ def test_a_reordered_fork_group_decodes_what_it_would_have(model, db_url, tmp_pa
     assert all(e.payload.permutation == (1, 0) and e.payload.rows == ("beam", "beam.1") for e in moves)
     # the reorder came after three outputs of each row, in one operation
     assert len({e.operation_id for e in moves}) == 1
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert verify_journal(j).findings == []
     r = reexecute(model, events, capacity=64)
     assert r.mismatches == [] and r.verified_rows > 0
@@ -117,7 +117,7 @@ def test_a_failed_forward_call_ends_its_appends_and_they_run_again(model, db_url
                and "injected fault" in e.payload.detail for e in failures)
     failed_txns = {e.payload.txn_id for e in failures}
     assert not any(e.event_type == "append_publish" and e.payload.txn_id in failed_txns for e in events)
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert verify_journal(j).findings == []
     r = reexecute(model, events, capacity=64)
     assert r.mismatches == [] and not r.skipped
@@ -130,7 +130,7 @@ def test_a_request_whose_calls_keep_failing_is_cancelled_and_released(model, tmp
 
     url = f"sqlite:///{tmp_path}/give-up.db"
     _, artifact = load_model()
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         w = Worker(model, service=CommandService(j), artifact=artifact, capacity=32, retries=0)
         w.submit(RequestSpec(request_id="g", prompt=_tokens(6), max_new_tokens=4, fault_after=1))
         w.run()

@@ -92,7 +92,7 @@ def test_stale_base(ledger):
     b = open_decode(ledger)
     ledger.publish("H", txn_id="t1", base=b)
     expect(ledger, E.STALE_BASE, ledger.truncate, "H", base=b, new_length=2)
-    expect(ledger, E.STALE_BASE, ledger.finish, "H", generation=b[0] + 1)
+    expect(ledger, E.STALE_BASE, ledger.finish, "H", base=b[0] + 1)
 
 
 def test_txn_aborted_and_not_open(ledger):
@@ -142,21 +142,21 @@ def test_truncate_grows(ledger):
 
 
 def test_release_before_finish(ledger):
-    expect(ledger, E.RELEASE_BEFORE_FINISH, ledger.release, "H", generation=0)
+    expect(ledger, E.RELEASE_BEFORE_FINISH, ledger.release, "H", base=0)
 
 
 def test_handle_terminal_and_released(ledger):
-    ledger.finish("H", generation=0)
+    ledger.finish("H", base=0)
     expect(ledger, E.HANDLE_TERMINAL, ledger.begin_append, "H", txn_id="x", kind="decode",
            base=base(ledger, "H"), start=4, token_ids=(55,))
-    ledger.release("H", generation=0)
-    expect(ledger, E.HANDLE_RELEASED, ledger.release, "H", generation=1)
+    ledger.release("H", base=0)
+    expect(ledger, E.HANDLE_RELEASED, ledger.release, "H", base=1)
     expect(ledger, E.HANDLE_RELEASED, ledger.begin_append, "H", txn_id="x", kind="repair",
            base=base(ledger, "H"), start=4, token_ids=(55,))
 
 
 def test_unknown_handle_and_handle_exists(ledger):
-    expect(ledger, E.UNKNOWN_HANDLE, ledger.finish, "nobody", generation=0)
+    expect(ledger, E.UNKNOWN_HANDLE, ledger.finish, "nobody", base=0)
     expect(ledger, E.HANDLE_EXISTS, ledger.allocate, "H", make_manifest("H"), reserved_capacity=8)
     s = ledger.state("H")
     ledger.allocate("taken", make_manifest("taken"), reserved_capacity=8)

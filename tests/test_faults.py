@@ -12,7 +12,7 @@ import timeit
 import pytest
 
 from kvledger.journal import Check, Guard, Operation, faults
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
@@ -35,7 +35,7 @@ def ctx():
 
 
 def _seed(url: str) -> list[tuple[int, bytes]]:
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         j.append([allocate_op("A"), allocate_op("B")])
         j.save_checkpoint("c", 1, b"old")
         return list(j.read_raw())
@@ -96,7 +96,7 @@ def test_disarmed_fault_point_costs_nothing_measurable():
 def test_every_point_is_reached_in_the_write_path(db_url):
     _seed(db_url)
     faults.configure(",".join(f"{p}:count" for p in faults.POINTS))
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         a = guard_of(j.head("A"))
         first = publish_op("A", a, "p1")
         h = first.writes[0].head
@@ -112,7 +112,7 @@ def test_every_point_is_reached_in_the_write_path(db_url):
 def test_exit_inside_the_transaction_leaves_nothing(ctx, db_url, point):
     before = _seed(db_url)
     assert _run(ctx, db_url, f"{point}:exit@1") == faults.EXIT_CODE
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert list(j.read_raw()) == before
         assert [j.receipt(x) for x in ("x1", "x2", "x3")] == [None, None, None]
         assert j.head("A").snapshot_version == j.head("B").snapshot_version == 0
@@ -124,7 +124,7 @@ def test_exit_inside_the_transaction_leaves_nothing(ctx, db_url, point):
 def test_exit_after_commit_leaves_all_of_it(ctx, db_url):
     before = _seed(db_url)
     assert _run(ctx, db_url, "after_commit:exit@1") == faults.EXIT_CODE
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         rows = list(j.read_raw())
         assert rows[:len(before)] == before and len(rows) == len(before) + 3
         receipts = [j.receipt(x) for x in ("x1", "x2", "x3")]
@@ -135,10 +135,10 @@ def test_exit_after_commit_leaves_all_of_it(ctx, db_url):
 def test_exit_while_writing_a_checkpoint_keeps_the_old_one(ctx, db_url):
     _seed(db_url)
     assert _run(ctx, db_url, "checkpoint:exit@1", "checkpoint") == faults.EXIT_CODE
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert j.load_checkpoint("c") == (1, b"old")
     assert _run(ctx, db_url, "after_update:exit@1", "checkpoint") == 0  # not on this path
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert j.load_checkpoint("c") == (2, b"new")
 
 
@@ -146,7 +146,7 @@ def test_exit_while_writing_a_checkpoint_keeps_the_old_one(ctx, db_url):
 def test_raise_is_a_driver_error_and_the_commit_is_all_or_nothing(db_url, point):
     before = _seed(db_url)
     faults.configure(f"{point}:raise@1")
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         a, b = guard_of(j.head("A")), guard_of(j.head("B"))
         first = publish_op("A", a, "r1")
         h = first.writes[0].head
@@ -177,7 +177,7 @@ def test_environment_arms_faults_in_a_new_process(db_url, tmp_path):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 7, p.stderr
     assert log.read_text().split()[:3] == ["before_commit", "exit", "1"]
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert j.receipt("x1") is None
 
 
@@ -186,7 +186,7 @@ def test_mutant_ignores_the_guard_but_the_stream_position_still_fences_writes(db
     (a fork's parent) pass; a stale write still collides on the unique stream position,
     a second fence, so the only committed stale steps are checks."""
     _seed(db_url)
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         stale = guard_of(j.head("A"))
         j.append([publish_op("A", stale, "fresh")])
         child = allocate_op("C", "c-op")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import WindowSpec, import_jsonl, replay_journal, replay_jsonl, to_json
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -28,7 +28,7 @@ def reports(name: str, db_url: str | None, **kw):
     from_file = replay_jsonl(path, SPEC_WINDOW, **kw)
     if db_url is None:
         return from_file
-    with open_journal(db_url) as journal:
+    with open_or_create_journal(db_url) as journal:
         import_jsonl(journal, path)
         from_db = replay_journal(journal, SPEC_WINDOW, **kw)
     assert to_json(from_db) == to_json(from_file)

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from kvledger import Ledger
 from kvledger.engine import commands as c
 from kvledger.journal.tables import metadata
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import WindowSpec, export_jsonl, import_jsonl, replay_journal, verify_journal
 from kvledger.schemas.errors import ErrorCode as E
 from kvledger.schemas.errors import KvLedgerError
@@ -61,7 +61,7 @@ def assert_replays(ledger: Ledger, tmp_path: Path) -> None:
     assert verify_journal(journal).ok
     out = tmp_path / f"export-{journal.last_position()}.jsonl"
     n = export_jsonl(journal, out)
-    with open_journal(f"sqlite:///{tmp_path}/imported-{journal.last_position()}.db") as copy:
+    with open_or_create_journal(f"sqlite:///{tmp_path}/imported-{journal.last_position()}.db") as copy:
         assert import_jsonl(copy, out).events == n == journal.last_position()
         assert copy.heads().keys() == journal.heads().keys()
 
@@ -134,9 +134,9 @@ HOSTILE = {
                                                   "bases": [(0, 1)] * 5000}, INVALID),
     "unknown keyword": ("reorder", ("g",), {"rows": ("h",), "permutation": (0,), "bases": [(0, 1)],
                                             "colour_permutation": (0,)}, INVALID),
-    "cancel reason of 5,000 characters": ("cancel", ("h",), {"generation": 0, "reason": "x" * 5000}, INVALID),
-    "finish reason unknown": ("finish", ("h",), {"generation": 0, "reason": "bored"}, INVALID),
-    "release with float generation": ("release", ("h",), {"generation": 0.0}, INVALID),
+    "cancel reason of 5,000 characters": ("cancel", ("h",), {"base": 0, "reason": "x" * 5000}, INVALID),
+    "finish reason unknown": ("finish", ("h",), {"base": 0, "reason": "bored"}, INVALID),
+    "release with a float base": ("release", ("h",), {"base": 0.0}, INVALID),
     "state of an integer": ("state", (5,), {}, INVALID),
     "state of a 10,000-character id": ("state", ("x" * 10_000,), {}, INVALID),
     "view of an empty id": ("view", ("",), {}, INVALID),
@@ -171,9 +171,9 @@ def test_hostile_api_argument_is_refused_and_the_journal_is_untouched(ledger, db
 
 def test_execute_many_refuses_the_bad_command_alone(ledger, db_url, tmp_path):
     base = ledger._bases["BASE"]
-    good = c.EmitOutput(handle_id="h", base_generation=base[0], snapshot_version=base[1],
+    good = c.EmitOutput(handle_id="h", base_generation=base[0], base_snapshot_version=base[1],
                         output_index=0, token_id=7)
-    bad = c.EmitOutput(handle_id="h" * 300, base_generation=0, snapshot_version=1, output_index=0, token_id=7)
+    bad = c.EmitOutput(handle_id="h" * 300, base_generation=0, base_snapshot_version=1, output_index=0, token_id=7)
     first, second, third = ledger.execute_many([bad, good, 42])
     assert isinstance(first, KvLedgerError) and first.code is INVALID
     assert not isinstance(second, KvLedgerError)
@@ -261,7 +261,7 @@ def api_calls(draw):
                "permutation": arg((0,), st.lists(NUMBERS, max_size=2)), "bases": arg(None)}
     elif which in ("cancel", "finish", "release"):
         args = (h,)
-        kw |= {"generation": arg(0, NUMBERS)}
+        kw |= {"base": arg(0, NUMBERS)}
         if which != "release":
             kw["reason"] = arg("max_tokens" if which == "finish" else "", TEXT)
     else:

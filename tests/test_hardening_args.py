@@ -23,7 +23,7 @@ from test_hardening_api import prefilled, snapshot
 
 from kvledger import Ledger
 from kvledger.cli import main
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 
 from factories import make_manifest
 
@@ -37,7 +37,7 @@ def journal(db_url):
     with Ledger.open(db_url) as ledger:
         base = prefilled(ledger, "h")
         ledger.emit("h", base=base, output_index=0, token_id=3)
-        ledger.finish("h", generation=base[0])
+        ledger.finish("h", base=base[0])
         prefilled(ledger, "k")
     return db_url
 
@@ -214,14 +214,14 @@ def _foreign_request(ledger: Ledger, handle: str) -> None:
     """A whole request by another writer: it would count as completed in a mixed summary."""
     base = prefilled(ledger, handle)
     ledger.emit(handle, base=base, output_index=0, token_id=1)
-    ledger.finish(handle, generation=base[0])
+    ledger.finish(handle, base=base[0])
 
 
 def test_demo_summary_counts_only_its_own_run(db_url):
     from kvledger.cmd_serve import summarize
     from kvledger.demo import run_demo
 
-    with open_journal(db_url) as journal, Ledger.open(db_url, source_instance="other-demo") as other:
+    with open_or_create_journal(db_url) as journal, Ledger.open(db_url, source_instance="other-demo") as other:
         first = journal.last_position()
         _foreign_request(other, "other-1")  # the other run wrote before, during ...
         result = run_demo(journal, requests=6, max_new_tokens=4, seed=1, run_id="mine",
@@ -257,7 +257,7 @@ def test_generate_prefills_a_long_prompt_in_chunks(db_url, capsys):
                  "--max-new-tokens", "8"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and len(out["output_ids"]) == 8
-    with open_journal(db_url) as journal:
+    with open_or_create_journal(db_url) as journal:
         starts = [e.payload for e in journal.read_all() if e.event_type == "append_start"
                   and e.payload.kind in ("prefill", "chunk")]
     assert [p.interval_count for p in starts] == [512, 512, 512, 503]

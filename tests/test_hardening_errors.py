@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 from kvledger import Ledger, migrations
 from kvledger.journal.contract import ImportTables
 from kvledger.journal.tables import REVISIONS, SCHEMA_REVISION
-from kvledger.migrations.storage import init_database, open_journal
+from kvledger.migrations.storage import init_database, open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError, one_line
 
 from factories import allocate_op
@@ -26,7 +26,7 @@ READ_COMMANDS = [["verify"], ["replay"], ["export", "--out", "-"], ["recover", "
 
 
 def _journal_with_events(db_url: str) -> str:
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         j.append([allocate_op("A", "op-a"), allocate_op("B", "op-b")])
     return db_url
 
@@ -81,7 +81,7 @@ def test_a_read_only_directory_and_file_are_coded(tmp_path):
         # an immutable journal file in a writable directory: reading works, writing is coded
         assert cli("verify", "--db", f"sqlite:///{ro_file_dir}/j.db", "--json") == verified
         refused(cli("replay", "--db", f"sqlite:///{ro_file_dir}/j.db", "--incremental"), "DATABASE_READ_ONLY")
-        with open_journal(f"sqlite:///{ro_file_dir}/j.db") as j, pytest.raises(KvLedgerError) as info:
+        with open_or_create_journal(f"sqlite:///{ro_file_dir}/j.db") as j, pytest.raises(KvLedgerError) as info:
             j.append([allocate_op("C", "op-c")])
         assert info.value.code is ErrorCode.DATABASE_READ_ONLY
         assert snapshot(f"sqlite:///{ro_file_dir}/j.db")["j.db"] == before["j.db"]
@@ -129,7 +129,7 @@ def test_every_command_codes_an_unreachable_or_missing_postgres(dead_and_wrong, 
 def test_value_too_long_constraint_and_dropped_table_have_their_own_codes(db_url, backend):
     _journal_with_events(db_url)
     before = snapshot(db_url)
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         if backend == "postgres":  # SQLite does not enforce VARCHAR lengths
             with pytest.raises(KvLedgerError) as info:
                 j.append([allocate_op("H" * 300, "op-long")])
@@ -139,7 +139,7 @@ def test_value_too_long_constraint_and_dropped_table_have_their_own_codes(db_url
     empty = db_url.replace("journal.db", "empty.db") if backend == "sqlite" else None
     if empty is not None:
         init_database(empty)
-        with open_journal(empty) as target, pytest.raises(KvLedgerError) as info:
+        with open_or_create_journal(empty) as target, pytest.raises(KvLedgerError) as info:
             target.import_events([events[0], events[0]], lambda: ImportTables({}, []))
         assert info.value.code is ErrorCode.CONSTRAINT_VIOLATION
     assert snapshot(db_url) == before

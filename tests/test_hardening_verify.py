@@ -197,13 +197,14 @@ def test_sqlite_zeroed_index_page_names_the_check(tmp_path):
 def test_postgres_runs_amcheck_when_installed_and_says_when_skipped(pg_admin, capsys):
     import psycopg
 
+    from kvledger.journal.pgserver import conninfo
+
     url = pg_admin.create()
     imported(url)
     code, out, _ = cli(capsys, "verify", "--db", url, "--json")
     report = json.loads(out)
     assert code == 0 and report["ok"] and "skipped: the amcheck extension is not installed" in report["storage"]
-    conninfo = psycopg.conninfo.make_conninfo(pg_admin._conninfo(), dbname=url.rsplit("/", 1)[1])
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
         conn.execute("CREATE EXTENSION amcheck")
     code, out, _ = cli(capsys, "verify", "--db", url, "--json")
     report = json.loads(out)

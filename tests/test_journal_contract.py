@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvledger.journal import Check, Guard, Operation, Rejection, StreamWrite
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -17,7 +17,7 @@ from factories import allocate_op, envelope, guard_of, head, publish_op
 
 @pytest.fixture
 def journal(db_url):
-    j = open_journal(db_url)
+    j = open_or_create_journal(db_url)
     yield j
     j.close()
 
@@ -223,7 +223,7 @@ def test_event_written_and_read_is_byte_stable(journal):
 
 
 def test_journal_refuses_use_after_close(db_url):
-    j = open_journal(db_url)
+    j = open_or_create_journal(db_url)
     j.close()
     with pytest.raises(KvLedgerError):
         j.last_position()
@@ -232,8 +232,8 @@ def test_journal_refuses_use_after_close(db_url):
 def test_envelope_helper_matches_writes():
     e = envelope(ev.FinishEvent, "h", 3, ev.Finish(reason="eos", output_count=1, committed_length=4))
     assert e.schema_version == 1 and e.stream_position == 3
-    w = StreamWrite("h", Guard(0, 0, 2), head("h", 0, 0, 3, 4, "FINISHED_RETAINED"), (e,))
-    assert w.head.phase == "FINISHED_RETAINED"
+    w = StreamWrite("h", Guard(0, 0, 2), head("h", 0, 0, 3, 4, "FINISHED"), (e,))
+    assert w.head.lifecycle == "FINISHED"
 
 
 def test_deferred_append_acknowledges_only_what_it_committed(journal, db_url):
@@ -247,7 +247,7 @@ def test_deferred_append_acknowledges_only_what_it_committed(journal, db_url):
     assert wait() == [win, h2]  # waiting again returns the same, commits nothing more
     assert isinstance(win, Receipt) and isinstance(h2, Receipt)
     assert (win.first_global_position, h2.last_global_position) == (2, 3)
-    with open_journal(db_url) as other:  # durable and visible past this connection
+    with open_or_create_journal(db_url) as other:  # durable and visible past this connection
         assert other.last_position() == 3 and other.receipt("win") == win
         assert [e.event_type for e in other.read_stream("h1")] == ["request_allocate", "append_publish"]
     before = snapshot_of(journal)

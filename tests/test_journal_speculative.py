@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.journal import Rejection
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode
 from kvledger.schemas.receipts import Receipt
 
@@ -51,7 +51,7 @@ def _spy(journal):
 
 
 def test_fast_path_commits_and_falls_back(pg_url, pipelined):
-    with open_journal(pg_url) as a, open_journal(pg_url) as b:
+    with open_or_create_journal(pg_url) as a, open_or_create_journal(pg_url) as b:
         calls = _spy(a)
         a.append([allocate_op(f"h{i}") for i in range(4)])  # creates: general path
         ops = [publish_op(f"h{i}", guard_of(a.head(f"h{i}")), f"p1-{i}") for i in range(4)]
@@ -79,7 +79,7 @@ def test_fast_path_commits_and_falls_back(pg_url, pipelined):
 
 
 def test_interleaved_writers_stay_gapless(pg_url, pipelined):
-    with open_journal(pg_url) as a, open_journal(pg_url) as b:
+    with open_or_create_journal(pg_url) as a, open_or_create_journal(pg_url) as b:
         a.append([allocate_op(f"h{i}") for i in range(6)])
         for k in range(10):
             for j, w in enumerate((a, b)):
@@ -97,7 +97,7 @@ def test_awkward_ids_round_trip(pg_url, name):
     """Array parameters are bound as literals when that is exact and as lists otherwise:
     any id comes back as written."""
     handles = [f"h{name}", f"{name}x"] if name else ["h-empty", "x-empty"]
-    with open_journal(pg_url) as j:
+    with open_or_create_journal(pg_url) as j:
         j.append([allocate_op(h, op_id=f"a{name}{h}") for h in handles])
         j.append([publish_op(h, guard_of(j.head(h)), f"p{name}{h}") for h in handles])
         for h in handles:

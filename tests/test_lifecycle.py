@@ -40,10 +40,10 @@ def test_runtime_trace_0x07(ledger):
     ledger.fork("R", base=base(ledger, "R"), child_handle_ids=["R.branch"], prefix_length=5,
                 child_request_ids=["R.branch"])                             # seq 8
     ledger.truncate("R.branch", base=base(ledger, "R.branch"), new_length=3)  # seq 9
-    ledger.finish("R", generation=7)                                        # seq 10
-    ledger.release("R", generation=7)                                       # seq 11
-    ledger.finish("R.branch", generation=0)                                 # seq 12
-    ledger.release("R.branch", generation=0)                                # seq 13
+    ledger.finish("R", base=7)                                        # seq 10
+    ledger.release("R", base=7)                                       # seq 11
+    ledger.finish("R.branch", base=0)                                 # seq 12
+    ledger.release("R.branch", base=0)                                # seq 13
 
     events = list(ledger.journal.read_all())
     assert len(events) == 14
@@ -121,7 +121,7 @@ def test_lifecycle_trace_0x01(ledger):
     emit(ledger, "B", 77)
     bb = base(ledger, "B")
     ledger.begin_append("B", txn_id="b-txn", kind="decode", base=bb, start=5, token_ids=(77,))
-    ledger.cancel("B", generation=0)
+    ledger.cancel("B", base=0)
 
     # 4. B's staged transaction was aborted by the cancel: late completion and publish fail
     assert ledger.state("B").open_txns == ()
@@ -135,8 +135,8 @@ def test_lifecycle_trace_0x01(ledger):
     emit(ledger, "H", 66)
     sp = base(ledger, "H")
     ledger.begin_append("H", txn_id="late", kind="decode", base=sp, start=5, token_ids=(66,))
-    ledger.finish("H", generation=sp[0])
-    ledger.release("H", generation=sp[0])
+    ledger.finish("H", base=sp[0])
+    ledger.release("H", base=sp[0])
     assert ledger.state("H").generation == sp[0] + 1
     allocate(ledger, "J")  # another owner takes a slot: the handle name check alone would pass
     err = rejected(ErrorCode.STALE_BASE, ledger.publish, "H", txn_id="late", base=sp)
@@ -173,7 +173,7 @@ def test_repair_keeps_outputs_and_adds_one_row(ledger):
     emit(ledger, "P", 5)
     decode(ledger, "P", "d1")
     emit(ledger, "P", 6)
-    ledger.finish("P", generation=0, reason="eos")
+    ledger.finish("P", base=0, reason="eos")
     before = ledger.state("P")
     assert before.committed_length == 5 and before.outputs == (5, 6)
     v = view_of(before)
@@ -192,11 +192,11 @@ def test_shared_prefix_release_is_an_ownership_handoff(ledger):
     assert p == ledger.state("B").prefix_identity_sha256
     assert ledger.prefix_owners(p) == ("A", "B")
     for h in ("A", "B"):
-        ledger.finish(h, generation=0)
-    ledger.release("A", generation=0)
+        ledger.finish(h, base=0)
+    ledger.release("A", base=0)
     assert ledger.prefix_owners(p) == ("B",)
     rejected(ErrorCode.PREFIX_STILL_OWNED, ledger.require_evictable, p)
-    ledger.release("B", generation=0)
+    ledger.release("B", base=0)
     assert ledger.prefix_owners(p) == ()
     ledger.require_evictable(p)
 
@@ -231,7 +231,7 @@ def test_chain_is_one_operation_fenced_by_its_first_step(ledger):
     def chain(base, op="chain-1"):
         return c.Chain(handle_id="Q", operation_id=op, steps=(
             c.Publish(handle_id="Q", txn_id="d1", base_generation=base[0], base_snapshot_version=base[1]),
-            c.EmitOutput(handle_id="Q", base_generation=None, snapshot_version=None, output_index=1,
+            c.EmitOutput(handle_id="Q", base_generation=None, base_snapshot_version=None, output_index=1,
                          token_id=8),
             c.BeginAppend(handle_id="Q", txn_id="d2", kind="decode", base_generation=None,
                           base_snapshot_version=None, interval_start=5, interval_count=1, token_ids=(8,),
@@ -296,7 +296,7 @@ def test_relative_commands_take_the_state_their_batch_leaves_and_stay_fenced(led
                           token_ids=s.prompt, cache_positions=(0, 1, 2, 3), mask_key_extent=4,
                           cache_abi_sha256="")
     publish = c.Publish(handle_id="R", txn_id="p", base_generation=None, base_snapshot_version=None)
-    emit = c.EmitOutput(handle_id="R", base_generation=None, snapshot_version=None, output_index=0,
+    emit = c.EmitOutput(handle_id="R", base_generation=None, base_snapshot_version=None, output_index=0,
                         token_id=9)
     fork = c.Fork(parent_handle_id="R", base_generation=0, base_snapshot_version=0,
                   child_handle_ids=("R.1",), prefix_length=0, child_request_ids=("R.1",))

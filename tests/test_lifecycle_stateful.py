@@ -232,7 +232,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         m = self.models[h]
         if op == "release":
             ok = m.lifecycle in ("FINISHED", "CANCELLED")
-            if self._attempt(ok, self.ledger.release, h, generation=m.generation):
+            if self._attempt(ok, self.ledger.release, h, base=m.generation):
                 m.generation += 1
                 m.snapshot += 1
                 m.committed = 0
@@ -240,7 +240,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             return
         ok = m.lifecycle == "ACTIVE"
         fn = self.ledger.cancel if op == "cancel" else self.ledger.finish
-        if self._attempt(ok, fn, h, generation=m.generation):
+        if self._attempt(ok, fn, h, base=m.generation):
             m.open = {}
             m.lifecycle = "CANCELLED" if op == "cancel" else "FINISHED"
             if op == "cancel":

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay.linearizability import (
     Facts,
     Op,
@@ -101,7 +101,7 @@ def test_wgl_uses_real_time_not_just_values():
 def _check(url, run, handles, initial):
     ops = load_history(run["files"])
     touched = set(handles) | {s.handle for o in ops for s in o.steps}
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         facts = facts_from_journal(j, touched, [o.key for o in ops if not o.is_read])
     init = {h: tuple(v) for h, v in initial.items()}
     linear = check_linear(ops, facts, init)
@@ -156,7 +156,7 @@ def test_a_stale_fork_is_linearizable_only_with_the_conditional_write(ctx, db_ur
     results = {}
     for mutant in (False, True):
         url = db_url if not mutant else _fresh_like(db_url, tmp_path, request)
-        with open_journal(url) as j:
+        with open_or_create_journal(url) as j:
             s = CommandService(j)
             s.execute(c.Allocate(handle_id="H", manifest=make_manifest(request_id="H", prompt=cw.PROMPT),
                                  reserved_capacity=cw.CAPACITY))

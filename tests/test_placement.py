@@ -45,7 +45,7 @@ from kvledger.engine.remote import command_service
 from kvledger.engine.service import CommandService
 from kvledger.worker.serving import use_threads, leave_a_core
 from kvledger.worker import placement
-from kvledger.migrations.storage import init_database, open_journal
+from kvledger.migrations.storage import init_database, open_or_create_journal
 from tests.test_remote_service import _allocate
 
 out = {{"allowed": sorted(os.sched_getaffinity(0)), "io": placement.io_cpu()}}
@@ -53,7 +53,7 @@ full = torch.get_num_threads()
 init_database("sqlite:///{tmp_path}/j.db")
 out["threads_less"] = leave_a_core()
 out["model_less"] = sorted(os.sched_getaffinity(0))
-with open_journal("sqlite:///{tmp_path}/j.db") as j:
+with open_or_create_journal("sqlite:///{tmp_path}/j.db") as j:
     remote = command_service(j, writer="process")
     out["writer_process"] = sorted(os.sched_getaffinity(remote.pid))
     remote.close()
@@ -63,7 +63,7 @@ with open_journal("sqlite:///{tmp_path}/j.db") as j:
     out["commit_thread"] = sorted(os.sched_getaffinity(committer.native_id))
 use_threads(full)
 out["model_full"] = sorted(os.sched_getaffinity(0))
-with open_journal("sqlite:///{tmp_path}/j.db") as j:
+with open_or_create_journal("sqlite:///{tmp_path}/j.db") as j:
     remote = command_service(j, writer="process")
     out["writer_process_full"] = sorted(os.sched_getaffinity(remote.pid))
     remote.close()

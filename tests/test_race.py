@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections import Counter
 
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 
 import race_workers
 from factories import allocate_op
@@ -15,7 +15,7 @@ WORKERS, ATTEMPTS = 4, 200
 
 
 def test_racing_publishers_one_winner_per_base(db_url):
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         j.append([allocate_op("H")])
     ctx = mp.get_context("spawn")
     out, tail_out, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -38,7 +38,7 @@ def test_racing_publishers_one_winner_per_base(db_url):
     wins = Counter(base for base, won, _ in attempts if won)
     losses = [code for _, won, code in attempts if not won]
     assert set(losses) <= {"STALE_BASE"}
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         final = j.head("H").snapshot_version
         stream = j.read_stream("H")
         everything = [(e.global_position, e.event_id) for e in j.read_all()]

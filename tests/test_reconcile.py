@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from kvledger.cli import main
-from kvledger.migrations.storage import init_database, open_journal
+from kvledger.migrations.storage import init_database, open_or_create_journal
 from kvledger.replay.archive import import_jsonl
 from kvledger.replay.reconcile import reconcile
 from kvledger.replay.sources import jsonl_bodies, jsonl_events
@@ -174,7 +174,7 @@ def test_cli_clean_and_mutated(capsys):
 def test_cli_reads_a_database(tmp_path, capsys):
     url = f"sqlite:///{tmp_path}/j.db"
     init_database(url)
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         import_jsonl(journal, FIX / "journal.jsonl")
     rc = main(["reconcile", "--telemetry", str(FIX / "telemetry.jsonl"), "--db", url, "--json"])
     doc = json.loads(capsys.readouterr().out)

@@ -19,7 +19,7 @@ import pytest
 
 from kvledger.engine.evolve import fold
 from kvledger.engine.service import CommandService
-from kvledger.migrations.storage import init_database, open_journal
+from kvledger.migrations.storage import init_database, open_or_create_journal
 from kvledger.recovery.recover import recover, verify_findings
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.worker.loading import load_model
@@ -44,7 +44,7 @@ def _serve(url, specs, served, steps=None):
     """Run the worker; with `steps`, stop after that many iterations and walk away
     (what a crash leaves: open appends, staged rows lost, requests half done)."""
     model, artifact = served
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         w = Worker(model, service=CommandService(j), artifact=artifact, **WORKER)
         for s in specs:
             w.submit(s)
@@ -68,7 +68,7 @@ def baseline(served, tmp_path_factory):
 
 
 def test_nothing_to_recover_writes_nothing(db_url, served):
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         r = recover(j, model=served[0], artifact=served[1])
         assert r.ok and r.events_written == 0 and r.live_handles == [] and r.verify_findings == []
 
@@ -78,7 +78,7 @@ def test_recovery_finishes_an_abandoned_run_with_the_same_outputs(db_url, served
     specs = _specs(f"s{steps}")
     _serve(db_url, specs, served, steps=steps)
     model, artifact = served
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         open_before = sum(len(fold(j.read_stream(h)).open_txns) for h in j.heads())
         r = recover(j, model=model, artifact=artifact)
         assert r.ok, r.to_dict()
@@ -87,7 +87,7 @@ def test_recovery_finishes_an_abandoned_run_with_the_same_outputs(db_url, served
         assert r.rows_reexecuted > 0 or steps == 1
         assert set(r.released) == set(r.live_handles) and r.unfinished == []
         heads = j.heads()
-        assert all(heads[h].phase == "RELEASED" for h in heads)
+        assert all(heads[h].lifecycle == "RELEASED" for h in heads)
         # every request the journal accepted finished with the uninterrupted outputs
         got = _outputs(j, [s.request_id for s in specs if s.request_id in heads])
         assert got and all(v == baseline[h.split("-")[1]] for h, v in got.items())
@@ -110,7 +110,7 @@ def test_a_fork_child_is_recovered_as_its_own_handle_and_samples_the_same(db_url
     whole = _serve(url, [spec], served)
     assert set(whole) == {"f", "f.1"} and whole["f"] != whole["f.1"]
     _serve(db_url, [spec], served, steps=4)  # prefill, fork, a few sampled outputs
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert j.head("f.1") is not None
         r = recover(j, model=served[0], artifact=served[1])
         assert r.ok and set(r.continued) == {"f", "f.1"}
@@ -120,7 +120,7 @@ def test_a_fork_child_is_recovered_as_its_own_handle_and_samples_the_same(db_url
 def test_a_journal_from_another_model_is_refused_before_anything_is_written(db_url, served):
     _serve(db_url, _specs("abi"), served, steps=3)
     other = load_model(seed=1)
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         before = j.last_position()
         with pytest.raises(KvLedgerError) as info:
             recover(j, model=other[0], artifact=other[1])
@@ -135,7 +135,7 @@ def test_a_digest_that_does_not_recompute_stops_recovery(served, tmp_path):
     init_database(src)
     init_database(dst)
     _serve(src, _specs("d"), served, steps=5)
-    with open_journal(src) as j:
+    with open_or_create_journal(src) as j:
         export_jsonl(j, tmp_path / "j.jsonl")
     lines = (tmp_path / "j.jsonl").read_bytes().splitlines()
     for i, line in enumerate(lines):
@@ -145,12 +145,12 @@ def test_a_digest_that_does_not_recompute_stops_recovery(served, tmp_path):
             lines[i] = json.dumps(e, separators=(",", ":")).encode()
             break
     (tmp_path / "j.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    with open_journal(dst) as j:
+    with open_or_create_journal(dst) as j:
         import_jsonl(j, tmp_path / "j.jsonl")
         r = recover(j, model=served[0], artifact=served[1])
         assert not r.ok and r.digest_mismatches and r.continued == []
         assert {m["handle_id"] for m in r.digest_mismatches} == {"d-0"}
-        assert any(j.heads()[h].phase != "RELEASED" for h in j.heads())  # nothing continued
+        assert any(j.heads()[h].lifecycle != "RELEASED" for h in j.heads())  # nothing continued
 
 
 # -- the acceptance run: kill -9 of `kvledger demo`, then recover and verify -------------
@@ -195,7 +195,7 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
     demo = subprocess.Popen([sys.executable, "-m", "kvledger", "demo", "--db", db_url, "--requests", "16",
                              "--max-new-tokens", "12", "--json", "--writer", writer],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         deadline = time.monotonic() + 120
         writers = None  # the demo's writer process, looked up once it has written (before the kill)
         while j.last_position() < threshold and demo.poll() is None and time.monotonic() < deadline:
@@ -210,7 +210,7 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
         # demo never acknowledged), sees its pipe closed and exits: recover after that.
         _wait_gone(writers)
         killed_at = j.last_position()
-        live = [h for h, f in j.heads().items() if f.phase != "RELEASED"]
+        live = [h for h, f in j.heads().items() if f.lifecycle != "RELEASED"]
     assert live, f"killed at position {killed_at} with no live handle"
     p = _cli("recover", "--db", db_url, "--json")
     assert p.returncode == 0, p.stderr + p.stdout
@@ -219,9 +219,9 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
     assert set(r["released"]) == set(live) and r["digest_mismatches"] == [] and r["verify_after"] == []
     v = _cli("verify", "--db", db_url, "--json")
     assert v.returncode == 0, v.stdout + v.stderr
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         heads = j.heads()
-        assert all(f.phase == "RELEASED" for f in heads.values())
+        assert all(f.lifecycle == "RELEASED" for f in heads.values())
         # a recovered request ran to its max_new_tokens (forks included); a cancelled
         # one was only released
         for h in live:
@@ -260,7 +260,7 @@ def test_adopt_without_ready_logits_recomputes_the_last_row(served, tmp_path):
     whole = _serve(url, [spec], served)["g"]
     url = f"sqlite:///{tmp_path}/cut.db"
     init_database(url)
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         service = CommandService(j)
         w = Worker(model, service=service, artifact=artifact, **WORKER)
         w.submit(spec)

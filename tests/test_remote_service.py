@@ -15,7 +15,7 @@ import pytest
 from kvledger.engine import commands as c
 from kvledger.engine.remote import command_service
 from kvledger.engine.service import CommandService
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
@@ -34,14 +34,14 @@ def _batch(h: str) -> list:
                           token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
                           cache_abi_sha256="")
     publish = c.Publish(handle_id=h, txn_id=f"{h}-p", base_generation=None, base_snapshot_version=None)
-    emit = c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None, output_index=0, token_id=9)
+    emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None, output_index=0, token_id=9)
     return [c.Relative(x) for x in (start, publish, emit)]
 
 
 def test_the_writer_process_decides_as_the_service_here_does(db_url):
     """One batch with commits, a refusal and hooks: same results as an in-process service
     on the same journal, and the hooks see the same receipts, events and refusals."""
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         remote = command_service(j, writer="process", source_instance="t")
         try:
             seen, refused = [], []
@@ -67,7 +67,7 @@ def test_the_writer_process_decides_as_the_service_here_does(db_url):
 
 
 def test_callables_and_a_closed_service_are_clear_errors(db_url):
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         remote = command_service(j, writer="process")
         with pytest.raises(KvLedgerError) as info:
             remote.submit_many([lambda state: _allocate("A")])
@@ -89,7 +89,7 @@ def test_a_writer_that_dies_mid_batch_acknowledges_nothing(db_url, monkeypatch, 
     is absent (died before writing) or committed whole without an acknowledgement (died
     after COMMIT): the in-doubt outcome a receipt lookup resolves."""
     monkeypatch.setenv("KVLEDGER_FAULTS", f"{point}:exit@2")
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         remote = command_service(j, writer="process")
         try:
             [first] = remote.execute_many([_allocate("A")])
@@ -105,14 +105,14 @@ def test_a_writer_that_dies_mid_batch_acknowledges_nothing(db_url, monkeypatch, 
         finally:
             remote.close()
     monkeypatch.delenv("KVLEDGER_FAULTS")
-    with open_journal(db_url) as other:
+    with open_or_create_journal(db_url) as other:
         assert other.receipt("alloc-A") == first
         assert other.last_position() == (4 if committed else 1)  # the batch: all or nothing
         assert other.head("B") is None
 
 
 def test_a_killed_writer_loses_nothing_acknowledged(db_url):
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         remote = command_service(j, writer="process")
         try:
             acked = [remote.execute_many([_allocate(f"h{i}")])[0] for i in range(5)]
@@ -143,8 +143,8 @@ def test_the_writer_outlives_no_parent(db_url):
     exits by itself (no orphan holding the database)."""
     code = ("import os, signal\n"
             "from kvledger.engine.remote import command_service\n"
-            "from kvledger.migrations.storage import open_journal\n"
-            f"s = command_service(open_journal({db_url!r}), writer='process')\n"
+            "from kvledger.migrations.storage import open_or_create_journal\n"
+            f"s = command_service(open_or_create_journal({db_url!r}), writer='process')\n"
             "print(s.pid, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -153,7 +153,7 @@ def test_the_writer_outlives_no_parent(db_url):
 
 
 def test_the_database_url_never_reaches_the_command_line(db_url):
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         remote = command_service(j, writer="process")
         try:
             args = " ".join(remote._proc.args)

@@ -17,7 +17,7 @@ from test_replay_workload import WINDOW, write_workload
 from kvledger import Ledger
 from kvledger.cli import main
 from kvledger.journal import open_journal as open_existing
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import Projector, build, journal_events, project, replay_incremental, replay_journal, to_json
 
 from lifecycle_helpers import ManualClock
@@ -104,7 +104,7 @@ def test_incremental_cli_follows_a_growing_journal(db_url, capsys):
     code, first, _ = cli(capsys, "replay", "--db", db_url, "--incremental", "--json")
     assert code == 0
     with Ledger.open(db_url, clock=clock) as led:  # more commands after the checkpoint
-        clock.at_ms(10_000)
+        clock.at(10_000)
         write_workload(led, clock, seed=4)
     _, full, _ = cli(capsys, "replay", "--db", db_url, "--json")
     _, resumed, _ = cli(capsys, "replay", "--db", db_url, "--incremental", "--json")
@@ -158,7 +158,7 @@ def test_import_then_replay_and_export_round_trip(db_url, capsys, tmp_path):
     # the derived tables are what the command service writes
     with open_existing(db_url) as journal:
         heads = journal.heads()
-        assert heads["R"].generation == 8 and heads["R"].phase == "RELEASED"
+        assert heads["R"].generation == 8 and heads["R"].lifecycle == "RELEASED"
         receipts = list(journal.read_receipts())
         assert len(receipts) == len({e.operation_id for e in journal_events(journal)})
         assert all(r.fingerprint == "imported" for r in receipts)
@@ -231,7 +231,7 @@ def test_import_creates_a_new_sqlite_journal(capsys, tmp_path):
     assert code == 0
     with sqlite3.connect(tmp_path / "new.db") as conn:
         assert conn.execute("SELECT count(*) FROM kvl_events").fetchone()[0] == 21
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         assert replay_journal(journal, WINDOW).peaks["physical"].value == 1072
 
 

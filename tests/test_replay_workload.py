@@ -66,9 +66,9 @@ class Script:
         self.append(f"{self.h}-p", "prefill")
         yield
         yield from self.decode_loop(self.rnd.randint(1, 4))
-        self.led.finish(self.h, generation=0)
+        self.led.finish(self.h, base=0)
         yield
-        self.led.release(self.h, generation=0)
+        self.led.release(self.h, base=0)
 
     def chunked(self) -> Iterator[None]:
         self.allocate(10)
@@ -82,11 +82,11 @@ class Script:
         self.append("c2", "chunk")
         yield
         yield from self.decode_loop(3)
-        self.led.finish(self.h, generation=0, reason="eos")
+        self.led.finish(self.h, base=0, reason="eos")
         yield
         self.append("repair", "repair")  # close the frontier for reuse
         yield
-        self.led.release(self.h, generation=0)
+        self.led.release(self.h, base=0)
 
     def speculative(self) -> Iterator[None]:
         self.allocate(5)
@@ -100,9 +100,9 @@ class Script:
         yield
         self.append("c2", "decode")
         yield
-        self.led.finish(self.h, generation=0)
+        self.led.finish(self.h, base=0)
         yield
-        self.led.release(self.h, generation=0)
+        self.led.release(self.h, base=0)
 
     def failing(self) -> Iterator[None]:
         self.allocate(4)
@@ -120,9 +120,9 @@ class Script:
         yield
         self.append("d2", "decode")
         yield
-        self.led.finish(self.h, generation=0)
+        self.led.finish(self.h, base=0)
         yield
-        self.led.release(self.h, generation=0)
+        self.led.release(self.h, base=0)
 
     def cancelled(self) -> Iterator[None]:
         self.allocate(4)
@@ -135,16 +135,16 @@ class Script:
         self.led.begin_append(self.h, txn_id="open", kind="decode", base=self.base(),
                               start=s.committed_length, token_ids=(s.outputs[-1],))
         yield
-        self.led.cancel(self.h, generation=0, reason="client went away")  # aborts "open"
+        self.led.cancel(self.h, base=0, reason="client went away")  # aborts "open"
         yield
-        self.led.release(self.h, generation=0)
+        self.led.release(self.h, base=0)
 
     def never_prefilled(self) -> Iterator[None]:
         self.allocate(3)
         yield
-        self.led.cancel(self.h, generation=0)
+        self.led.cancel(self.h, base=0)
         yield
-        self.led.release(self.h, generation=0)
+        self.led.release(self.h, base=0)
 
     def forked(self) -> Iterator[None]:
         self.allocate(4)
@@ -159,14 +159,14 @@ class Script:
         yield
         self.led.truncate(kids[0], base=self.base(kids[0]), new_length=3)
         yield
-        self.led.finish(self.h, generation=0)
+        self.led.finish(self.h, base=0)
         yield
-        self.led.release(self.h, generation=0)
+        self.led.release(self.h, base=0)
         yield
         for k in kids:
-            self.led.finish(k, generation=0)
+            self.led.finish(k, base=0)
             yield
-            self.led.release(k, generation=0)
+            self.led.release(k, base=0)
             yield
 
 
@@ -186,7 +186,7 @@ def write_workload(led: Ledger, clock: ManualClock, seed: int = 0, rounds: int =
     t = 0.0
     while live:
         t += rnd.randint(1, 3)
-        clock.at_ms(t)
+        clock.at(t)
         it = rnd.choice(live)
         try:
             next(it)

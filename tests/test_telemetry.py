@@ -21,7 +21,7 @@ from kvledger.cli import main
 from kvledger.demo import run_demo
 from kvledger.engine import commands as c
 from kvledger.engine.service import CommandService
-from kvledger.migrations.storage import init_database, open_journal
+from kvledger.migrations.storage import init_database, open_or_create_journal
 from kvledger.replay.reconcile import reconcile
 from kvledger.replay.sources import journal_events, jsonl_bodies
 from kvledger.replay.verify import verify_journal
@@ -54,7 +54,7 @@ def _series_per_family(scrape: bytes) -> dict[str, int]:
 
 def test_demo_telemetry_reconciles_with_its_journal(db_url, tmp_path):
     path = tmp_path / "telemetry.jsonl"
-    with open_journal(db_url) as journal:
+    with open_or_create_journal(db_url) as journal:
         telemetry = Telemetry(path)
         port = telemetry.serve(0)
         result = run_demo(journal, requests=6, max_new_tokens=3, seed=1, telemetry=telemetry)
@@ -103,7 +103,7 @@ def test_demo_telemetry_reconciles_with_its_journal(db_url, tmp_path):
 def test_gauges_follow_live_handles(tmp_path):
     url = f"sqlite:///{tmp_path}/j.db"
     init_database(url)
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         service = CommandService(journal)
         telemetry = Telemetry(None).attach(service)
         m = make_manifest(request_id="g1")
@@ -132,7 +132,7 @@ def _traced_service(tmp_path: Path):
     """A command service on a fresh SQLite journal, with telemetry to t.jsonl attached."""
     url = f"sqlite:///{tmp_path}/j.db"
     init_database(url)
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         service = CommandService(journal)
         yield journal, service, Telemetry(tmp_path / "t.jsonl").attach(service), tmp_path / "t.jsonl"
 
@@ -228,7 +228,7 @@ def test_killed_sink_loses_only_counted_records(tmp_path):
             time.sleep(0.2)  # let the exporter write what it has: the sink dies mid-run
             sink.killed.set()
 
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         result = run_demo(journal, requests=6, max_new_tokens=4, seed=2, telemetry=telemetry, on_step=kill)
         telemetry.close()
         sink.close()
@@ -237,7 +237,7 @@ def test_killed_sink_loses_only_counted_records(tmp_path):
         assert verify_journal(journal).ok
         heads = journal.heads()
     # the journal is complete: every request (and the fork child) ran to its release
-    assert len(heads) == result["handles"] == 7 and all(h.phase == "RELEASED" for h in heads.values())
+    assert len(heads) == result["handles"] == 7 and all(h.lifecycle == "RELEASED" for h in heads.values())
     assert sum(1 for e in events if e.event_type == "output_emit") >= 6 * 4
     written = _records(path)
     stats = telemetry.stats()
@@ -333,7 +333,7 @@ def _drive(service: CommandService, start: int, n: int, batch: int = 10, prefix:
                               token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
                               cache_abi_sha256=""),
                 c.Publish(handle_id=h, txn_id=f"t{h}", base_generation=None, base_snapshot_version=None),
-                c.EmitOutput(handle_id=h, base_generation=None, snapshot_version=None, output_index=0,
+                c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None, output_index=0,
                              token_id=7),
                 c.Finish(handle_id=h, base_generation=None),
                 c.Release(handle_id=h, base_generation=None))]
@@ -345,7 +345,7 @@ def test_full_queue_drops_are_counted_and_reported_as_lost_audit(tmp_path):
     url = f"sqlite:///{tmp_path}/j.db"
     init_database(url)
     path = tmp_path / "t.jsonl"
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         service = CommandService(journal)
         telemetry = Telemetry(SlowSink(path), queue_size=16).attach(service)
         # bursts faster than the sink: drops (below) prove the service never waited for it
@@ -370,7 +370,7 @@ def test_full_queue_drops_are_counted_and_reported_as_lost_audit(tmp_path):
 def test_metric_series_do_not_grow_with_traffic(tmp_path):
     url = f"sqlite:///{tmp_path}/j.db"
     init_database(url)
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         service = CommandService(journal)
         telemetry = Telemetry(tmp_path / "t.jsonl").attach(service)
         port = telemetry.serve(0)
@@ -431,7 +431,7 @@ def test_sampled_stream_keeps_whole_traces_and_proves_no_absence(tmp_path):
     url = f"sqlite:///{tmp_path}/j.db"
     init_database(url)
     path = tmp_path / "t.jsonl"
-    with open_journal(url) as journal:
+    with open_or_create_journal(url) as journal:
         service = CommandService(journal)
         telemetry = Telemetry(path, sample_rate=0.5).attach(service)
         _drive(service, 0, 40)

@@ -14,7 +14,7 @@ from test_replay_workload import write_workload
 from kvledger import Ledger
 from kvledger.cli import main
 from kvledger.journal import make_engine, open_journal, parse_url
-from kvledger.migrations.storage import open_journal as open_or_create
+from kvledger.migrations.storage import open_or_create_journal as open_or_create
 from kvledger.replay import import_jsonl, verify_bodies, verify_journal, verify_jsonl
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.receipts import receipt_decoder, receipt_encoder
@@ -71,7 +71,7 @@ def test_real_journals_verify_clean(db_url, capsys):
     clock = ManualClock()
     with Ledger.open(db_url, clock=clock) as led:
         write_workload(led, clock, seed=13, rounds=2)
-        clock.at_ms(5_000)
+        clock.at(5_000)
         write_workload(led, clock, seed=14, finish=False)  # requests still live at the end
         result = verify_journal(led.journal)
     assert result.ok, result.findings

@@ -13,7 +13,7 @@ from kvledger import Ledger
 from kvledger.demo import demo_workload
 from kvledger.engine.remote import command_service
 from kvledger.engine.service import CommandService
-from kvledger.migrations.storage import open_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.worker.executor import Member, run_call, shape_of
 from kvledger.worker.kvstore import KVStore
 from kvledger.worker.loading import load_model
@@ -167,7 +167,7 @@ def test_staged_rows_are_invisible_and_a_stale_publication_changes_nothing(model
 def run_workload(url, specs, model, *, journal_on=True, pipeline=None, writer="thread"):
     _, artifact = load_model()
     capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         with command_service(j, writer=writer) if journal_on else nullcontext() as service:
             w = Worker(model, service=service, artifact=artifact, capacity=capacity, pipeline=pipeline)
             for s in specs:
@@ -272,7 +272,7 @@ def test_a_writer_process_journals_the_same_run(model, db_url, tmp_path):
     assert {h: o for h, o in there.items() if h in greedy} == {h: o for h, o in here.items() if h in greedy}
     r = reexecute(model, events, capacity=256)
     assert r.verified_rows > 0 and r.mismatches == []
-    with open_journal(db_url) as j:
+    with open_or_create_journal(db_url) as j:
         assert verify_journal(j).findings == []
 
 
@@ -290,7 +290,7 @@ def test_a_failing_model_call_still_waits_for_its_overlapped_commit(model, tmp_p
 
     url = f"sqlite:///{tmp_path}/f.db"
     _, artifact = load_model()
-    with open_journal(url) as j:
+    with open_or_create_journal(url) as j:
         w = Worker(model, service=CommandService(j), artifact=artifact, capacity=32, pipeline=True)
         w.submit(RequestSpec(request_id="f", prompt=_tokens(6), max_new_tokens=4))
         w.step()  # allocate + prefill start, then the prefill call
@@ -322,7 +322,7 @@ def test_chains_carry_publish_emit_and_start_in_one_operation(model, tmp_path):
     for e in events:
         by_op.setdefault(e.operation_id, []).append(e.event_type)
     assert ["append_publish", "output_emit", "append_start"] in by_op.values()
-    with open_journal(f"sqlite:///{tmp_path}/c.db") as j:
+    with open_or_create_journal(f"sqlite:///{tmp_path}/c.db") as j:
         for op, types in by_op.items():
             receipt = j.receipt(op)
             assert receipt is not None and len(receipt.event_ids) == len(types)

@@ -346,7 +346,7 @@ class Worker:
         spec = lv.spec
         index = len(lv.outputs)
 
-        emit = c.EmitOutput(handle_id=lv.handle, base_generation=None, snapshot_version=None,
+        emit = c.EmitOutput(handle_id=lv.handle, base_generation=None, base_snapshot_version=None,
                             output_index=index, token_id=token)
         chain = self._chains.get(lv.handle)
         if chain is not None:
