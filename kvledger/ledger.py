@@ -21,6 +21,7 @@ from typing import cast
 
 from kvledger.engine import commands as c
 from kvledger.engine.decide import full_layers
+from kvledger.engine.port import Clock
 from kvledger.engine.service import CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.engine.view import ServiceStateView, view_of
@@ -36,7 +37,7 @@ Base = tuple[int, int]  # (generation, snapshot_version)
 
 class Ledger:
     def __init__(self, journal: Journal, *, source_instance: str = "kvledger",
-                 clock: object | None = None) -> None:
+                 clock: Clock | None = None) -> None:
         self.journal = journal
         c.check_id(source_instance, "source instance")
         self.service = CommandService(journal, source_instance=source_instance, strict=True,
@@ -44,7 +45,7 @@ class Ledger:
 
     @classmethod
     def open(cls, url: str | None = None, *, source_instance: str = "kvledger",
-             clock: object | None = None) -> Ledger:
+             clock: Clock | None = None) -> Ledger:
         return cls(open_or_create_journal(url), source_instance=source_instance, clock=clock)
 
     def close(self) -> None:
