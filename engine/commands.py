@@ -268,10 +268,10 @@ def check_id(value: object, what: str = "handle id") -> str:
     """An id given to a read, held to the events' Id (1 to 256 characters), NUL-free and
     encodable as UTF-8."""
     try:
-        msgspec.convert(value, Id)
-        if "\x00" in value:  # type: ignore[operator]
+        checked: str = msgspec.convert(value, Id)
+        if "\x00" in checked:
             raise ValueError("contains NUL")
-        value.encode()  # type: ignore[attr-defined]  # a lone surrogate is no text a database stores
+        checked.encode()  # a lone surrogate is no text a database stores (UnicodeEncodeError)
     except (msgspec.ValidationError, ValueError) as exc:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"bad {what}: {exc}") from None
-    return value  # type: ignore[return-value]
+    return checked

@@ -172,7 +172,7 @@ class CommandService(BatchSurface):
                     if isinstance(r, KvLedgerError):
                         for hook in self.on_reject:
                             hook(cmd, r)
-            return results  # type: ignore[return-value]
+            return results  # type: ignore[return-value]  # the loops above fill every slot
 
         return wait
 

@@ -42,7 +42,7 @@ def io_cpu() -> int | None:
     global _io_cpu
     if _io_cpu is _UNSET:
         _io_cpu = _find()
-    return _io_cpu  # type: ignore[return-value]
+    return _io_cpu  # type: ignore[return-value]  # _find() replaced the _UNSET sentinel
 
 
 def _find() -> int | None:
