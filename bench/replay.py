@@ -65,9 +65,6 @@ def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, 
             operation_id=f"op-{position}", source_instance="bench", local_sequence=position,
             monotonic_ns=t, observed_wall_time=1_700_000_000_000_000_000 + t, payload=payload))
 
-    def layers(start: int, n: int):
-        return tuple(ev.LayerRows(layer=i, start=start, count=n, k_complete=True, v_complete=True,
-                                  rows_sha256=digest_rows) for i in range(cfg.num_layers))
 
     n_req = 0
 
@@ -105,7 +102,8 @@ def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, 
                         mask_key_extent=prompt, cache_abi_sha256=abi)))
                     out.append(envelope(ev.AppendPublishEvent, r, ev.AppendPublish(
                         txn_id=r.txn, base_snapshot_version=r.snap, result_snapshot_version=r.snap + 1,
-                        committed_length=prompt, accepted_count=prompt, layers=layers(0, prompt),
+                        committed_length=prompt, accepted_count=prompt,
+                        layers_complete=cfg.num_layers, rows_sha256=digest_rows,
                         logits_ready=True)))
                     r.snap += 1
                     r.committed = prompt
@@ -132,7 +130,8 @@ def write_journal(path: Path, events: int, *, live: int = 64, prompt: int = 24, 
                         out.append(envelope(ev.AppendPublishEvent, r, ev.AppendPublish(
                             txn_id=r.txn, base_snapshot_version=r.snap, result_snapshot_version=r.snap + 1,
                             committed_length=r.committed + 1, accepted_count=1,
-                            layers=layers(r.committed, 1), logits_ready=True)))
+                            layers_complete=cfg.num_layers, rows_sha256=digest_rows,
+                            logits_ready=True)))
                         r.snap += 1
                         r.committed += 1
                 for body in out:

@@ -15,6 +15,7 @@ from kvledger.engine import commands as c
 from kvledger.engine.evolve import cut
 from kvledger.engine.state import HandleState
 from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import layers_sha256
 from kvledger.schemas.errors import ErrorCode as E
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.manifest import (
@@ -169,12 +170,13 @@ def _publish(states: States, cmd: c.Publish) -> list[Draft]:
     txn = s.open_txn(cmd.txn_id)
     # Set when the transaction is open, the one case that publishes (refused below otherwise).
     accepted = 0
-    layers: tuple[ev.LayerRows, ...] = ()
+    rows_sha256 = None
     if txn is not None:
         staged = txn.interval_count
         accepted = cmd.accepted_count if cmd.accepted_count is not None else staged
         layers = cmd.layers if cmd.layers is not None else full_layers(s.num_layers, txn.interval_start, accepted)
         _check_layer_set(s, layers, txn.interval_start, accepted, txn.kind, staged)
+        rows_sha256 = _rows_sha256(layers)
     _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     if txn is None:
         if cmd.txn_id in s.aborted_txn_ids:
@@ -188,7 +190,7 @@ def _publish(states: States, cmd: c.Publish) -> list[Draft]:
     return [Draft(s.handle_id, ev.AppendPublishEvent, ev.AppendPublish(
         txn_id=txn.txn_id, base_snapshot_version=s.snapshot_version,
         result_snapshot_version=s.snapshot_version + 1, committed_length=committed,
-        accepted_count=accepted, layers=layers,
+        accepted_count=accepted, layers_complete=s.num_layers, rows_sha256=rows_sha256,
         # Repair logits are discarded; a partial prefill has no next-token logits yet.
         logits_ready=txn.kind != "repair" and committed == s.logical_length + (
             accepted if txn.kind == "verify" else 0),
@@ -199,6 +201,17 @@ def full_layers(num_layers: int, start: int, count: int) -> tuple[ev.LayerRows, 
     """Layer records of a complete all-layer staging of [start, start+count)."""
     return tuple(ev.LayerRows(layer=i, start=start, count=count, k_complete=True, v_complete=True)
                  for i in range(num_layers))
+
+
+def _rows_sha256(layers: tuple[ev.LayerRows, ...]) -> str | None:
+    """The publish's one digest over its layers' row digests: all layers digested, or none."""
+    digests = [r.rows_sha256 for r in sorted(layers, key=lambda r: r.layer) if r.rows_sha256 is not None]
+    if not digests:
+        return None
+    if len(digests) < len(layers):
+        missing = [r.layer for r in layers if r.rows_sha256 is None]
+        raise reject(E.INVALID_ARGUMENT, f"row digests for some layers but not for layers {sorted(missing)}")
+    return layers_sha256(digests)
 
 
 def _check_layer_set(s: HandleState, layers: tuple[ev.LayerRows, ...], start: int, accepted: int,

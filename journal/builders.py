@@ -107,8 +107,7 @@ def publish_op(handle: str, base: Guard, op_id: str, fingerprint: str | None = N
     payload = ev.AppendPublish(
         txn_id=op_id, base_snapshot_version=s, result_snapshot_version=s + 1,
         committed_length=s + n, accepted_count=n,
-        layers=tuple(ev.LayerRows(layer=i, start=s, count=n, k_complete=True, v_complete=True)
-                     for i in range(layers)),
+        layers_complete=layers,
         logits_ready=True,
     )
     e = envelope(ev.AppendPublishEvent, handle, base.stream_position + 1, payload, base.generation, op_id,

@@ -57,7 +57,6 @@ PUBLISH_WITHOUT_START = "PUBLISH_WITHOUT_START"
 DUPLICATE_TXN = "DUPLICATE_TXN"
 FAILURE_WITHOUT_START = "FAILURE_WITHOUT_START"
 FAILURE_CHANGES_STATE = "FAILURE_CHANGES_STATE"  # a failure must leave its base visible
-LAYER_LENGTH_MISMATCH = "LAYER_LENGTH_MISMATCH"  # per-layer intervals differ
 COMMITTED_LENGTH_MISMATCH = "COMMITTED_LENGTH_MISMATCH"
 COMMITTED_EXCEEDS_LOGICAL = "COMMITTED_EXCEEDS_LOGICAL"
 VISIBLE_BEYOND_COMMITTED = "VISIBLE_BEYOND_COMMITTED"
@@ -90,7 +89,7 @@ KEEP = 100  # findings kept for the report; the rest are counted
 STOP_AFTER = 10_000  # findings after which verify stops reading
 
 # Payload fields only a state-changing event carries: on a failure they claim a change.
-_STATE_FIELDS = ("result_snapshot_version", "committed_length", "accepted_count", "layers",
+_STATE_FIELDS = ("result_snapshot_version", "committed_length", "accepted_count", "layers", "layers_complete",
                  "new_length", "result_generation", "released_length")
 
 
@@ -419,13 +418,9 @@ class Checker:
         elif txn.kind != "verify" and accepted != txn.interval_count:
             self._find(COMMITTED_LENGTH_MISMATCH,
                        f"{txn.kind} commits {accepted} of {txn.interval_count} staged rows")
-        layers = sorted(r.layer for r in p.layers)
-        if layers != list(range(s.num_layers)) or not all(r.k_complete and r.v_complete for r in p.layers):
-            self._find("PARTIAL_LAYER_SET", f"layers {layers} with complete K and V != all {s.num_layers}")
-        spans = {(r.start, r.count) for r in p.layers}
-        if spans and spans != {(txn.interval_start, accepted)}:
-            self._find(LAYER_LENGTH_MISMATCH, f"per-layer intervals {sorted(spans)} != "
-                                              f"[{txn.interval_start}, +{accepted})")
+        if p.layers_complete != s.num_layers:
+            self._find("PARTIAL_LAYER_SET", f"{p.layers_complete} layers with complete K and V over the "
+                                            f"published rows != all {s.num_layers}")
         if p.committed_length != txn.interval_start + accepted:
             self._find(COMMITTED_LENGTH_MISMATCH, f"committed length {p.committed_length} != "
                                                   f"{txn.interval_start} + {accepted} accepted")

@@ -9,6 +9,7 @@ the digest.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -22,6 +23,14 @@ def canonical_json(value: Any) -> bytes:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def layers_sha256(per_layer: Sequence[str]) -> str:
+    """One digest for an append's rows over all layers: SHA-256 over the layers' own row
+    digests (raw bytes, in layer order). A publish stores this one (32 bytes, not one
+    per layer); recovery recomputes each layer's digest from the rows it re-executes
+    and combines them the same way, so the proof is still bit for bit."""
+    return hashlib.sha256(b"".join(bytes.fromhex(d) for d in per_layer)).hexdigest()
 
 
 def digest(value: Any) -> str:

@@ -102,21 +102,25 @@ class LayerRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
 
 
 class AppendPublish(_Payload, frozen=True):
+    """v2. The rows published are [committed_length - accepted_count, committed_length)
+    of every layer below `layers_complete`, each with complete K and V: a valid publish
+    names all of the handle's layers (anything less is refused before it is written), so
+    v1's record per layer said nothing a count does not, at 120-190 bytes a layer."""
+
     txn_id: Id
     base_snapshot_version: Count
     result_snapshot_version: Count
     committed_length: Count  # K_c after publication
     accepted_count: Count  # rows committed; < interval_count only for verify
-    layers: Annotated[tuple[LayerRows, ...], Meta(max_length=4096)]
+    layers_complete: Count  # layers 0 .. n-1 hold those rows complete
     logits_ready: bool  # False for repair: its logits are discarded, never an output
     workspace_bytes: Count = 0  # temporary workspace live at this event
+    # schemas.canonical.layers_sha256 of the layers' row digests, when the writer took them
+    rows_sha256: Digest | None = None
 
     def __post_init__(self) -> None:
-        # The layers' row digests, checked here in one pass rather than per LayerRows:
-        # this is the hottest check of a replay (a publish per decoded token).
-        digests = [r.rows_sha256 for r in self.layers if r.rows_sha256 is not None]
-        if digests and "".join(digests).translate(_NOT_HEX):
-            _hex(*digests)
+        if self.rows_sha256 is not None and self.rows_sha256.translate(_NOT_HEX):
+            _hex(self.rows_sha256)
 
 
 class Failure(_Payload, frozen=True):
@@ -291,3 +295,4 @@ PAYLOAD_CLASSES: dict[str, type] = {
 # upcaster from the previous version in schemas.upcast.
 CURRENT_VERSION: dict[str, int] = {name: 1 for name in EVENT_CLASSES}
 CURRENT_VERSION["append_start"] = 3  # v1: interval as a [start, end) pair; v2: no call.threads
+CURRENT_VERSION["append_publish"] = 2  # v1: a LayerRows record (and digest) per layer

@@ -7,6 +7,8 @@ import pytest
 
 from kvledger import Ledger, full_layers
 from kvledger.engine import commands as c
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import layers_sha256
 from kvledger.schemas.errors import ErrorCode as E
 from kvledger.schemas.errors import KvLedgerError
 
@@ -76,6 +78,18 @@ def test_partial_layer_set(ledger):
     expect(ledger, E.PARTIAL_LAYER_SET, ledger.publish, "H", txn_id="t1", base=b, layers=half)
     dup = (full_layers(2, 4, 1)[0],) * 2
     expect(ledger, E.PARTIAL_LAYER_SET, ledger.publish, "H", txn_id="t1", base=b, layers=dup)
+
+
+def test_row_digests_for_all_layers_or_none(ledger):
+    """A publish stores one digest over every layer's rows: one layer's alone proves nothing."""
+    b = open_decode(ledger)
+    layers = full_layers(2, 4, 1)
+    some = (msgspec.structs.replace(layers[0], rows_sha256="a" * 64), layers[1])
+    expect(ledger, E.INVALID_ARGUMENT, ledger.publish, "H", txn_id="t1", base=b, layers=some)
+    every = tuple(msgspec.structs.replace(r, rows_sha256=f"{r.layer}" * 64) for r in layers)
+    ledger.publish("H", txn_id="t1", base=b, layers=every)
+    (publish,) = [e for e in ledger.journal.read_stream("H") if isinstance(e, ev.AppendPublishEvent)][-1:]
+    assert publish.payload.rows_sha256 == layers_sha256(["0" * 64, "1" * 64])
 
 
 def test_split_reorder_and_not_a_permutation(ledger):

@@ -268,23 +268,24 @@ class LifecycleMachine(RuleBasedStateMachine):
                 m.generation, m.snapshot, m.committed, m.lifecycle)
             assert list(s.outputs) == m.outputs and s.logits_ready == m.logits
             assert s.committed_length <= s.logical_length or s.lifecycle == "RELEASED"
-            # equal per-layer committed lengths, rebuilt from the recorded layer intervals
-            lengths = [0] * LAYERS
+            # the committed length rebuilt from the publications: each one extends the
+            # previous by its rows over every layer
+            length = 0
             released = False
             for e in events:
                 assert not released, "an event after release"
                 if isinstance(e, ev.ForkEvent):
-                    lengths = [e.payload.prefix_length] * LAYERS
+                    length = e.payload.prefix_length
                 elif isinstance(e, ev.AppendPublishEvent):
-                    for r in e.payload.layers:
-                        assert r.start == lengths[r.layer]
-                        lengths[r.layer] = r.start + r.count
+                    p = e.payload
+                    assert p.layers_complete == LAYERS
+                    assert p.committed_length - p.accepted_count == length
+                    length = p.committed_length
                 elif isinstance(e, ev.TruncateEvent):
-                    lengths = [e.payload.new_length] * LAYERS
+                    length = e.payload.new_length
                 elif isinstance(e, ev.ReleaseEvent):
-                    lengths, released = [0] * LAYERS, True
-                assert len(set(lengths)) == 1
-            assert lengths[0] == m.committed
+                    length, released = 0, True
+            assert length == m.committed
 
 
 TestLifecycle = LifecycleMachine.TestCase

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvledger.schemas import events as ev
-from kvledger.schemas.canonical import canonical_json, digest
+from kvledger.schemas.canonical import canonical_json, digest, layers_sha256
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import (
@@ -120,6 +120,48 @@ def test_append_start_v2_reads_as_v3_with_no_thread_count():
     assert info.value.code is ErrorCode.MALFORMED_EVENT
 
 
+def _publish_v1(layers: list[dict]) -> bytes:
+    return msgspec.json.encode({
+        "event_type": "append_publish", "event_id": "e1", "stream_id": "h1", "stream_position": 3,
+        "schema_version": 1, "request_id": "h1", "handle_generation": 0, "global_position": 3,
+        "payload": {"txn_id": "t1", "base_snapshot_version": 1, "result_snapshot_version": 2,
+                    "committed_length": 6, "accepted_count": 2, "layers": layers, "logits_ready": True}})
+
+
+def _layer(i: int, start: int = 4, count: int = 2, digest: str | None = None, complete: bool = True) -> dict:
+    return {"layer": i, "start": start, "count": count, "k_complete": complete, "v_complete": True,
+            "rows_sha256": digest}
+
+
+def test_append_publish_v1_reads_as_one_digest_over_its_layers():
+    digests = [f"{i:x}" * 64 for i in range(3)]
+    e = decode_event(_publish_v1([_layer(i, digest=d) for i, d in enumerate(digests)]))
+    assert e.schema_version == 2 and e.payload.layers_complete == 3
+    assert e.payload.rows_sha256 == layers_sha256(digests) != layers_sha256(digests[::-1])
+    # layer order is what counts, not the order the records were listed in
+    listed = [_layer(i, digest=d) for i, d in enumerate(digests)][::-1]
+    assert decode_event(_publish_v1(listed)).payload.rows_sha256 == layers_sha256(digests)
+    assert decode_event(_publish_v1([_layer(0), _layer(1)])).payload.rows_sha256 is None
+
+
+@pytest.mark.parametrize("layers, complete", [
+    ([_layer(0), _layer(1, count=1)], 1),  # v1's unequal layer lengths
+    ([_layer(0), _layer(1, start=3)], 1),  # rows other than those committed
+    ([_layer(0), _layer(2)], 1),  # a layer skipped
+    ([_layer(0, complete=False), _layer(1)], 0),  # incomplete K
+    ([_layer(0), _layer(0), _layer(1)], 0),  # a layer twice
+])
+def test_append_publish_v1_that_was_no_full_layer_set_counts_fewer_layers(layers, complete):
+    """verify then reports the publish as a partial layer set (a v2 publish cannot say more)."""
+    assert decode_event(_publish_v1(layers)).payload.layers_complete == complete
+
+
+def test_append_publish_v1_with_a_bad_digest_is_malformed():
+    with pytest.raises(KvLedgerError) as e:
+        decode_event(_publish_v1([_layer(0, digest="zz")]))
+    assert e.value.code is ErrorCode.MALFORMED_EVENT
+
+
 def test_encode_decode_round_trip():
     e = allocate_op("h1").writes[0].events[0]
     assert decode_event(encode_event(e)) == e
@@ -154,14 +196,12 @@ def test_bad_events_get_stable_codes(mutate, code):
 
 @pytest.mark.parametrize("digest, ok", [("0123456789abcdef" * 4, True), ("0123456789ABCDEF" * 4, False),
                                         ("z" * 64, False), ("a" * 63, False)])
-def test_layer_row_digests_must_be_lowercase_hex(digest, ok):
-    layer = ev.LayerRows(layer=0, start=0, count=1, k_complete=True, v_complete=True)
+def test_row_digests_must_be_lowercase_hex(digest, ok):
     d = {"txn_id": "t", "base_snapshot_version": 0, "result_snapshot_version": 1, "committed_length": 1,
-         "accepted_count": 1, "layers": [{**msgspec.to_builtins(layer), "rows_sha256": digest}],
-         "logits_ready": True}
+         "accepted_count": 1, "layers_complete": 2, "rows_sha256": digest, "logits_ready": True}
     raw = msgspec.json.encode(d)
     if ok:
-        assert msgspec.json.decode(raw, type=ev.AppendPublish).layers[0].rows_sha256 == digest
+        assert msgspec.json.decode(raw, type=ev.AppendPublish).rows_sha256 == digest
     else:
         with pytest.raises(msgspec.ValidationError, match="rows_sha256|sha256"):
             msgspec.json.decode(raw, type=ev.AppendPublish)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import layers_sha256
 from kvledger.worker.executor import CallShape, Member, run_call
 from kvledger.worker.kvstore import KVStore
 from kvledger.worker.model import Transformer
@@ -24,9 +25,10 @@ SCRATCH = "__scratch__"
 
 @dataclass
 class Mismatch:
+    """A re-executed append whose rows over all layers do not hash to what its publish recorded."""
+
     handle_id: str
     txn_id: str
-    layer: int
     global_position: int
     recorded: str | None
     recomputed: str
@@ -109,13 +111,11 @@ def _reexecute(model: Transformer, events: Iterable[ev.Event], slots: int, capac
                 store.discard(h)
                 continue
             p = e.payload
-            recomputed = store.rows_sha256(h, start.payload.interval_start, p.accepted_count)
-            for rows in p.layers:
-                got = recomputed[rows.layer] if rows.start == start.payload.interval_start \
-                    and rows.count == p.accepted_count else "interval differs from the start"
-                if got != rows.rows_sha256:
-                    out.mismatches.append(Mismatch(h, p.txn_id, rows.layer, e.global_position,
-                                                   rows.rows_sha256, got))
+            t = start.payload.interval_start
+            got = (layers_sha256(store.rows_sha256(h, t, p.accepted_count))
+                   if p.committed_length - p.accepted_count == t else "interval differs from the start")
+            if got != p.rows_sha256:
+                out.mismatches.append(Mismatch(h, p.txn_id, e.global_position, p.rows_sha256, got))
             out.verified_rows += p.accepted_count
             store.staged(h, p.committed_length)
             store.commit(h, p.committed_length)
