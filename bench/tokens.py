@@ -174,20 +174,44 @@ def _worker_run(url: str | None, layers: int, g: int, writer: str | None) -> tup
 
 
 def disk_bytes(path: str) -> dict[str, Any]:
-    """Database plus WAL bytes after a checkpoint, and stored body bytes per event type."""
+    """Database plus WAL bytes after a checkpoint; what the records hold (stored bytes,
+    the JSON bytes they compress) and the JSON bytes per event type."""
+    import msgspec
+
+    from kvledger.journal.records import decode_record
+
+    class Typed(msgspec.Struct):
+        event_type: str
+
+    typed = msgspec.json.Decoder(Typed).decode
     con = sqlite3.connect(path)
     try:
         con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        rows = con.execute("SELECT event_type, COUNT(*), SUM(LENGTH(body)) FROM kvl_events "
-                           "GROUP BY event_type").fetchall()
-        receipts = con.execute("SELECT COUNT(*), SUM(LENGTH(body)) FROM kvl_receipts").fetchone()
+        bodies = [(last, bytes(body)) for last, body in con.execute("SELECT last_position, body FROM kvl_records")]
+        lookups = {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]  # constant names
+                   for t in ("kvl_record_streams", "kvl_record_ops")}
     finally:
         con.close()
+    per_type: dict[str, list[int]] = {}
+    stored = json = receipts = 0
+    for last, body in bodies:
+        record = decode_record(body, f"ending at {last}")
+        stored += len(body)
+        for e in record.events:
+            n = per_type.setdefault(typed(e).event_type, [0, 0])
+            n[0] += 1
+            n[1] += len(e)
+            json += len(e)
+        receipts += len(record.receipts)
+        json += sum(map(len, record.receipts))
     wal = f"{path}-wal"
     total = os.path.getsize(path) + (os.path.getsize(wal) if os.path.exists(wal) else 0)
-    per_type = {t: {"events": n, "body_bytes_per_event": round(b / n)} for t, n, b in rows}
-    return {"bytes": total, "by_event_type": per_type,
-            "receipts": {"rows": receipts[0], "body_bytes_per_row": round((receipts[1] or 0) / max(1, receipts[0]))}}
+    events = sum(n for n, _ in per_type.values())
+    return {"bytes": total, "records": len(bodies), "events": events, "receipts": receipts,
+            "record_bytes": stored, "json_bytes": json, "compression": round(json / max(1, stored), 1),
+            "lookup_rows": lookups,
+            "by_event_type": {t: {"events": n, "json_bytes_per_event": round(b / n)}
+                              for t, (n, b) in sorted(per_type.items())}}
 
 
 def replay_rate(url: str, tokens: int) -> float:

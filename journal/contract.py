@@ -86,6 +86,17 @@ class StoredEvent(msgspec.Struct, frozen=True):
     body: Any
 
 
+class StoredDamage(msgspec.Struct, frozen=True):
+    """A stored record (one commit, since revision 0003) whose bytes are not what was
+    committed: `global_position` names the first event it concerns (None: the record's
+    position itself is wrong). `replaces`: the event at that position could not be read
+    and stands here in its place."""
+
+    global_position: int | None
+    message: str
+    replaces: bool = False
+
+
 class StoredReceipt(msgspec.Struct, frozen=True):
     """One row of the receipts table as stored (see StoredEvent)."""
 
@@ -118,8 +129,9 @@ class Snapshot(abc.ABC):
     is either wholly visible or not at all, so events, receipts and heads agree."""
 
     @abc.abstractmethod
-    def events(self) -> Iterator[StoredEvent]:
-        """Event rows in global_position order, fetched in pages."""
+    def events(self) -> Iterator[StoredEvent | StoredDamage]:
+        """Event rows in global_position order, fetched in pages; what a stored record's
+        audit finds wrong (its chain, CRCs, positions, lookup rows) where it finds it."""
 
     @abc.abstractmethod
     def receipts(self) -> Iterator[StoredReceipt]: ...

@@ -30,7 +30,7 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
-from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T, _head_columns
+from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -131,28 +131,15 @@ class PostgresStatements(Statements):
         cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
         return self.last_position(cur)
 
-    def begin_append(self, cur: Any, operation_ids: list[str]) -> tuple[int, dict[str, tuple[str, bytes]]]:
-        # The lock, then one statement that reads the last position (after the lock is
-        # granted) and the stored receipts.
-        cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
-        cur.execute(
-            "SELECT m.last, r.operation_id, r.fingerprint, r.body FROM "
-            "(SELECT coalesce(max(global_position), 0) AS last FROM kvl_events) AS m "
-            "LEFT JOIN kvl_receipts AS r ON r.operation_id = ANY(%b)",
-            (_texts(operation_ids),),
-        )
-        rows = cur.fetchall()
-        stored = {r[1]: (r[2], bytes(r[3])) for r in rows if r[1] is not None}
-        return int(rows[0][0]), stored
-
     speculative = True
-    # One statement: the guarded head updates, a verdict, and the event and receipt rows.
-    # The verdict is true only if every guard held and the last position is the one the
-    # rows were numbered after, both read under the writer lock in the statement's
-    # snapshot. A false verdict makes every event position NULL: the insert fails
-    # (not-null violation), so the transaction, head updates included, rolls back and
-    # nothing is committed. An operation that already has a receipt (a retry) fails the
-    # receipts primary key the same way.
+    # One statement: the guarded head updates, a verdict, and the record with its lookup
+    # rows. The verdict is true only if every guard held, the last position is the one
+    # the record was numbered after (so the chain it links to is the last record's), and
+    # no operation has a receipt yet (none is a retry; a key another operation shares
+    # only sends this append down the general path), all read under the writer lock in
+    # the statement's snapshot. A false verdict makes the record's position NULL: the
+    # insert fails (not-null violation), so the transaction, head updates included,
+    # rolls back and nothing is committed.
     APPEND_IF = (
         "WITH u AS (UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
         "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph "
@@ -161,27 +148,25 @@ class PostgresStatements(Statements):
         "WHERE h.handle_id = v.h AND h.generation = v.g "
         "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING 1), "
         "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)b::bigint "
-        "AND (SELECT coalesce(max(global_position), 0) FROM kvl_events) = %(last)b::bigint AS ok), "
-        "e AS (INSERT INTO kvl_events (global_position, event_id, stream_id, stream_position, "
-        "event_type, schema_version, operation_id, body) "
-        "SELECT CASE WHEN verdict.ok THEN x.pos END, x.eid, x.sid, x.sp, x.et, x.sv, x.oid, x.body "
-        "FROM unnest(%(epos)b, %(eid)b, %(sid)b, %(sp)b, %(et)b, %(sv)b, %(eop)b, %(body)b) "
-        "AS x(pos, eid, sid, sp, et, sv, oid, body) CROSS JOIN verdict) "
-        "INSERT INTO kvl_receipts (operation_id, fingerprint, first_global_position, "
-        "last_global_position, body) "
-        "SELECT * FROM unnest(%(op)b, %(fp)b, %(first)b, %(lastpos)b, %(rbody)b)"
+        "AND coalesce((SELECT max(last_position) FROM kvl_records), "
+        "(SELECT max(global_position) FROM kvl_events), 0) = %(last)b::bigint "
+        "AND NOT EXISTS (SELECT 1 FROM kvl_record_ops WHERE op_key = ANY(%(okeys)b)) "
+        "AND NOT EXISTS (SELECT 1 FROM kvl_receipts WHERE operation_id = ANY(%(ops)b)) AS ok), "
+        "r AS (INSERT INTO kvl_records (last_position, first_position, chain, body) "
+        "SELECT CASE WHEN verdict.ok THEN %(rlast)b::bigint END, %(rfirst)b::bigint, %(chain)b, %(body)b "
+        "FROM verdict), "
+        "s AS (INSERT INTO kvl_record_streams (stream_key, last_position) "
+        "SELECT k, %(rlast)b::bigint FROM unnest(%(skeys)b) AS k) "
+        "INSERT INTO kvl_record_ops (op_key, last_position) SELECT k, %(rlast)b::bigint FROM unnest(%(okeys)b) AS k"
     )
 
-    def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[EventRow],
-                  receipt_rows: list[ReceiptRow], last: int) -> bool:
+    def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
+                  operation_ids: list[str], last: int) -> bool:
         params = _guarded_update_params(updates)
-        epos, eid, sid, sp, et, sv, eop, body = zip(*event_rows)
-        op, fp, first, lastpos, rbody = zip(*receipt_rows)
+        rlast, rfirst, chain_, body, skeys, okeys = record
         params.update(
-            epos=_int8s(epos), eid=_texts(eid), sid=_texts(sid), sp=_int8s(sp), et=_texts(et),
-            sv=_int4s(sv), eop=_texts(eop), body=_byteas(body), op=_texts(op), fp=_texts(fp),
-            first=_int8s(first), lastpos=_int8s(lastpos), rbody=_byteas(rbody), n=len(updates),
-            last=last,
+            okeys=_int8s(okeys), skeys=_int8s(skeys), ops=_texts(operation_ids), rlast=rlast, rfirst=rfirst,
+            chain=chain_, body=body, n=len(updates), last=last,
         )
         conn = self.conn
         try:
@@ -262,12 +247,31 @@ class PostgresStatements(Statements):
             (_texts(op), _texts(fp), _int8s(first), _int8s(last), _byteas(body)),
         )
 
-    def fetch_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
+    def row_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         cur.execute(
             "SELECT operation_id, fingerprint, body FROM kvl_receipts WHERE operation_id = ANY(%b)",
             (_texts(operation_ids),),
         )
         return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
+
+    def records_by_op_keys(self, cur: Any, keys: list[int]) -> list[Row]:
+        cur.execute(
+            "SELECT r.last_position, r.body FROM kvl_records r WHERE r.last_position IN "
+            "(SELECT o.last_position FROM kvl_record_ops o WHERE o.op_key = ANY(%b))",
+            (_int8s(keys),),
+        )
+        rows: list[Row] = cur.fetchall()
+        return rows
+
+    def insert_record(self, cur: Any, row: RecordRow) -> None:
+        last, first, chain_, body, streams, ops = row
+        cur.execute("INSERT INTO kvl_records (last_position, first_position, chain, body) VALUES (%s, %s, %s, %s)",
+                    (last, first, chain_, body))
+        faults.fault("mid_batch")  # the record is written, its lookup rows not yet
+        cur.execute("INSERT INTO kvl_record_streams (stream_key, last_position) SELECT k, %s FROM unnest(%b) AS k",
+                    (last, _int8s(streams)))
+        cur.execute("INSERT INTO kvl_record_ops (op_key, last_position) SELECT k, %s FROM unnest(%b) AS k",
+                    (last, _int8s(ops)))
 
 
 def _guarded_update_params(rows: list[tuple[StreamWrite, Guard]]) -> dict[str, Any]:

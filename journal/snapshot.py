@@ -4,6 +4,12 @@ SqlJournal.snapshot() holds the journal's lock and one read-only transaction for
 whole audit (SQLite: a deferred BEGIN in WAL mode; PostgreSQL: REPEATABLE READ READ
 ONLY). Events and receipts are read in keyset pages inside that transaction, so memory
 stays bounded and every page sees the same commit point as the receipts and heads.
+
+Records (one per commit since revision 0003) are audited here, where their layout is
+known: each one's chain link and CRCs (kvledger.journal.records), its positions, and its
+lookup rows. What is wrong comes out as StoredDamage, naming the first event concerned;
+the events themselves come out as StoredEvent rows whose columns are read from their
+bodies (a record stores no columns apart), so verify's other checks run on them alike.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Protocol
 
-from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredEvent, StoredReceipt
+import msgspec
+
+from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredDamage, StoredEvent, StoredReceipt
+from kvledger.journal.records import GENESIS, Damage, audit_record, chain, stable_key
 from kvledger.journal.statements import Row, Statements, T
 
 PAGE = 5000
@@ -31,13 +40,86 @@ class SqlSnapshot(Snapshot):
     def integrity(self) -> Integrity:
         return self._call(lambda: self._sql.integrity(self._cur))
 
-    def events(self) -> Iterator[StoredEvent]:
+    def events(self) -> Iterator[StoredEvent | StoredDamage]:
+        last = 0
         for row in self._pages(self._sql.EVENT_PAGES):
             yield StoredEvent(*row)
+            last = row[0] if type(row[0]) is int else last
+        yield from self._records(last)
+
+    RECORDS_PAGE = 256
+
+    def _records(self, last: int) -> Iterator[StoredEvent | StoredDamage]:
+        previous, after = GENESIS, None  # the chain so far; the key of the page before
+        while True:
+            page = self._call(partial(self._sql.page, self._cur, self._sql.RECORD_PAGES, after, self.RECORDS_PAGE))
+            needs: dict[str, dict[int, set[int]]] = {"streams": {}, "ops": {}}  # record -> its keys
+            for row in page:
+                stored_last, first, link, body = row
+                if not (type(stored_last) is int and type(first) is int and isinstance(link, bytes)
+                        and isinstance(body, bytes)):
+                    yield StoredDamage(last + 1, "a record's columns are stored as "
+                                                 f"{', '.join(type(v).__name__ for v in row)}")
+                    continue
+                at = last + 1
+                if first != at:
+                    yield StoredDamage(at, f"the record after position {last} says it starts at {first}")
+                if chain(previous, body) != link:
+                    yield StoredDamage(at, "the record's bytes or its chain digest are not those committed "
+                                           "(its link to the previous record does not hold)")
+                previous = link
+                found = audit_record(body)
+                for i, e in enumerate(found.events):
+                    yield _stored(at + i, e)
+                if isinstance(found, Damage):
+                    # The event it names (its first, when the damage is the record's own:
+                    # the header, the tail, a receipt); the events past a damaged one are
+                    # lost with it, and the next record still starts after this one.
+                    bad = at + (found.index or 0)
+                    yield StoredDamage(bad, found.message, replaces=found.index is not None)
+                    last = stored_last
+                    continue
+                if stored_last != at + len(found.events) - 1:
+                    yield StoredDamage(at, f"the record holds positions {at}..{at + len(found.events) - 1} "
+                                           f"but is stored as ending at {stored_last}")
+                last = stored_last
+                needs["streams"][stored_last] = {stable_key(str(_names(e).stream_id)) for e in found.events}
+                needs["ops"][stored_last] = {stable_key(str(_receipt_names(r).operation_id))
+                                             for r in found.receipts}
+            end = page[-1][0] if page and type(page[-1][0]) is int else None
+            done = len(page) < self.RECORDS_PAGE or end is None
+            yield from self._lookup_rows(needs, after, None if done else end)
+            if done:
+                return
+            after = end
+
+    def _lookup_rows(self, needs: dict[str, dict[int, set[int]]], after: int | None,
+                     upto: int | None) -> Iterator[StoredDamage]:
+        """The lookup rows keyed in (after, upto] are exactly the keys those records need
+        (None: no bound): a missing one hides a record from a stream's or an
+        operation's reads; an extra one is an edit."""
+        for name, table in (("streams", "kvl_record_streams"), ("ops", "kvl_record_ops")):
+            stored: dict[Any, set[Any]] = {}
+            for key, position in self._call(partial(self._sql.lookup_rows, self._cur, table, after, upto)):
+                stored.setdefault(position, set()).add(key)
+            want = needs[name]
+            for position in sorted(set(stored) | set(want), key=repr):
+                if stored.get(position, set()) != want.get(position, set()):
+                    yield StoredDamage(position if position in want else None,
+                                       f"the {name} lookup rows of the record ending at {position!r} are "
+                                       "not the keys its events and receipts need")
 
     def receipts(self) -> Iterator[StoredReceipt]:
         for row in self._pages(self._sql.RECEIPT_PAGES):
             yield StoredReceipt(*row)
+        for row in self._pages(self._sql.RECORD_PAGES):
+            found = audit_record(row[3]) if isinstance(row[3], bytes) else None
+            if found is None or isinstance(found, Damage):
+                continue  # reported with the events
+            for r in found.receipts:
+                k = _receipt_names(r)
+                yield StoredReceipt(k.operation_id, k.fingerprint, k.first_global_position,
+                                    k.last_global_position, r)
 
     def heads(self) -> dict[str, HeadFacts]:
         rows = self._call(lambda: self._sql.heads(self._cur, None, None))
@@ -47,6 +129,7 @@ class SqlSnapshot(Snapshot):
         return self._call(lambda: self._sql.raw_manifest(self._cur, manifest_sha256))
 
     def _pages(self, pages: tuple[str, str]) -> Iterator[Row]:
+        """Every row `pages` selects, keyed by its first column as stored."""
         after: Any = None  # the key column as stored
         while True:
             rows = self._call(partial(self._sql.page, self._cur, pages, after, PAGE))
@@ -54,3 +137,45 @@ class SqlSnapshot(Snapshot):
             if len(rows) < PAGE:
                 return
             after = rows[-1][0]  # the key column as stored, whatever its type
+
+
+class _Names(msgspec.Struct):
+    event_id: Any = None
+    stream_id: Any = None
+    stream_position: Any = None
+    event_type: Any = None
+    schema_version: Any = None
+    operation_id: Any = None
+
+
+class _ReceiptNames(msgspec.Struct):
+    operation_id: Any = None
+    fingerprint: Any = None
+    first_global_position: Any = None
+    last_global_position: Any = None
+
+
+_names_decode = msgspec.json.Decoder(_Names).decode
+_receipt_decode = msgspec.json.Decoder(_ReceiptNames).decode
+
+
+def _names(body: bytes) -> _Names:
+    try:
+        return _names_decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _Names()  # verify reports the body itself
+
+
+def _receipt_names(body: bytes) -> _ReceiptNames:
+    try:
+        return _receipt_decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _ReceiptNames()
+
+
+def _stored(position: int, body: bytes) -> StoredEvent:
+    """A record's event as a row: its columns are what its body says (a record has no
+    other copy of them) and its position the record's."""
+    n = _names(body)
+    return StoredEvent(position, n.event_id, n.stream_id, n.stream_position, n.event_type, n.schema_version,
+                       n.operation_id, body)

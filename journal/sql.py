@@ -43,7 +43,9 @@ from kvledger.journal.contract import (
 )
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
-from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T
+from kvledger.journal.records import chain as link
+from kvledger.journal.records import encode_record, stable_key
+from kvledger.journal.statements import EventRow, RecordRow, Statements, T
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
     REVISIONS,
@@ -128,6 +130,8 @@ class SqlJournal(Journal):
         # this connection committed, and a back-off after mispredictions.
         self._predicted: int | None = None
         self._committed = 0
+        # ... and the chain digest of the last record it committed (what the next links to)
+        self._predicted_chain = self._committed_chain = b""
         self._misses = 0
         self._skip = 0
         try:
@@ -176,7 +180,7 @@ class SqlJournal(Journal):
                         fault("after_commit")
                         return fast
                 results = self.sql.transaction(lambda cur: self._append(cur, operations))
-                self._predicted = self._committed
+                self._predicted, self._predicted_chain = self._committed, self._committed_chain
                 fault("after_commit")
                 return results
             except KvLedgerError:
@@ -266,10 +270,11 @@ class SqlJournal(Journal):
         last = self._predicted
         assert last is not None
         results: list[Receipt | Rejection | None] = [None] * len(ops)
-        event_rows, receipt_rows, _, position = self._rows(ops, range(len(ops)), results, last)
+        record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain)
+        assert record is not None  # every operation writes an event
         fault("before_update")
-        if self.sql.append_if(updates, event_rows, receipt_rows, last):
-            self._predicted, self._misses = position, 0
+        if self.sql.append_if(updates, record, list(op_ids), last):
+            self._predicted, self._predicted_chain, self._misses = position, record[2], 0
             return results  # type: ignore[return-value]  # _rows filled every slot
         # Another writer moved the journal (or a guard failed, or this is a retry): back
         # off exponentially so a contended journal does not pay a wasted round trip each time.
@@ -280,7 +285,7 @@ class SqlJournal(Journal):
     def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
         # One pass per step, no per-event helper calls: this loop is the Python cost a
         # publication pays on top of the database's (see docs/PERFORMANCE.md).
-        last, stored = self.sql.begin_append(cur, list({op.operation_id: None for op in ops}))
+        last, chain, stored = self.sql.begin_append(cur, list({op.operation_id: None for op in ops}))
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         first_in_batch: dict[str, int] = {}
         pending: list[int] = []
@@ -301,7 +306,8 @@ class SqlJournal(Journal):
                 results[i] = rejection
         fault("after_update")
 
-        event_rows, receipt_rows, manifest_rows, self._committed = self._rows(ops, pending, results, last)
+        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain)
+        self._committed_chain = chain if record is None else record[2]
         if len(first_in_batch) + len(stored) < len(ops):
             for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
                 if results[i] is None:
@@ -311,10 +317,8 @@ class SqlJournal(Journal):
                         if isinstance(original, Receipt) and original.fingerprint == op.fingerprint
                         else _conflict(op)
                     )
-        if event_rows:
-            self.sql.insert_events(cur, event_rows)
-            fault("mid_batch")  # the batch's events are written, its receipts not yet
-            self.sql.insert_receipts(cur, receipt_rows)
+        if record is not None:
+            self.sql.insert_record(cur, record)
         if manifest_rows:
             self.sql.insert_manifests(cur, list(manifest_rows.items()))
         fault("before_commit")
@@ -322,16 +326,19 @@ class SqlJournal(Journal):
 
     @staticmethod
     def _rows(
-        ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None], last: int
-    ) -> tuple[list[EventRow], list[ReceiptRow], dict[str, bytes], int]:
-        """Event, receipt and manifest rows of the operations at `indexes` not yet decided
-        in `results`, at global positions after `last`; fills in their receipts. Returns
-        the rows and the last position used."""
+        ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None], last: int,
+        chain: bytes,
+    ) -> tuple[RecordRow | None, dict[str, bytes], int]:
+        """The record (linked to `chain`) and the manifest rows of the operations at
+        `indexes` not yet decided in `results`, at global positions after `last`; fills
+        in their receipts. Returns them and the last position used."""
         now = time.time_ns()
-        event_rows: list[EventRow] = []
-        receipt_rows: list[ReceiptRow] = []
+        bodies: list[bytes] = []
+        receipts: list[bytes] = []
+        streams: set[int] = set()
+        op_keys: set[int] = set()
         manifest_rows: dict[str, bytes] = {}
-        add_event, add_receipt = event_rows.append, receipt_rows.append
+        add_body, add_receipt = bodies.append, receipts.append
         encode, replace, encode_receipt = encode_event, msgspec.structs.replace, receipt_encoder.encode
         position = last
         for i in indexes:
@@ -345,20 +352,23 @@ class SqlJournal(Journal):
             for write in op.writes:
                 for ev in write.events:
                     position += 1
-                    event_id = ev.event_id
-                    add_event((position, event_id, ev.stream_id, ev.stream_position, ev.event_type,
-                               ev.schema_version, ev.operation_id,
-                               encode(replace(ev, global_position=position))))
-                    ids.append(event_id)
+                    add_body(encode(replace(ev, global_position=position)))
+                    ids.append(ev.event_id)
+                streams.add(stable_key(write.handle_id))
                 h = write.head
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
                                             h.stream_position, h.committed_length))
             receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(ids), first, position, now)
-            add_receipt((op_id, op.fingerprint, first, position, encode_receipt(receipt)))
+            add_receipt(encode_receipt(receipt))
+            op_keys.add(stable_key(op_id))
             if op.manifests:
                 manifest_rows.update(op.manifests)
             results[i] = receipt
-        return event_rows, receipt_rows, manifest_rows, position
+        if not bodies:
+            return None, manifest_rows, position
+        body = encode_record(bodies, receipts)
+        record = (position, last + 1, link(chain, body), body, sorted(streams), sorted(op_keys))
+        return record, manifest_rows, position
 
     def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]]) -> dict[int, Rejection]:
         """Apply the guards of the units of one round (disjoint handles). A unit is one

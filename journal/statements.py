@@ -7,13 +7,14 @@ the statements whose best form differs over a network (set-based, one round trip
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import msgspec
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.journal.records import GENESIS, Record, decode_record, stable_key
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 _json_encode = msgspec.json.Encoder().encode
@@ -26,6 +27,8 @@ Row = tuple[Any, ...]  # a row as the driver returned it (a damaged row can hold
 EventRow = tuple[int, str, str, int, str, int, str | None, bytes]
 # (operation_id, fingerprint, first_global_position, last_global_position, body)
 ReceiptRow = tuple[str, str, int, int, bytes]
+# (last_position, first_position, chain, body, stream keys, operation keys): one commit
+RecordRow = tuple[int, int, bytes, bytes, list[int], list[int]]
 
 
 class Statements(abc.ABC):
@@ -75,14 +78,24 @@ class Statements(abc.ABC):
     def lock_and_last_position(self, cur: Any) -> int: ...
 
     # Only where speculative is set.
-    def append_if(self, updates: list[tuple[StreamWrite, Guard]], event_rows: list[EventRow],
-                  receipt_rows: list[ReceiptRow], last: int) -> bool:
+    def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
+                  operation_ids: list[str], last: int) -> bool:
         raise NotImplementedError
 
-    def begin_append(self, cur: Any, operation_ids: list[str]) -> tuple[int, dict[str, tuple[str, bytes]]]:
-        """Take the writer lock; return the last global position and the stored receipts
-        of `operation_ids`. PostgreSQL does both in one round trip."""
-        return self.lock_and_last_position(cur), self.fetch_receipts(cur, operation_ids)
+    def begin_append(self, cur: Any, operation_ids: list[str]) -> tuple[int, bytes, dict[str, tuple[str, bytes]]]:
+        """Take the writer lock; return the last global position, the chain digest the
+        next record links to, and the stored receipts of `operation_ids`."""
+        self.lock_and_last_position(cur)
+        last, chain = self.last_record(cur)
+        return last, chain, self.fetch_receipts(cur, operation_ids)
+
+    def last_record(self, cur: Any) -> tuple[int, bytes]:
+        """The last global position, and the last record's chain (GENESIS before any)."""
+        cur.execute("SELECT last_position, chain FROM kvl_records ORDER BY last_position DESC LIMIT 1")
+        row = cur.fetchone()
+        if row is None:
+            return self.last_position(cur), GENESIS
+        return stored_int(row[0], "the last record's position"), stored_bytes(row[1], "the last record's chain")
 
     def savepoint(self, cur: Any) -> None:
         cur.execute("SAVEPOINT kvl_round")
@@ -172,6 +185,17 @@ class Statements(abc.ABC):
     def insert_receipts(self, cur: Any, rows: list[ReceiptRow]) -> None:
         cur.executemany(self.q(self.INSERT_RECEIPTS), rows)
 
+    INSERT_RECORD = "INSERT INTO kvl_records (last_position, first_position, chain, body) VALUES (?, ?, ?, ?)"
+    INSERT_STREAM_KEYS = "INSERT INTO kvl_record_streams (stream_key, last_position) VALUES (?, ?)"
+    INSERT_OP_KEYS = "INSERT INTO kvl_record_ops (op_key, last_position) VALUES (?, ?)"
+
+    def insert_record(self, cur: Any, row: RecordRow) -> None:
+        last, first, chain, body, streams, ops = row
+        cur.execute(self.q(self.INSERT_RECORD), (last, first, chain, body))
+        faults.fault("mid_batch")  # the record is written, its lookup rows not yet
+        cur.executemany(self.q(self.INSERT_STREAM_KEYS), [(k, last) for k in streams])
+        cur.executemany(self.q(self.INSERT_OP_KEYS), [(k, last) for k in ops])
+
     def insert_manifests(self, cur: Any, rows: list[tuple[str, bytes]]) -> None:
         cur.executemany(
             self.q("INSERT INTO kvl_manifests (manifest_sha256, body) VALUES (?, ?) "
@@ -190,28 +214,70 @@ class Statements(abc.ABC):
     json_each = True  # cleared when this SQLite was built without JSON functions
 
     def fetch_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        """(fingerprint, receipt body) of each of `operation_ids` that has a receipt,
+        in a record or (written before records, or imported) in kvl_receipts."""
         if not operation_ids:
             return {}
-        if len(operation_ids) > 1 and self.json_each:
+        found = self.record_receipts(cur, operation_ids)
+        if len(found) < len(operation_ids):
+            found.update(self.row_receipts(cur, [o for o in operation_ids if o not in found]))
+        return found
+
+    RECORDS_BY_OP_KEY = (
+        "SELECT DISTINCT r.last_position, r.body FROM kvl_record_ops o "
+        "JOIN kvl_records r ON r.last_position = o.last_position WHERE o.op_key = ?"
+    )
+    RECORDS_BY_OP_KEYS = (
+        "SELECT DISTINCT r.last_position, r.body FROM kvl_record_ops o "
+        "JOIN kvl_records r ON r.last_position = o.last_position "
+        "WHERE o.op_key IN (SELECT value FROM json_each(?))"
+    )
+
+    def records_by_op_keys(self, cur: Any, keys: list[int]) -> list[Row]:
+        rows = self._lookup(cur, self.RECORDS_BY_OP_KEYS, self.RECORDS_BY_OP_KEY, keys)
+        return list({r[0]: r for r in rows}.values())  # one record per row, if a key repeats it
+
+    def _lookup(self, cur: Any, many: str, one: str, values: list[Any]) -> list[Row]:
+        """The rows `many` finds for all `values` at once (its parameter: them as one JSON
+        array, through json_each), or where this SQLite has no JSON functions, the rows
+        `one` finds for each value."""
+        if len(values) > 1 and self.json_each:
             try:
-                cur.execute(self.q(self.FETCH_RECEIPTS), (_json_encode(operation_ids),))
-                return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
+                cur.execute(self.q(many), (_json_encode(values),))
+                found: list[Row] = cur.fetchall()
+                return found
             except Exception as exc:
                 if "json_each" not in str(exc):
                     raise
                 self.json_each = False
-        found = {}
-        sql = self.q(self.FETCH_RECEIPT)
-        for op_id in operation_ids:
-            cur.execute(sql, (op_id,))
-            row = cur.fetchone()
-            if row is not None:
-                found[row[0]] = (row[1], bytes(row[2]))
+        rows: list[Row] = []
+        for v in values:
+            cur.execute(self.q(one), (v,))
+            rows += cur.fetchall()
+        return rows
+
+    def record_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        wanted = set(operation_ids)
+        found: dict[str, tuple[str, bytes]] = {}
+        for last, body in self.records_by_op_keys(cur, sorted({stable_key(o) for o in wanted})):
+            where = f"ending at position {last}"
+            for receipt in decode_record(stored_bytes(body, f"the record {where}"), where).receipts:
+                key = _receipt_key(receipt)  # a shared key names other operations' records too
+                if key.operation_id in wanted:
+                    found[key.operation_id] = (key.fingerprint, receipt)
         return found
+
+    def row_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        if not operation_ids:
+            return {}
+        return {r[0]: (r[1], bytes(r[2]))
+                for r in self._lookup(cur, self.FETCH_RECEIPTS, self.FETCH_RECEIPT, operation_ids)}
 
     # -- reads -------------------------------------------------------------------
     def last_position(self, cur: Any) -> int:
-        cur.execute("SELECT coalesce(max(global_position), 0) FROM kvl_events")
+        # Records always follow the rows of the one-row-per-event layout.
+        cur.execute("SELECT coalesce((SELECT max(last_position) FROM kvl_records), "
+                    "(SELECT max(global_position) FROM kvl_events), 0)")
         return stored_int(cur.fetchone()[0], "the last global position")
 
     def stream_bodies(self, cur: Any, handle_id: str, after: int) -> list[bytes]:
@@ -220,7 +286,21 @@ class Statements(abc.ABC):
                    "ORDER BY stream_position"),
             (handle_id, after),
         )
-        return [stored_bytes(r[0], f"a body of stream {handle_id}") for r in cur.fetchall()]
+        bodies = [stored_bytes(r[0], f"a body of stream {handle_id}") for r in cur.fetchall()]
+        cur.execute(
+            self.q("SELECT r.last_position, r.body FROM kvl_record_streams s JOIN kvl_records r "
+                   "ON r.last_position = s.last_position WHERE s.stream_key = ? ORDER BY s.last_position"),
+            (stable_key(handle_id),),
+        )
+        for last, body in cur.fetchall():
+            where = f"ending at position {last}"
+            for e in decode_record(stored_bytes(body, f"the record {where}"), where).events:
+                w = _where(e)  # the record holds other streams' events too (and a shared key's)
+                if w.stream_id == handle_id and w.stream_position > after:
+                    bodies.append(e)
+        return bodies
+
+    RECORD_PAGE = 32  # records a read decodes at a time: bounded memory, whatever a record holds
 
     def bodies_after(self, cur: Any, after: int, limit: int) -> list[tuple[int, bytes]]:
         cur.execute(
@@ -228,8 +308,31 @@ class Statements(abc.ABC):
                    "ORDER BY global_position LIMIT ?"),
             (after, limit),
         )
-        return [(stored_int(p, "a global position"), stored_bytes(b, f"the body at position {p}"))
+        rows = [(stored_int(p, "a global position"), stored_bytes(b, f"the body at position {p}"))
                 for p, b in cur.fetchall()]
+        if len(rows) < limit:
+            start = rows[-1][0] if rows else after
+            for first, record in self.records_after(cur, start):
+                rows += ((p, e) for p, e in enumerate(record.events, first) if p > start)
+                if len(rows) >= limit:
+                    break
+        return rows[:limit]
+
+    def records_after(self, cur: Any, after: int) -> Iterator[tuple[int, Record]]:
+        """(first position, record) of each record that ends past position `after`, in
+        order; a page of records at a time (the caller stops when it has enough)."""
+        sql = self.q("SELECT last_position, first_position, body FROM kvl_records WHERE last_position > ? "
+                     "ORDER BY last_position LIMIT ?")
+        while True:
+            cur.execute(sql, (after, self.RECORD_PAGE))
+            page = cur.fetchall()
+            for last, first, body in page:
+                where = f"ending at position {last}"
+                record = decode_record(stored_bytes(body, f"the record {where}"), where)
+                yield stored_int(first, f"the first position of the record {where}"), record
+                after = last
+            if len(page) < self.RECORD_PAGE:
+                return
 
     HEAD_COLUMNS = (
         "handle_id, request_id, generation, snapshot_version, stream_position, "
@@ -269,7 +372,7 @@ class Statements(abc.ABC):
     # -- audit copies --------------------------------------------------------------
     def has_rows(self, cur: Any) -> bool:
         """Any event, head or receipt: an import needs a journal with none."""
-        for table in ("kvl_events", "kvl_heads", "kvl_receipts"):  # constant names, no input
+        for table in ("kvl_events", "kvl_records", "kvl_heads", "kvl_receipts"):  # constant names, no input
             cur.execute(f"SELECT 1 FROM {table} LIMIT 1")
             if cur.fetchone() is not None:
                 return True
@@ -305,6 +408,25 @@ class Statements(abc.ABC):
         "FROM kvl_receipts WHERE operation_id > ? ORDER BY operation_id LIMIT ?",
     )
 
+    RECORD_PAGES = (
+        "SELECT last_position, first_position, chain, body FROM kvl_records ORDER BY last_position LIMIT ?",
+        "SELECT last_position, first_position, chain, body FROM kvl_records WHERE last_position > ? "
+        "ORDER BY last_position LIMIT ?",
+    )
+    LOOKUP_TABLES = {"kvl_record_streams": "stream_key", "kvl_record_ops": "op_key"}
+
+    def lookup_rows(self, cur: Any, table: str, after: int | None, upto: int | None) -> list[Row]:
+        """(key, last_position) rows of a records lookup table with last_position in
+        (after, upto]; None: unbounded on that side."""
+        key = self.LOOKUP_TABLES[table]  # one of two constant names: never input
+        where = " AND ".join(c for c, v in (("last_position > ?", after), ("last_position <= ?", upto))
+                             if v is not None)
+        params = [v for v in (after, upto) if v is not None]
+        cur.execute(self.q(f"SELECT {key}, last_position FROM {table}" + (f" WHERE {where}" if where else "")),
+                    params)
+        rows: list[Row] = cur.fetchall()
+        return rows
+
     def page(self, cur: Any, pages: tuple[str, str], after: Any, limit: int) -> list[Row]:
         """Rows after key `after` (None: from the start), at most `limit`."""
         if after is None:
@@ -325,8 +447,17 @@ class Statements(abc.ABC):
                    "WHERE first_global_position > ? ORDER BY first_global_position LIMIT ?"),
             (after, limit),
         )
-        return [(stored_int(p, "a receipt position"), stored_bytes(b, f"the receipt at position {p}"))
+        rows = [(stored_int(p, "a receipt position"), stored_bytes(b, f"the receipt at position {p}"))
                 for p, b in cur.fetchall()]
+        if len(rows) < limit:
+            # A record's receipts start inside it: the records that can hold one past
+            # `start` are those that end past it.
+            start = rows[-1][0] if rows else after
+            for _, record in self.records_after(cur, start):
+                rows += (pr for pr in ((_receipt_first(r), r) for r in record.receipts) if pr[0] > start)
+                if len(rows) >= limit:
+                    break
+        return rows[:limit]
 
 
 def stored_bytes(value: Any, what: str) -> bytes:
@@ -349,3 +480,30 @@ def _head_columns(w: StreamWrite) -> tuple[str, int, int, int, int, str, str, st
     h = w.head
     return (h.request_id, h.generation, h.snapshot_version, h.stream_position, h.committed_length,
             h.lifecycle, h.prefix_identity_sha256, h.cache_abi_sha256)
+
+
+class _ReceiptKey(msgspec.Struct):
+    operation_id: str
+    fingerprint: str
+
+
+_receipt_key = msgspec.json.Decoder(_ReceiptKey).decode
+
+
+class _Where(msgspec.Struct):
+    stream_id: str
+    stream_position: int
+
+
+_where = msgspec.json.Decoder(_Where).decode
+
+
+class _ReceiptFirst(msgspec.Struct):
+    first_global_position: int
+
+
+_receipt_first_decode = msgspec.json.Decoder(_ReceiptFirst).decode
+
+
+def _receipt_first(body: bytes) -> int:
+    return _receipt_first_decode(body).first_global_position

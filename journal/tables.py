@@ -20,10 +20,11 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 # Every alembic revision this code knows (migrations/versions), oldest first; the last
 # is the head it reads and writes. A database at a revision not listed here was written
 # by a newer kvledger. (tests/test_cli_foundation checks this against alembic.)
-REVISIONS = ("0001", "0002")
+REVISIONS = ("0001", "0002", "0003")
 SCHEMA_REVISION = REVISIONS[-1]
 VERSION_TABLE = "kvl_alembic_version"
-JOURNAL_TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints")
+JOURNAL_TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints", "kvl_records",
+                  "kvl_record_streams", "kvl_record_ops")
 
 
 def too_new(revision: str, where: str) -> KvLedgerError:
@@ -89,4 +90,31 @@ checkpoints = Table(
     Column("position", BigInteger, nullable=False),
     Column("state", LargeBinary, nullable=False),
     Column("updated_wall_ns", BigInteger, nullable=False),
+)
+
+# Since 0003 appends write records (kvledger.journal.records), one per commit; the
+# tables above keep the events written before, and imports.
+records = Table(
+    "kvl_records",
+    metadata,
+    Column("last_position", BigInteger, primary_key=True, autoincrement=False),
+    Column("first_position", BigInteger, nullable=False),
+    Column("chain", LargeBinary, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+)
+
+record_streams = Table(
+    "kvl_record_streams",
+    metadata,
+    Column("stream_key", BigInteger, primary_key=True, autoincrement=False),
+    Column("last_position", BigInteger, primary_key=True, autoincrement=False),
+    sqlite_with_rowid=False,
+)
+
+record_ops = Table(
+    "kvl_record_ops",
+    metadata,
+    Column("op_key", BigInteger, primary_key=True, autoincrement=False),
+    Column("last_position", BigInteger, primary_key=True, autoincrement=False),
+    sqlite_with_rowid=False,
 )

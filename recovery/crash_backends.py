@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvledger.journal.tables import JOURNAL_TABLES
 from kvledger.journal.url import parse_url
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class PostgresBackend(Backend):
     for the next trial; a failing one is kept and the next trial gets a new database."""
 
     name = "postgresql"
-    TABLES = "kvl_events, kvl_heads, kvl_receipts, kvl_manifests, kvl_checkpoints"
+    TABLES = ", ".join(JOURNAL_TABLES)
 
     def __init__(self, url: str) -> None:
         from kvledger.journal.pgserver import ScratchDatabases

@@ -31,7 +31,7 @@ import msgspec
 from kvledger.engine.evolve import cut, evolve
 from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import HeadFacts, Journal, StoredEvent, StoredReceipt
+from kvledger.journal.contract import HeadFacts, Journal, StoredDamage, StoredEvent, StoredReceipt
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.replay.stored import column_problems, names, position_of, receipt_problems, short
 from kvledger.schemas import events as ev
@@ -48,6 +48,7 @@ from kvledger.schemas.manifest import (
 from kvledger.schemas.receipts import Receipt
 
 # Verify-only codes (the rest are schemas.errors.ErrorCode values).
+TAMPERED = "TAMPERED"  # a stored record is not what was committed (chain, CRC, positions, lookup rows)
 POSITION_GAP = "POSITION_GAP"  # global positions not 1, 2, 3, ...
 STREAM_POSITION_GAP = "STREAM_POSITION_GAP"
 DUPLICATE_EVENT_ID = "DUPLICATE_EVENT_ID"
@@ -190,6 +191,14 @@ class Checker:
                 self._event_finding(e, COLUMN_MISMATCH, problem)
         self.check(e)
         return e
+
+    def damaged(self, d: StoredDamage) -> None:
+        """A stored record whose bytes are not what was committed (the journal's chain
+        and CRCs say so): the finding names the first event concerned."""
+        self.add(Finding(TAMPERED, d.message, d.global_position))
+        if d.replaces and d.global_position is not None:
+            self.events += 1
+            self._next = d.global_position + 1
 
     def _undecodable(self, body: bytes, exc: KvLedgerError, line: int | None,
                      at: int | None) -> ev.Event | None:
@@ -640,7 +649,10 @@ def verify_journal(journal: Journal, *, keep: int = KEEP) -> VerifyResult:
         storage = integrity.checked + (f" (skipped: {integrity.skipped})" if integrity.skipped else "")
         try:
             for row in snap.events():
-                checker.feed(row.body, row=row)
+                if isinstance(row, StoredDamage):
+                    checker.damaged(row)
+                else:
+                    checker.feed(row.body, row=row)
                 if checker.full:
                     return checker.result(stopped=_stopped(f"position {row.global_position!r}"),
                                           storage=storage)

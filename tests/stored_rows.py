@@ -10,11 +10,11 @@ from sqlalchemy import text
 
 from kvledger.cli import main
 from kvledger.journal import make_engine, parse_url
+from kvledger.journal.tables import JOURNAL_TABLES as TABLES
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import import_jsonl
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints")
 
 
 def sql(db_url: str, statement: str, **params) -> list[tuple]:

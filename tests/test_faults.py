@@ -13,6 +13,7 @@ import pytest
 
 from kvledger.journal import Check, Guard, Operation, faults
 from kvledger.migrations.storage import open_or_create_journal
+from kvledger.replay.verify import verify_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
@@ -181,10 +182,11 @@ def test_environment_arms_faults_in_a_new_process(db_url, tmp_path):
         assert j.receipt("x1") is None
 
 
-def test_mutant_ignores_the_guard_but_the_stream_position_still_fences_writes(db_url):
+def test_mutant_ignores_the_guard_and_verify_sees_the_stale_write(db_url):
     """The test-only mutant (the conditional write disabled) lets a stale read-only check
-    (a fork's parent) pass; a stale write still collides on the unique stream position,
-    a second fence, so the only committed stale steps are checks."""
+    (a fork's parent) and a stale write commit: the guarded update is the only fence
+    (records keep no per-event unique stream position). What it lets through is still
+    seen: the stale write repeats a stream position, and `verify` says so."""
     _seed(db_url)
     with open_or_create_journal(db_url) as j:
         stale = guard_of(j.head("A"))
@@ -196,7 +198,9 @@ def test_mutant_ignores_the_guard_but_the_stream_position_still_fences_writes(db
         faults.UNGUARDED = True
         [won] = j.append([forkish])
         assert isinstance(won, Receipt)  # committed against a base that no longer exists
-        with pytest.raises(KvLedgerError) as info:
-            j.append([publish_op("A", stale, "stale-write")])
-        assert info.value.code is ErrorCode.CONSTRAINT_VIOLATION  # the unique (stream, position)
-        assert j.receipt("stale-write") is None and j.head("A").snapshot_version == 1
+        [stale_write] = j.append([publish_op("A", stale, "stale-write")])
+        assert isinstance(stale_write, Receipt)
+        faults.UNGUARDED = False
+        found = verify_journal(j)
+    repeated = [f for f in found.findings if f.code == "STREAM_POSITION_GAP"]
+    assert [(f.stream_id, f.global_position) for f in repeated] == [("A", stale_write.last_global_position)]
