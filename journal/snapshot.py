@@ -53,7 +53,8 @@ class SqlSnapshot(Snapshot):
         previous, after = GENESIS, None  # the chain so far; the key of the page before
         while True:
             page = self._call(partial(self._sql.page, self._cur, self._sql.RECORD_PAGES, after, self.RECORDS_PAGE))
-            needs: dict[str, dict[int, set[int]]] = {"streams": {}, "ops": {}}  # record -> its keys
+            needs: dict[str, dict[int, set[int] | None]] = {"streams": {}, "ops": {}}  # record -> keys
+            firsts: dict[int, int] = {}  # record (its stored last position) -> its first event
             for row in page:
                 stored_last, first, link, body = row
                 if not (type(stored_last) is int and type(first) is int and isinstance(link, bytes)
@@ -61,23 +62,26 @@ class SqlSnapshot(Snapshot):
                     yield StoredDamage(last + 1, "a record's columns are stored as "
                                                  f"{', '.join(type(v).__name__ for v in row)}")
                     continue
-                at = last + 1
+                at = firsts[stored_last] = last + 1
                 if first != at:
                     yield StoredDamage(at, f"the record after position {last} says it starts at {first}")
-                if chain(previous, body) != link:
+                found = audit_record(body)
+                if chain(previous, body) != link and not isinstance(found, Damage):
+                    # (a damaged record's CRCs name the event more precisely than its link)
                     yield StoredDamage(at, "the record's bytes or its chain digest are not those committed "
                                            "(its link to the previous record does not hold)")
                 previous = link
-                found = audit_record(body)
                 for i, e in enumerate(found.events):
                     yield _stored(at + i, e)
                 if isinstance(found, Damage):
                     # The event it names (its first, when the damage is the record's own:
                     # the header, the tail, a receipt); the events past a damaged one are
-                    # lost with it, and the next record still starts after this one.
+                    # lost with it, and the next record still starts after this one. Its
+                    # lookup rows cannot be checked: what they should be is lost too.
                     bad = at + (found.index or 0)
                     yield StoredDamage(bad, found.message, replaces=found.index is not None)
                     last = stored_last
+                    needs["streams"][stored_last] = needs["ops"][stored_last] = None
                     continue
                 if stored_last != at + len(found.events) - 1:
                     yield StoredDamage(at, f"the record holds positions {at}..{at + len(found.events) - 1} "
@@ -88,24 +92,26 @@ class SqlSnapshot(Snapshot):
                                              for r in found.receipts}
             end = page[-1][0] if page and type(page[-1][0]) is int else None
             done = len(page) < self.RECORDS_PAGE or end is None
-            yield from self._lookup_rows(needs, after, None if done else end)
+            yield from self._lookup_rows(needs, firsts, after, None if done else end)
             if done:
                 return
             after = end
 
-    def _lookup_rows(self, needs: dict[str, dict[int, set[int]]], after: int | None,
-                     upto: int | None) -> Iterator[StoredDamage]:
+    def _lookup_rows(self, needs: dict[str, dict[int, set[int] | None]], firsts: dict[int, int],
+                     after: int | None, upto: int | None) -> Iterator[StoredDamage]:
         """The lookup rows keyed in (after, upto] are exactly the keys those records need
-        (None: no bound): a missing one hides a record from a stream's or an
-        operation's reads; an extra one is an edit."""
+        (None: no bound; a record's keys None: unknown, its record is damaged): a missing
+        one hides a record from a stream's or an operation's reads; an extra one is an
+        edit. A finding names the record's first event."""
         for name, table in (("streams", "kvl_record_streams"), ("ops", "kvl_record_ops")):
             stored: dict[Any, set[Any]] = {}
             for key, position in self._call(partial(self._sql.lookup_rows, self._cur, table, after, upto)):
                 stored.setdefault(position, set()).add(key)
             want = needs[name]
             for position in sorted(set(stored) | set(want), key=repr):
-                if stored.get(position, set()) != want.get(position, set()):
-                    yield StoredDamage(position if position in want else None,
+                keys = want.get(position, set())
+                if keys is not None and stored.get(position, set()) != keys:
+                    yield StoredDamage(firsts.get(position),
                                        f"the {name} lookup rows of the record ending at {position!r} are "
                                        "not the keys its events and receipts need")
 

@@ -1,0 +1,156 @@
+"""Issue 17 class 4, tamper evidence: a changed byte anywhere in what an append stored
+(an event's bytes inside its record, the record's compressed data or header, its indexed
+columns, its lookup rows) makes `verify` report TAMPERED naming the event concerned.
+Every event of a small demo journal is edited in turn, on both backends."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import msgspec
+import pytest
+
+from kvledger.journal import open_journal
+from kvledger.journal.records import _Header, chain, decode_record  # the layout under test
+from kvledger.replay import verify_journal
+
+from stored_rows import cli, sql
+
+
+@pytest.fixture
+def demo(db_url, capsys):
+    """A small demo journal, all of it in records: (url, records as (last, first, body))."""
+    code, _, err = cli(capsys, "demo", "--requests", "2", "--db", db_url, "--json")
+    assert code == 0, err
+    assert sql(db_url, "SELECT count(*) FROM kvl_events") == [(0,)]
+    rows = sql(db_url, "SELECT last_position, first_position, body FROM kvl_records ORDER BY last_position")
+    return db_url, [(last, first, bytes(body)) for last, first, body in rows]
+
+
+def tampered(db_url: str) -> list[int | None]:
+    """Where verify reports TAMPERED (global positions), the journal as it now is."""
+    with open_journal(db_url) as journal:
+        result = verify_journal(journal)
+    assert not result.ok or not any(f.code == "TAMPERED" for f in result.findings)
+    return [f.global_position for f in result.findings if f.code == "TAMPERED"]
+
+
+def with_body(db_url: str, last: int, body: bytes) -> list[int | None]:
+    """TAMPERED findings with the record ending at `last` stored as `body`; then restored."""
+    [(before,)] = sql(db_url, "SELECT body FROM kvl_records WHERE last_position = :p", p=last)
+    sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=body, p=last)
+    try:
+        return tampered(db_url)
+    finally:
+        sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=bytes(before), p=last)
+
+
+def edit_event(body: bytes, index: int, *, rechecksum: bool) -> bytes:
+    """The record with one byte of its event `index` changed (a digit or letter turned
+    into another one, so the JSON still parses), its CRCs kept or recomputed."""
+    h = msgspec.msgpack.decode(body, type=_Header)
+    data = bytearray(zlib.decompress(h.data))
+    start = sum(h.event_lengths[:index])
+    event = data[start:start + h.event_lengths[index]]
+    at = max(i for i, c in enumerate(event) if chr(c).isalnum())  # the last value byte
+    data[start + at] = ord("1") if event[at] != ord("1") else ord("2")
+    crcs = h.event_crcs
+    if rechecksum:
+        crcs = [zlib.crc32(data[sum(h.event_lengths[:i]):sum(h.event_lengths[:i + 1])])
+                for i in range(len(h.event_lengths))]
+    return msgspec.msgpack.encode(msgspec.structs.replace(h, event_crcs=crcs, data=zlib.compress(bytes(data))))
+
+
+def test_the_demo_journal_verifies_clean_and_its_chain_links_every_record(demo):
+    db_url, records = demo
+    assert tampered(db_url) == []
+    [(stored_chain,)] = sql(db_url, "SELECT chain FROM kvl_records WHERE last_position = :p", p=records[-1][0])
+    link = bytes(32)
+    for _, _, body in records:
+        link = chain(link, body)
+    assert bytes(stored_chain) == link
+    assert sum(len(decode_record(b, "").events) for _, _, b in records) == records[-1][0]
+
+
+def test_an_edited_byte_in_any_event_is_named(demo):
+    """Every event of the journal: one byte of its bytes changed inside its record (the
+    CRCs left as committed) is TAMPERED at exactly that event's position, first."""
+    db_url, records = demo
+    named = 0
+    for last, first, body in records:
+        for i in range(last - first + 1):
+            found = with_body(db_url, last, edit_event(body, i, rechecksum=False))
+            assert found and found[0] == first + i, (first + i, found)
+            named += 1
+    assert named == records[-1][0]
+    assert tampered(db_url) == []  # every edit was restored
+
+
+def test_a_record_rewritten_with_fresh_checksums_breaks_the_chain(demo):
+    """An editor who also recomputes the CRCs still cannot fix the chain: the record is
+    TAMPERED from its first event on, and the records after it are not blamed."""
+    db_url, records = demo
+    for last, first, body in records:
+        assert with_body(db_url, last, edit_event(body, last - first, rechecksum=True)) == [first]
+
+
+@pytest.mark.parametrize("stride", [97])
+def test_a_flipped_stored_byte_names_an_event_of_its_record(demo, stride):
+    """Single bytes of the stored records (header, CRCs, compressed data), every
+    `stride`-th one and each record's first and last: a finding inside that record."""
+    db_url, records = demo
+    for last, first, body in records:
+        for at in sorted({0, len(body) - 1, *range(0, len(body), stride)}):
+            flipped = bytearray(body)
+            flipped[at] ^= 0x01
+            found = with_body(db_url, last, bytes(flipped))
+            assert found and first <= found[0] <= last, (first, last, at, found)
+
+
+def test_an_edited_indexed_column_names_the_record(demo):
+    """first_position, last_position and chain of each record; one lookup key of each."""
+    db_url, records = demo
+    for last, first, _ in records:
+        edits = [
+            ("UPDATE kvl_records SET first_position = first_position + 1 WHERE last_position = :p",
+             "UPDATE kvl_records SET first_position = first_position - 1 WHERE last_position = :p"),
+            ("UPDATE kvl_records SET last_position = last_position + 1000000 WHERE last_position = :p",
+             "UPDATE kvl_records SET last_position = last_position - 1000000 WHERE last_position = :p + 1000000"),
+        ]
+        for edit, undo in edits:
+            sql(db_url, edit, p=last)
+            try:
+                found = tampered(db_url)
+            finally:
+                sql(db_url, undo, p=last)
+            assert found and first <= found[0] <= last, (edit, first, last, found)
+        [(link,)] = sql(db_url, "SELECT chain FROM kvl_records WHERE last_position = :p", p=last)
+        flipped = bytes([link[0] ^ 0x01]) + bytes(link[1:])
+        sql(db_url, "UPDATE kvl_records SET chain = :c WHERE last_position = :p", c=flipped, p=last)
+        try:
+            found = tampered(db_url)
+        finally:
+            sql(db_url, "UPDATE kvl_records SET chain = :c WHERE last_position = :p", c=bytes(link), p=last)
+        assert found and found[0] == first
+        for table, key in (("kvl_record_streams", "stream_key"), ("kvl_record_ops", "op_key")):
+            [(k,)] = sql(db_url, f"SELECT min({key}) FROM {table} WHERE last_position = :p", p=last)
+            sql(db_url, f"UPDATE {table} SET {key} = {key} + 1 WHERE last_position = :p AND {key} = :k", p=last, k=k)
+            try:
+                found = tampered(db_url)
+            finally:
+                sql(db_url, f"UPDATE {table} SET {key} = {key} - 1 WHERE last_position = :p AND {key} = :k",
+                    p=last, k=k + 1)
+            assert first in found, (table, first, last, found)
+    assert tampered(db_url) == []
+
+
+def test_verify_exits_1_and_names_the_edited_event(demo, capsys):
+    db_url, records = demo
+    last, first, body = records[len(records) // 2]
+    sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=edit_event(body, 1, rechecksum=False),
+        p=last)
+    code, out, err = cli(capsys, "verify", "--db", db_url, "--json")
+    assert code == 1, err
+    report = json.loads(out)
+    assert [f["global_position"] for f in report["findings"] if f["code"] == "TAMPERED"][0] == first + 1
