@@ -150,7 +150,7 @@ class PostgresStatements(Statements):
         "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)b::bigint "
         "AND coalesce((SELECT max(last_position) FROM kvl_records), "
         "(SELECT max(global_position) FROM kvl_events), 0) = %(last)b::bigint "
-        "AND NOT EXISTS (SELECT 1 FROM kvl_record_ops WHERE op_key = ANY(%(okeys)b)) "
+        "AND NOT EXISTS (SELECT 1 FROM unnest(%(okeys)b) AS k(v) JOIN kvl_record_ops o ON o.op_key = k.v) "
         "AND NOT EXISTS (SELECT 1 FROM kvl_receipts WHERE operation_id = ANY(%(ops)b)) AS ok), "
         "r AS (INSERT INTO kvl_records (last_position, first_position, chain, body) "
         "SELECT CASE WHEN verdict.ok THEN %(rlast)b::bigint END, %(rfirst)b::bigint, %(chain)b, %(body)b "
@@ -172,7 +172,7 @@ class PostgresStatements(Statements):
         try:
             with self._pipeline(), conn.transaction(), conn.cursor() as cur:
                 cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
-                cur.execute(self.APPEND_IF, params)
+                cur.execute(self.APPEND_IF, params, prepare=True)  # planned once per connection
         except psycopg.errors.IntegrityError:
             # the verdict was false (or a row broke a constraint): rolled back, nothing
             # written; the general path decides what to do with these operations.
