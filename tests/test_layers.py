@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Folder at the repository root -> rank. Equal ranks are peers: neither imports the other.
 RANKS = {"schemas": 0, "journal": 1, "migrations": 2, "engine": 2, "worker": 3, "replay": 3,
-         "telemetry": 4, "recovery": 5, "kvledger": 6}
+         "telemetry": 4, "adapters": 4, "recovery": 5, "kvledger": 6}
 
 
 def layer_of(module: str) -> str | None:
@@ -62,6 +62,11 @@ def test_the_rule_catches_a_wrong_import():
     assert violations("engine", "engine/x.py", "def f():\n    from kvledger.worker import model\n")
     assert violations("replay", "replay/x.py", "from kvledger.worker.serving import Worker\n")  # a peer
     assert violations("worker", "worker/x.py", "from kvledger import Ledger\n")
+    assert violations("adapters", "adapters/x.py", "from kvledger.ledger import Ledger\n")  # the facade is above
+    assert violations("adapters", "adapters/x.py", "from kvledger.telemetry import metrics\n")  # a peer
+    assert not violations("adapters", "adapters/x.py", "from kvledger.worker.loading import DTYPE_NAMES\n"
+                                                       "from kvledger.replay import verify\n")
+    assert not violations("kvledger", "kvledger/hf.py", "from kvledger.adapters.hf import journaled_generate\n")
     assert not violations("worker", "worker/x.py", "from kvledger.engine import commands\n"
                                                    "from kvledger.schemas import events\n")
 
@@ -69,7 +74,7 @@ def test_the_rule_catches_a_wrong_import():
 def test_importing_the_api_loads_no_heavy_dependency():
     code = ("import sys, kvledger\n"
             "from kvledger import Ledger\n"
-            "heavy = ('torch', 'psycopg', 'prometheus_client', 'rich', 'structlog', 'numpy')\n"
+            "heavy = ('torch', 'psycopg', 'prometheus_client', 'rich', 'structlog', 'numpy', 'transformers')\n"
             "print(','.join(m for m in heavy if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
     assert out.stdout.strip() == ""

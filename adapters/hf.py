@@ -1,0 +1,150 @@
+"""Journal a Hugging Face model's generate(): a transformers Cache that writes kvledger events.
+
+    from kvledger.hf import journaled_generate
+    out = journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, max_new_tokens=32)
+
+`out` is what `model.generate(input_ids=ids, attention_mask=mask, **kwargs)` returns; the
+journal gets the lifecycle of every sequence (adapters.hf_journal says how each call,
+crop and beam reorder maps to events). The cache is a DynamicCache built from the
+model's config, as generate() would build it; the wrapper adds hooks around the model's
+forward (where calls begin and end) and listens to the cache (layers written, crops,
+reorders). Nothing it does touches the random generator or the tensors generate uses.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from kvledger.adapters import hf_identity
+from kvledger.adapters.hf_journal import Plan, Tracker
+from kvledger.engine.port import CommandPort
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.manifest import SamplingPolicy
+
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+class HasService(Protocol):
+    """A kvledger.Ledger: its command service takes the wrapper's commands."""
+
+    @property
+    def service(self) -> CommandPort: ...
+
+
+class JournaledCache(DynamicCache):
+    """A DynamicCache that tells a Tracker which layers each call wrote and how beam
+    search moved its rows. Crops need no notice: the tracker reads the length after."""
+
+    def __init__(self, model: Any, tracker: Tracker) -> None:
+        super().__init__(config=model.config.get_text_config(decoder=True))
+        self.tracker = tracker
+        tracker.cache = self
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.tracker.wrote(layer_idx)
+        return out
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.tracker.reordered([int(i) for i in beam_idx.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "batch_repeat_interleave on a journaled cache: "
+                                                        "a generation mode kvledger.hf does not journal")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "batch_select_indices on a journaled cache: "
+                                                        "a generation mode kvledger.hf does not journal")
+
+
+def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
+    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    gc.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return gc
+
+
+def _ids(value: Any) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return frozenset([value] if isinstance(value, int) else value)
+
+
+def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | None,
+             kwargs: dict[str, Any]) -> Plan:
+    gc = _generation_config(model, kwargs)
+    batch, width = input_ids.shape
+    if request_ids is None:
+        run = uuid.uuid4().hex[:12]
+        request_ids = [f"hf-{run}-{b}" for b in range(batch)]
+    request_ids = list(request_ids)
+    if len(request_ids) != batch or len(set(request_ids)) != batch:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{len(request_ids)} distinct request ids for {batch} rows")
+    beams = (gc.num_beams or 1) > 1
+    expand = max(gc.num_beams or 1, gc.num_return_sequences or 1)
+    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else max(1, (gc.max_length or 20) - width)
+    eos = _ids(gc.eos_token_id)
+    sampling = SamplingPolicy(kind="temperature", temperature=float(gc.temperature or 1.0)) if gc.do_sample \
+        else SamplingPolicy()
+
+    def manifest_for(rid: str, prompt: tuple[int, ...]) -> Any:
+        return hf_identity.manifest(model, request_id=rid, prompt=prompt, max_new_tokens=max_new,
+                                    max_context_tokens=len(prompt) + max_new + 1,
+                                    stop_token_ids=tuple(sorted(eos)), sampling=sampling)
+
+    return Plan(request_ids=request_ids, prompt_width=width, expand=expand, beams=beams,
+                assisted=any(kwargs.get(k) is not None for k in ASSISTED), eos=eos,
+                manifest_for=manifest_for, reserve_for=lambda prompt: len(prompt) + max_new + 1)
+
+
+def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None, request_ids: Sequence[str] | None = None,
+                       **generate_kwargs: Any) -> Any:
+    """model.generate(input_ids=..., attention_mask=..., **generate_kwargs), journaled.
+
+    One handle per batch row (named by `request_ids`, one per row of input_ids, or
+    generated), forks for beams and extra return sequences. If generate raises, every
+    open append ends in a failure event, every handle is cancelled and released, and the
+    original exception is raised."""
+    for key in ("cache", "past_key_values"):
+        if generate_kwargs.get(key) is not None:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{key}= is the journaled cache's place")
+    if input_ids.dim() != 2:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "input_ids must be [batch, tokens]")
+    plan = plan_for(model, input_ids, request_ids, generate_kwargs)
+    tracker = Tracker(ledger.service, plan, hf_identity.cache_schema(model).num_cache_layers)
+    cache = JournaledCache(model, tracker)
+
+    def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if kwargs.get("cache") is not cache:
+            return
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a forward without input_ids is not journaled")
+        tracker.before_forward(ids, kwargs.get("attention_mask"))
+
+    def after(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if kwargs.get("cache") is cache:
+            tracker.after_forward()
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]
+    try:
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+    except BaseException as exc:
+        tracker.abort(exc)
+        raise
+    finally:
+        for h in hooks:
+            h.remove()
+    tracker.finish(out if isinstance(out, torch.Tensor) else out.sequences)
+    return out

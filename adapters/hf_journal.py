@@ -1,0 +1,454 @@
+"""The journal side of a transformers generate(): what each forward call, crop and beam
+reorder means for the handles, as kvledger commands.
+
+The wrapper owns request identity, outputs and the lifecycle; the K/V facts (which
+cache columns a sequence holds, their digests) are read from the cache after each call.
+One cache batch row is one sequence. Left padding is per row: a row's handle holds the
+columns from its first real token on, so lengths are the row's, never get_seq_length().
+
+Per forward call, in one journal commit before it runs: the previous call's
+publications, the tokens chosen from them (output_emit), and the append_start of every
+live row (ForwardCall names the call: re-execution rebuilds the same batch). A call's
+digests are taken as soon as it returns (a beam reorder moves rows right after), and
+published with the next commit, when an assisted crop has also said how many drafted
+rows stay.
+
+Assisted decoding: the token chosen after a verify (the bonus or correction token) is
+the first "draft" of the next verify, accepted by construction like the worker's own
+speculation (worker.serving._draft), so a verify's publish commits exactly the rows
+transformers keeps after its crop. The first call of assisted decoding prefills the
+prompt and verifies drafts at once: its verify starts once the prefill has published
+(a verify starts from ready logits), before either is visible.
+
+Beams: the expanded rows are forks of the first at the prompt (their prefill rows are
+checked equal to its own); a reorder_cache(beam_idx) becomes, before the next call,
+forks where a beam is selected twice, and a reorder event over the group. Beams left
+behind stay open until the end, where each returned sequence is matched to the handle
+that holds its tokens, emits its last one and finishes; all are then released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from kvledger.adapters import hf_rows
+from kvledger.engine import commands as c
+from kvledger.engine.ids import new_id
+from kvledger.engine.port import CommandPort
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import AppendKind, FinishReason, ForwardCall, LayerRows
+from kvledger.schemas.manifest import Manifest, cache_abi_sha256
+
+log = structlog.get_logger("kvledger.hf")
+
+
+@dataclass
+class Open:
+    txn: str
+    kind: AppendKind
+    start: int
+    tokens: tuple[int, ...]
+    call: ForwardCall
+    ran: bool = False  # its forward call returned
+    digests: list[str] | None = None  # per layer, once the rows are final
+
+
+@dataclass
+class Seq:
+    handle: str
+    group: str  # the batch item: its first handle
+    pad: int  # cache columns before the row's first token
+    prompt: tuple[int, ...]
+    abi: str
+    committed: int = 0
+    outputs: list[int] = field(default_factory=list)
+    finished: str | None = None
+    released: bool = False
+    opens: list[Open] = field(default_factory=list)
+    children: int = 0
+
+    @property
+    def logits_ready(self) -> bool:
+        return self.committed == len(self.prompt) + len(self.outputs)
+
+
+@dataclass
+class Plan:
+    """What the caller knows before generate() runs."""
+
+    request_ids: list[str]
+    prompt_width: int  # columns of input_ids as given
+    expand: int  # rows per request (num_beams, or num_return_sequences when sampling)
+    beams: bool
+    assisted: bool
+    eos: frozenset[int]
+    manifest_for: Any  # (request_id, prompt) -> Manifest
+    reserve_for: Any  # prompt -> reserved capacity
+
+
+def _check(results: Sequence[object]) -> None:
+    for r in results:
+        if isinstance(r, KvLedgerError):
+            raise r
+
+
+class Tracker:
+    def __init__(self, port: CommandPort, plan: Plan, num_layers: int) -> None:
+        self.port, self.plan, self.num_layers = port, plan, num_layers
+        self.rows: list[Seq | None] = []
+        self.seqs: dict[str, Seq] = {}
+        self.cache: Any = None  # the JournaledCache, set by it
+        self.started = False
+        self.written: set[int] = set()
+        self.reorder: list[int] | None = None
+        self.call: ForwardCall | None = None
+        self.unmatched: list[tuple[int, list[int]]] = []  # returned sequences no handle holds
+        self._drafts: tuple[Seq, tuple[int, ...], ForwardCall] | None = None
+
+    # -- cache notifications ----------------------------------------------------------
+    def wrote(self, layer: int) -> None:
+        self.written.add(layer)
+
+    def reordered(self, beam_idx: list[int]) -> None:
+        if self.reorder is not None:  # two reorders without a call between: compose them
+            beam_idx = [self.reorder[j] for j in beam_idx]
+        self.reorder = beam_idx
+
+    # -- around each forward ------------------------------------------------------------
+    def before_forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+        batch, width = ids.shape
+        past = self.cache.get_seq_length()
+        call_id = new_id()
+        threads = torch.get_num_threads()
+
+        def call(index: int) -> ForwardCall:
+            return ForwardCall(call_id=call_id, index=index, size=batch, new_pad=width,
+                               key_extent=past + width, threads=threads)
+
+        self.written = set()
+        if not self.started:
+            self.started = True
+            self._start(ids, mask, call)
+            return
+        cmds: list[c.Command | c.Relative] = []
+        steps: dict[str, list[c.Step]] = {}
+        self._flush(steps)
+        if self.reorder is not None:
+            cmds += self._chains(steps)
+            steps = {}
+            cmds += self._apply_reorder(self.reorder)
+            self.reorder = None
+        id_rows = ids.tolist()
+        for r, seq in enumerate(self.rows):
+            if seq is None or seq.finished is not None:
+                continue  # a finished row is carried along by transformers: no append
+            tokens = tuple(id_rows[r][-width:])
+            st = steps.setdefault(seq.handle, [])
+            if self.plan.assisted:
+                st.append(self._begin(seq, "verify", tokens, call(r)))
+                continue
+            if width != 1:
+                raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"a decode call of {width} tokens per row is not "
+                                                                "a generation mode kvledger.hf journals")
+            t = tokens[0]
+            st.append(c.EmitOutput(handle_id=seq.handle, base_generation=None, base_snapshot_version=None,
+                                   output_index=len(seq.outputs), token_id=t))
+            seq.outputs.append(t)
+            if t in self.plan.eos:  # transformers still computes this row: a repair closes the frontier
+                seq.finished = "eos"
+                st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason="eos"))
+                st.append(self._begin(seq, "repair", tokens, call(r)))
+            else:
+                st.append(self._begin(seq, "decode", tokens, call(r)))
+        cmds += self._chains(steps)
+        _check(self.port.execute_many(cmds))
+
+    def after_forward(self) -> None:
+        if self.written != set(range(self.num_layers)):
+            missing = sorted(set(range(self.num_layers)) - self.written)
+            raise KvLedgerError(ErrorCode.PARTIAL_LAYER_SET, f"the forward call wrote no rows in layers {missing}")
+        layers = self._layers()
+        singles: list[tuple[Seq, Open]] = []
+        for r, seq in enumerate(self.rows):
+            if seq is None:
+                continue
+            for o in seq.opens:
+                if o.ran:
+                    continue
+                o.ran = True
+                if o.kind == "verify":
+                    continue  # its rows are final after the crop: digested at the next flush
+                if o.kind in ("decode", "repair"):  # one row each, all in the call's last column
+                    singles.append((seq, o))
+                else:
+                    o.digests = hf_rows.span_layers(layers, r, seq.pad + o.start, len(o.tokens))
+        if singles:
+            column = self.cache.get_seq_length() - 1
+            rows = [self.rows.index(s) for s, _ in singles]
+            for (_, o), d in zip(singles, hf_rows.column_layers(layers, rows, column)):
+                o.digests = d
+        if self.plan.expand > 1:
+            self._check_expansion(layers)
+        self._drafts_after_prefill()
+
+    # -- the first call: allocate, prefill ------------------------------------------------
+    def _start(self, ids: torch.Tensor, mask: torch.Tensor | None, call: Any) -> None:
+        batch, width = ids.shape
+        p = self.plan
+        if batch != len(p.request_ids) * p.expand:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{batch} rows for {len(p.request_ids)} requests")
+        id_rows = ids.tolist()
+        mask_rows = mask.tolist() if mask is not None else None
+        cmds: list[c.Command | c.Relative] = []
+        self.rows = [None] * batch
+        for r in range(0, batch, p.expand):
+            cols = mask_rows[r][:p.prompt_width] if mask_rows is not None else [1] * p.prompt_width
+            pad = cols.index(1) if 1 in cols else p.prompt_width
+            if pad == p.prompt_width or any(v != 1 for v in cols[pad:]):
+                raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"row {r}: the attention mask is not left padding "
+                                                                "followed by the prompt")
+            prompt = tuple(id_rows[r][pad:p.prompt_width])
+            rid = p.request_ids[r // p.expand]
+            m: Manifest = p.manifest_for(rid, prompt)
+            seq = Seq(rid, rid, pad, prompt, cache_abi_sha256(m))
+            self.rows[r] = self.seqs[rid] = seq
+            cmds.append(c.Allocate(handle_id=rid, manifest=m, reserved_capacity=p.reserve_for(prompt)))
+            cmds.append(c.Relative(self._begin(seq, "prefill", prompt, call(r))))
+            if width > p.prompt_width:  # assisted: drafts ride along, verified once the prefill publishes
+                self._drafts = (seq, tuple(id_rows[r][p.prompt_width:]), call(r))
+        _check(self.port.execute_many(cmds))
+
+    def _drafts_after_prefill(self) -> None:
+        if self._drafts is None:
+            return
+        seq, drafts, call = self._drafts
+        self._drafts = None
+        steps: dict[str, list[c.Step]] = {}
+        self._publish(seq, seq.opens[0], steps)
+        st = steps[seq.handle]
+        begin = self._begin(seq, "verify", drafts, call)
+        seq.opens[-1].ran = True
+        st.append(begin)
+        _check(self.port.execute_many(self._chains(steps)))
+
+    def _check_expansion(self, layers: hf_rows.Layers) -> None:
+        """Beams 1..n-1 computed the same prompt rows as beam 0: they are forks of it
+        only if those rows are the same bytes."""
+        p = self.plan
+        if not any(s is None for s in self.rows):
+            return
+        steps: dict[str, list[c.Step]] = {}
+        forks: list[c.Command | c.Relative] = []
+        for r in range(0, len(self.rows), p.expand):
+            root = self.rows[r]
+            assert root is not None and root.opens[0].digests is not None
+            for k in range(1, p.expand):
+                got = hf_rows.span_layers(layers, r + k, root.pad, len(root.prompt))
+                if got != root.opens[0].digests:
+                    raise KvLedgerError(ErrorCode.DIGEST_MISMATCH, f"beam {k} of {root.handle} holds other prompt "
+                                                                   "rows than beam 0: not a fork")
+        for r in range(0, len(self.rows), p.expand):
+            root = self.rows[r]
+            assert root is not None
+            self._publish(root, root.opens[0], steps)
+            for k in range(1, p.expand):
+                self.rows[r + k] = child = self._child(root)
+                forks.append(self._fork(root, child))
+        _check(self.port.execute_many([*self._chains(steps), *forks]))
+
+    # -- publications ----------------------------------------------------------------------
+    def _flush(self, steps: dict[str, list[c.Step]]) -> None:
+        """Publish every append whose call returned; a verify keeps the rows the crop left."""
+        length = self.cache.get_seq_length()
+        layers = None
+        for r, seq in enumerate(self.rows):
+            if seq is None:
+                continue
+            for o in list(seq.opens):
+                if not o.ran:
+                    continue
+                if o.kind == "verify" and o.digests is None:
+                    kept = max(0, min(len(o.tokens), length - seq.pad - o.start))
+                    layers = layers or self._layers()
+                    o.digests = hf_rows.span_layers(layers, r, seq.pad + o.start, kept)
+                    self._publish(seq, o, steps, accepted=kept)
+                else:
+                    self._publish(seq, o, steps)
+
+    def _publish(self, seq: Seq, o: Open, steps: dict[str, list[c.Step]], accepted: int | None = None) -> None:
+        assert o.digests is not None, f"{seq.handle}: {o.kind} rows not digested"
+        n = len(o.tokens) if accepted is None else accepted
+        layers = tuple(LayerRows(layer=i, start=o.start, count=n, k_complete=True, v_complete=True, rows_sha256=d)
+                       for i, d in enumerate(o.digests))
+        steps.setdefault(seq.handle, []).append(c.Publish(
+            handle_id=seq.handle, txn_id=o.txn, base_generation=None, base_snapshot_version=None, layers=layers,
+            accepted_count=accepted if o.kind == "verify" else None))
+        seq.opens.remove(o)
+        seq.committed = o.start + n
+        if o.kind == "verify":
+            seq.outputs.extend(o.tokens[:n])
+
+    def _begin(self, seq: Seq, kind: AppendKind, tokens: tuple[int, ...], call: ForwardCall) -> c.BeginAppend:
+        start = seq.committed + sum(len(o.tokens) for o in seq.opens)
+        o = Open(new_id(), kind, start, tokens, call)
+        seq.opens.append(o)
+        n = len(tokens)
+        return c.BeginAppend(handle_id=seq.handle, txn_id=o.txn, kind=kind, base_generation=None,
+                             base_snapshot_version=None, interval_start=start, interval_count=n, token_ids=tokens,
+                             cache_positions=tuple(range(start, start + n)), mask_key_extent=start + n,
+                             cache_abi_sha256=seq.abi, call=call)
+
+    @staticmethod
+    def _chains(steps: dict[str, list[c.Step]]) -> list[c.Command | c.Relative]:
+        out: list[c.Command | c.Relative] = []
+        for h, st in steps.items():
+            if len(st) == 1:
+                out.append(c.Relative(st[0]))
+            elif st:
+                out.append(c.Relative(c.Chain(handle_id=h, steps=tuple(st))))
+        return out
+
+    def _layers(self) -> hf_rows.Layers:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    # -- beams ---------------------------------------------------------------------------
+    def _child(self, parent: Seq) -> Seq:
+        root = self.seqs[parent.group]
+        root.children += 1
+        child = Seq(f"{parent.group}.b{root.children}", parent.group, parent.pad, parent.prompt, parent.abi,
+                    committed=parent.committed, outputs=list(parent.outputs))
+        self.seqs[child.handle] = child
+        return child
+
+    @staticmethod
+    def _fork(parent: Seq, child: Seq) -> c.Relative:
+        return c.Relative(c.Fork(parent_handle_id=parent.handle, base_generation=0, base_snapshot_version=0,
+                                 child_handle_ids=(child.handle,), prefix_length=parent.committed,
+                                 child_request_ids=(child.handle,)))
+
+    def _apply_reorder(self, beam_idx: list[int]) -> list[c.Command | c.Relative]:
+        """New row i takes old row beam_idx[i]: the first row to take an old row moves its
+        handle there, any other is a fork of it; an old row nobody takes is left behind."""
+        cmds: list[c.Command | c.Relative] = []
+        old = self.rows
+        new: list[Seq | None] = [None] * len(beam_idx)
+        taken: set[int] = set()
+        for i, j in enumerate(beam_idx):
+            src = old[j]
+            if src is None:
+                continue
+            if j not in taken:
+                taken.add(j)
+                new[i] = src
+            else:
+                new[i] = child = self._child(src)
+                cmds.append(self._fork(src, child))
+        n = self.plan.expand
+        for g in range(0, len(new), n):
+            members = [s for s in new[g:g + n] if s is not None]
+            if len(members) < 2:
+                continue
+            order = {id(s): k for k, s in enumerate(old[g:g + n]) if s is not None}
+            before = sorted(members, key=lambda s: (order.get(id(s), n), s.handle))
+            perm = [before.index(s) for s in members]
+            if perm != list(range(len(members))):
+                cmds.append(c.Relative(c.Reorder(group_id=members[0].group, rows=tuple(s.handle for s in before),
+                                                 bases=(), permutation=tuple(perm))))
+        self.rows = new
+        return cmds
+
+    # -- the end -------------------------------------------------------------------------
+    def finish(self, sequences: torch.Tensor) -> None:
+        steps: dict[str, list[c.Step]] = {}
+        self._flush(steps)
+        _check(self.port.execute_many(self._chains(steps)))
+        steps = {}
+        seqs = sequences.tolist()
+        p = self.plan
+        if p.beams:
+            self._match_beams(seqs, steps)
+        else:
+            for r, seq in enumerate(self.rows):
+                if seq is None or seq.finished is not None:
+                    continue
+                self._last(seq, seqs[r][-1], steps)
+        cmds = self._chains(steps)
+        steps = {}
+        for seq in self.seqs.values():
+            st = steps.setdefault(seq.handle, [])
+            if seq.finished is None:
+                seq.finished = "stop"
+                st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason="stop"))
+            st.append(c.Release(handle_id=seq.handle, base_generation=None))
+            seq.released = True
+        _check(self.port.execute_many([*cmds, *self._chains(steps)]))
+
+    def _last(self, seq: Seq, token: int, steps: dict[str, list[c.Step]]) -> None:
+        """The token chosen from the last call's logits, never run through the model."""
+        st = steps.setdefault(seq.handle, [])
+        st.append(c.EmitOutput(handle_id=seq.handle, base_generation=None, base_snapshot_version=None,
+                               output_index=len(seq.outputs), token_id=token))
+        seq.outputs.append(token)
+        reason: FinishReason = "eos" if token in self.plan.eos else "max_tokens"
+        seq.finished = reason
+        st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=reason))
+
+    def _match_beams(self, seqs: list[list[int]], steps: dict[str, list[c.Step]]) -> None:
+        """Each returned sequence ends at the handle whose outputs are all its tokens but
+        the last (chosen from that handle's published logits); two ending at the same
+        handle: the second is a fork of it, taken before either emits."""
+        p = self.plan
+        per = len(seqs) // len(p.request_ids)
+        ends: list[tuple[Seq, int]] = []
+        forks: list[c.Command | c.Relative] = []
+        used: set[str] = set()
+        for i, row in enumerate(seqs):
+            group = p.request_ids[i // per]
+            gen = row[p.prompt_width:]
+            gen = gen[:next((k + 1 for k, t in enumerate(gen) if t in p.eos), len(gen))]
+            holder = next((s for s in list(self.seqs.values()) if s.group == group and s.logits_ready
+                           and s.finished is None and s.outputs == gen[:-1]), None)
+            if holder is None or not gen:
+                self.unmatched.append((i, gen))
+                log.warning("returned beam held by no handle", group=group, index=i)
+                continue
+            if holder.handle in used:
+                child = self._child(holder)
+                forks.append(self._fork(holder, child))
+                holder = child
+            used.add(holder.handle)
+            ends.append((holder, gen[-1]))
+        if forks:
+            _check(self.port.execute_many(forks))
+        for holder, token in ends:
+            self._last(holder, token, steps)
+
+    def abort(self, exc: BaseException) -> None:
+        """The generation raised: every open append fails, every handle is cancelled and
+        released. Journal errors here are logged, never raised over `exc`."""
+        detail = f"{type(exc).__name__}: {exc}"[:200]
+        cmds: list[c.Command | c.Relative] = []
+        for seq in self.seqs.values():
+            for o in seq.opens:
+                cmds.append(c.Fail(handle_id=seq.handle, txn_id=o.txn, outcome="failed", code="FORWARD_FAILED",
+                                   detail=detail))
+            seq.opens = []
+            if seq.finished is None:
+                cmds.append(c.Relative(c.CancelRequest(handle_id=seq.handle, base_generation=0,
+                                                       reason="generate raised")))
+            cmds.append(c.Relative(c.Release(handle_id=seq.handle, base_generation=None)))
+        if not cmds:
+            return
+        try:
+            results = self.port.execute_many(cmds)
+        except Exception as journal_exc:  # noqa: BLE001 - the generation's own exception is the one raised
+            log.error("journal refused the failure events", error=str(journal_exc))
+            return
+        for r in results:
+            if isinstance(r, KvLedgerError):
+                log.error("journal refused a failure event", error=str(r))
