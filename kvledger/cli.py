@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--runtime", choices=("kvledger", "hf"), default="kvledger",
+                   help="kvledger: this package's worker (greedy); hf: transformers' generate() "
+                        "journaled through kvledger.hf (needs --model)")
+    p.add_argument("--num-beams", type=a.integer(1, 64), default=1, help="beam search width (--runtime hf)")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy (--runtime hf)")
+    p.add_argument("--seed", type=a.SEED, default=0, help="torch seed for --do-sample (--runtime hf)")
 
     # Each command family registers its own subcommands (kvledger/cmd_*.py).
     for name in COMMAND_MODULES:

@@ -56,6 +56,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--max-findings", type=_findings_cap, default=100, metavar="N",
                    help="findings listed (default 100); the rest are counted, and verify stops "
                         "reading after 10000")
+    p.add_argument("--reexecute", action="store_true",
+                   help="also re-run every journaled append through the model (--runtime hf --model DIR) "
+                        "and compare each publication's row digest")
+    p.add_argument("--runtime", choices=("hf",), default="hf",
+                   help="the executor of --reexecute: hf (transformers; the journal's own worker "
+                        "re-executes in `kvledger recover`)")
+    p.add_argument("--model", metavar="DIR", help="the model directory --reexecute runs")
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
@@ -143,16 +150,39 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     else:
         with open_existing_journal(args.db) as journal:
             source, result = journal.display_url, verify_journal(journal, keep=args.max_findings)
+    proof = _reexecution(args) if args.reexecute else None
+    ok = result.ok and (proof is None or not (proof["mismatches"] or proof["other_artifacts"]))
     if args.json:
-        out = {"source": source, "events": result.events, "ok": result.ok, "findings": result.findings,
+        out = {"source": source, "events": result.events, "ok": ok, "findings": result.findings,
                "omitted": result.omitted, "stopped": result.stopped, "storage": result.storage}
+        if proof is not None:
+            out["reexecution"] = proof
         sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
         sys.stdout.flush()
     else:
         from kvledger.replay.render import print_findings
 
         print_findings(result, _console(), source)
-    return 0 if result.ok else 1
+        if proof is not None:
+            for m in proof["mismatches"]:
+                print(f"REEXECUTION_MISMATCH: append {m['txn_id']} of {m['handle_id']} (position "
+                      f"{m['global_position']}) recomputes to {m['recomputed'][:16]}, recorded "
+                      f"{(m['recorded'] or 'none')[:16]}")
+            for a in proof["other_artifacts"]:
+                print(f"ARTIFACT_MISMATCH: the journal's rows come from model {a[:16]}, not --model's")
+            print(f"re-executed {proof['verified_appends']} appends ({proof['verified_rows']} rows): "
+                  f"{len(proof['mismatches'])} mismatches")
+    return 0 if ok else 1
+
+
+def _reexecution(args: argparse.Namespace) -> dict[str, object]:
+    from kvledger.cmd_hf import reexecute
+    from kvledger.replay.sources import journal_events, jsonl_events
+
+    if args.journal:
+        return reexecute(args, list(jsonl_events(args.journal)))
+    with open_existing_journal(args.db) as journal:
+        return reexecute(args, list(journal_events(journal)))
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

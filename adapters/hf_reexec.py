@@ -1,0 +1,163 @@
+"""The re-execution proof with transformers as the executor: run every journaled append
+of an HF journal again through the same model and compare every publication's row digest.
+
+Each append_start names its forward call (ForwardCall: batch size, query width, key
+extent, CPU threads), so a call is rebuilt with the shape it ran with: every member's
+committed rows right-aligned in a DynamicCache (transformers left-pads), its tokens
+right-aligned in the call's columns, the 2D attention mask transformers had (none when
+nothing is padded), positions from the mask. A batch row no append names (a row that
+finished, a beam expanded from another) runs as a placeholder of the same shape. On the
+same model, device and dtype the rows come out bit for bit, so a digest that differs
+names an append whose recorded rows are not what this model computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from kvledger.adapters import hf_rows
+from kvledger.schemas import events as ev
+from kvledger.schemas.canonical import layers_sha256
+from kvledger.worker.reexec import Mismatch
+
+
+@dataclass
+class HfReexecution:
+    verified_rows: int = 0
+    verified_appends: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    skipped: set[str] = field(default_factory=set)  # handles with an append that names no call
+    artifacts: set[str] = field(default_factory=set)  # model_artifact_sha256 of the journal's requests
+
+
+def reexecute_hf(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            return _reexecute(model, events)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class _Rows:
+    k: Tensor  # [L, H_kv, T, d_h]: committed rows
+    v: Tensor
+    staged_k: Tensor | None = None  # this call's rows of the handle, before publication
+    staged_v: Tensor | None = None
+    staged_at: int = 0  # the position of the first staged row
+
+
+def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
+    out = HfReexecution()
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    store: dict[str, _Rows] = {}
+    starts: dict[tuple[str, str], ev.AppendStartEvent] = {}
+    calls: dict[str, list[ev.AppendStartEvent]] = {}
+    ran: set[str] = set()
+
+    for e in events:
+        h = e.stream_id
+        if isinstance(e, ev.RequestAllocateEvent):
+            cs = e.payload.manifest.cache_schema
+            out.artifacts.add(e.payload.manifest.artifact_identity.model_artifact_sha256)
+            empty = torch.zeros((cs.num_cache_layers, cs.kv_heads_per_rank, 0, cs.head_dim), dtype=dtype,
+                                device=device)
+            store[h] = _Rows(empty, empty.clone())
+        elif isinstance(e, ev.ForkEvent):
+            parent, n = store[e.payload.parent_handle_id], e.payload.prefix_length
+            store[h] = _Rows(parent.k[:, :, :n].clone(), parent.v[:, :, :n].clone())
+        elif isinstance(e, ev.AppendStartEvent):
+            starts[(h, e.payload.txn_id)] = e
+            if e.payload.call is None:
+                out.skipped.add(h)
+            else:
+                calls.setdefault(e.payload.call.call_id, []).append(e)
+        elif isinstance(e, (ev.AppendPublishEvent, ev.FailureEvent)):
+            start = starts.pop((h, e.payload.txn_id), None)
+            if start is None or start.payload.call is None:
+                continue
+            if start.payload.call.call_id not in ran:
+                _run(model, store, calls.pop(start.payload.call.call_id))
+                ran.add(start.payload.call.call_id)
+            if isinstance(e, ev.AppendPublishEvent):
+                _publish(store[h], start, e, out)
+        elif isinstance(e, ev.TruncateEvent):
+            r = store[h]
+            r.k, r.v = r.k[:, :, :e.payload.new_length], r.v[:, :, :e.payload.new_length]
+        elif isinstance(e, ev.ReleaseEvent):
+            store.pop(h, None)
+    return out
+
+
+def _publish(r: _Rows, start: ev.AppendStartEvent, e: ev.AppendPublishEvent, out: HfReexecution) -> None:
+    p, t = e.payload, start.payload.interval_start
+    if r.staged_k is None or p.committed_length - p.accepted_count != t:
+        got = "interval differs from the start"
+    else:
+        lo = t - r.staged_at
+        k = r.staged_k[:, :, lo:lo + p.accepted_count]
+        v = r.staged_v[:, :, lo:lo + p.accepted_count]  # type: ignore[index]  # staged together with k
+        got = layers_sha256(hf_rows.span_layers([(k[i][None], v[i][None]) for i in range(k.shape[0])],
+                                                0, 0, p.accepted_count))
+        r.k = torch.cat((r.k[:, :, :t], k), dim=2)
+        r.v = torch.cat((r.v[:, :, :t], v), dim=2)
+    if got != p.rows_sha256:
+        out.mismatches.append(Mismatch(e.stream_id, p.txn_id, e.global_position, p.rows_sha256, got))
+    out.verified_rows += p.accepted_count
+    out.verified_appends += 1
+
+
+def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEvent]) -> None:
+    """One journaled forward call, rebuilt; each member's new rows are staged on it."""
+    call = members_ev[0].payload.call
+    assert call is not None  # only starts that name their call are grouped
+    by_index: dict[int, list[ev.AppendStartEvent]] = {}
+    for m in members_ev:
+        assert m.payload.call is not None
+        by_index.setdefault(m.payload.call.index, []).append(m)
+    if call.threads and call.threads != torch.get_num_threads():
+        torch.set_num_threads(call.threads)
+    size, width, extent = call.size, call.new_pad, call.key_extent
+    past_cols = extent - width
+    cfg = model.config.get_text_config(decoder=True)
+    ids = torch.zeros((size, width), dtype=torch.long)
+    mask = torch.ones((size, extent), dtype=torch.long)
+    members: dict[int, tuple[str, int, int]] = {}  # index -> handle, committed rows, new rows
+    for i, group in by_index.items():
+        group.sort(key=lambda m: m.payload.interval_start)
+        h = group[0].stream_id
+        tokens = [t for m in group for t in m.payload.token_ids]
+        past = group[0].payload.interval_start
+        ids[i, width - len(tokens):] = torch.tensor(tokens)
+        mask[i, :extent - past - len(tokens)] = 0
+        members[i] = (h, past, len(tokens))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_cols:]
+    layers = []
+    if past_cols:
+        ref = next(iter(store.values())).k
+        shape = (size, ref.shape[1], past_cols, ref.shape[3])
+        for layer in range(ref.shape[0]):
+            k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+            v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+            for i, (h, past, _) in members.items():
+                r = store[h]
+                k[i, :, past_cols - past:] = r.k[layer, :, :past]
+                v[i, :, past_cols - past:] = r.v[layer, :, :past]
+            layers.append((k, v))
+    cache = DynamicCache(ddp_cache_data=layers or None, config=cfg)
+    device = next(model.parameters()).device
+    model(input_ids=ids.to(device), attention_mask=None if bool(mask.all()) else mask.to(device),
+          position_ids=positions.to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    for i, (h, past, n) in members.items():
+        r = store[h]
+        r.staged_k = torch.stack([layer.keys[i, :, extent - n:] for layer in cache.layers])
+        r.staged_v = torch.stack([layer.values[i, :, extent - n:] for layer in cache.layers])
+        r.staged_at = past

@@ -1,0 +1,219 @@
+"""kvledger.hf: transformers' generate() under the journal, on tiny random models built
+from configs (GQA Llama, Qwen2 with q/k/v biases, Mistral). The oracle is plain
+generate(): the ids must be the same tensors, the journal verify-clean, each handle's
+outputs the generated ids, and the re-execution proof must recompute every row digest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import msgspec
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvledger import Ledger, open_or_create_journal  # noqa: E402 - after the importorskip
+from kvledger.adapters.hf_reexec import reexecute_hf  # noqa: E402
+from kvledger.engine.evolve import fold  # noqa: E402
+from kvledger.hf import journaled_generate  # noqa: E402
+from kvledger.replay import verify_journal  # noqa: E402
+from kvledger.schemas import events as ev  # noqa: E402
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, pad_token_id=0,
+              bos_token_id=None)
+ARCHS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON)),
+}
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [13, 14, 15, 16, 17]]
+
+
+def tiny(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return ARCHS[arch]().eval()
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def run(model, tmp_path, ids, mask=None, seed=None, **kw):
+    """(plain generate's result, journaled_generate's result, the journal's events)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    url = f"sqlite:///{tmp_path}/j.db"
+    with Ledger.open(url) as ledger:
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, **kw)
+        verdict = verify_journal(ledger.journal)
+        events = list(ledger.journal.read_all())
+    assert verdict.ok, verdict.findings
+    return ref, out, events
+
+
+def before_release(events: list[ev.Event]) -> dict[str, object]:
+    """Each handle's state just before its release: what it held at the end."""
+    streams: dict[str, list[ev.Event]] = {}
+    for e in events:
+        if not isinstance(e, ev.ReleaseEvent):
+            streams.setdefault(e.stream_id, []).append(e)
+    return {h: fold(evs) for h, evs in streams.items()}
+
+
+def kinds(events: list[ev.Event]) -> Counter[str]:
+    return Counter(e.event_type for e in events) + Counter(
+        f"append:{e.payload.kind}" for e in events if isinstance(e, ev.AppendStartEvent))
+
+
+def assert_proof(model, events) -> int:
+    r = reexecute_hf(model, events)
+    assert r.mismatches == [] and r.skipped == set()
+    published = sum(e.payload.accepted_count for e in events if isinstance(e, ev.AppendPublishEvent))
+    assert r.verified_rows == published > 0
+    return r.verified_rows
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_left_padded_batch_greedy(arch, tmp_path):
+    model = tiny(arch)
+    ids, mask = left_padded(PROMPTS)
+    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+    states = before_release(events)
+    assert len(states) == 3
+    for b, (h, s) in enumerate(states.items()):
+        generated = out[b, ids.shape[1]:].tolist()
+        assert s.prompt == tuple(PROMPTS[b]) and s.outputs == tuple(generated)
+        # unpadded: prompt + generated; the last token was chosen, never run through the model
+        assert s.logical_length == len(PROMPTS[b]) + 6
+        assert s.committed_length == s.logical_length - 1
+        assert s.lifecycle == "FINISHED"
+    c = kinds(events)
+    assert c["release"] == 3 and c["append:prefill"] == 3 and c["append:decode"] == 15 and c["output_emit"] == 18
+    assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 15
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_seeded_sampling(arch, tmp_path):
+    model = tiny(arch, seed=1)
+    ids = torch.tensor([PROMPTS[2]])
+    ref, out, events = run(model, tmp_path, ids, seed=123, max_new_tokens=8, do_sample=True, temperature=1.5)
+    assert torch.equal(out, ref)
+    (s,) = before_release(events).values()
+    assert s.outputs == tuple(out[0, 5:].tolist()) and s.committed_length == 5 + 8 - 1
+    assert_proof(model, events)
+
+
+def test_eos_row_is_repaired_and_the_rest_runs_on(tmp_path):
+    """A row that emits EOS finishes there; transformers still runs its EOS token once
+    (journaled as the repair that closes its frontier), then pads it, unjournaled."""
+    model = tiny("llama")
+    ids, mask = left_padded(PROMPTS)
+    probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    eos = int(probe[0, ids.shape[1] + 1])  # row 0's second token
+    assert eos not in probe[1:, ids.shape[1]:].tolist()[0][:2] or True
+    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out, ref)
+    states = before_release(events)
+    s0 = states[next(iter(states))]
+    assert s0.outputs == (int(probe[0, ids.shape[1]]), eos)
+    assert s0.committed_length == s0.logical_length  # the repair ran the EOS row
+    finishes = [e.payload.reason for e in events if isinstance(e, ev.FinishEvent)]
+    assert finishes.count("eos") >= 1
+    assert kinds(events)["append:repair"] >= 1
+    assert_proof(model, events)
+
+
+def test_forward_that_raises_leaves_failures_then_raises(tmp_path):
+    model = tiny("qwen2")
+    ids, mask = left_padded(PROMPTS)
+    calls = []
+
+    class Boom(RuntimeError):
+        pass
+
+    def explode(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the second decode call, in layer 1
+            raise Boom("injected in layer 1")
+
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(explode, with_kwargs=True)
+    try:
+        with Ledger.open(f"sqlite:///{tmp_path}/j.db") as ledger, pytest.raises(Boom):
+            journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, max_new_tokens=6)
+        with open_or_create_journal(f"sqlite:///{tmp_path}/j.db") as journal:
+            assert verify_journal(journal).ok
+            events = list(journal.read_all())
+    finally:
+        hook.remove()
+    failures = [e for e in events if isinstance(e, ev.FailureEvent) and e.payload.outcome == "failed"]
+    assert len(failures) == 3 and all("injected in layer 1" in f.payload.detail for f in failures)
+    starts = {e.payload.txn_id: e for e in events if isinstance(e, ev.AppendStartEvent)}
+    assert {starts[f.payload.txn_id].payload.kind for f in failures} == {"decode"}
+    states = before_release(events)
+    assert all(s.lifecycle == "CANCELLED" and not s.open_txns for s in states.values())
+    assert kinds(events)["release"] == 3
+    assert_proof(model, events)
+
+
+def test_a_flipped_digest_is_named(tmp_path):
+    model = tiny("mistral")
+    ids, mask = left_padded(PROMPTS[:2])
+    _, _, events = run(model, tmp_path, ids, mask, max_new_tokens=4, do_sample=False)
+    publishes = [i for i, e in enumerate(events) if isinstance(e, ev.AppendPublishEvent)]
+    i = publishes[3]
+    p = events[i].payload
+    flipped = ("0" if p.rows_sha256[0] != "0" else "1") + p.rows_sha256[1:]
+    events[i] = msgspec.structs.replace(events[i], payload=msgspec.structs.replace(p, rows_sha256=flipped))
+    r = reexecute_hf(model, events)
+    assert [(m.handle_id, m.txn_id, m.global_position) for m in r.mismatches] == \
+        [(events[i].stream_id, p.txn_id, events[i].global_position)]
+    assert r.mismatches[0].recomputed == p.rows_sha256
+
+
+def kvledger(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvledger", *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_and_reexecute(tmp_path):
+    """`generate --runtime hf` on a saved model directory returns transformers' greedy ids;
+    `verify --reexecute --runtime hf` proves its journal, and names an edited digest."""
+    model = tiny("llama", seed=3)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    prompt = [3, 1, 4, 1, 5, 9]
+    ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=7, do_sample=False)
+    db = f"sqlite:///{tmp_path}/cli.db"
+    done = kvledger("generate", "--runtime", "hf", "--model", str(model_dir), "--prompt-ids",
+                    ",".join(map(str, prompt)), "--max-new-tokens", "7", "--db", db, "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["output_ids"] == ref[0, len(prompt):].tolist()
+    proof = kvledger("verify", "--db", db, "--reexecute", "--runtime", "hf", "--model", str(model_dir), "--json")
+    assert proof.returncode == 0, proof.stdout + proof.stderr
+    re = json.loads(proof.stdout)["reexecution"]
+    assert re["mismatches"] == [] and re["verified_rows"] == len(prompt) + 6 and re["other_artifacts"] == []
+    # the same proof over an audit file with one publication's digest changed
+    audit = tmp_path / "audit.jsonl"
+    assert kvledger("export", "--db", db, "--out", str(audit)).returncode == 0
+    lines = audit.read_text().splitlines()
+    k = next(i for i, line in enumerate(lines) if '"append_publish"' in line and '"decode"' not in line
+             and i > 4)
+    body = json.loads(lines[k])
+    body["payload"]["rows_sha256"] = "f" * 64
+    lines[k] = json.dumps(body)
+    audit.write_text("\n".join(lines) + "\n")
+    bad = kvledger("verify", "--journal", str(audit), "--reexecute", "--runtime", "hf", "--model", str(model_dir))
+    assert bad.returncode == 1
+    assert f"append {body['payload']['txn_id']}" in bad.stdout and "REEXECUTION_MISMATCH" in bad.stdout
