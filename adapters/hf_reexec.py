@@ -156,8 +156,9 @@ def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEve
     device = next(model.parameters()).device
     model(input_ids=ids.to(device), attention_mask=None if bool(mask.all()) else mask.to(device),
           position_ids=positions.to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    written: list[Any] = cache.layers  # DynamicLayers: keys and values [B, H_kv, T, d_h]
     for i, (h, past, n) in members.items():
         r = store[h]
-        r.staged_k = torch.stack([layer.keys[i, :, extent - n:] for layer in cache.layers])
-        r.staged_v = torch.stack([layer.values[i, :, extent - n:] for layer in cache.layers])
+        r.staged_k = torch.stack([layer.keys[i, :, extent - n:] for layer in written])
+        r.staged_v = torch.stack([layer.values[i, :, extent - n:] for layer in written])
         r.staged_at = past

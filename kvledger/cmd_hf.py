@@ -18,7 +18,7 @@ def load(model_dir: str, device: str = "cpu") -> Any:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--runtime hf needs transformers: "
                                                         "pip install 'kvledger[hf]'") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot load {model_dir}: {type(exc).__name__}") from None
     return model.to(device).eval()

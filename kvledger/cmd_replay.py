@@ -11,7 +11,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvledger import args as a
 from kvledger.args import DB_HELP
@@ -175,7 +175,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _reexecution(args: argparse.Namespace) -> dict[str, object]:
+def _reexecution(args: argparse.Namespace) -> dict[str, Any]:
     from kvledger.cmd_hf import reexecute
     from kvledger.replay.sources import journal_events, jsonl_events
 

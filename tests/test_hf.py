@@ -92,7 +92,7 @@ def test_left_padded_batch_greedy(arch, tmp_path):
     assert torch.equal(out, ref)
     states = before_release(events)
     assert len(states) == 3
-    for b, (h, s) in enumerate(states.items()):
+    for b, s in enumerate(states.values()):
         generated = out[b, ids.shape[1]:].tolist()
         assert s.prompt == tuple(PROMPTS[b]) and s.outputs == tuple(generated)
         # unpadded: prompt + generated; the last token was chosen, never run through the model
