@@ -62,6 +62,12 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
     starts: dict[tuple[str, str], ev.AppendStartEvent] = {}
     calls: dict[str, list[ev.AppendStartEvent]] = {}
     ran: set[str] = set()
+    events = list(events)
+    # A call's members, known before it runs: the verify half of an assisted prefill call
+    # starts only once the prefill published, after the point where the call is rebuilt.
+    for e in events:
+        if isinstance(e, ev.AppendStartEvent) and e.payload.call is not None:
+            calls.setdefault(e.payload.call.call_id, []).append(e)
 
     for e in events:
         h = e.stream_id
@@ -78,8 +84,6 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
             starts[(h, e.payload.txn_id)] = e
             if e.payload.call is None:
                 out.skipped.add(h)
-            else:
-                calls.setdefault(e.payload.call.call_id, []).append(e)
         elif isinstance(e, (ev.AppendPublishEvent, ev.FailureEvent)):
             start = starts.pop((h, e.payload.txn_id), None)
             if start is None or start.payload.call is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections import Counter
 
 import msgspec
@@ -18,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvledger import Ledger, open_or_create_journal  # noqa: E402 - after the importorskip
 from kvledger.adapters.hf_reexec import reexecute_hf  # noqa: E402
+from kvledger.cli import main  # noqa: E402
 from kvledger.engine.evolve import fold  # noqa: E402
 from kvledger.hf import journaled_generate  # noqa: E402
 from kvledger.replay import verify_journal  # noqa: E402
@@ -37,6 +37,14 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [13, 14, 15, 16, 17]]
 def tiny(arch: str, seed: int = 0):
     torch.manual_seed(seed)
     return ARCHS[arch]().eval()
+
+
+def smaller(arch: str, seed: int = 7):
+    """An assistant: same vocabulary, one layer, half the width."""
+    cfg = {**COMMON, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1}
+    kind = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(**cfg)).eval()
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +123,54 @@ def test_seeded_sampling(arch, tmp_path):
     assert_proof(model, events)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_beam_search(arch, tmp_path):
+    """Beams are a fork group: forked at expansion (their prompt rows checked equal), a
+    beam selected twice is a fork, a reorder_cache is a reorder; each returned sequence
+    ends on the handle holding its tokens; the others are finished and released."""
+    model = tiny(arch, seed=2)
+    ids, mask = left_padded(PROMPTS[:2])
+    ref, out, events = run(model, tmp_path, ids, mask, num_beams=3, num_return_sequences=2, max_new_tokens=5,
+                           do_sample=False)
+    assert torch.equal(out, ref)
+    c = kinds(events)
+    assert c["fork"] >= 4 and c["reorder"] >= 1 and c["append:prefill"] == 2
+    states = before_release(events)
+    assert c["release"] == len(states) == c["finish"]
+    for row in range(4):
+        generated = tuple(out[row, ids.shape[1]:].tolist())
+        holders = [s for s in states.values() if s.outputs == generated and s.lifecycle == "FINISHED"
+                   and s.finish_ns is not None and s.prompt == tuple(PROMPTS[row // 2])]
+        assert holders, f"returned sequence {row} has no handle"
+        assert holders[0].committed_length == len(PROMPTS[row // 2]) + 5 - 1
+    assert_proof(model, events)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("how", ["assistant", "twin_assistant", "prompt_lookup"])
+def test_assisted_decoding(arch, how, tmp_path):
+    """Candidates are verify appends; a publish commits only the rows transformers keeps
+    after its crop; the accepted drafts are the handle's outputs."""
+    model = tiny(arch, seed=4)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    kw = {"assistant": {"assistant_model": smaller(arch)}, "prompt_lookup": {"prompt_lookup_num_tokens": 3},
+          "twin_assistant": {"assistant_model": tiny(arch, seed=4)}}[how]
+    ref, out, events = run(model, tmp_path, ids, max_new_tokens=12, do_sample=False, **kw)
+    assert torch.equal(out, ref)
+    (s,) = before_release(events).values()
+    assert s.outputs == tuple(out[0, 10:].tolist()) and s.committed_length == 10 + 12 - 1
+    starts = {e.payload.txn_id: e.payload for e in events if isinstance(e, ev.AppendStartEvent)}
+    verifies = [(starts[e.payload.txn_id].interval_count, e.payload.accepted_count) for e in events
+                if isinstance(e, ev.AppendPublishEvent) and starts[e.payload.txn_id].kind == "verify"]
+    assert verifies and any(n > 1 for n, _ in verifies)
+    cropped = [(n, a) for n, a in verifies if a < n]
+    if how == "assistant":
+        assert cropped, "the smaller assistant was never wrong"
+    if how == "twin_assistant":  # the target's twin drafts what it would choose: every draft stays
+        assert not cropped and len({p.call.call_id for p in starts.values()}) < 12
+    assert_proof(model, events)
+
+
 def test_eos_row_is_repaired_and_the_rest_runs_on(tmp_path):
     """A row that emits EOS finishes there; transformers still runs its EOS token once
     (journaled as the repair that closes its frontier), then pads it, unjournaled."""
@@ -182,11 +238,16 @@ def test_a_flipped_digest_is_named(tmp_path):
     assert r.mismatches[0].recomputed == p.rows_sha256
 
 
-def kvledger(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvledger", *argv], capture_output=True, text=True, timeout=300)
+def kvledger(capsys, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The command line in this process (the same main() the script runs, without a
+    second interpreter loading torch and transformers)."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
-def test_cli_generate_and_reexecute(tmp_path):
+def test_cli_generate_and_reexecute(tmp_path, capsys):
     """`generate --runtime hf` on a saved model directory returns transformers' greedy ids;
     `verify --reexecute --runtime hf` proves its journal, and names an edited digest."""
     model = tiny("llama", seed=3)
@@ -195,18 +256,19 @@ def test_cli_generate_and_reexecute(tmp_path):
     prompt = [3, 1, 4, 1, 5, 9]
     ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=7, do_sample=False)
     db = f"sqlite:///{tmp_path}/cli.db"
-    done = kvledger("generate", "--runtime", "hf", "--model", str(model_dir), "--prompt-ids",
+    done = kvledger(capsys, "generate", "--runtime", "hf", "--model", str(model_dir), "--prompt-ids",
                     ",".join(map(str, prompt)), "--max-new-tokens", "7", "--db", db, "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["output_ids"] == ref[0, len(prompt):].tolist()
-    proof = kvledger("verify", "--db", db, "--reexecute", "--runtime", "hf", "--model", str(model_dir), "--json")
+    proof = kvledger(capsys, "verify", "--db", db, "--reexecute", "--runtime", "hf", "--model", str(model_dir),
+                     "--json")
     assert proof.returncode == 0, proof.stdout + proof.stderr
     re = json.loads(proof.stdout)["reexecution"]
     assert re["mismatches"] == [] and re["verified_rows"] == len(prompt) + 6 and re["other_artifacts"] == []
     # the same proof over an audit file with one publication's digest changed
     audit = tmp_path / "audit.jsonl"
-    assert kvledger("export", "--db", db, "--out", str(audit)).returncode == 0
+    assert kvledger(capsys, "export", "--db", db, "--out", str(audit)).returncode == 0
     lines = audit.read_text().splitlines()
     k = next(i for i, line in enumerate(lines) if '"append_publish"' in line and '"decode"' not in line
              and i > 4)
@@ -214,6 +276,7 @@ def test_cli_generate_and_reexecute(tmp_path):
     body["payload"]["rows_sha256"] = "f" * 64
     lines[k] = json.dumps(body)
     audit.write_text("\n".join(lines) + "\n")
-    bad = kvledger("verify", "--journal", str(audit), "--reexecute", "--runtime", "hf", "--model", str(model_dir))
+    bad = kvledger(capsys, "verify", "--journal", str(audit), "--reexecute", "--runtime", "hf",
+                   "--model", str(model_dir))
     assert bad.returncode == 1
     assert f"append {body['payload']['txn_id']}" in bad.stdout and "REEXECUTION_MISMATCH" in bad.stdout
