@@ -108,19 +108,28 @@ def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | N
 
 def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, request_ids: Sequence[str] | None = None,
-                       **generate_kwargs: Any) -> Any:
+                       close_frontier: bool = False, **generate_kwargs: Any) -> Any:
     """model.generate(input_ids=..., attention_mask=..., **generate_kwargs), journaled.
 
     One handle per batch row (named by `request_ids`, one per row of input_ids, or
     generated), forks for beams and extra return sequences. If generate raises, every
     open append ends in a failure event, every handle is cancelled and released, and the
-    original exception is raised."""
+    original exception is raised.
+
+    generate() never runs the last token it chooses, so a handle ends one row short of
+    its sequence. `close_frontier=True` runs one more forward call after generate (the
+    spec's final-token repair: real model work, its logits discarded), so the committed
+    length is the whole unpadded sequence. Not with beams, whose returned sequences are
+    not the cache's rows."""
     for key in ("cache", "past_key_values"):
         if generate_kwargs.get(key) is not None:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{key}= is the journaled cache's place")
     if input_ids.dim() != 2:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "input_ids must be [batch, tokens]")
     plan = plan_for(model, input_ids, request_ids, generate_kwargs)
+    if close_frontier and plan.beams:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "close_frontier with beam search: the returned "
+                                                        "sequences are not the cache's rows")
     tracker = Tracker(ledger.service, plan, hf_identity.cache_schema(model).num_cache_layers)
     cache = JournaledCache(model, tracker)
 
@@ -140,6 +149,8 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
              model.register_forward_hook(after, with_kwargs=True)]
     try:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+        if close_frontier:
+            _close(model, cache, tracker, out if isinstance(out, torch.Tensor) else out.sequences)
     except BaseException as exc:
         tracker.abort(exc)
         raise
@@ -148,3 +159,26 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
             h.remove()
     tracker.finish(out if isinstance(out, torch.Tensor) else out.sequences)
     return out
+
+
+@torch.inference_mode()
+def _close(model: Any, cache: JournaledCache, tracker: Tracker, sequences: torch.Tensor) -> None:
+    """One forward call of each live row's last token, shaped as generate's next decode
+    call would be (a row that finished runs a placeholder pad token, as generate runs it)."""
+    width = cache.get_seq_length()
+    rows = tracker.rows
+    live = [s is not None and s.finished is None for s in rows]
+    if not any(live):
+        return
+    last = sequences[:, -1].tolist()
+    ids = torch.tensor([[last[r] if ok else 0] for r, ok in enumerate(live)], device=model.device)
+    mask = torch.ones((len(rows), width + 1), dtype=torch.long)
+    positions = torch.zeros((len(rows), 1), dtype=torch.long)
+    for r, s in enumerate(rows):
+        if s is not None and live[r]:
+            mask[r, :s.pad] = 0
+            positions[r, 0] = len(s.prompt) + len(s.outputs)  # the last token, not yet emitted
+    padded = any(s is not None and s.pad for s in rows)  # generate kept a 2D mask throughout
+    tracker.closing = True
+    model(input_ids=ids, attention_mask=mask.to(model.device) if padded else None,
+          position_ids=positions.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)

@@ -109,6 +109,7 @@ class Tracker:
         self.call: ForwardCall | None = None
         self.unmatched: list[tuple[int, list[int]]] = []  # returned sequences no handle holds
         self._drafts: tuple[Seq, tuple[int, ...], ForwardCall] | None = None
+        self.closing = False  # the next call runs each row's last token: a closing repair
 
     # -- cache notifications ----------------------------------------------------------
     def wrote(self, layer: int) -> None:
@@ -149,7 +150,7 @@ class Tracker:
                 continue  # a finished row is carried along by transformers: no append
             tokens = tuple(id_rows[r][-width:])
             st = steps.setdefault(seq.handle, [])
-            if self.plan.assisted:
+            if self.plan.assisted and not self.closing:
                 st.append(self._begin(seq, "verify", tokens, call(r)))
                 continue
             if width != 1:
@@ -159,9 +160,9 @@ class Tracker:
             st.append(c.EmitOutput(handle_id=seq.handle, base_generation=None, base_snapshot_version=None,
                                    output_index=len(seq.outputs), token_id=t))
             seq.outputs.append(t)
-            if t in self.plan.eos:  # transformers still computes this row: a repair closes the frontier
-                seq.finished = "eos"
-                st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason="eos"))
+            if t in self.plan.eos or self.closing:  # the row is still computed: a repair closes the frontier
+                seq.finished = "eos" if t in self.plan.eos else "max_tokens"
+                st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=seq.finished))
                 st.append(self._begin(seq, "repair", tokens, call(r)))
             else:
                 st.append(self._begin(seq, "decode", tokens, call(r)))

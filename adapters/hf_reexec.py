@@ -46,6 +46,19 @@ def reexecute_hf(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
 
 
 @dataclass
+class _Padding:
+    """Whether transformers passed a 2D mask: it drops an all-ones one when generate
+    starts, so every call of a generation whose prompts were padded has one, even once
+    the padded rows have finished and only placeholders stand for them."""
+
+    origin: dict[str, str] = field(default_factory=dict)  # handle -> the call that prefilled it
+    padded: dict[str, bool] = field(default_factory=dict)  # prefill call -> any row padded
+    # (prefill call, batch row) -> its left padding: a row that finished keeps its mask
+    # in generate's later calls, where only a placeholder stands for it
+    row_pad: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+@dataclass
 class _Rows:
     k: Tensor  # [L, H_kv, T, d_h]: committed rows
     v: Tensor
@@ -62,6 +75,7 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
     starts: dict[tuple[str, str], ev.AppendStartEvent] = {}
     calls: dict[str, list[ev.AppendStartEvent]] = {}
     ran: set[str] = set()
+    padding = _Padding()
     events = list(events)
     # A call's members, known before it runs: the verify half of an assisted prefill call
     # starts only once the prefill published, after the point where the call is rebuilt.
@@ -80,6 +94,7 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
         elif isinstance(e, ev.ForkEvent):
             parent, n = store[e.payload.parent_handle_id], e.payload.prefix_length
             store[h] = _Rows(parent.k[:, :, :n].clone(), parent.v[:, :, :n].clone())
+            padding.origin[h] = padding.origin.get(e.payload.parent_handle_id, "")
         elif isinstance(e, ev.AppendStartEvent):
             starts[(h, e.payload.txn_id)] = e
             if e.payload.call is None:
@@ -89,7 +104,7 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
             if start is None or start.payload.call is None:
                 continue
             if start.payload.call.call_id not in ran:
-                _run(model, store, calls.pop(start.payload.call.call_id))
+                _run(model, store, calls.pop(start.payload.call.call_id), padding)
                 ran.add(start.payload.call.call_id)
             if isinstance(e, ev.AppendPublishEvent):
                 _publish(store[h], start, e, out)
@@ -119,7 +134,7 @@ def _publish(r: _Rows, start: ev.AppendStartEvent, e: ev.AppendPublishEvent, out
     out.verified_appends += 1
 
 
-def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEvent]) -> None:
+def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEvent], padding: _Padding) -> None:
     """One journaled forward call, rebuilt; each member's new rows are staged on it."""
     call = members_ev[0].payload.call
     assert call is not None  # only starts that name their call are grouped
@@ -143,6 +158,25 @@ def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEve
         ids[i, width - len(tokens):] = torch.tensor(tokens)
         mask[i, :extent - past - len(tokens)] = 0
         members[i] = (h, past, len(tokens))
+    if past_cols == 0:  # the generation's first call: its rows' padding decides for all its calls
+        padding.padded[call.call_id] = not bool(mask.all())
+        for h, _, _ in members.values():
+            padding.origin[h] = call.call_id
+    origins = {padding.origin.get(h, "") for h, _, _ in members.values()}
+    explicit = any(padding.padded.get(o, False) for o in origins)
+    origin = next(iter(origins)) if len(origins) == 1 else ""
+    for i in range(size):
+        if i in members:
+            h, past, n = members[i]
+            padding.row_pad[(origin, i)] = extent - past - n
+        elif (origin, i) in padding.row_pad:  # the row as generate still masks it
+            mask[i, :padding.row_pad[(origin, i)]] = 0
+        elif past_cols == 0 and any(j < i for j in members):  # an expanded beam: its first row's prompt
+            j = max(j for j in members if j < i)
+            h, past, n = members[j]
+            mask[i, :extent - past - n] = 0
+            ids[i] = ids[j]
+            padding.row_pad[(origin, i)] = extent - past - n
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_cols:]
     layers = []
     if past_cols:
@@ -158,7 +192,7 @@ def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEve
             layers.append((k, v))
     cache = DynamicCache(ddp_cache_data=layers or None, config=cfg)
     device = next(model.parameters()).device
-    model(input_ids=ids.to(device), attention_mask=None if bool(mask.all()) else mask.to(device),
+    model(input_ids=ids.to(device), attention_mask=mask.to(device) if explicit or not bool(mask.all()) else None,
           position_ids=positions.to(device), cache=cache, use_cache=True, logits_to_keep=1)
     written: list[Any] = cache.layers  # DynamicLayers: keys and values [B, H_kv, T, d_h]
     for i, (h, past, n) in members.items():

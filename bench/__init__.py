@@ -48,6 +48,7 @@ SECTIONS: list[Section] = [
         "journal_tokens_per_s_sqlite", "journal_tokens_per_s_postgres", "journal_ceiling_vs_off",
         "journal_bytes_per_token_L2", "journal_bytes_per_token_L32", "replay_tokens_per_s",
     )),
+    Section("hf", "bench.hf", "7. Hugging Face generate", ("hf_journal_overhead",)),
 ]
 
 MODES = ("smoke", "quick", "full")

@@ -58,7 +58,7 @@ def run(model, tmp_path, ids, mask=None, seed=None, **kw):
     """(plain generate's result, journaled_generate's result, the journal's events)."""
     if seed is not None:
         torch.manual_seed(seed)
-    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **{k: v for k, v in kw.items() if k != "close_frontier"})
     url = f"sqlite:///{tmp_path}/j.db"
     with Ledger.open(url) as ledger:
         if seed is not None:
@@ -173,12 +173,13 @@ def test_assisted_decoding(arch, how, tmp_path):
 
 def test_eos_row_is_repaired_and_the_rest_runs_on(tmp_path):
     """A row that emits EOS finishes there; transformers still runs its EOS token once
-    (journaled as the repair that closes its frontier), then pads it, unjournaled."""
+    (journaled as the repair that closes its frontier), then pads it, unjournaled. Only
+    that row is padded: the calls after it still carry generate's 2D mask, and the proof
+    rebuilds them so."""
     model = tiny("llama")
-    ids, mask = left_padded(PROMPTS)
+    ids, mask = left_padded([PROMPTS[0], [9, 10, 11, 12, 13], PROMPTS[2]])
     probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     eos = int(probe[0, ids.shape[1] + 1])  # row 0's second token
-    assert eos not in probe[1:, ids.shape[1]:].tolist()[0][:2] or True
     ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=eos)
     assert torch.equal(out, ref)
     states = before_release(events)
@@ -189,6 +190,21 @@ def test_eos_row_is_repaired_and_the_rest_runs_on(tmp_path):
     assert finishes.count("eos") >= 1
     assert kinds(events)["append:repair"] >= 1
     assert_proof(model, events)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_close_frontier_commits_the_whole_sequence(arch, tmp_path):
+    """close_frontier runs each row's last token once more (a repair): the committed
+    length is then the unpadded sequence length, and the proof covers that call too."""
+    model = tiny(arch)
+    ids, mask = left_padded(PROMPTS)
+    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=5, do_sample=False, close_frontier=True)
+    assert torch.equal(out, ref)
+    for b, s in enumerate(before_release(events).values()):
+        assert s.outputs == tuple(out[b, ids.shape[1]:].tolist())
+        assert s.committed_length == s.logical_length == len(PROMPTS[b]) + 5
+    assert kinds(events)["append:repair"] == 3
+    assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 3 * 5
 
 
 def test_forward_that_raises_leaves_failures_then_raises(tmp_path):

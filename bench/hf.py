@@ -1,0 +1,77 @@
+"""7. Hugging Face generate() under the journal: `kvledger.hf.journaled_generate` against
+plain `generate`, the same model and weights in the same run.
+
+The bench's large config (decode.LARGE: 8 layers x 1024, GQA 16/4 heads) as a random
+transformers LlamaForCausalLM, greedy, 64 new tokens after a 32-token prompt, at batch 1
+and 8; the journal is durable SQLite (WAL, synchronous=FULL) in the bench's temp dir.
+Each repeat runs both back to back (paired); the weights digest of the artifact identity
+is taken once per model, before the timed runs, as journaled_generate caches it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench import Context, paired_ratio
+from bench.decode import LARGE
+
+GOALS = {"hf_journal_overhead": ("<=", 0.10)}
+NOTES = {
+    "hf_journal_overhead": "worst case over batch 1 and 8 of (journaled time / plain time) - 1: per "
+                           "forward call one journal commit (publications, outputs, next starts) and "
+                           "the row digests read back from the cache",
+}
+PROMPT = 32
+
+
+def _model(cfg: dict[str, Any]) -> Any:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                          intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_layers"],
+                          num_attention_heads=cfg["num_heads"], num_key_value_heads=cfg["num_kv_heads"],
+                          head_dim=cfg["head_dim"], max_position_embeddings=1024, bos_token_id=None,
+                          eos_token_id=None, pad_token_id=0)
+    return tf.LlamaForCausalLM(conf).eval()
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    from kvledger import Ledger
+    from kvledger.hf import journaled_generate
+
+    cfg = dict(LARGE) if ctx.mode != "smoke" else dict(LARGE, hidden_size=128, num_layers=2, head_dim=32,
+                                                       intermediate_size=256)
+    new = ctx.size(smoke=8, quick=64, full=64)
+    model = _model(cfg)
+    out: dict[str, Any] = {}
+    worst = None
+    with Ledger.open(ctx.sqlite_journal_url("hf")) as ledger:
+        for batch in (1, 8):
+            g = torch.Generator().manual_seed(batch)
+            ids = torch.randint(1, cfg["vocab_size"], (batch, PROMPT), generator=g)
+            kw = dict(max_new_tokens=new, do_sample=False)
+            journaled_generate(model, ledger=ledger, input_ids=ids, **kw)  # warm-up, weights digest
+            plain: list[float] = []
+            journaled: list[float] = []
+            for _ in range(ctx.repeats):
+                t0 = time.perf_counter()
+                ref = model.generate(input_ids=ids, **kw)
+                plain.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                got = journaled_generate(model, ledger=ledger, input_ids=ids, **kw)
+                journaled.append(time.perf_counter() - t0)
+                assert torch.equal(ref, got)
+            ratio = paired_ratio(journaled, plain)
+            overhead = None if ratio is None else round(ratio - 1, 3)
+            out[f"hf_journal_overhead_b{batch}"] = overhead
+            out[f"hf_generate_tokens_per_s_plain_b{batch}"] = round(batch * new / min(plain), 1)
+            out[f"hf_generate_tokens_per_s_journaled_b{batch}"] = round(batch * new / min(journaled), 1)
+            if overhead is not None:
+                worst = overhead if worst is None else max(worst, overhead)
+    out["hf_journal_overhead"] = worst
+    return out
