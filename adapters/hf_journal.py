@@ -161,8 +161,9 @@ class Tracker:
                                    output_index=len(seq.outputs), token_id=t))
             seq.outputs.append(t)
             if t in self.plan.eos or self.closing:  # the row is still computed: a repair closes the frontier
-                seq.finished = "eos" if t in self.plan.eos else "max_tokens"
-                st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=seq.finished))
+                reason: FinishReason = "eos" if t in self.plan.eos else "max_tokens"
+                seq.finished = reason
+                st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=reason))
                 st.append(self._begin(seq, "repair", tokens, call(r)))
             else:
                 st.append(self._begin(seq, "decode", tokens, call(r)))
