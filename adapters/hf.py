@@ -108,7 +108,8 @@ def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | N
 
 def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, request_ids: Sequence[str] | None = None,
-                       close_frontier: bool = False, **generate_kwargs: Any) -> Any:
+                       close_frontier: bool = False, overlap_commit: bool = False,
+                       **generate_kwargs: Any) -> Any:
     """model.generate(input_ids=..., attention_mask=..., **generate_kwargs), journaled.
 
     One handle per batch row (named by `request_ids`, one per row of input_ids, or
@@ -120,7 +121,12 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     its sequence. `close_frontier=True` runs one more forward call after generate (the
     spec's final-token repair: real model work, its logits discarded), so the committed
     length is the whole unpadded sequence. Not with beams, whose returned sequences are
-    not the cache's rows."""
+    not the cache's rows.
+
+    `overlap_commit=True` lets each call's journal commit (its fsync) run while the call
+    computes, as the worker's pipeline does; nothing is published before that commit is
+    seen durable. It pays where torch leaves a core free (a GPU, fewer threads than
+    cores), and costs where the commit thread preempts a CPU forward using every core."""
     for key in ("cache", "past_key_values"):
         if generate_kwargs.get(key) is not None:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{key}= is the journaled cache's place")
@@ -130,8 +136,15 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     if close_frontier and plan.beams:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "close_frontier with beam search: the returned "
                                                         "sequences are not the cache's rows")
-    tracker = Tracker(ledger.service, plan, hf_identity.cache_schema(model).num_cache_layers)
+    tracker = Tracker(ledger.service, plan, hf_identity.cache_schema(model).num_cache_layers,
+                      overlap=overlap_commit)
     cache = JournaledCache(model, tracker)
+    window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+    longest = input_ids.shape[1] + max(plan.reserve_for(()) - 1, 0)
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers) and window and longest > window:
+        # a sliding layer drops old rows: column positions would no longer be the rows' own
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"up to {longest} tokens exceed the sliding window "
+                                                        f"of {window}: not journaled")
 
     def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if kwargs.get("cache") is not cache:

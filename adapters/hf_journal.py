@@ -98,8 +98,12 @@ def _check(results: Sequence[object]) -> None:
 
 
 class Tracker:
-    def __init__(self, port: CommandPort, plan: Plan, num_layers: int) -> None:
+    def __init__(self, port: CommandPort, plan: Plan, num_layers: int, *, overlap: bool = False) -> None:
         self.port, self.plan, self.num_layers = port, plan, num_layers
+        # overlap: a call's starts commit (the fsync) while the call runs; nothing is
+        # published before that commit is seen durable (_settle, first thing after the call)
+        self.overlap = overlap
+        self._wait: Any = None
         self.rows: list[Seq | None] = []
         self.seqs: dict[str, Seq] = {}
         self.cache: Any = None  # the JournaledCache, set by it
@@ -168,9 +172,22 @@ class Tracker:
             else:
                 st.append(self._begin(seq, "decode", tokens, call(r)))
         cmds += self._chains(steps)
-        _check(self.port.execute_many(cmds))
+        self._submit(cmds)
+
+    def _submit(self, cmds: list[c.Command | c.Relative]) -> None:
+        self._settle()
+        if self.overlap:
+            self._wait = self.port.submit_many(cmds, defer=True)
+        else:
+            _check(self.port.execute_many(cmds))
+
+    def _settle(self) -> None:
+        wait, self._wait = self._wait, None
+        if wait is not None:
+            _check(wait())
 
     def after_forward(self) -> None:
+        self._settle()
         if self.written != set(range(self.num_layers)):
             missing = sorted(set(range(self.num_layers)) - self.written)
             raise KvLedgerError(ErrorCode.PARTIAL_LAYER_SET, f"the forward call wrote no rows in layers {missing}")
@@ -366,6 +383,7 @@ class Tracker:
 
     # -- the end -------------------------------------------------------------------------
     def finish(self, sequences: torch.Tensor) -> None:
+        self._settle()
         steps: dict[str, list[c.Step]] = {}
         self._flush(steps)
         _check(self.port.execute_many(self._chains(steps)))
@@ -434,6 +452,10 @@ class Tracker:
         """The generation raised: every open append fails, every handle is cancelled and
         released. Journal errors here are logged, never raised over `exc`."""
         detail = f"{type(exc).__name__}: {exc}"[:200]
+        try:
+            self._settle()
+        except KvLedgerError as journal_exc:  # the starts it refused are not open: their failures are refused too
+            log.error("journal refused the starts of the failed call", error=str(journal_exc))
         cmds: list[c.Command | c.Relative] = []
         for seq in self.seqs.values():
             for o in seq.opens:

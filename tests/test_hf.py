@@ -54,13 +54,13 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def run(model, tmp_path, ids, mask=None, seed=None, **kw):
+def run(model, tmp_path, ids, mask=None, seed=None, url=None, **kw):
     """(plain generate's result, journaled_generate's result, the journal's events)."""
     if seed is not None:
         torch.manual_seed(seed)
-    ref = model.generate(input_ids=ids, attention_mask=mask, **{k: v for k, v in kw.items() if k != "close_frontier"})
-    url = f"sqlite:///{tmp_path}/j.db"
-    with Ledger.open(url) as ledger:
+    ref = model.generate(input_ids=ids, attention_mask=mask, **{k: v for k, v in kw.items()
+                                                             if k not in ("close_frontier", "overlap_commit")})
+    with Ledger.open(url or f"sqlite:///{tmp_path}/j.db") as ledger:
         if seed is not None:
             torch.manual_seed(seed)
         out = journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, **kw)
@@ -96,7 +96,9 @@ def assert_proof(model, events) -> int:
 def test_left_padded_batch_greedy(arch, tmp_path):
     model = tiny(arch)
     ids, mask = left_padded(PROMPTS)
-    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=6, do_sample=False)
+    # the commit of each call's starts overlaps the call on one of them
+    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=6, do_sample=False,
+                           overlap_commit=arch == "qwen2")
     assert torch.equal(out, ref)
     states = before_release(events)
     assert len(states) == 3
@@ -124,14 +126,15 @@ def test_seeded_sampling(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_beam_search(arch, tmp_path):
+def test_beam_search(arch, tmp_path, db_url):
     """Beams are a fork group: forked at expansion (their prompt rows checked equal), a
     beam selected twice is a fork, a reorder_cache is a reorder; each returned sequence
-    ends on the handle holding its tokens; the others are finished and released."""
+    ends on the handle holding its tokens; the others are finished and released. On
+    SQLite and on PostgreSQL."""
     model = tiny(arch, seed=2)
     ids, mask = left_padded(PROMPTS[:2])
-    ref, out, events = run(model, tmp_path, ids, mask, num_beams=3, num_return_sequences=2, max_new_tokens=5,
-                           do_sample=False)
+    ref, out, events = run(model, tmp_path, ids, mask, url=db_url, num_beams=3, num_return_sequences=2,
+                           max_new_tokens=5, do_sample=False)
     assert torch.equal(out, ref)
     c = kinds(events)
     assert c["fork"] >= 4 and c["reorder"] >= 1 and c["append:prefill"] == 2
@@ -207,7 +210,8 @@ def test_close_frontier_commits_the_whole_sequence(arch, tmp_path):
     assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 3 * 5
 
 
-def test_forward_that_raises_leaves_failures_then_raises(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_forward_that_raises_leaves_failures_then_raises(overlap, tmp_path):
     model = tiny("qwen2")
     ids, mask = left_padded(PROMPTS)
     calls = []
@@ -223,7 +227,8 @@ def test_forward_that_raises_leaves_failures_then_raises(tmp_path):
     hook = model.model.layers[1].self_attn.register_forward_pre_hook(explode, with_kwargs=True)
     try:
         with Ledger.open(f"sqlite:///{tmp_path}/j.db") as ledger, pytest.raises(Boom):
-            journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, max_new_tokens=6)
+            journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                               overlap_commit=overlap)
         with open_or_create_journal(f"sqlite:///{tmp_path}/j.db") as journal:
             assert verify_journal(journal).ok
             events = list(journal.read_all())
