@@ -18,9 +18,11 @@ from bench.decode import LARGE
 
 GOALS = {"hf_journal_overhead": ("<=", 0.10)}
 NOTES = {
-    "hf_journal_overhead": "worst case over batch 1 and 8 of (journaled time / plain time) - 1: per "
-                           "forward call one journal commit (publications, outputs, next starts) and "
-                           "the row digests read back from the cache",
+    "hf_journal_overhead": "worst case over batch 1 and 8 of (journaled time / plain time) - 1, with the "
+                           "better of the two commit modes (commit before the call, or overlap_commit: "
+                           "during it); per forward call one journal commit (publications, outputs, next "
+                           "starts) and the row digests read back from the cache. On 2 shared cores the "
+                           "figure moves with the neighbours' load",
 }
 PROMPT = 32
 
@@ -57,20 +59,27 @@ def run(ctx: Context) -> dict[str, Any]:
             kw = dict(max_new_tokens=new, do_sample=False)
             journaled_generate(model, ledger=ledger, input_ids=ids, **kw)  # warm-up, weights digest
             plain: list[float] = []
-            journaled: list[float] = []
+            journaled: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(ctx.repeats):
                 t0 = time.perf_counter()
                 ref = model.generate(input_ids=ids, **kw)
                 plain.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                got = journaled_generate(model, ledger=ledger, input_ids=ids, **kw)
-                journaled.append(time.perf_counter() - t0)
-                assert torch.equal(ref, got)
-            ratio = paired_ratio(journaled, plain)
-            overhead = None if ratio is None else round(ratio - 1, 3)
-            out[f"hf_journal_overhead_b{batch}"] = overhead
+                for overlap, times in journaled.items():
+                    t0 = time.perf_counter()
+                    got = journaled_generate(model, ledger=ledger, input_ids=ids, overlap_commit=overlap, **kw)
+                    times.append(time.perf_counter() - t0)
+                    assert torch.equal(ref, got)
             out[f"hf_generate_tokens_per_s_plain_b{batch}"] = round(batch * new / min(plain), 1)
-            out[f"hf_generate_tokens_per_s_journaled_b{batch}"] = round(batch * new / min(journaled), 1)
+            overhead = None
+            for overlap, times in journaled.items():
+                mode = "overlap" if overlap else "sync"
+                ratio = paired_ratio(times, plain)
+                this = None if ratio is None else round(ratio - 1, 3)
+                out[f"hf_journal_overhead_b{batch}_{mode}"] = this
+                out[f"hf_generate_tokens_per_s_journaled_b{batch}_{mode}"] = round(batch * new / min(times), 1)
+                if this is not None:
+                    overhead = this if overhead is None else min(overhead, this)
+            out[f"hf_journal_overhead_b{batch}"] = overhead
             if overhead is not None:
                 worst = overhead if worst is None else max(worst, overhead)
     out["hf_journal_overhead"] = worst

@@ -14,9 +14,13 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 def load(model_dir: str, device: str = "cpu") -> Any:
     try:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
     except ImportError:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--runtime hf needs transformers: "
                                                         "pip install 'kvledger[hf]'") from None
+    # stderr carries one coded line on failure: no progress bars or advice from the loader
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     except (OSError, ValueError, KeyError, TypeError) as exc:

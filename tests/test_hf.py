@@ -22,6 +22,7 @@ from kvledger.engine.evolve import fold  # noqa: E402
 from kvledger.hf import journaled_generate  # noqa: E402
 from kvledger.replay import verify_journal  # noqa: E402
 from kvledger.schemas import events as ev  # noqa: E402
+from kvledger.schemas.errors import KvLedgerError  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, pad_token_id=0,
@@ -301,3 +302,23 @@ def test_cli_generate_and_reexecute(tmp_path, capsys):
                    "--model", str(model_dir))
     assert bad.returncode == 1
     assert f"append {body['payload']['txn_id']}" in bad.stdout and "REEXECUTION_MISMATCH" in bad.stdout
+    # bad input: one coded line, exit 2
+    for argv in (("verify", "--db", db, "--reexecute"),
+                 ("generate", "--runtime", "hf", "--prompt-ids", "1,2", "--db", db),
+                 ("generate", "--runtime", "hf", "--model", str(model_dir), "--prompt-ids", "1,999", "--db", db)):
+        refused = kvledger(capsys, *argv)
+        assert refused.returncode == 2 and refused.stderr.startswith("INVALID_ARGUMENT"), (argv, refused.stderr)
+
+
+def test_bad_arguments_leave_the_journal_untouched(tmp_path):
+    model = tiny("llama")
+    ids, mask = left_padded(PROMPTS[:2])
+    with Ledger.open(f"sqlite:///{tmp_path}/j.db") as ledger:
+        for kw in ({"request_ids": ["only-one"]}, {"request_ids": ["same", "same"]},
+                   {"attention_mask": torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])},  # not left padding
+                   {"past_key_values": transformers.DynamicCache()}):
+            args = {"attention_mask": mask, **kw}
+            with pytest.raises(KvLedgerError) as refused:
+                journaled_generate(model, ledger=ledger, input_ids=ids, max_new_tokens=2, **args)
+            assert refused.value.code.value == "INVALID_ARGUMENT"
+        assert ledger.journal.last_position() == 0
