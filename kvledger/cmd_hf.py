@@ -19,8 +19,8 @@ def load(model_dir: str, device: str = "cpu") -> Any:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--runtime hf needs transformers: "
                                                         "pip install 'kvledger[hf]'") from None
     # stderr carries one coded line on failure: no progress bars or advice from the loader
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     except (OSError, ValueError, KeyError, TypeError) as exc:
