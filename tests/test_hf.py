@@ -175,6 +175,21 @@ def test_assisted_decoding(arch, how, tmp_path):
     assert_proof(model, events)
 
 
+def test_sampled_return_sequences_are_a_fork_group(tmp_path):
+    """num_return_sequences rows of one prompt: forks of its first row at the prompt."""
+    model = tiny("qwen2", seed=5)
+    ids, mask = left_padded(PROMPTS[1:])
+    ref, out, events = run(model, tmp_path, ids, mask, seed=9, max_new_tokens=5, do_sample=True,
+                           num_return_sequences=3)
+    assert torch.equal(out, ref) and out.shape[0] == 6
+    states = list(before_release(events).values())
+    assert kinds(events)["fork"] == 4 and len(states) == 6
+    by_row = sorted(states, key=lambda s: (s.handle_id.split(".")[0], s.handle_id))
+    for row, s in enumerate(by_row):
+        assert s.outputs == tuple(out[row, ids.shape[1]:].tolist())
+    assert_proof(model, events)
+
+
 def test_eos_row_is_repaired_and_the_rest_runs_on(tmp_path):
     """A row that emits EOS finishes there; transformers still runs its EOS token once
     (journaled as the repair that closes its frontier), then pads it, unjournaled. Only
