@@ -12,6 +12,8 @@ import msgspec
 
 from kvledger.engine.state import HandleState
 from kvledger.engine.view import ServiceStateView, view_of
+from kvledger.replay.kv_blocks import StreamReport
+from kvledger.replay.kv_blocks import report as kv_report
 from kvledger.replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
 from kvledger.replay.metrics import (
     RequestMetrics,
@@ -57,6 +59,8 @@ class Report(msgspec.Struct, frozen=True, omit_defaults=True):
     requests: list[RequestMetrics]
     window: WindowMetrics
     trajectory: list[LedgerPoint] | None = None
+    # KV-event streams' block pools (replay.kv_blocks); absent when the journal has none
+    kv_blocks: list[StreamReport] | None = None
 
 
 def snapshot_sha256(s: HandleState) -> str:
@@ -93,12 +97,12 @@ def handle_snapshot(s: HandleState, owns_cache: bool) -> HandleSnapshot:
     )
 
 
-def build(projector: Projector, window: WindowSpec) -> Report:
+def build(projector: Projector, window: WindowSpec, *, block_bytes: int | None = None) -> Report:
     with collector_paused():
-        return _build(projector, window)
+        return _build(projector, window, block_bytes)
 
 
-def _build(projector: Projector, window: WindowSpec) -> Report:
+def _build(projector: Projector, window: WindowSpec, block_bytes: int | None = None) -> Report:
     led = projector.ledger
     owners = led.owners
     handles = []
@@ -119,6 +123,7 @@ def _build(projector: Projector, window: WindowSpec) -> Report:
         peaks=led.peak_values(), byte_time=led.byte_time(), requests=requests,
         window=window_metrics(finishes, window, led.start_ns, led.end_ns),
         trajectory=projector.trajectory,
+        kv_blocks=kv_report(projector.kv.state, block_bytes) if projector.kv.state.streams else None,
     )
 
 

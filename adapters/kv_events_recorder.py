@@ -1,0 +1,216 @@
+"""The recorder's decisions, without sockets: which batches to journal, in which order,
+when to ask for a replay, and what to journal as a gap or a publisher restart.
+
+Each stream (endpoint, topic, data-parallel rank) has a cursor: its epoch (publisher
+restarts seen), the next seq it expects and its stream position. A message is
+
+- older than the cursor: from the replay socket, a duplicate (dropped); live, a
+  duplicate when it is a batch just recorded (same seq, same bytes), else the publisher
+  restarted (seq went back): `kv_events_restart`, a new epoch that expects seq 0;
+- the next seq: journaled, then any held later batches that now follow;
+- later: held, and a replay from the cursor is asked for. What the replay's end marker
+  leaves missing below the first held batch is journaled as `kv_events_gap`.
+
+Every write is an Operation whose guard is the cursor it was decided from (generation =
+epoch, snapshot_version = next seq, stream position): the journal's conditional write
+refuses it if anything else moved the stream, and its operation id names (stream,
+epoch, seq), so a retried write returns the first receipt and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any  # _write's payload: the one of `cls`, a pairing its type cannot state
+
+import msgspec
+
+from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
+from kvledger.schemas import events as ev
+from kvledger.schemas import kv_events as kv
+from kvledger.schemas.events import CURRENT_VERSION
+
+LIFECYCLE = "KV_EVENTS"  # a KV-event stream's head row: no handle lifecycle applies
+SOURCE = "kvledger-kv-events"
+RECENT = 1 << 16  # seqs remembered per stream to tell a late live duplicate from a restart
+MAX_HELD = 1 << 17  # batches held while a replay is pending; beyond this the gap is journaled
+
+
+def stream_id(endpoint: str, topic: str, rank: int | None) -> str:
+    sid = f"kv:{endpoint}|{topic}|dp{'-' if rank is None else rank}"
+    if len(sid) > 200:  # Id allows 256: a very long endpoint is named by its digest
+        sid = "kv:" + hashlib.sha256(sid.encode()).hexdigest()
+    return sid
+
+
+def stream_key(sid: str) -> str:
+    return hashlib.sha256(sid.encode()).hexdigest()[:24]
+
+
+class Cursor(msgspec.Struct):
+    sid: str
+    key: str
+    epoch: int = 0
+    next_seq: int = 0
+    position: int = 0
+    held: dict[int, tuple[float, tuple[kv.KvEvent, ...], int | None, bool, bytes]] = {}
+    recent: dict[int, bytes] = {}
+    order: deque[int] = msgspec.field(default_factory=deque)
+
+    def guard(self) -> Guard | None:
+        return None if self.position == 0 else Guard(self.epoch, self.next_seq, self.position)
+
+
+class Summary(msgspec.Struct):
+    batches: int = 0
+    events: int = 0
+    replayed: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    gap_seqs: int = 0
+    restarts: int = 0
+    streams: int = 0
+
+
+class Recorder:
+    """Feed messages (`live`, `replayed`, `replay_done`); take the Operations to append
+    with `take()` and the replay requests with `replay_wanted`."""
+
+    def __init__(self, endpoint: str, topic: str, heads: dict[str, HeadFacts], *, replayable: bool) -> None:
+        self.endpoint, self.topic = endpoint, topic
+        self.replayable = replayable
+        self.cursors: dict[str, Cursor] = {}
+        for sid, h in heads.items():
+            if h.lifecycle == LIFECYCLE and sid.startswith(stream_id(endpoint, topic, None)[:-3]):
+                self.cursors[sid] = Cursor(sid, stream_key(sid), h.generation, h.snapshot_version,
+                                           h.stream_position)
+        self.ops: list[Operation] = []
+        self.summary = Summary(streams=len(self.cursors))
+        # The seq to ask a replay from (None: none wanted); on start, from the cursor.
+        self.replay_wanted: int | None = min((c.next_seq for c in self.cursors.values()), default=0) \
+            if replayable else None
+        self.replay_pending = False
+        self._known: dict[str, int] = {}  # per stream, the last seq known missing when the replay was asked
+
+    def take(self) -> list[Operation]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    # -- messages ----------------------------------------------------------------
+
+    def message(self, seq: int, payload: bytes, batch: tuple[float, tuple[kv.KvEvent, ...], int | None],
+                *, replayed: bool) -> None:
+        ts, events, rank = batch
+        c = self._cursor(rank)
+        if seq < c.next_seq:
+            if replayed or c.recent.get(seq) == _fingerprint(payload):
+                self.summary.duplicates += 1
+                return
+            self._restart(c, seq)
+        if seq == c.next_seq:
+            self._record(c, seq, ts, events, rank, replayed, payload)
+            self._drain(c)
+            return
+        if len(c.held) >= MAX_HELD:
+            self._gap(c, min(c.held) - 1, "the replay did not answer while this many batches were held")
+            self._drain(c)
+        c.held[seq] = (ts, events, rank, replayed, payload)
+        if not self.replayable:
+            self._gap(c, seq - 1, "no replay endpoint")
+            self._drain(c)
+        elif not self.replay_pending and self.replay_wanted is None:
+            self.replay_wanted = c.next_seq
+
+    def replay_done(self, reason: str = "evicted from the publisher's replay buffer") -> None:
+        """The replay's end marker (or its timeout). A hole that was already open when
+        the request went out (its seqs were published before it) and is still open was
+        not in the publisher's buffer: the buffer keeps a contiguous tail, so everything
+        below the first batch held is gone, and is journaled as a gap. A hole that opened
+        after the request went out is asked for again."""
+        self.replay_pending = False
+        known, self._known = self._known, {}
+        for c in self.cursors.values():
+            if not c.held:
+                continue
+            if c.next_seq <= known.get(c.sid, -1):
+                self._gap(c, min(c.held) - 1, reason)
+                self._drain(c)
+            elif self.replay_wanted is None or c.next_seq < self.replay_wanted:
+                self.replay_wanted = c.next_seq
+
+    def replay_sent(self) -> None:
+        self.replay_pending, self.replay_wanted = True, None
+        self._known = {c.sid: min(c.held) - 1 for c in self.cursors.values() if c.held}
+
+    # -- decisions ---------------------------------------------------------------
+
+    def _cursor(self, rank: int | None) -> Cursor:
+        sid = stream_id(self.endpoint, self.topic, rank)
+        c = self.cursors.get(sid)
+        if c is None:
+            c = self.cursors[sid] = Cursor(sid, stream_key(sid))
+            self.summary.streams += 1
+        return c
+
+    def _drain(self, c: Cursor) -> None:
+        held = c.held
+        while c.next_seq in held:
+            ts, events, rank, replayed, payload = held.pop(c.next_seq)
+            self._record(c, c.next_seq, ts, events, rank, replayed, payload)
+
+    def _record(self, c: Cursor, seq: int, ts: float, events: tuple[kv.KvEvent, ...], rank: int | None,
+                replayed: bool, payload: bytes) -> None:
+        fp = _fingerprint(payload)
+        payload_ = kv.KvEventsBatch(c.epoch, seq, ts, events, rank, replayed)
+        self._write(c, f"{c.epoch}:{seq}", fp.hex(), ev.KvEventsBatchEvent, payload_, seq + 1, c.epoch)
+        c.recent[seq] = fp
+        c.order.append(seq)
+        if len(c.order) > RECENT:
+            c.recent.pop(c.order.popleft(), None)
+        s = self.summary
+        s.batches += 1
+        s.events += len(events)
+        s.replayed += replayed
+
+    def _gap(self, c: Cursor, last: int, reason: str) -> None:
+        if last < c.next_seq:
+            return
+        first = c.next_seq
+        payload = kv.KvEventsGap(c.epoch, first, last, reason)
+        self._write(c, f"{c.epoch}:gap:{first}", f"gap:{first}:{last}", ev.KvEventsGapEvent, payload, last + 1,
+                    c.epoch)
+        self.summary.gaps += 1
+        self.summary.gap_seqs += last - first + 1
+
+    def _restart(self, c: Cursor, seq: int) -> None:
+        payload = kv.KvEventsRestart(c.epoch + 1, c.next_seq - 1, seq, "seq went backwards")
+        self._write(c, f"{c.epoch + 1}:restart", f"restart:{c.next_seq}:{seq}", ev.KvEventsRestartEvent,
+                    payload, 0, c.epoch + 1)
+        c.held.clear()
+        c.recent.clear()
+        c.order.clear()
+        self.summary.restarts += 1
+
+    def _write(self, c: Cursor, what: str, fingerprint: str, cls: type[ev.KvStreamEvent], payload: Any,
+               next_seq: int, epoch: int) -> None:
+        op_id = f"kv:{c.key}:{what}"
+        position = c.position + 1
+        event = cls(
+            event_id=op_id, stream_id=c.sid, stream_position=position,
+            schema_version=CURRENT_VERSION[cls.event_type], request_id=c.sid, handle_generation=epoch,
+            operation_id=op_id, source_instance=SOURCE, monotonic_ns=time.monotonic_ns(),
+            observed_wall_time=time.time_ns(), payload=payload,
+        )
+        head = HeadFacts(c.sid, epoch, next_seq, position, 0, LIFECYCLE, "", "")
+        self.ops.append(Operation(op_id, fingerprint, (StreamWrite(c.sid, c.guard(), head, (event,)),)))
+        c.epoch, c.next_seq, c.position = epoch, next_seq, position
+
+
+def _fingerprint(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def kv_heads(heads: Iterable[tuple[str, HeadFacts]]) -> dict[str, HeadFacts]:
+    return {sid: h for sid, h in heads if h.lifecycle == LIFECYCLE}

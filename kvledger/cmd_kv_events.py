@@ -1,0 +1,97 @@
+"""`kvledger kv-events record | serve | import`: KV-event streams of serving engines
+(vLLM, SGLang, TensorRT-LLM) journaled as their own streams (docs/KV_EVENTS.md).
+
+    kvledger kv-events record --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
+    kvledger kv-events serve --bind tcp://127.0.0.1:5600
+    kvledger kv-events import events.jsonl --dialect trtllm
+
+These need pyzmq (record, serve): pip install 'kvledger[kv-events]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from kvledger import args as a
+from kvledger.args import DB_HELP
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
+
+
+def endpoint(value: str) -> str:
+    """A ZMQ endpoint to connect to: tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
+    if not _ENDPOINT.match(value) or len(value) > 200:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r} is not a ZMQ endpoint "
+                                                        "(tcp://HOST:PORT, ipc://PATH)")
+    return value
+
+
+def seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:40]!r} is not a number of seconds") from None
+    if not 0 < s <= 31_536_000:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:40]!r} seconds is outside (0, 31536000]")
+    return s
+
+
+def _topic(value: str) -> str:
+    if len(value) > 100 or any(ord(ch) < 32 for ch in value):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a topic is at most 100 printable characters")
+    return value
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    top = sub.add_parser("kv-events", help="record, serve and import the KV-cache events of vLLM, SGLang "
+                                           "and TensorRT-LLM (their prefix-cache residency)")
+    kv = top.add_subparsers(dest="kv_command", metavar="SUBCOMMAND", required=True)
+
+    p = kv.add_parser("record", help="subscribe to an engine's KV-event publisher and journal every "
+                                     "batch exactly once (gaps replayed or journaled, restarts journaled)")
+    p.add_argument("--endpoint", type=endpoint, required=True, help="the publisher's PUB endpoint")
+    p.add_argument("--replay-endpoint", type=endpoint, help="the publisher's replay ROUTER endpoint")
+    p.add_argument("--topic", type=_topic, default="", help="topic (default: none, which SGLang's form needs)")
+    p.add_argument("--dialect", choices=("auto", "vllm", "sglang"), default="auto",
+                   help="message form; auto reads each message's frame count (default)")
+    p.add_argument("--block-bytes", type=a.BLOCK_BYTES, metavar="N",
+                   help="bytes per block, for the summary's resident bytes")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
+                   help="stop after this long without a message (default: run until SIGINT/SIGTERM)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(run=_cmd_record)
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    try:
+        from kvledger.adapters import kv_events_zmq as z
+    except ModuleNotFoundError as exc:
+        if exc.name != "zmq":
+            raise
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "kv-events needs pyzmq: pip install "
+                                                        "'kvledger[kv-events]'") from None
+    from kvledger.migrations.storage import open_or_create_journal
+
+    stop = z.Stop()
+    z.install_signals(stop)
+
+    def progress(s: z.Summary) -> None:
+        print(f"kv-events: {s.batches} batches, {s.events} events, {s.replayed} replayed, "
+              f"{s.gaps} gaps, {s.restarts} restarts", file=sys.stderr, flush=True)
+
+    with open_or_create_journal(args.db) as journal:
+        summary = z.record(journal, args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
+                           idle_exit=args.idle_exit, progress=progress, stop=stop)
+    doc = {"batches": summary.batches, "events": summary.events, "replayed": summary.replayed,
+           "duplicates": summary.duplicates, "gaps": summary.gaps, "gap_seqs": summary.gap_seqs,
+           "restarts": summary.restarts, "streams": summary.streams}
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(" ".join(f"{k}={v}" for k, v in doc.items()))
+    return 0
