@@ -32,7 +32,7 @@ from kvledger.schemas import events as ev
 from kvledger.schemas import kv_events as kv
 from kvledger.schemas.events import CURRENT_VERSION
 
-LIFECYCLE = "KV_EVENTS"  # a KV-event stream's head row: no handle lifecycle applies
+LIFECYCLE = kv.KV_LIFECYCLE
 SOURCE = "kvledger-kv-events"
 RECENT = 1 << 16  # seqs remembered per stream to tell a late live duplicate from a restart
 MAX_HELD = 1 << 17  # batches held while a replay is pending; beyond this the gap is journaled

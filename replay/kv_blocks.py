@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from kvledger.journal.contract import HeadFacts
 from kvledger.schemas import events as ev
 from kvledger.schemas import kv_events as kv
 
@@ -176,6 +177,23 @@ class KvBlocks:
 
     def copy(self) -> KvBlockState:
         return msgspec.msgpack.decode(msgspec.msgpack.encode(self.state), type=KvBlockState)
+
+
+# -- the stream's head row -------------------------------------------------------------
+
+def kv_head(prev: tuple[int, int, int] | None, e: ev.KvStreamEvent) -> tuple[int, int, int]:
+    """(epoch, next seq, stream position) after `e`: what the recorder's head row holds
+    (generation, snapshot_version, stream_position)."""
+    epoch, next_seq, _ = prev or (0, 0, 0)
+    p = e.payload
+    if isinstance(p, kv.KvEventsRestart):
+        return p.epoch, 0, e.stream_position
+    last = p.last_seq if isinstance(p, kv.KvEventsGap) else p.seq
+    return p.epoch, max(next_seq, last + 1), e.stream_position
+
+
+def kv_head_facts(sid: str, head: tuple[int, int, int]) -> HeadFacts:
+    return HeadFacts(sid, head[0], head[1], head[2], 0, kv.KV_LIFECYCLE, "", "")
 
 
 # -- the report ----------------------------------------------------------------------

@@ -20,6 +20,8 @@ import msgspec
 from msgspec import Meta
 
 # An int hash (msgspec holds int64 or uint64) or a bytes hash as hex.
+KV_LIFECYCLE = "KV_EVENTS"  # the lifecycle column of a KV-event stream's head row: no handle's applies
+
 Hash = int | Annotated[str, Meta(max_length=512)]
 Hashes = Annotated[tuple[Hash, ...], Meta(max_length=1 << 20)]
 Seq = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
