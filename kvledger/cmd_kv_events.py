@@ -66,15 +66,45 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(run=_cmd_record)
 
+    p = kv.add_parser("serve", help="answer vLLM's replay protocol from the journal (any seq ever recorded), "
+                                    "and snapshot requests (resident blocks + the seq they are valid at)")
+    p.add_argument("--bind", type=endpoint, required=True, help="ROUTER endpoint to bind, e.g. tcp://127.0.0.1:5600")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
+                   help="stop after this long without a request (default: run until SIGINT/SIGTERM)")
+    p.set_defaults(run=_cmd_serve)
 
-def _cmd_record(args: argparse.Namespace) -> int:
+
+def _need_zmq() -> None:
     try:
-        from kvledger.adapters import kv_events_zmq as z
-    except ModuleNotFoundError as exc:
-        if exc.name != "zmq":
-            raise
+        import zmq  # noqa: F401 - only whether it is installed
+    except ModuleNotFoundError:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "kv-events needs pyzmq: pip install "
                                                         "'kvledger[kv-events]'") from None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    _need_zmq()
+    import zmq
+
+    from kvledger.adapters import kv_events_serve as s
+    from kvledger.adapters import kv_events_zmq as z
+    from kvledger.migrations.storage import open_existing_journal
+
+    stop = z.Stop()
+    z.install_signals(stop)
+    with open_existing_journal(args.db) as journal:
+        try:
+            answered = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
+        except zmq.ZMQError as exc:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot bind {args.bind}: {exc}") from None
+    print(f"answered={answered}")
+    return 0
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    _need_zmq()
+    from kvledger.adapters import kv_events_zmq as z
     from kvledger.migrations.storage import open_or_create_journal
 
     stop = z.Stop()

@@ -295,3 +295,96 @@ def test_a_recorded_journal_exports_imports_and_verifies(tmp_path):
         assert a.heads() == b.heads()
         kinds = {e.event_type for e in a.read_all()}
     assert kinds == {"kv_events_batch", "kv_events_gap", "kv_events_restart"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _client_apply(pools: dict[str, set[Any]], events: list[dict[str, Any]]) -> None:
+    """What a router does with replayed events (vLLM names, default pool `-` group)."""
+    for e in events:
+        key = f"{e.get('medium', '-')}/{e.get('group_idx', '-')}"
+        if e["type"] == "BlockStored":
+            pools.setdefault(key, set()).update(e["block_hashes"])
+        elif e["type"] == "BlockRemoved":
+            pools.setdefault(key, set()).difference_update(e["block_hashes"])
+        else:
+            pools.clear()
+
+
+def test_serve_replays_any_seq_and_a_snapshot_plus_replay_rebuilds_the_block_set(tmp_path):
+    """A DEALER gets exactly the recorded batches from any start seq, then the end
+    marker; a snapshot taken mid-run plus a replay from its seq == a full replay's
+    block set."""
+    import zmq
+
+    from kvledger.adapters.kv_events_wire import decode_batch
+    from kvledger.replay.kv_blocks import resident
+    from kvledger.replay.run import project
+    from kvledger.replay.sources import journal_events
+
+    url = _db(tmp_path)
+    published: dict[tuple[int, int], list[Any]] = {}
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    server = subprocess.Popen([sys.executable, "-m", "kvledger", "kv-events", "serve", "--bind", bind, "--db", url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(bind)
+
+    def request(*frames: bytes) -> list[bytes]:
+        dealer.send_multipart([b"", *frames])
+        assert dealer.poll(20_000), "no reply"
+        return dealer.recv_multipart()
+
+    def replay(start: int) -> list[tuple[int, list[Any]]]:
+        out = []
+        frames = request(start.to_bytes(8, "big"))
+        while frames != [b"", (-1).to_bytes(8, "big", signed=True), b""]:
+            empty, topic, seq, payload = frames
+            assert (empty, topic) == (b"", b"kv")
+            _, events, rank = decode_batch(payload)
+            assert rank == 0
+            out.append((int.from_bytes(seq, "big"), msgspec.json.decode(msgspec.json.encode(events))))
+            assert dealer.poll(20_000), "no end marker"
+            frames = dealer.recv_multipart()
+        return out
+
+    try:
+        with _recording(url, "vllm") as (pub, _):
+            w = Workload(10)
+            _publish(pub, w, N // 2, published)
+            _wait_for(url, N // 2)
+            _, tag, body = request(b"SNAPSHOT", b"")
+            snap = msgspec.json.decode(body)
+            _publish(pub, w, N // 2, published)
+            got = _wait_for(url, N)
+        for start in (0, 1, 777, 1999, 2000, 5000):
+            got_back = replay(start)
+            assert [s for s, _ in got_back] == list(range(start, N))
+            assert all(events == normalized(published[(0, s)]) for s, events in got_back)
+        tail = replay(snap["next_seq"])
+        assert request(b"SNAPSHOT", b"no such stream")[1] == b"ERROR"
+    finally:
+        dealer.close(0)
+        ctx.term()
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+    assert server.returncode == 0, err.decode()
+    _check_exactly_once(got, published)
+    assert tag == b"SNAPSHOT" and snap["seq"] + 1 == snap["next_seq"] >= N // 2
+    with open_journal(url) as j:
+        full = project(journal_events(j)).kv.state
+    (sid,) = full.streams
+    assert snap["stream_id"] == sid
+    pools = {k: set(v) for k, v in snap["pools"].items()}
+    assert tail and tail[0][0] == snap["next_seq"]
+    for _, events in tail:
+        _client_apply(pools, events)
+    assert {k: v for k, v in pools.items() if v} == {k: set(v) for k, v in resident(full, sid).items()}
