@@ -126,8 +126,73 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# The fast path, in C: vLLM's own form (a positional batch of maps tagged by "type", every
+# field known). Anything else (SGLang's arrays, a map batch, a field a newer vLLM added)
+# takes the general path below, which keeps unknown fields.
+WireHash = int | bytes
+
+
+class _Wire(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, gc=False):
+    pass
+
+
+class _WStored(_Wire, tag="BlockStored"):
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _WRemoved(_Wire, tag="BlockRemoved"):
+    block_hashes: list[WireHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _WCleared(_Wire, tag="AllBlocksCleared"):
+    pass
+
+
+class _WBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_WStored | _WRemoved | _WCleared]
+    data_parallel_rank: int | None = None
+
+
+_fast = msgspec.msgpack.Decoder(_WBatch)
+
+
+def _hexed(hashes: list[WireHash]) -> tuple[int | str, ...]:
+    return tuple([h.hex() if isinstance(h, bytes) else h for h in hashes])
+
+
+def _from_wire(w: _WStored | _WRemoved | _WCleared) -> kv.KvEvent:
+    if isinstance(w, _WStored):
+        parent = w.parent_block_hash
+        return kv.BlockStored(
+            _hexed(w.block_hashes), parent.hex() if isinstance(parent, bytes) else parent,
+            tuple(w.token_ids), w.block_size, w.lora_id, w.medium, w.lora_name,
+            None if w.extra_keys is None else _plain(w.extra_keys), w.group_idx, w.kv_cache_spec_kind,
+            w.kv_cache_spec_sliding_window)
+    if isinstance(w, _WRemoved):
+        return kv.BlockRemoved(_hexed(w.block_hashes), w.medium, w.group_idx)
+    return kv.AllBlocksCleared()
+
+
 def decode_batch(payload: bytes) -> tuple[float, tuple[kv.KvEvent, ...], int | None]:
     """(ts, events, data_parallel_rank) of one payload; MALFORMED_EVENT if it is none."""
+    try:
+        b = _fast.decode(payload)
+        return b.ts, tuple([_from_wire(e) for e in b.events]), b.data_parallel_rank
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass  # not vLLM's exact form: the general path decides
     try:
         raw = _decode.decode(payload)
     except msgspec.DecodeError as exc:

@@ -78,6 +78,7 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             if isinstance(r, Rejection):
                 raise KvLedgerError(ErrorCode(r.code), f"{r.handle_id}: {r.message} (another recorder "
                                                        "writes this stream?)")
+        rec.summary.last_commit_ns = time.monotonic_ns()
 
     try:
         while not stop.stopped:
@@ -98,6 +99,8 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
                 got += _receive(dealer, lambda frames: _replayed(rec, frames))
             now = time.monotonic()
             if got:
+                if not rec.summary.first_message_ns:
+                    rec.summary.first_message_ns = time.monotonic_ns()
                 last_message = now
                 if first_unflushed is None:
                     first_unflushed = now
