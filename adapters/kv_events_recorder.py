@@ -81,9 +81,14 @@ class Recorder:
     """Feed messages (`live`, `replayed`, `replay_done`); take the Operations to append
     with `take()` and the replay requests with `replay_wanted`."""
 
-    def __init__(self, endpoint: str, topic: str, heads: dict[str, HeadFacts], *, replayable: bool) -> None:
+    def __init__(self, endpoint: str, topic: str, heads: dict[str, HeadFacts], *, replayable: bool,
+                 gap_reason: str = "no replay endpoint", live_duplicates: bool = True) -> None:
         self.endpoint, self.topic = endpoint, topic
         self.replayable = replayable
+        self.gap_reason = gap_reason  # of a gap when there is no replay to ask
+        # Can a live message repeat a recorded one (a socket can, after a replay overtook
+        # it)? In a file it cannot: a step back there is always a restart.
+        self.live_duplicates = live_duplicates
         self.cursors: dict[str, Cursor] = {}
         for sid, h in heads.items():
             if h.lifecycle == LIFECYCLE and sid.startswith(stream_id(endpoint, topic, None)[:-3]):
@@ -108,7 +113,7 @@ class Recorder:
         ts, events, rank = batch
         c = self._cursor(rank)
         if seq < c.next_seq:
-            if replayed or c.recent.get(seq) == _fingerprint(payload):
+            if replayed or (self.live_duplicates and c.recent.get(seq) == _fingerprint(payload)):
                 self.summary.duplicates += 1
                 return
             self._restart(c, seq)
@@ -121,7 +126,7 @@ class Recorder:
             self._drain(c)
         c.held[seq] = (ts, events, rank, replayed, payload)
         if not self.replayable:
-            self._gap(c, seq - 1, "no replay endpoint")
+            self._gap(c, seq - 1, self.gap_reason)
             self._drain(c)
         elif not self.replay_pending and self.replay_wanted is None:
             self.replay_wanted = c.next_seq

@@ -66,6 +66,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(run=_cmd_record)
 
+    p = kv.add_parser("import", help="load a recorded KV-event stream from a JSONL file, all or nothing")
+    p.add_argument("file", type=a.input_file, metavar="FILE.jsonl")
+    p.add_argument("--dialect", choices=("trtllm", "vllm"), required=True,
+                   help="trtllm: get_kv_cache_events() dicts, one a line; vllm: one batch a line")
+    p.add_argument("--stream", type=_topic, metavar="NAME",
+                   help="the stream's source name (default: import:FILE's name)")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(run=_cmd_import)
+
     p = kv.add_parser("serve", help="answer vLLM's replay protocol from the journal (any seq ever recorded), "
                                     "and snapshot requests (resident blocks + the seq they are valid at)")
     p.add_argument("--bind", type=endpoint, required=True, help="ROUTER endpoint to bind, e.g. tcp://127.0.0.1:5600")
@@ -81,6 +91,33 @@ def _need_zmq() -> None:
     except ModuleNotFoundError:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "kv-events needs pyzmq: pip install "
                                                         "'kvledger[kv-events]'") from None
+
+
+def _summary(s: object, as_json: bool) -> None:
+    keys = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs", "restarts", "streams")
+    doc = {k: getattr(s, k) for k in keys}
+    print(json.dumps(doc) if as_json else " ".join(f"{k}={v}" for k, v in doc.items()))
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvledger.adapters.kv_events_import import import_operations
+    from kvledger.adapters.kv_events_recorder import stream_id
+    from kvledger.migrations.storage import creating_journal
+
+    path = Path(args.file)
+    source = args.stream or f"import:{path.name}"
+    with creating_journal(args.db) as journal:
+        heads = journal.heads()
+        if any(sid.startswith(stream_id(source, "", None)[:-3]) for sid in heads):
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"the journal already holds stream {source!r}: "
+                                                            "name another with --stream")
+        ops, rec = import_operations(path, args.dialect, heads, source)
+        if ops:
+            journal.append(ops)  # one transaction: all or nothing
+    _summary(rec.summary, args.json)
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -117,11 +154,5 @@ def _cmd_record(args: argparse.Namespace) -> int:
     with open_or_create_journal(args.db) as journal:
         summary = z.record(journal, args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
                            idle_exit=args.idle_exit, progress=progress, stop=stop)
-    doc = {"batches": summary.batches, "events": summary.events, "replayed": summary.replayed,
-           "duplicates": summary.duplicates, "gaps": summary.gaps, "gap_seqs": summary.gap_seqs,
-           "restarts": summary.restarts, "streams": summary.streams}
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        print(" ".join(f"{k}={v}" for k, v in doc.items()))
+    _summary(summary, args.json)
     return 0

@@ -143,13 +143,13 @@ class KvBlocks:
             elif isinstance(k, kv.BlockUpdated):
                 if k.new_medium is None or k.new_medium == k.medium:
                     continue  # a priority change: residency is the same
-                old = self._pool(s, pool_key(k.medium, None))
+                old = self._pool(s, pool_key(k.medium, k.group_idx))
                 if k.block_hash in old.blocks:
                     old.blocks.discard(k.block_hash)
                 else:
                     self._find(s, MOVE_UNKNOWN, f"move of block {k.block_hash!r}, which is not resident in "
-                                                f"{pool_key(k.medium, None)}", pos, p.seq)
-                self._pool(s, pool_key(k.new_medium, None)).blocks.add(k.block_hash)
+                                                f"{pool_key(k.medium, k.group_idx)}", pos, p.seq)
+                self._pool(s, pool_key(k.new_medium, k.group_idx)).blocks.add(k.block_hash)
             else:  # PoolCreated: a new, empty pool
                 self._clear(s, None)
                 s.uncertain = False

@@ -67,6 +67,7 @@ class BlockUpdated(_KvEvent, frozen=True, tag="BlockUpdated"):
     medium: Name | None = None  # where it was
     new_medium: Name | None = None  # where it is now (None: the tier did not change)
     priority: int | None = None
+    group_idx: int | None = None
 
 
 class PoolCreated(_KvEvent, frozen=True, tag="PoolCreated"):

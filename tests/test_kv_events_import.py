@@ -1,0 +1,131 @@
+"""kvledger kv-events import: TensorRT-LLM and vLLM JSONL streams, all or nothing, and
+the wire decoder's forms (vLLM maps, SGLang arrays, a newer engine's unknown field)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvledger.cli import main
+from kvledger.journal import open_journal
+from kvledger.schemas import events as ev
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+
+def _trt(event_id: int, data: dict[str, Any], window: int = 32) -> str:
+    return json.dumps({"event_id": event_id, "data": data, "window_size": window})
+
+
+def _block(h: int, tokens: list[int], level: int = 0) -> dict[str, Any]:
+    return {"type": "stored_block", "block_hash": h, "lora_id": None, "cache_level": level, "priority": 35,
+            "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens]}
+
+
+def _replay(url: str, capsys: Any, *extra: str) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main(["replay", "--db", url, "--json", *extra]) == 0
+    doc: dict[str, Any] = msgspec.json.decode(capsys.readouterr().out)
+    return doc
+
+
+def test_trtllm_import_maps_stores_moves_removes_gaps_and_restarts(tmp_path, capsys):
+    lines = [
+        _trt(0, {"type": "created", "num_blocks_per_cache_level": [128, 512]}),
+        _trt(1, {"type": "stored", "parent_hash": None, "blocks": [_block(11, [1, 2]), _block(12, [3, 4])]}),
+        _trt(2, {"type": "stored", "parent_hash": 12, "blocks": [_block(13, [5, 6])]}),
+        _trt(3, {"type": "updated", "block_hash": 11, "cache_level": {"type": "event_diff", "old_value": 0,
+                                                                      "new_value": 1}, "priority": None}),
+        _trt(4, {"type": "removed", "block_hashes": [13, 11]}),
+        # event 5 never made it into the file
+        _trt(6, {"type": "stored", "parent_hash": 12, "blocks": [_block(14, [7, 8])]}),
+        # the engine restarted: event ids from 0 again
+        _trt(0, {"type": "created", "num_blocks_per_cache_level": [128, 512]}),
+        _trt(1, {"type": "stored", "parent_hash": None, "blocks": [_block(21, [9, 9])]}),
+    ]
+    f = tmp_path / "trt.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    url = f"sqlite:///{tmp_path / 'kv.db'}"
+    assert main(["kv-events", "import", str(f), "--dialect", "trtllm", "--db", url, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["batches"], summary["gaps"], summary["restarts"]) == (8, 1, 1)
+    with open_journal(url) as j:
+        got = list(j.read_all())
+    gaps = [e.payload for e in got if isinstance(e, ev.KvEventsGapEvent)]
+    assert [(g.first_seq, g.last_seq) for g in gaps] == [(5, 5)]
+    # Before the restart (position of the event_id 6 batch): 12 on level 0, 14 on level 0,
+    # 11 moved to level 1 then removed from there, 13 removed.
+    before = next(e.global_position for e in got if isinstance(e, ev.KvEventsBatchEvent) and e.payload.seq == 6)
+    doc = _replay(url, capsys, "--at", str(before))
+    (s,) = doc["kv_blocks"]
+    assert {k: p["resident_blocks"] for k, p in s["pools"].items()} == {"cache_level_0/32": 2, "cache_level_1/32": 0}
+    assert s["uncertain"] and s["findings"] == []
+    end = _replay(url, capsys)["kv_blocks"][0]
+    assert end["epoch"] == 1 and not end["uncertain"]
+    assert {k: p["resident_blocks"] for k, p in end["pools"].items() if p["resident_blocks"]} == {"cache_level_0/32": 1}
+    assert main(["verify", "--db", url]) == 0
+
+
+def test_vllm_import_and_all_or_nothing(tmp_path, capsys):
+    good = [{"seq": s, "ts": 100.0 + s, "data_parallel_rank": 0,
+             "events": [{"type": "BlockStored", "block_hashes": [f"{s:064x}"], "parent_block_hash": None,
+                         "token_ids": [1, 2, 3, 4], "block_size": 4, "medium": "GPU"}]} for s in range(5)]
+    f = tmp_path / "v.jsonl"
+    f.write_text("\n".join(json.dumps(b) for b in good) + "\n")
+    url = f"sqlite:///{tmp_path / 'kv.db'}"
+    assert main(["kv-events", "import", str(f), "--dialect", "vllm", "--db", url]) == 0
+    doc = _replay(url, capsys, "--block-bytes", "1000")
+    pool = doc["kv_blocks"][0]["pools"]["GPU/-"]
+    assert (pool["resident_blocks"], pool["resident_bytes"], pool["stored"]) == (5, 5000, 5)
+    assert pool["block_seconds"] == 10.0  # 1+2+3+4 block-seconds over ts 100..104
+    # Bad input: one coded line, exit 2, nothing written (a new file is not even created).
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good[0]) + "\n" + '{"seq": 1, "events": [{"type": "BlockMoved"}]}\n')
+    fresh = tmp_path / "fresh.db"
+    assert main(["kv-events", "import", str(bad), "--dialect", "vllm", "--db", f"sqlite:///{fresh}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("MALFORMED_EVENT") and "bad.jsonl:2" in err and len(err.strip().splitlines()) == 1
+    assert not fresh.exists()
+    # The same stream again is refused; the journal is untouched.
+    with open_journal(url) as j:
+        before = j.last_position()
+    assert main(["kv-events", "import", str(f), "--dialect", "vllm", "--db", url]) == 2
+    assert capsys.readouterr().err.startswith("INVALID_ARGUMENT")
+    with open_journal(url) as j:
+        assert j.last_position() == before
+
+
+def test_wire_forms():
+    from kvledger.adapters.kv_events_wire import decode_batch, split_live, split_replay
+
+    enc = msgspec.msgpack.encode
+    vllm = enc([1.5, [{"type": "BlockStored", "block_hashes": [b"\x01\x02", 7], "parent_block_hash": None,
+                       "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None,
+                       "new_field": b"\xff"}], 0])
+    ts, (e,), rank = decode_batch(vllm)
+    assert (ts, rank, e.block_hashes, e.unknown_fields) == (1.5, 0, ("0102", 7), {"new_field": "ff"})
+    sglang = enc([2.0, [["BlockStored", [b"\x01"], None, [1], 1, None], ["BlockRemoved", [b"\x01"]],
+                        ["AllBlocksCleared"]]])
+    _, events, rank = decode_batch(sglang)
+    assert [type(x).__name__ for x in events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert rank is None and events[1].block_hashes == ("01",)
+    seq = (5).to_bytes(8, "big")
+    assert split_live([b"t", seq, b"p"]) == (b"t", 5, b"p") and split_live([seq, b"p"]) == (b"", 5, b"p")
+    assert split_replay([b"", b"t", seq, b"p"]) == (5, b"p") and split_replay([b"", seq, b"p"]) == (5, b"p")
+    assert split_replay([b"", (-1).to_bytes(8, "big", signed=True), b""]) is None
+    junks = (b"\xc1", enc({"ts": "x", "events": []}), enc([1.0, [["Nope"]]]), enc([1.0, [{"type": "BlockStored"}]]))
+    for junk in junks:
+        with pytest.raises(KvLedgerError) as exc:
+            decode_batch(junk)
+        assert exc.value.code is ErrorCode.MALFORMED_EVENT
+
+
+def test_kv_event_arguments_are_refused_with_a_code(capsys):
+    assert main(["kv-events", "record", "--endpoint", "http://x", "--idle-exit", "1"]) == 2
+    assert capsys.readouterr().err.startswith("INVALID_ARGUMENT")
+    assert main(["kv-events", "record", "--endpoint", "tcp://127.0.0.1:1", "--idle-exit", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("INVALID_ARGUMENT")
+    assert main(["kv-events", "import", str(Path("/nonexistent.jsonl")), "--dialect", "vllm"]) == 2
