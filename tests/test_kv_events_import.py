@@ -129,3 +129,56 @@ def test_kv_event_arguments_are_refused_with_a_code(capsys):
     assert main(["kv-events", "record", "--endpoint", "tcp://127.0.0.1:1", "--idle-exit", "-1"]) == 2
     assert capsys.readouterr().err.startswith("INVALID_ARGUMENT")
     assert main(["kv-events", "import", str(Path("/nonexistent.jsonl")), "--dialect", "vllm"]) == 2
+
+
+def test_reconcile_kv_index_finds_exactly_the_mutations(tmp_path, capsys):
+    """An index dumped from the journal's block pool is clean; with one block dropped, one
+    invented and one kept from before the publisher restarted, reconcile finds exactly
+    those three (exit 1)."""
+    from kvledger.replay.kv_blocks import resident
+    from kvledger.replay.run import project
+    from kvledger.replay.sources import journal_events
+
+    def batch(seq: int, stores: list[int], removes: list[int] = ()) -> str:  # type: ignore[assignment]
+        events = [{"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": [h],
+                   "block_size": 1, "medium": "GPU"} for h in stores]
+        events += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in removes]
+        return json.dumps({"seq": seq, "ts": float(seq), "events": events, "data_parallel_rank": 0})
+
+    lines = [batch(s, [100 + s]) for s in range(10)] + [batch(10, [], [100, 101])]
+    lines += [batch(s, [200 + s]) for s in range(6)]  # the publisher restarted: seq from 0
+    f = tmp_path / "v.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    url = f"sqlite:///{tmp_path / 'kv.db'}"
+    assert main(["kv-events", "import", str(f), "--dialect", "vllm", "--db", url]) == 0
+    with open_journal(url) as j:
+        state = project(journal_events(j)).kv.state
+        end = j.last_position()
+    (sid,) = state.streams
+    blocks = {str(h): ["GPU"] for h in resident(state, sid)["GPU/-"]}
+    assert sorted(blocks) == [str(200 + s) for s in range(6)]
+    dump = tmp_path / "index.json"
+
+    def run(index: dict[str, list[str]]) -> tuple[int, dict[str, Any]]:
+        dump.write_text(json.dumps({"position": end, "streams": {sid: index}}))
+        capsys.readouterr()
+        code = main(["reconcile", "--kv-index", str(dump), "--db", url, "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, doc = run(blocks)
+    assert code == 0 and doc["findings"] == [] and doc["journal_blocks"] == 6
+    mutated = dict(blocks)
+    del mutated["203"]  # missing
+    mutated["999"] = ["GPU"]  # extra: never stored
+    mutated["105"] = ["GPU"]  # stale: resident until the restart
+    code, doc = run(mutated)
+    assert code == 1
+    assert sorted((f["code"], f["block_hash"]) for f in doc["findings"]) == [
+        ("KV_INDEX_EXTRA", "999"), ("KV_INDEX_MISSING", "203"), ("KV_INDEX_STALE", "105")]
+    # 100 was removed before the restart: an index holding it is wrong, not stale
+    code, doc = run({**blocks, "100": ["GPU"]})
+    assert [(f["code"], f["block_hash"]) for f in doc["findings"]] == [("KV_INDEX_EXTRA", "100")]
+    # bad dumps are refused with a code
+    dump.write_text('{"streams": []}')
+    assert main(["reconcile", "--kv-index", str(dump), "--db", url]) == 2
+    assert capsys.readouterr().err.startswith("INVALID_ARGUMENT")
