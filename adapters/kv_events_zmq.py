@@ -42,7 +42,7 @@ class Stop:
 
 def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
            idle_exit: float | None = None, progress: Callable[[Summary], None] | None = None,
-           stop: Stop | None = None) -> Summary:
+           stop: Stop | None = None, dialect: str = "auto") -> Summary:
     stop = stop or Stop()
     heads = journal.heads()
     rec = Recorder(endpoint, topic, heads, replayable=replay_endpoint is not None)
@@ -63,6 +63,7 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
         dealer.connect(replay_endpoint)
         poller.register(dealer, zmq.POLLIN)
     topic_bytes = topic.encode()
+    frame_count = {"vllm": 3, "sglang": 2}.get(dialect)  # None: either form
     last_message = time.monotonic()
     first_unflushed: float | None = None
     replay_deadline = 0.0
@@ -94,7 +95,7 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             ready = dict(poller.poll(wait))
             got = 0
             if sub in ready:
-                got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes))
+                got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes, frame_count))
             if dealer is not None and dealer in ready:
                 got += _receive(dealer, lambda frames: _replayed(rec, frames))
             now = time.monotonic()
@@ -133,8 +134,10 @@ def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], m
     return n
 
 
-def _live(rec: Recorder, frames: list[bytes], topic: bytes) -> bool:
+def _live(rec: Recorder, frames: list[bytes], topic: bytes, frame_count: int | None = None) -> bool:
     try:
+        if frame_count is not None and len(frames) != frame_count:
+            raise KvLedgerError(ErrorCode.MALFORMED_EVENT, f"{len(frames)} frames, not the dialect's {frame_count}")
         got_topic, seq, payload = split_live(frames)
         if len(frames) == 3 and got_topic != topic and topic:
             return False

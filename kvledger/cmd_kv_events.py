@@ -14,10 +14,14 @@ import argparse
 import json
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from kvledger import args as a
 from kvledger.args import DB_HELP
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+if TYPE_CHECKING:
+    from kvledger.journal.contract import Journal
 
 _ENDPOINT = re.compile(r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
 
@@ -57,9 +61,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--replay-endpoint", type=endpoint, help="the publisher's replay ROUTER endpoint")
     p.add_argument("--topic", type=_topic, default="", help="topic (default: none, which SGLang's form needs)")
     p.add_argument("--dialect", choices=("auto", "vllm", "sglang"), default="auto",
-                   help="message form; auto reads each message's frame count (default)")
+                   help="message form: vllm [topic, seq, payload], sglang [seq, payload]; auto takes either "
+                        "(default)")
     p.add_argument("--block-bytes", type=a.BLOCK_BYTES, metavar="N",
-                   help="bytes per block, for the summary's resident bytes")
+                   help="bytes per block: the summary then gives the streams' resident bytes")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
                    help="stop after this long without a message (default: run until SIGINT/SIGTERM)")
@@ -93,10 +98,25 @@ def _need_zmq() -> None:
                                                         "'kvledger[kv-events]'") from None
 
 
-def _summary(s: object, as_json: bool) -> None:
+def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None) -> None:
     keys = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs", "restarts", "streams")
-    doc = {k: getattr(s, k) for k in keys}
+    doc = {k: getattr(s, k) for k in keys} | (extra or {})
     print(json.dumps(doc) if as_json else " ".join(f"{k}={v}" for k, v in doc.items()))
+
+
+def _resident_bytes(journal: Journal, endpoint: str, topic: str, block_bytes: int) -> dict[str, object]:
+    """The recorded streams' resident bytes now (their block pools, folded from the journal)."""
+    from kvledger.adapters.kv_events_recorder import stream_id
+    from kvledger.replay.kv_blocks import KvBlocks, report
+    from kvledger.schemas.kv_events import KV_LIFECYCLE
+
+    prefix = stream_id(endpoint, topic, None)[:-3]
+    fold = KvBlocks()
+    for sid, head in journal.heads().items():
+        if head.lifecycle == KV_LIFECYCLE and sid.startswith(prefix):
+            fold.feed(journal.read_stream(sid))
+    return {"resident_bytes": {r.stream_id: sum(p.resident_bytes or 0 for p in r.pools.values())
+                               for r in report(fold.state, block_bytes)}}
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
@@ -153,6 +173,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
     with open_or_create_journal(args.db) as journal:
         summary = z.record(journal, args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
-                           idle_exit=args.idle_exit, progress=progress, stop=stop)
-    _summary(summary, args.json)
+                           idle_exit=args.idle_exit, progress=progress, stop=stop, dialect=args.dialect)
+        extra = None if args.block_bytes is None else \
+            _resident_bytes(journal, args.endpoint, args.topic, args.block_bytes)
+    _summary(summary, args.json, extra)
     return 0

@@ -187,7 +187,7 @@ def test_sigkill_mid_run_then_restart_catches_up_by_replay(tmp_path):
         before = {(e.payload.epoch, e.payload.seq) for e in mid if isinstance(e, ev.KvEventsBatchEvent)}
         assert 0 < len(before)
         _publish(pub, w, 700, published)  # published while no recorder runs: only the ring has them
-        rec = _record_cli(url, pub, "--idle-exit", "2")
+        rec = _record_cli(url, pub, "--idle-exit", "2", "--block-bytes", "1024")
         time.sleep(1.5)
         _publish(pub, w, N - 1500, published, pace=50)
         out, err = rec.communicate(timeout=120)
@@ -198,6 +198,8 @@ def test_sigkill_mid_run_then_restart_catches_up_by_replay(tmp_path):
     _check_exactly_once(got, published)
     summary = msgspec.json.decode(out.splitlines()[-1])
     assert summary["replayed"] >= 700 and summary["gaps"] == 0 and summary["restarts"] == 0
+    model = model_resident([published[(0, s)] for s in range(N)])
+    assert list(summary["resident_bytes"].values()) == [1024 * sum(len(b) for b in model.values())]
 
 
 def _verify_clean(url: str) -> None:
