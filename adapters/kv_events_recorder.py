@@ -37,6 +37,7 @@ LIFECYCLE = kv.KV_LIFECYCLE
 SOURCE = "kvledger-kv-events"
 RECENT = 1 << 16  # seqs remembered per stream to tell a late live duplicate from a restart
 MAX_HELD = 1 << 17  # batches held while a replay is pending; beyond this the gap is journaled
+GROUP = 256  # a stream's consecutive batches written as one operation (one guard, one receipt)
 
 
 def stream_id(endpoint: str, topic: str, rank: int | None) -> str:
@@ -94,7 +95,7 @@ class Recorder:
             if h.lifecycle == LIFECYCLE and sid.startswith(stream_id(endpoint, topic, None)[:-3]):
                 self.cursors[sid] = Cursor(sid, stream_key(sid), h.generation, h.snapshot_version,
                                            h.stream_position)
-        self.ops: list[Operation] = []
+        self.ops: list[_Pending] = []
         self.summary = Summary(streams=len(self.cursors))
         # The seq to ask a replay from (None: none wanted); on start, from the cursor.
         self.replay_wanted: int | None = min((c.next_seq for c in self.cursors.values()), default=0) \
@@ -102,9 +103,10 @@ class Recorder:
         self.replay_pending = False
         self._known: dict[str, int] = {}  # per stream, the last seq known missing when the replay was asked
 
-    def take(self) -> list[Operation]:
-        ops, self.ops = self.ops, []
-        return ops
+    def take(self, group: int = GROUP) -> list[Operation]:
+        """The operations to append for everything decided since the last take."""
+        pending, self.ops = self.ops, []
+        return _operations(pending, group)
 
     # -- messages ----------------------------------------------------------------
 
@@ -203,17 +205,53 @@ class Recorder:
 
     def _write(self, c: Cursor, what: str, fingerprint: str, cls: type[ev.KvStreamEvent], payload: Any,
                next_seq: int, epoch: int) -> None:
-        op_id = f"kv:{c.key}:{what}"
         position = c.position + 1
-        event = cls(
-            event_id=op_id, stream_id=c.sid, stream_position=position,
-            schema_version=CURRENT_VERSION[cls.event_type], request_id=c.sid, handle_generation=epoch,
-            operation_id=op_id, source_instance=SOURCE, monotonic_ns=time.monotonic_ns(),
-            observed_wall_time=time.time_ns(), payload=payload,
-        )
-        head = HeadFacts(c.sid, epoch, next_seq, position, 0, LIFECYCLE, "", "")
-        self.ops.append(Operation(op_id, fingerprint, (StreamWrite(c.sid, c.guard(), head, (event,)),)))
+        self.ops.append(_Pending(c.sid, c.key, c.guard(), what, fingerprint, cls, payload,
+                                 HeadFacts(c.sid, epoch, next_seq, position, 0, LIFECYCLE, "", ""),
+                                 time.monotonic_ns(), time.time_ns()))
         c.epoch, c.next_seq, c.position = epoch, next_seq, position
+
+
+class _Pending(msgspec.Struct, array_like=True, gc=False):
+    """One decided write, not yet an event: `take` groups a stream's consecutive ones
+    into one operation (one receipt, one guard) and only then knows the operation id."""
+
+    sid: str
+    key: str
+    guard: Guard | None
+    what: str
+    fingerprint: str
+    cls: type[ev.KvStreamEvent]
+    payload: Any
+    head: HeadFacts
+    monotonic_ns: int
+    wall_ns: int
+
+
+def _operations(pending: list[_Pending], most: int) -> list[Operation]:
+    """Consecutive writes of one stream, up to `most`, as one operation: its guard is the
+    first write's, its head the last's, its id the first write's (stream, epoch, seq) and
+    how many follow, so a retry of the same group is recognized and any other overlap is
+    refused by the guard."""
+    ops: list[Operation] = []
+    i = 0
+    while i < len(pending):
+        first = pending[i]
+        j = i + 1
+        while j < len(pending) and j - i < most and pending[j].sid == first.sid:
+            j += 1
+        group = pending[i:j]
+        op_id = f"kv:{first.key}:{first.what}" + (f"+{len(group) - 1}" if len(group) > 1 else "")
+        events = tuple(p.cls(
+            event_id=f"kv:{p.key}:{p.what}", stream_id=p.sid, stream_position=p.head.stream_position,
+            schema_version=CURRENT_VERSION[p.cls.event_type], request_id=p.sid, handle_generation=p.head.generation,
+            operation_id=op_id, source_instance=SOURCE, monotonic_ns=p.monotonic_ns, observed_wall_time=p.wall_ns,
+            payload=p.payload) for p in group)
+        fingerprint = first.fingerprint if len(group) == 1 else \
+            f"{len(group)}:{zlib.crc32(''.join(p.fingerprint for p in group).encode()):08x}:{group[-1].fingerprint}"
+        ops.append(Operation(op_id, fingerprint[:128], (StreamWrite(first.sid, first.guard, group[-1].head, events),)))
+        i = j
+    return ops
 
 
 def _fingerprint(payload: bytes) -> bytes:

@@ -26,7 +26,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 FLUSH_OPS = 2048  # operations per commit at most
 FLUSH_AFTER_S = 0.02  # a received batch waits at most this long for its commit
-REPLAY_TIMEOUT_S = 5.0  # a replay with no end marker by then is treated as ended
+REPLAY_TIMEOUT_S = 5.0  # a replay silent this long without its end marker is treated as ended
 PROGRESS_EVERY_S = 5.0
 
 
@@ -98,6 +98,7 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
                 got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes, frame_count))
             if dealer is not None and dealer in ready:
                 got += _receive(dealer, lambda frames: _replayed(rec, frames))
+                replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
             now = time.monotonic()
             if got:
                 if not rec.summary.first_message_ns:

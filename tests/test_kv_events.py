@@ -258,7 +258,7 @@ def test_verify_finds_a_missing_and_a_repeated_seq():
     for seq in range(6):
         payload = encode("vllm", 1.0 + seq, w.batch(), 0)
         rec.message(seq, payload, decode_batch(payload), replayed=False)
-    events = [write.events[0] for op in rec.take() for write in op.writes]
+    events = [e for op in rec.take() for write in op.writes for e in write.events]
 
     def bodies(evs: list[Any]) -> list[tuple[int, bytes]]:
         return [(i + 1, encode_event(msgspec.structs.replace(e, global_position=i + 1, stream_position=i + 1)))
@@ -269,18 +269,19 @@ def test_verify_finds_a_missing_and_a_repeated_seq():
     assert [f.code for f in missing.findings] == [KV_SEQ_ORDER]
     assert "seq 4" in missing.findings[0].message and "no gap journaled" in missing.findings[0].message
     # seq 3 twice (as another event): the repeat is found, and the stream goes on after it
-    again = msgspec.structs.replace(events[3], event_id="again", operation_id="again")
+    again = msgspec.structs.replace(events[3], event_id="again")
     repeated = verify_bodies(bodies(events[:4] + [again] + events[4:]))
     assert [f.code for f in repeated.findings] == [KV_SEQ_ORDER]
     assert "seq 3" in repeated.findings[0].message and "again" in repeated.findings[0].message
 
 
-def test_a_recorded_journal_exports_imports_and_verifies(tmp_path):
-    """Export, import into a new journal (heads and receipts derived from the events),
-    verify clean: the KV-event streams' head rows are derived like the recorder's."""
+def test_a_recorded_journal_exports_imports_and_verifies(tmp_path, db_url):
+    """Recorded on each backend; export, import into a new journal (heads and receipts
+    derived from the events), verify clean: the KV-event streams' head rows are derived
+    like the recorder's."""
     from kvledger.cli import main
 
-    url = _db(tmp_path)
+    url = db_url
     published: dict[tuple[int, int], list[Any]] = {}
     with _recording(url, "vllm", buffer_steps=50) as (pub, _):
         _publish(pub, Workload(8), 300, published, drop=set(range(100, 200)), pace=300)
