@@ -23,8 +23,11 @@ from bench import Context
 
 GOALS = {"kv_events_record_events_per_s": (">=", 100_000)}
 NOTES = {
-    "kv_events_record_events_per_s": "one recorder, one vLLM-form publisher, 10-event batches, durable SQLite; "
-                                      "group commits; decode + one journal event per batch",
+    "kv_events_record_events_per_s": "one recorder, one vLLM-form publisher process, 10-event batches (~2.2 KB "
+                                      "msgpack, ~4 KB of journal JSON), durable SQLite, group commits on a "
+                                      "committer thread. Per batch, in-process on the 2-core CI machine: zlib "
+                                      "of the journal record ~80 us, msgpack decode ~50 us, JSON ~13 us, "
+                                      "decisions ~10 us; the publisher takes a core",
 }
 EVENTS_PER_BATCH = 10
 
