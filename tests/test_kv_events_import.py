@@ -182,3 +182,66 @@ def test_reconcile_kv_index_finds_exactly_the_mutations(tmp_path, capsys):
     dump.write_text('{"streams": []}')
     assert main(["reconcile", "--kv-index", str(dump), "--db", url]) == 2
     assert capsys.readouterr().err.startswith("INVALID_ARGUMENT")
+
+
+def test_block_pool_findings(tmp_path, capsys):
+    """A store under an unknown parent, a remove of an unknown block, a double store; after
+    a gap the same kind of finding is marked uncertain, and a clear makes the state certain."""
+    def line(seq: int, *events: dict[str, Any]) -> str:
+        return json.dumps({"seq": seq, "ts": float(seq), "events": list(events)})
+
+    def stored(h: int, parent: int | None = None) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent, "token_ids": [h],
+                "block_size": 1}
+
+    def removed(h: int) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": [h]}
+
+    f = tmp_path / "f.jsonl"
+    f.write_text("\n".join([
+        line(0, stored(1), stored(2, 1)),  # clean chain
+        line(1, stored(3, 77)),  # parent 77 never stored
+        line(2, removed(88)),  # 88 never stored
+        line(3, stored(1)),  # 1 stored again while resident
+        line(5, removed(99)),  # after the gap (seq 4 missing): uncertain
+        line(6, {"type": "AllBlocksCleared"}),
+        line(7, removed(1)),  # certain again: 1 was cleared
+    ]) + "\n")
+    url = f"sqlite:///{tmp_path / 'kv.db'}"
+    assert main(["kv-events", "import", str(f), "--dialect", "vllm", "--db", url]) == 0
+    (s,) = _replay(url, capsys)["kv_blocks"]
+    got = [(x["code"], x["seq"], x.get("uncertain", False)) for x in s["findings"]]
+    assert got == [("KV_PARENT_UNKNOWN", 1, False), ("KV_REMOVE_UNKNOWN", 2, False), ("KV_DOUBLE_STORE", 3, False),
+                   ("KV_REMOVE_UNKNOWN", 5, True), ("KV_REMOVE_UNKNOWN", 7, False)]
+    assert s["gaps"] == 1 and not s["uncertain"] and s["pools"]["-/-"]["resident_blocks"] == 0
+
+
+def test_the_conditional_write_makes_a_repeat_write_nothing(db_url):
+    """The same decisions appended twice return the first receipts and write nothing; a
+    second recorder that decided from a stale cursor is refused by the head guard."""
+    pytest.importorskip("zmq")  # the reference publisher's encoder module imports it
+    from kvledger.adapters.kv_events_recorder import Recorder
+    from kvledger.adapters.kv_events_wire import decode_batch
+    from kvledger.journal.contract import Rejection
+
+    from kv_publisher import Workload, encode
+
+    def decisions(seqs: range) -> Recorder:
+        rec = Recorder("tcp://127.0.0.1:1", "kv", {}, replayable=False)
+        w = Workload(11)
+        payloads = [encode("vllm", 1.0 + s, w.batch(), 0) for s in range(10)]
+        for s in seqs:
+            rec.message(s, payloads[s], decode_batch(payloads[s]), replayed=False)
+        return rec
+
+    with open_journal(db_url) as j:
+        ops = decisions(range(10)).take()
+        first = j.append(ops)
+        end = j.last_position()
+        again = j.append(ops)
+        assert again == first and j.last_position() == end
+        stale = decisions(range(5)).take()  # grouped differently: another operation id
+        (r,) = j.append(stale)
+        assert isinstance(r, Rejection) and r.code == "HANDLE_EXISTS" and j.last_position() == end
+        batches = [e.payload.seq for e in j.read_all() if isinstance(e, ev.KvEventsBatchEvent)]
+    assert batches == list(range(10))
