@@ -1,7 +1,8 @@
 """The replay report: what `kvledger replay` prints, built from a projector on demand.
 
 The JSON form is one object with the keys position, handles, ledger, peaks, byte_time,
-requests, window (and trajectory, only when it was recorded). Field order and handle
+requests, window (and trajectory, only when it was recorded; kv_blocks, only when the
+journal holds KV-event streams: replay.kv_blocks). Field order and handle
 order (first appearance in the journal) are deterministic, so two replays of the same
 events print byte-identical JSON.
 """

@@ -81,6 +81,10 @@ def test_vllm_import_and_all_or_nothing(tmp_path, capsys):
     pool = doc["kv_blocks"][0]["pools"]["GPU/-"]
     assert (pool["resident_blocks"], pool["resident_bytes"], pool["stored"]) == (5, 5000, 5)
     assert pool["block_seconds"] == 10.0  # 1+2+3+4 block-seconds over ts 100..104
+    capsys.readouterr()
+    assert main(["replay", "--db", url, "--block-bytes", "1000"]) == 0
+    shown = capsys.readouterr().out
+    assert "KV-event block pools" in shown and "5,000" in shown
     # Bad input: one coded line, exit 2, nothing written (a new file is not even created).
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good[0]) + "\n" + '{"seq": 1, "events": [{"type": "BlockMoved"}]}\n')
