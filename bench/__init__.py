@@ -48,6 +48,7 @@ SECTIONS: list[Section] = [
         "journal_tokens_per_s_sqlite", "journal_tokens_per_s_postgres", "journal_ceiling_vs_off",
         "journal_bytes_per_token_L2", "journal_bytes_per_token_L32", "replay_tokens_per_s",
     )),
+    Section("kv_events", "bench.kv_events", "7. KV-event recorder", ("kv_events_record_events_per_s",)),
 ]
 
 MODES = ("smoke", "quick", "full")

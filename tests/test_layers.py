@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Folder at the repository root -> rank. Equal ranks are peers: neither imports the other.
 RANKS = {"schemas": 0, "journal": 1, "migrations": 2, "engine": 2, "worker": 3, "replay": 3,
-         "telemetry": 4, "recovery": 5, "kvledger": 6}
+         "telemetry": 4, "adapters": 4, "recovery": 5, "kvledger": 6}
 
 
 def layer_of(module: str) -> str | None:
@@ -69,7 +69,7 @@ def test_the_rule_catches_a_wrong_import():
 def test_importing_the_api_loads_no_heavy_dependency():
     code = ("import sys, kvledger\n"
             "from kvledger import Ledger\n"
-            "heavy = ('torch', 'psycopg', 'prometheus_client', 'rich', 'structlog', 'numpy')\n"
+            "heavy = ('torch', 'psycopg', 'prometheus_client', 'rich', 'structlog', 'numpy', 'zmq')\n"
             "print(','.join(m for m in heavy if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
     assert out.stdout.strip() == ""
@@ -80,6 +80,6 @@ def test_one_top_level_name_is_installed():
     whose folders would otherwise be found from the current directory)."""
     code = ("import importlib.util as u\n"
             "print([n for n in ('engine', 'journal', 'schemas', 'replay', 'migrations', 'worker',"
-            " 'telemetry', 'recovery') if u.find_spec(n) is not None])")
+            " 'telemetry', 'recovery', 'adapters') if u.find_spec(n) is not None])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
     assert out.stdout.strip() == "[]"

@@ -1,0 +1,1 @@
+"""Runtimes that are not ours: KV-event streams of serving engines (kv_events*), ..."""
