@@ -13,3 +13,9 @@ kvledger demo --requests 8 --db sqlite:///telemetry.db --telemetry telemetry.jso
 kvledger reconcile --db sqlite:///telemetry.db --telemetry telemetry.jsonl --metrics scrape.txt
 kvledger recover --db sqlite:///generate.db
 kvledger crash-test --trials 2 --db sqlite:///crash.db > /dev/null
+printf '{"seq":0,"ts":1.0,"events":[{"type":"BlockStored","block_hashes":["00ff"],"token_ids":[1],"block_size":1}]}\n' > kv.jsonl
+kvledger kv-events import kv.jsonl --dialect vllm --db sqlite:///kv.db
+kvledger verify --db sqlite:///kv.db
+# record and serve need the kv-events extra: without it, one coded line naming it (exit 2)
+if kvledger kv-events record --endpoint tcp://127.0.0.1:9 --idle-exit 1 2> kv.err; then exit 1; fi
+grep -q "^INVALID_ARGUMENT: kv-events needs pyzmq" kv.err

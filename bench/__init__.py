@@ -48,7 +48,8 @@ SECTIONS: list[Section] = [
         "journal_tokens_per_s_sqlite", "journal_tokens_per_s_postgres", "journal_ceiling_vs_off",
         "journal_bytes_per_token_L2", "journal_bytes_per_token_L32", "replay_tokens_per_s",
     )),
-    Section("hf", "bench.hf", "7. Hugging Face generate", ("hf_journal_overhead",)),
+    Section("kv_events", "bench.kv_events", "7. KV-event recorder", ("kv_events_record_events_per_s",)),
+    Section("hf", "bench.hf", "8. Hugging Face generate", ("hf_journal_overhead",)),
 ]
 
 MODES = ("smoke", "quick", "full")

@@ -87,7 +87,10 @@ class Lockstep:
         # random digests, made before the clock starts: the model's worker hashes rows anyway
         self.digests = [os.urandom(32).hex() for _ in range(4096)]
         self.d = 0
+        from kvledger.schemas.canonical import layers_sha256
         from kvledger.schemas.manifest import cache_abi_sha256
+
+        self.combine = layers_sha256
 
         prompt = tuple(range(1, PROMPT + 1))
         manifests = [_manifest(h, layers, prompt, steps + 2) for h in self.handles]
@@ -112,17 +115,15 @@ class Lockstep:
             cache_abi_sha256=self.abi)
 
     def step(self) -> None:
-        c, chains = self.c, []
+        c, chains, layers = self.c, [], self.layers
         for h in self.handles:
             start, n = self.pos[h], self.count[h]
-            layers = []
-            for layer in range(self.layers):
-                self.d = (self.d + 1) % len(self.digests)
-                layers.append(c.LayerRows(layer=layer, start=start, count=n, k_complete=True, v_complete=True,
-                                          rows_sha256=self.digests[self.d]))
+            # what the worker does: 32 layers' row digests, combined into the publish's one
+            self.d = (self.d + layers) % (len(self.digests) - layers)
+            rows = self.combine(self.digests[self.d:self.d + layers])
             token = (start + n) % 50_000
             publish = c.Publish(handle_id=h, txn_id=self.txn[h], base_generation=None, base_snapshot_version=None,
-                                layers=tuple(layers))
+                                rows_sha256=rows)
             emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None,
                                 output_index=self.outputs[h], token_id=token)
             self.outputs[h] += 1

@@ -18,7 +18,17 @@ from msgspec import Meta
 from kvledger.engine.state import HandleState
 from kvledger.schemas.canonical import digest
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-from kvledger.schemas.events import AppendKind, Count, FailureOutcome, ForwardCall, Id, LayerRows, Text, TokenIds
+from kvledger.schemas.events import (
+    AppendKind,
+    Count,
+    Digest,
+    FailureOutcome,
+    ForwardCall,
+    Id,
+    LayerRows,
+    Text,
+    TokenIds,
+)
 from kvledger.schemas.manifest import Manifest
 
 # The events' Count: bounded by the journal's BIGINT columns too (generations, versions
@@ -68,10 +78,15 @@ class Publish(_Command, frozen=True):
     base_generation: N | None
     base_snapshot_version: N | None
     # None: the caller asserts every cache layer staged complete K and V over the
-    # interval (expanded by decide); the worker names each layer with its row digest.
+    # interval (expanded by decide); or name each layer, with its row digest, to have
+    # each one checked.
     layers: Annotated[tuple[LayerRows, ...], Meta(max_length=4096)] | None = None
     accepted_count: N | None = None  # verify only: rows of accepted drafts
     workspace_bytes: N = 0
+    # With layers=None: schemas.canonical.layers_sha256 of every layer's row digest, in
+    # layer order, which is what the publication stores. The worker's form: one field
+    # where 32 layer records would cost a decode step more than everything else.
+    rows_sha256: Digest | None = None
 
 
 class Fail(_Command, frozen=True):

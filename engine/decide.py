@@ -174,9 +174,15 @@ def _publish(states: States, cmd: c.Publish) -> list[Draft]:
     if txn is not None:
         staged = txn.interval_count
         accepted = cmd.accepted_count if cmd.accepted_count is not None else staged
-        layers = cmd.layers if cmd.layers is not None else full_layers(s.num_layers, txn.interval_start, accepted)
-        _check_layer_set(s, layers, txn.interval_start, accepted, txn.kind, staged)
-        rows_sha256 = _rows_sha256(layers)
+        if cmd.layers is None:  # every layer complete, asserted by the caller
+            _check_accepted(accepted, txn.kind, staged)
+            rows_sha256 = cmd.rows_sha256
+        elif cmd.rows_sha256 is not None:
+            raise reject(E.INVALID_ARGUMENT, "a publish names its layers or gives their combined "
+                                             "rows_sha256, not both")
+        else:
+            _check_layer_set(s, cmd.layers, txn.interval_start, accepted, txn.kind, staged)
+            rows_sha256 = _rows_sha256(cmd.layers)
     _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     if txn is None:
         if cmd.txn_id in s.aborted_txn_ids:
@@ -218,10 +224,7 @@ def _check_layer_set(s: HandleState, layers: tuple[ev.LayerRows, ...], start: in
                      kind: str, staged: int) -> None:
     """prepared(X): every cache layer, exactly once, with complete K and V over the same
     interval. Anything less publishes nothing (no best-effort shorter state)."""
-    if kind != "verify" and accepted != staged:
-        raise reject(E.PARTIAL_LAYER_SET, f"{kind} must publish all {staged} staged rows")
-    if not 0 <= accepted <= staged:
-        raise reject(E.REJECTED_SUFFIX, f"accepted {accepted} of {staged} staged rows")
+    _check_accepted(accepted, kind, staged)
     named = sorted(r.layer for r in layers)
     if named != list(range(s.num_layers)):
         raise reject(E.PARTIAL_LAYER_SET, f"layers {named} != all {s.num_layers} cache layers")
@@ -235,6 +238,13 @@ def _check_layer_set(s: HandleState, layers: tuple[ev.LayerRows, ...], start: in
                                             f"{accepted} drafts were accepted")
         if r.count != accepted:
             raise reject(E.PARTIAL_LAYER_SET, f"layer {r.layer} has {r.count} rows, expected {accepted}")
+
+
+def _check_accepted(accepted: int, kind: str, staged: int) -> None:
+    if kind != "verify" and accepted != staged:
+        raise reject(E.PARTIAL_LAYER_SET, f"{kind} must publish all {staged} staged rows")
+    if not 0 <= accepted <= staged:
+        raise reject(E.REJECTED_SUFFIX, f"accepted {accepted} of {staged} staged rows")
 
 
 def _fail(states: States, cmd: c.Fail) -> list[Draft]:

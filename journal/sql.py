@@ -44,7 +44,7 @@ from kvledger.journal.contract import (
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.records import chain as link
-from kvledger.journal.records import encode_record, stable_key
+from kvledger.journal.records import encode_record, manifest_ref, pack_manifest, stable_key
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
@@ -56,7 +56,7 @@ from kvledger.journal.tables import (
 from kvledger.journal.url import parse_url, redact
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-from kvledger.schemas.events import CURRENT_VERSION, Event
+from kvledger.schemas.events import CURRENT_VERSION, Event, RequestAllocate
 from kvledger.schemas.receipts import (
     HandleResult,
     Receipt,
@@ -338,6 +338,7 @@ class SqlJournal(Journal):
         streams: set[int] = set()
         op_keys: set[int] = set()
         manifest_rows: dict[str, bytes] = {}
+        allocated: dict[str, int] = {}  # manifest digest -> position of the event that holds it
         add_body, add_receipt = bodies.append, receipts.append
         encode, replace, encode_receipt = encode_event, msgspec.structs.replace, receipt_encoder.encode
         position = last
@@ -354,6 +355,8 @@ class SqlJournal(Journal):
                     position += 1
                     add_body(encode(replace(ev, global_position=position)))
                     ids.append(ev.event_id)
+                    if op.manifests and isinstance(ev.payload, RequestAllocate):
+                        allocated[ev.payload.manifest_sha256] = position
                 streams.add(stable_key(write.handle_id))
                 h = write.head
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
@@ -361,8 +364,8 @@ class SqlJournal(Journal):
             receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(ids), first, position, now)
             add_receipt(encode_receipt(receipt))
             op_keys.add(stable_key(op_id))
-            if op.manifests:
-                manifest_rows.update(op.manifests)
+            for sha, manifest in op.manifests:  # where its allocation holds it, or itself
+                manifest_rows[sha] = manifest_ref(allocated[sha]) if sha in allocated else pack_manifest(manifest)
             results[i] = receipt
         if not bodies:
             return None, manifest_rows, position
@@ -581,7 +584,7 @@ class SqlJournal(Journal):
             for i in range(0, len(receipt_rows), READ_PAGE):
                 self.sql.insert_receipts(cur, receipt_rows[i:i + READ_PAGE])
             if derived.manifests:
-                self.sql.insert_manifests(cur, list(derived.manifests))
+                self.sql.insert_manifests(cur, [(sha, pack_manifest(m)) for sha, m in derived.manifests])
 
         self._check_process()
         with self._lock:

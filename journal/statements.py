@@ -14,7 +14,17 @@ import msgspec
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
-from kvledger.journal.records import GENESIS, Record, decode_record, stable_key
+from kvledger.journal.records import (
+    GENESIS,
+    Damage,
+    Record,
+    allocation_manifest,
+    audit_record,
+    decode_record,
+    manifest_ref_position,
+    stable_key,
+    unpack_manifest,
+)
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 _json_encode = msgspec.json.Encoder().encode
@@ -353,7 +363,25 @@ class Statements(abc.ABC):
     def manifest(self, cur: Any, manifest_sha256: str) -> bytes | None:
         cur.execute(self.q("SELECT body FROM kvl_manifests WHERE manifest_sha256 = ?"), (manifest_sha256,))
         row = cur.fetchone()
-        return None if row is None else stored_bytes(row[0], f"manifest {manifest_sha256}")
+        return None if row is None else self._manifest_body(cur, stored_bytes(row[0], f"manifest {manifest_sha256}"))
+
+    def _manifest_body(self, cur: Any, stored: bytes) -> bytes:
+        """A stored manifest's canonical JSON, whichever form it is stored in. One that
+        cannot be resolved (a damaged reference or body) comes back as stored: its digest
+        then does not match, which is what verify reports and readers refuse."""
+        position = manifest_ref_position(stored)
+        if position is None:
+            return unpack_manifest(stored)
+        cur.execute(self.q("SELECT first_position, body FROM kvl_records WHERE last_position >= ? "
+                           "ORDER BY last_position LIMIT 1"), (position,))
+        row = cur.fetchone()
+        if row is None or not isinstance(row[0], int) or not isinstance(row[1], (bytes, bytearray, memoryview)):
+            return stored
+        found = audit_record(bytes(row[1]))
+        at = position - row[0]
+        if isinstance(found, Damage) or not 0 <= at < len(found.events):
+            return stored
+        return allocation_manifest(found.events[at]) or stored
 
     def upsert_checkpoint(self, cur: Any, name: str, position: int, state: bytes, now: int) -> None:
         cur.execute(
@@ -437,9 +465,12 @@ class Statements(abc.ABC):
         return rows
 
     def raw_manifest(self, cur: Any, manifest_sha256: str) -> Any:
+        """The stored body as it is (verify names a TEXT one), inflated when compressed."""
         cur.execute(self.q("SELECT body FROM kvl_manifests WHERE manifest_sha256 = ?"), (manifest_sha256,))
         row = cur.fetchone()
-        return None if row is None else row[0]
+        if row is None or not isinstance(row[0], (bytes, bytearray, memoryview)):
+            return None if row is None else row[0]
+        return self._manifest_body(cur, bytes(row[0]))
 
     def receipt_bodies_after(self, cur: Any, after: int, limit: int) -> list[tuple[int, bytes]]:
         cur.execute(

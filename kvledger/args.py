@@ -77,6 +77,7 @@ SEED = integer(0, (1 << 32) - 1)  # one 32-bit seed: workload prompts, sampling 
 PORT = integer(0, 65535)
 POSITION = integer(0, MAX_INT64)
 REQUESTS = integer(1, 100_000)
+BLOCK_BYTES = integer(1, 1 << 40)  # one KV-event block's bytes (kv-events, replay --block-bytes)
 TRIALS = integer(1, 1_000_000)
 # Generation length before the model is known; the model's context bounds it again
 # (CONTEXT_TOO_LONG) before anything is written.

@@ -17,7 +17,7 @@ from kvledger.args import DB_HELP
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 # Modules with a `register(subparsers)` function, one per command family.
-COMMAND_MODULES: list[str] = ["cmd_serve", "cmd_replay", "cmd_telemetry", "cmd_recover"]
+COMMAND_MODULES: list[str] = ["cmd_serve", "cmd_replay", "cmd_telemetry", "cmd_recover", "cmd_kv_events"]
 
 
 def add_slo_arguments(p: argparse.ArgumentParser) -> None:

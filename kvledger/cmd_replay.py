@@ -48,6 +48,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with --json: add the ledgers after every event")
     p.add_argument("--plot", type=a.output_file, metavar="FILE.png",
                    help="draw the byte trajectory (needs matplotlib: pip install 'kvledger[plot]')")
+    p.add_argument("--block-bytes", type=a.BLOCK_BYTES, metavar="N",
+                   help="bytes of one KV-event block: kv_blocks then reports resident bytes and byte-seconds")
     p.set_defaults(run=_cmd_replay)
 
     p = sub.add_parser("verify", help="check every journal invariant; exit 1 on findings")
@@ -106,17 +108,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         source = args.journal
         with _progress("replay", None) as progress:
             report = replay_jsonl(args.journal, window, at=args.at, trajectory=trajectory,
-                                  progress=progress)
+                                  progress=progress, block_bytes=args.block_bytes)
     else:
         with open_existing_journal(args.db) as journal:
             source = journal.display_url
             with _progress("replay", args.at if args.at is not None else journal.last_position()) as progress:
                 if args.incremental:
                     report, resumed = replay_incremental(journal, window, name=args.checkpoint,
-                                                         progress=progress)
+                                                         progress=progress, block_bytes=args.block_bytes)
                 else:
                     report = replay_journal(journal, window, at=args.at, trajectory=trajectory,
-                                            progress=progress)
+                                            progress=progress, block_bytes=args.block_bytes)
     if args.plot:
         from kvledger.replay.plot import plot_trajectory
 

@@ -187,6 +187,8 @@ def _event_rows(out: JsonDoc) -> list[tuple[str, int]]:
 
     rows: list[tuple[str, int]] = []
     for kind in EVENT_CLASSES:
+        if kind.startswith("kv_events"):
+            continue  # an engine's KV-event streams: never written by the demo
         rows.append((kind, out["events_by_type"].get(kind, 0)))
         if kind == "append_start":
             rows += [(f"  {k}", out["appends_by_kind"][k]) for k in get_args(AppendKind)

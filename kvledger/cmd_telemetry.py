@@ -33,8 +33,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Each finding names its class, the telemetry record(s) (line, id) and the "
                     "journal event(s) (position, id) it points to. Absence is concluded only from "
                     "a complete (unsampled) telemetry file, within the scope its header declares.")
-    p.add_argument("--telemetry", type=a.input_file, required=True, metavar="FILE.jsonl",
+    p.add_argument("--telemetry", type=a.input_file, metavar="FILE.jsonl",
                    help="telemetry JSON lines (from `kvledger demo --telemetry`)")
+    p.add_argument("--kv-index", type=a.input_file, metavar="FILE.json",
+                   help="instead of --telemetry: a KV-aware router's index dump (block hash -> media, per "
+                        "KV-event stream) against the journal's block pool (docs/KV_EVENTS.md)")
+    p.add_argument("--at", type=a.POSITION, metavar="N",
+                   help="with --kv-index: the block pool after global positions 1..N (default: the dump's "
+                        "position, else the end)")
     p.add_argument("--metrics", type=a.input_file, metavar="SCRAPE.txt",
                    help="a Prometheus text scrape to check labels")
     g = p.add_mutually_exclusive_group(required=True)
@@ -108,6 +114,12 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from kvledger.replay.reconcile import reconcile
     from kvledger.replay.sources import journal_events, jsonl_bodies, jsonl_events
 
+    if (args.telemetry is None) == (args.kv_index is None):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "reconcile takes --telemetry or --kv-index (one of them)")
+    if args.kv_index is not None:
+        return _reconcile_kv_index(args)
+    if args.at is not None:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--at is for --kv-index")
     if not Path(args.telemetry).is_file():
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"no telemetry file {args.telemetry}")
     scrape = None
@@ -130,6 +142,43 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     else:
         _print(result, source, args.telemetry)
+    return 0 if result.ok else 1
+
+
+def _reconcile_kv_index(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvledger.replay.kv_reconcile import parse_index, reconcile_index
+    from kvledger.replay.sources import journal_events, jsonl_events
+
+    try:
+        doc = msgspec.json.decode(Path(args.kv_index).read_bytes())
+    except (OSError, msgspec.DecodeError) as exc:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot read {args.kv_index}: {exc}") from None
+    index, position = parse_index(doc)
+    at = args.at if args.at is not None else position
+    if args.journal:
+        source = args.journal
+        result = reconcile_index(jsonl_events(args.journal, at), index)
+    else:
+        with open_existing_journal(args.db) as journal:
+            source = journal.display_url
+            result = reconcile_index(journal_events(journal, 0, at), index)
+    if at is not None and result.position < at:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"position {at} is past the end of the journal "
+                                                        f"(last position {result.position})")
+    if args.json:
+        out = {"journal": source, "kv_index": args.kv_index, "ok": result.ok, "position": result.position,
+               "streams": result.streams, "journal_blocks": result.journal_blocks,
+               "index_blocks": result.index_blocks, "findings": result.findings}
+        sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
+    else:
+        print(f"{args.kv_index} vs {source} at position {result.position}: {result.streams} stream(s), "
+              f"{result.journal_blocks} resident (stream, block, medium) in the journal, {result.index_blocks} "
+              f"in the index, {len(result.findings)} finding(s)")
+        for f in result.findings:
+            print(f"{f.code} {f.stream_id} {f.message}{' (stream uncertain: after a gap)' if f.uncertain else ''}")
+    sys.stdout.flush()
     return 0 if result.ok else 1
 
 

@@ -118,14 +118,16 @@ class Ledger:
 
     def publish(self, handle_id: str, *, txn_id: str, base: Base,
                 layers: tuple[LayerRows, ...] | None = None, accepted_count: int | None = None,
-                workspace_bytes: int = 0, operation_id: str | None = None) -> Receipt:
+                workspace_bytes: int = 0, rows_sha256: str | None = None,
+                operation_id: str | None = None) -> Receipt:
         """Publish an open append. `layers=None` asserts every layer staged complete K
-        and V; name the layers (with row digests) to have each one checked."""
+        and V (with `rows_sha256`, schemas.canonical.layers_sha256 of their row digests,
+        if known); name the layers (with row digests) to have each one checked."""
         with _arguments():
             cmd = c.Publish(
                 handle_id=handle_id, txn_id=txn_id, base_generation=base[0], base_snapshot_version=base[1],
                 layers=layers, accepted_count=accepted_count, workspace_bytes=workspace_bytes,
-                operation_id=operation_id)
+                rows_sha256=rows_sha256, operation_id=operation_id)
         return self.execute(cmd)
 
     def fail(self, handle_id: str, *, txn_id: str, outcome: FailureOutcome = "failed", code: str = "FAILED",

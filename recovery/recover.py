@@ -50,6 +50,7 @@ from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.kv_events import KV_LIFECYCLE
 from kvledger.schemas.manifest import Manifest, cache_abi_sha256
 
 if TYPE_CHECKING:
@@ -124,7 +125,8 @@ def recover(journal: Journal, *, model: Transformer | None = None, artifact: Art
         return _done(report, journal, t0, verify_after=False)
 
     service = CommandService(journal, source_instance=source_instance)
-    live = sorted(h for h, f in journal.heads().items() if f.lifecycle != "RELEASED")
+    # KV-event streams (an engine's prefix cache, kvledger kv-events) are no handles to continue
+    live = sorted(h for h, f in journal.heads().items() if f.lifecycle not in ("RELEASED", KV_LIFECYCLE))
     report.live_handles = live
     if not live:
         return _done(report, journal, t0, verify_after=False)

@@ -23,6 +23,7 @@ from kvledger.engine.evolve import evolve
 from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import HeadFacts, ImportTables, Journal
+from kvledger.replay.kv_blocks import kv_head, kv_head_facts
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.replay.verify import Checker, Finding
 from kvledger.schemas import events as ev
@@ -100,7 +101,7 @@ def import_jsonl(journal: Journal, path: str | Path) -> ImportSummary:
             if checker.findings:
                 raise _refusal(path, n, checker.findings[0])
             assert e is not None  # no finding: it decoded
-            tables.add(e, checker.states[e.stream_id])  # the checker's fold, not a second one
+            tables.add(e, checker.states.get(e.stream_id))  # the checker's fold, not a second one
             yield e, body
 
     journal.import_events(events(), tables.result)
@@ -144,12 +145,19 @@ class TableDeriver:
 
     def __init__(self) -> None:
         self.states: dict[str, HandleState] = {}
+        self.kv: dict[str, tuple[int, int, int]] = {}  # KV-event streams' heads (replay.kv_blocks.kv_head)
         self.ops: dict[str, _OpFacts] = {}
         self.manifests: dict[str, bytes] = {}
 
     def add(self, e: ev.Event, after: HandleState | None = None) -> None:
         """Fold `e` in; `after` is the handle's state after it when the caller has it."""
-        s = self.states[e.stream_id] = after if after is not None else evolve(self.states.get(e.stream_id), e)
+        if isinstance(e, ev.KV_EVENT_CLASSES):
+            head = self.kv[e.stream_id] = kv_head(self.kv.get(e.stream_id), e)  # type: ignore[arg-type]  # narrowed by the tuple
+            result = HandleResult(e.stream_id, head[0], head[1], head[2], 0)
+        else:
+            s = self.states[e.stream_id] = after if after is not None else evolve(self.states.get(e.stream_id), e)
+            result = HandleResult(s.handle_id, s.generation, s.snapshot_version, s.stream_position,
+                                  s.committed_length)
         if isinstance(e, ev.RequestAllocateEvent):
             self.manifests.setdefault(e.payload.manifest_sha256, canonical_json(e.payload.manifest))
         if e.operation_id is None:
@@ -160,11 +168,11 @@ class TableDeriver:
         op.event_ids.append(e.event_id)
         op.last = e.global_position
         op.wall_ns = max(op.wall_ns, e.observed_wall_time)
-        op.handles[e.stream_id] = HandleResult(s.handle_id, s.generation, s.snapshot_version,
-                                               s.stream_position, s.committed_length)
+        op.handles[e.stream_id] = result
 
     def result(self) -> ImportTables:
         heads = {h: head_facts(s) for h, s in self.states.items()}
+        heads.update((sid, kv_head_facts(sid, head)) for sid, head in self.kv.items())
         receipts = [Receipt(operation_id=op_id, fingerprint=IMPORTED_FINGERPRINT,
                             handles=tuple(op.handles.values()), event_ids=tuple(op.event_ids),
                             first_global_position=op.first, last_global_position=op.last,

@@ -22,6 +22,7 @@ import msgspec
 
 from kvledger.engine.evolve import APPLY
 from kvledger.engine.state import HandleState
+from kvledger.replay.kv_blocks import KvBlocks, KvBlockState
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json, sha256_hex
@@ -51,6 +52,7 @@ class ProjectionState(msgspec.Struct, kw_only=True):
     inherited: dict[str, int] = {}  # fork child -> outputs it inherited (not its own)
     work: dict[str, Work] = {}
     ledger: LedgerState = msgspec.field(default_factory=LedgerState)
+    kv: KvBlockState = msgspec.field(default_factory=KvBlockState)  # KV-event streams' block pools
 
 
 FORMAT = f"{MEANING}:{sha256_hex(canonical_json(msgspec.json.schema(ProjectionState)))[:16]}"
@@ -63,7 +65,7 @@ class Projector:
     `replay.report.build`."""
 
     __slots__ = ("position", "last_event_id", "handles", "outcomes", "inherited", "work", "ledger",
-                 "trajectory")
+                 "trajectory", "kv")
 
     def __init__(self, state: ProjectionState | None = None, *, trajectory: bool = False) -> None:
         state = state if state is not None else ProjectionState()
@@ -76,6 +78,7 @@ class Projector:
         self.inherited = state.inherited
         self.work = state.work
         self.ledger = LedgerAccumulator(state.ledger)
+        self.kv = KvBlocks(state.kv)
         # Recording a sample per event costs more than the fold itself: only on request.
         self.trajectory: list[LedgerPoint] | None = [] if trajectory else None
 
@@ -88,7 +91,7 @@ class Projector:
             handles=dict(self.handles),
             outcomes=dict(self.outcomes), inherited=dict(self.inherited),
             work={k: Work(w.rows, w.pairs, w.publishes) for k, w in self.work.items()},
-            ledger=self.ledger.state(),
+            ledger=self.ledger.state(), kv=self.kv.copy(),
         )
 
     def dump(self) -> bytes:
@@ -127,6 +130,11 @@ class Projector:
                         f"event {e.event_id} is at global position {pos}, expected {position + 1} "
                         "(run `kvledger verify`)",
                     )
+                cls = e.__class__
+                if cls in _KV:  # an engine's block pool: its own fold, no handle, no ledger clock
+                    self.kv.apply(e)  # type: ignore[arg-type]  # _KV holds exactly those classes
+                    position, applied = pos, e
+                    continue
                 # The clock, inlined from LedgerAccumulator.advance.
                 t = e.monotonic_ns
                 end = ls.end_ns
@@ -136,7 +144,6 @@ class Projector:
                     ls.end_ns = t
                 sid = e.stream_id
                 old = handles.get(sid)
-                cls = e.__class__
                 try:
                     new = apply[cls](old, e)
                 except Exception as exc:  # noqa: BLE001 - any fold failure means a bad journal
@@ -212,6 +219,9 @@ _HOOKS: dict[type[ev.Event], _Hook] = {
     ev.FinishEvent: Projector._on_finish,
     ev.CancelRequestEvent: Projector._on_cancel,
 }
+
+
+_KV = frozenset(ev.KV_EVENT_CLASSES)
 
 
 @contextlib.contextmanager

@@ -98,6 +98,27 @@ def print_report(report: Report, console: Console, source: str) -> None:
                   "-" if s.pairs_ratio is None else f"{s.pairs_ratio:.2f}")
     console.print(t)
     _more(console, len(report.requests))
+    print_kv_blocks(report, console)
+
+
+def print_kv_blocks(report: Report, console: Console) -> None:
+    """The KV-event streams' block pools (engine-owned prefix-cache residency)."""
+    if not report.kv_blocks:
+        return
+    t = Table(title="KV-event block pools (engine-owned)", title_justify="left")
+    for col in ("stream", "epoch", "seq", "gaps", "restarts", "state", "pool", "resident", "bytes", "stored",
+                "removed", "block-s", "findings"):
+        t.add_column(col, justify="left" if col in ("stream", "state", "pool") else "right")
+    for st in report.kv_blocks[:MAX_ROWS]:
+        for key, p in st.pools.items() or {"-": None}.items():
+            t.add_row(escape(st.stream_id), str(st.epoch), str(st.seq), str(st.gaps), str(st.restarts),
+                      "uncertain" if st.uncertain else "certain", escape(key),
+                      *(("-",) * 5 if p is None else (
+                          f"{p.resident_blocks:,}", "-" if p.resident_bytes is None else f"{p.resident_bytes:,}",
+                          f"{p.stored:,}", f"{p.removed:,}", f"{p.block_seconds:,.3f}")),
+                      str(len(st.findings) + st.omitted_findings))
+    console.print(t)
+    _more(console, len(report.kv_blocks))
 
 
 def print_findings(result: VerifyResult, console: Console, source: str) -> None:

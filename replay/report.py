@@ -1,7 +1,8 @@
 """The replay report: what `kvledger replay` prints, built from a projector on demand.
 
 The JSON form is one object with the keys position, handles, ledger, peaks, byte_time,
-requests, window (and trajectory, only when it was recorded). Field order and handle
+requests, window (and trajectory, only when it was recorded; kv_blocks, only when the
+journal holds KV-event streams: replay.kv_blocks). Field order and handle
 order (first appearance in the journal) are deterministic, so two replays of the same
 events print byte-identical JSON.
 """
@@ -12,6 +13,8 @@ import msgspec
 
 from kvledger.engine.state import HandleState
 from kvledger.engine.view import ServiceStateView, view_of
+from kvledger.replay.kv_blocks import StreamReport
+from kvledger.replay.kv_blocks import report as kv_report
 from kvledger.replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
 from kvledger.replay.metrics import (
     RequestMetrics,
@@ -57,6 +60,8 @@ class Report(msgspec.Struct, frozen=True, omit_defaults=True):
     requests: list[RequestMetrics]
     window: WindowMetrics
     trajectory: list[LedgerPoint] | None = None
+    # KV-event streams' block pools (replay.kv_blocks); absent when the journal has none
+    kv_blocks: list[StreamReport] | None = None
 
 
 def snapshot_sha256(s: HandleState) -> str:
@@ -93,12 +98,12 @@ def handle_snapshot(s: HandleState, owns_cache: bool) -> HandleSnapshot:
     )
 
 
-def build(projector: Projector, window: WindowSpec) -> Report:
+def build(projector: Projector, window: WindowSpec, *, block_bytes: int | None = None) -> Report:
     with collector_paused():
-        return _build(projector, window)
+        return _build(projector, window, block_bytes)
 
 
-def _build(projector: Projector, window: WindowSpec) -> Report:
+def _build(projector: Projector, window: WindowSpec, block_bytes: int | None = None) -> Report:
     led = projector.ledger
     owners = led.owners
     handles = []
@@ -119,6 +124,7 @@ def _build(projector: Projector, window: WindowSpec) -> Report:
         peaks=led.peak_values(), byte_time=led.byte_time(), requests=requests,
         window=window_metrics(finishes, window, led.start_ns, led.end_ns),
         trajectory=projector.trajectory,
+        kv_blocks=kv_report(projector.kv.state, block_bytes) if projector.kv.state.streams else None,
     )
 
 

@@ -57,19 +57,21 @@ def _limit(at: int | None) -> int | None:
 
 
 def replay_jsonl(path: str | Path, window: WindowSpec, *, at: int | None = None,
-                 trajectory: bool = False, progress: Progress | None = None) -> Report:
+                 trajectory: bool = False, progress: Progress | None = None,
+                 block_bytes: int | None = None) -> Report:
     """Replay an audit file with no database: the first `at` lines, or all of them."""
     p = project(jsonl_events(path, _limit(at)), trajectory=trajectory, progress=progress)
     _check_at(p, at)
-    return build(p, window)
+    return build(p, window, block_bytes=block_bytes)
 
 
 def replay_journal(journal: Journal, window: WindowSpec, *, at: int | None = None,
-                   trajectory: bool = False, progress: Progress | None = None) -> Report:
+                   trajectory: bool = False, progress: Progress | None = None,
+                   block_bytes: int | None = None) -> Report:
     """Replay a journal database: positions 1..at, or all of it."""
     p = project(journal_events(journal, 0, _limit(at)), trajectory=trajectory, progress=progress)
     _check_at(p, at)
-    return build(p, window)
+    return build(p, window, block_bytes=block_bytes)
 
 
 def resume(journal: Journal, name: str = CHECKPOINT) -> Projector:
@@ -91,7 +93,7 @@ def resume(journal: Journal, name: str = CHECKPOINT) -> Projector:
 
 
 def replay_incremental(journal: Journal, window: WindowSpec, *, name: str = CHECKPOINT,
-                       progress: Progress | None = None) -> tuple[Report, int]:
+                       progress: Progress | None = None, block_bytes: int | None = None) -> tuple[Report, int]:
     """Resume from the stored checkpoint, apply what was appended since, store the new
     checkpoint. Returns the report and the position it resumed from (0: from scratch)."""
     p = resume(journal, name)
@@ -99,4 +101,4 @@ def replay_incremental(journal: Journal, window: WindowSpec, *, name: str = CHEC
     project(journal_events(journal, start), projector=p, progress=progress)
     if p.position != start or start == 0:
         journal.save_checkpoint(name, p.position, p.dump())
-    return build(p, window), start
+    return build(p, window, block_bytes=block_bytes), start

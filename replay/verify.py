@@ -32,9 +32,11 @@ from kvledger.engine.evolve import cut, evolve
 from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import HeadFacts, Journal, StoredDamage, StoredEvent, StoredReceipt
+from kvledger.replay.kv_blocks import kv_head_facts
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.replay.stored import column_problems, names, position_of, receipt_problems, short
 from kvledger.schemas import events as ev
+from kvledger.schemas import kv_events as kv
 from kvledger.schemas.canonical import canonical_json, sha256_hex
 from kvledger.schemas.codec import decode_event, noncanonical
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -84,6 +86,8 @@ COLUMN_MISMATCH = "COLUMN_MISMATCH"  # an indexed column disagrees with the row'
 STORED_TYPE_MISMATCH = "STORED_TYPE_MISMATCH"  # e.g. a body stored as TEXT, not bytes
 MALFORMED_RECEIPT = "MALFORMED_RECEIPT"  # a receipt body that does not decode
 STORAGE_CORRUPT = "STORAGE_CORRUPT"  # the database's own integrity check failed
+KV_SEQ_ORDER = "KV_SEQ_ORDER"  # a KV-event stream's seqs not 0, 1, 2, ... in each epoch (gaps journaled)
+KV_EPOCH_ORDER = "KV_EPOCH_ORDER"  # a KV-event stream's epoch not 0, then +1 at each restart
 NON_CANONICAL = ErrorCode.NON_CANONICAL_EVENT.value
 
 KEEP = 100  # findings kept for the report; the rest are counted
@@ -145,6 +149,7 @@ class Checker:
         self._prev_op: str | None = None
         self._e: ev.Event | None = None
         self._line: int | None = None
+        self.kv: dict[str, tuple[int, int, int]] = {}  # KV-event stream -> (epoch, next seq, position)
 
     # -- input ---------------------------------------------------------------------
 
@@ -259,6 +264,8 @@ class Checker:
                                         f"previous {self._clock[clock_key]} from {e.source_instance}")
         self._clock[clock_key] = max(e.monotonic_ns, self._clock.get(clock_key, 0))
 
+        if isinstance(e, ev.KV_EVENT_CLASSES):
+            return self._kv(e)  # type: ignore[arg-type]  # narrowed by the tuple
         s = self.states.get(sid)
         creates = isinstance(e, (ev.RequestAllocateEvent, ev.ForkEvent))
         if s is None and not creates:
@@ -296,6 +303,43 @@ class Checker:
         if e.operation_id is not None:
             self._ops[e.operation_id].handles[sid] = (new.generation, new.snapshot_version,
                                                       new.stream_position, new.committed_length)
+        return None
+
+    def _kv(self, e: ev.KvStreamEvent) -> None:
+        """A KV-event stream: seqs 0, 1, 2, ... in each epoch, each exactly once, a gap
+        journaled where some never arrived, the epoch +1 at each publisher restart."""
+        sid = e.stream_id
+        if sid in self.states:
+            return self._find(UNKNOWN_STREAM, f"{e.event_type} on {sid}, which is a handle's stream")
+        epoch, next_seq, _ = self.kv.get(sid, (0, 0, 0))
+        p = e.payload
+        if isinstance(p, kv.KvEventsRestart):
+            if p.epoch != epoch + 1:
+                self._find(KV_EPOCH_ORDER, f"restart of {sid} to epoch {p.epoch}, expected {epoch + 1}")
+            if p.previous_seq != next_seq - 1:
+                self._find(KV_SEQ_ORDER, f"restart of {sid} says the last seq was {p.previous_seq}, the stream "
+                                         f"ends at {next_seq - 1}")
+            epoch, next_seq = p.epoch, 0
+        else:
+            if p.epoch != epoch:
+                self._find(KV_EPOCH_ORDER, f"{e.event_type} of {sid} in epoch {p.epoch}, the stream is in {epoch} "
+                                           "(a new epoch starts with kv_events_restart)")
+            first, last = (p.first_seq, p.last_seq) if isinstance(p, kv.KvEventsGap) else (p.seq, p.seq)
+            if last < first:
+                self._find(KV_SEQ_ORDER, f"gap of {sid} from {first} to {last}")
+            elif first != next_seq:
+                what = "again" if first < next_seq else f"after {next_seq - 1} with no gap journaled"
+                self._find(KV_SEQ_ORDER, f"seq {first} of {sid} (epoch {p.epoch}) {what}; expected {next_seq}")
+            epoch, next_seq = p.epoch, max(next_seq, last + 1)
+        if e.handle_generation != epoch:
+            self._find(GENERATION_MISMATCH, f"decided against generation {e.handle_generation}; {sid} is at "
+                                            f"epoch {epoch}")
+        if e.request_id != sid:
+            self._find(REQUEST_MISMATCH, f"request {e.request_id} on KV-event stream {sid}")
+        self.kv[sid] = (epoch, next_seq, e.stream_position)
+        self._last[sid] = (e.global_position, e.event_id)
+        if e.operation_id is not None:
+            self._ops[e.operation_id].handles[sid] = (epoch, next_seq, e.stream_position, 0)
         return None
 
     def _track_op(self, e: ev.Event) -> None:
@@ -601,8 +645,13 @@ class Checker:
             if h is None or h != head_facts(s):
                 self.add(Finding(HEAD_MISMATCH, f"head row of {sid} does not match its stream",
                                  pos, event_id, sid))
+        for sid, (epoch, next_seq, position) in self.kv.items():
+            h = heads.get(sid)
+            if h is None or h != kv_head_facts(sid, (epoch, next_seq, position)):
+                pos, event_id = self._last[sid]
+                self.add(Finding(HEAD_MISMATCH, f"head row of {sid} does not match its stream", pos, event_id, sid))
         for sid in heads:
-            if sid not in self.states:
+            if sid not in self.states and sid not in self.kv:
                 self.add(Finding(HEAD_MISMATCH, f"head row of {sid}, which has no events",
                                  stream_id=sid))
 

@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from kvledger.schemas.kv_events import KvEventsBatch, KvEventsGap, KvEventsRestart
 from kvledger.schemas.manifest import Manifest
 
 # Bounds keep a forged or corrupt line from becoming an unbounded allocation.
@@ -271,6 +272,24 @@ class ReleaseEvent(Envelope, tag="release", frozen=True):
     payload: Release
 
 
+# KV-event streams of a serving engine (schemas.kv_events): their own streams, named by
+# endpoint, topic and rank; request_id repeats the stream id and handle_generation is the
+# stream's epoch, because the envelope requires both and the engine has no such facts.
+class KvEventsBatchEvent(Envelope, tag="kv_events_batch", frozen=True):
+    event_type: ClassVar[Literal["kv_events_batch"]] = "kv_events_batch"
+    payload: KvEventsBatch
+
+
+class KvEventsGapEvent(Envelope, tag="kv_events_gap", frozen=True):
+    event_type: ClassVar[Literal["kv_events_gap"]] = "kv_events_gap"
+    payload: KvEventsGap
+
+
+class KvEventsRestartEvent(Envelope, tag="kv_events_restart", frozen=True):
+    event_type: ClassVar[Literal["kv_events_restart"]] = "kv_events_restart"
+    payload: KvEventsRestart
+
+
 Event = Union[  # noqa: UP007 - Union[...] keeps one member a line, and __args__ enumerates them
     RequestAllocateEvent,
     AppendStartEvent,
@@ -283,7 +302,13 @@ Event = Union[  # noqa: UP007 - Union[...] keeps one member a line, and __args__
     CancelRequestEvent,
     FinishEvent,
     ReleaseEvent,
+    KvEventsBatchEvent,
+    KvEventsGapEvent,
+    KvEventsRestartEvent,
 ]
+# The events of KV-event streams: readers of handle streams pass these by.
+KV_EVENT_CLASSES: tuple[type, ...] = (KvEventsBatchEvent, KvEventsGapEvent, KvEventsRestartEvent)
+KvStreamEvent = KvEventsBatchEvent | KvEventsGapEvent | KvEventsRestartEvent
 
 EVENT_CLASSES: dict[str, type] = {cls.event_type: cls for cls in Event.__args__}  # type: ignore[attr-defined]  # mypy types a Union alias as a special form
 PAYLOAD_CLASSES: dict[str, type] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvledger import Ledger, full_layers
@@ -313,3 +314,28 @@ def test_relative_commands_take_the_state_their_batch_leaves_and_stay_fenced(led
                                                          base_snapshot_version=0, new_length=1))])
     assert isinstance(late, KvLedgerError) and late.code is ErrorCode.STALE_BASE
     assert ledger.state("R", refresh=True).committed_length == 2
+
+
+def test_a_publish_gives_its_layers_or_their_combined_digest(ledger):
+    """The worker's compact publish (layers=None with rows_sha256) stores the same digest
+    as naming every layer with its own; naming both, or a malformed digest, is refused."""
+    from kvledger.schemas.canonical import layers_sha256
+
+    allocate(ledger, "R", capacity=8)
+    b0 = base(ledger, "R")
+    prompt = ledger.state("R").prompt
+    n, layers = len(prompt), ledger.state("R").num_layers
+    per_layer = [f"{i:064x}" for i in range(layers)]
+    named = tuple(msgspec.structs.replace(r, rows_sha256=d) for r, d in zip(full_layers(layers, 0, n), per_layer))
+    ledger.begin_append("R", txn_id="p", kind="prefill", base=b0, start=0, token_ids=prompt)
+    rejected(ErrorCode.INVALID_ARGUMENT, ledger.publish, "R", txn_id="p", base=b0, layers=named,
+             rows_sha256=layers_sha256(per_layer))
+    rejected(ErrorCode.INVALID_ARGUMENT, ledger.publish, "R", txn_id="p", base=b0, rows_sha256="xyz")
+    ledger.publish("R", txn_id="p", base=b0, rows_sha256=layers_sha256(per_layer))
+    emit(ledger, "R", 7)
+    b1 = base(ledger, "R")
+    ledger.begin_append("R", txn_id="d", kind="decode", base=b1, start=n, token_ids=(7,))
+    ledger.publish("R", txn_id="d", base=b1, layers=tuple(
+        msgspec.structs.replace(r, rows_sha256=d) for r, d in zip(full_layers(layers, n, 1), per_layer)))
+    publishes = [e.payload.rows_sha256 for e in ledger.journal.read_all() if e.event_type == "append_publish"]
+    assert publishes == [layers_sha256(per_layer)] * 2

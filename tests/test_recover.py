@@ -268,7 +268,7 @@ def test_adopt_without_ready_logits_recomputes_the_last_row(served, tmp_path):
         [ran] = w.ran
         s = service.state("g")
         service.execute(c.Publish(handle_id="g", txn_id=ran.planned.txn, base_generation=s.generation,
-                                  base_snapshot_version=s.snapshot_version, layers=ran.layers))
+                                  base_snapshot_version=s.snapshot_version, rows_sha256=ran.rows_sha256))
         state = service.state("g", refresh=True)
         assert state.logits_ready and not state.outputs and state.committed_length == len(spec.prompt)
         r = reexecute(model, j.read_all(), capacity=64)

@@ -235,4 +235,5 @@ def test_every_event_type_has_a_payload_and_a_schema_entry():
     assert set(s["discriminator"]["mapping"]) == set(ev.EVENT_CLASSES) == {
         "request_allocate", "append_start", "append_publish", "failure", "output_emit", "fork",
         "truncate", "reorder", "cancel_request", "finish", "release",
+        "kv_events_batch", "kv_events_gap", "kv_events_restart",
     }

@@ -5,14 +5,16 @@ Every event of a small demo journal is edited in turn, on both backends."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 
 import msgspec
 import pytest
+import zstandard
 
 from kvledger.journal import open_journal
-from kvledger.journal.records import _Header, chain, decode_record  # the layout under test
+from kvledger.journal.records import _Header, chain, compress, decode_record  # the layout under test
 from kvledger.replay import verify_journal
 
 from stored_rows import cli, sql
@@ -50,7 +52,8 @@ def edit_event(body: bytes, index: int, *, rechecksum: bool) -> bytes:
     """The record with one byte of its event `index` changed (a digit or letter turned
     into another one, so the JSON still parses), its CRCs kept or recomputed."""
     h = msgspec.msgpack.decode(body, type=_Header)
-    data = bytearray(zlib.decompress(h.data))
+    assert h.format == 2  # zstd
+    data = bytearray(zstandard.ZstdDecompressor().decompress(h.data))
     start = sum(h.event_lengths[:index])
     event = data[start:start + h.event_lengths[index]]
     at = max(i for i, c in enumerate(event) if chr(c).isalnum())  # the last value byte
@@ -59,7 +62,7 @@ def edit_event(body: bytes, index: int, *, rechecksum: bool) -> bytes:
     if rechecksum:
         crcs = [zlib.crc32(data[sum(h.event_lengths[:i]):sum(h.event_lengths[:i + 1])])
                 for i in range(len(h.event_lengths))]
-    return msgspec.msgpack.encode(msgspec.structs.replace(h, event_crcs=crcs, data=zlib.compress(bytes(data))))
+    return msgspec.msgpack.encode(msgspec.structs.replace(h, event_crcs=crcs, data=compress(bytes(data))))
 
 
 def test_the_demo_journal_verifies_clean_and_its_chain_links_every_record(demo):
@@ -154,3 +157,27 @@ def test_verify_exits_1_and_names_the_edited_event(demo, capsys):
     assert code == 1, err
     report = json.loads(out)
     assert [f["global_position"] for f in report["findings"] if f["code"] == "TAMPERED"][0] == first + 1
+
+
+def test_a_manifest_is_stored_as_a_reference_to_its_allocation_and_an_edited_one_is_named(demo):
+    """An appended allocation's manifest is kept once, in its event: kvl_manifests points
+    at that event, readers get its canonical JSON back, and a reference moved to another
+    allocation, or to nowhere, is a DIGEST_MISMATCH at the allocation whose manifest it is."""
+    db_url, _ = demo
+    rows = sql(db_url, "SELECT manifest_sha256, body FROM kvl_manifests ORDER BY body")
+    assert len(rows) == 2 and all(bytes(b).startswith(b"@") for _, b in rows)
+    with open_journal(db_url) as journal:
+        for sha, _ in rows:
+            assert hashlib.sha256(journal.manifest(sha)).hexdigest() == sha
+        allocations = {e.payload.manifest_sha256: e.global_position for e in journal.read_all()
+                       if e.event_type == "request_allocate"}
+    (sha_a, ref_a), (_, ref_b) = rows
+    for wrong in (bytes(ref_b), b"@999999", b"@0"):
+        sql(db_url, "UPDATE kvl_manifests SET body = :b WHERE manifest_sha256 = :s", b=wrong, s=sha_a)
+        try:
+            with open_journal(db_url) as journal:
+                result = verify_journal(journal)
+        finally:
+            sql(db_url, "UPDATE kvl_manifests SET body = :b WHERE manifest_sha256 = :s", b=bytes(ref_a), s=sha_a)
+        assert [(f.code, f.global_position) for f in result.findings] == [("DIGEST_MISMATCH", allocations[sha_a])]
+    assert tampered(db_url) == []

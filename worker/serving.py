@@ -27,7 +27,8 @@ from kvledger.engine import commands as c
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
-from kvledger.schemas.events import AppendKind, ForwardCall, LayerRows
+from kvledger.schemas.canonical import layers_sha256
+from kvledger.schemas.events import AppendKind, ForwardCall
 from kvledger.schemas.manifest import (
     ArtifactIdentity,
     CacheSchema,
@@ -100,7 +101,7 @@ class Ran:
     planned: Planned
     logits: Tensor  # [R, V]: last row, or every row for verify
     accepted: int
-    layers: tuple[LayerRows, ...]
+    rows_sha256: str  # schemas.canonical.layers_sha256 of the accepted rows' per-layer digests
     correction: int | None = None  # verify: the token chosen after the accepted drafts
     greedy: int | None = None  # argmax of the last row, computed for the whole call at once
 
@@ -293,7 +294,7 @@ class Worker:
         accepted = ran.accepted if p.kind == "verify" else None
 
         publish = c.Publish(handle_id=p.handle, txn_id=p.txn, base_generation=None, base_snapshot_version=None,
-                            layers=ran.layers, accepted_count=accepted, workspace_bytes=self._workspace(p))
+                            rows_sha256=ran.rows_sha256, accepted_count=accepted, workspace_bytes=self._workspace(p))
 
         def failed(exc: Exception, h: str = p.handle) -> None:
             self.store.discard(h)
@@ -527,13 +528,13 @@ class Worker:
         for b, p in enumerate(planned):
             if not real[b]:
                 continue
-            layers = tuple(LayerRows(layer=i, start=p.past, count=accepted[b], k_complete=True,
-                                     v_complete=True, rows_sha256=d) for i, d in enumerate(digests[b]))
+            # every layer ran and wrote its rows: the publish gives their combined digest
+            rows_sha256 = layers_sha256(digests[b])
             correction = None
             if verify:  # the target's own choice after the accepted drafts
                 after = self._logits(self.live[p.handle]) if accepted[b] == 0 else logits[b, accepted[b] - 1]
                 correction = int(after.argmax())
-            ran.append(Ran(p, logits[b], accepted[b], layers, correction,
+            ran.append(Ran(p, logits[b], accepted[b], rows_sha256, correction,
                            greedy[b] if greedy is not None else None))
         return ran
 

@@ -1,0 +1,245 @@
+"""The KV-event wire format of vLLM and SGLang, as pure functions (no sockets).
+
+A live message is a ZMQ multipart `[topic, seq, payload]` (vLLM) or `[seq, payload]`
+(SGLang): seq an 8-byte big-endian integer, the payload a msgpack `EventBatch`, either
+positional `[ts, events, data_parallel_rank]` or a map with those keys. An event is a
+map tagged by `"type"` (vLLM >= 0.26; fields at their default are omitted) or a
+positional array `["BlockStored", ...]` (older vLLM, SGLang; trailing fields may be
+missing). Hashes are ints or bytes; bytes become lowercase hex here.
+
+A replay reply, as a DEALER receives it, is `[b"", topic, seq, payload]` (vLLM with the
+topic), `[b"", seq, payload]` (SGLang, older vLLM) or the end marker `[b"", -1, b""]`.
+In every form the seq is the second-last frame and the payload the last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvledger.schemas import kv_events as kv
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+# Positional field order of each event type, as the array form sends them.
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": ("medium",),
+}
+_CLASSES: dict[str, type] = {"BlockStored": kv.BlockStored, "BlockRemoved": kv.BlockRemoved,
+                             "AllBlocksCleared": kv.AllBlocksCleared}
+_KNOWN = {name: frozenset(_FIELDS[name]) for name in _FIELDS}
+_decode = msgspec.msgpack.Decoder()
+
+
+def _bad(message: str) -> KvLedgerError:
+    return KvLedgerError(ErrorCode.MALFORMED_EVENT, message)
+
+
+def seq_of(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise _bad(f"a seq frame has 8 bytes, not {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def split_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    """(topic, seq, payload) of one PUB message; SGLang's form has topic b""."""
+    if len(frames) == 3:
+        return frames[0], seq_of(frames[1]), frames[2]
+    if len(frames) == 2:
+        return b"", seq_of(frames[0]), frames[1]
+    raise _bad(f"a KV-event message has 2 or 3 frames, not {len(frames)}")
+
+
+def split_replay(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one replay reply; None for the end marker."""
+    if len(frames) < 2:
+        raise _bad(f"a replay reply has at least 2 frames, not {len(frames)}")
+    seq = seq_of(frames[-2])
+    if seq == -1 and not frames[-1]:
+        return None
+    return seq, frames[-1]
+
+
+def _hash(h: Any) -> int | str:
+    if isinstance(h, bytes):
+        return h.hex()
+    if isinstance(h, int) and not isinstance(h, bool):
+        return h
+    raise _bad(f"a block hash is int or bytes, not {type(h).__name__}")
+
+
+def _hashes(value: Any) -> tuple[int | str, ...]:
+    if not isinstance(value, list):
+        raise _bad("block_hashes is not a list")
+    return tuple([h.hex() if isinstance(h, bytes) else _hash(h) for h in value])
+
+
+def _event(raw: Any) -> kv.KvEvent:
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields = {k: v for k, v in raw.items() if k != "type"}
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _FIELDS.get(kind)
+        if names is None:
+            raise _bad(f"unknown KV event type {kind[:64]!r}")
+        if len(raw) - 1 > len(names):
+            raise _bad(f"{kind} has {len(raw) - 1} fields, more than the {len(names)} known")
+        fields = dict(zip(names, raw[1:]))
+    else:
+        raise _bad("a KV event is a map tagged by 'type' or an array starting with its type")
+    if not isinstance(kind, str) or kind not in _CLASSES:
+        raise _bad(f"unknown KV event type {str(kind)[:64]!r}")
+    cls = _CLASSES[kind]
+    if "block_hashes" in fields:
+        fields["block_hashes"] = _hashes(fields["block_hashes"])
+    parent = fields.get("parent_block_hash")
+    if parent is not None:
+        fields["parent_block_hash"] = _hash(parent)
+    if fields.get("extra_keys") is not None:
+        fields["extra_keys"] = _plain(fields["extra_keys"])
+    known = _KNOWN[kind]
+    if not known.issuperset(fields):
+        # A newer engine's field: kept as sent (never dropped, never a failed batch).
+        unknown = {k: _plain(fields.pop(k)) for k in list(fields) if k not in known}
+        fields["unknown_fields"] = unknown
+    try:
+        event: kv.KvEvent = cls(**fields)
+    except TypeError as exc:
+        raise _bad(f"{kind}: {exc}") from None
+    return event
+
+
+def _plain(value: Any) -> Any:
+    """extra_keys as JSON can hold them: bytes become hex."""
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+# The fast path, in C: vLLM's own form (a positional batch of maps tagged by "type", every
+# field known). Anything else (SGLang's arrays, a map batch, a field a newer vLLM added)
+# takes the general path below, which keeps unknown fields.
+WireHash = int | bytes
+
+
+class _Wire(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, gc=False):
+    pass
+
+
+class _WStored(_Wire, tag="BlockStored"):
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _WRemoved(_Wire, tag="BlockRemoved"):
+    block_hashes: list[WireHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _WCleared(_Wire, tag="AllBlocksCleared"):
+    pass
+
+
+class _WBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_WStored | _WRemoved | _WCleared]
+    data_parallel_rank: int | None = None
+
+
+_fast = msgspec.msgpack.Decoder(_WBatch)
+
+
+def _hexed(hashes: list[WireHash]) -> tuple[int | str, ...]:
+    return tuple([h.hex() if isinstance(h, bytes) else h for h in hashes])
+
+
+def _from_wire(w: _WStored | _WRemoved | _WCleared) -> kv.KvEvent:
+    if isinstance(w, _WStored):
+        parent = w.parent_block_hash
+        return kv.BlockStored(
+            _hexed(w.block_hashes), parent.hex() if isinstance(parent, bytes) else parent,
+            tuple(w.token_ids), w.block_size, w.lora_id, w.medium, w.lora_name,
+            None if w.extra_keys is None else _plain(w.extra_keys), w.group_idx, w.kv_cache_spec_kind,
+            w.kv_cache_spec_sliding_window)
+    if isinstance(w, _WRemoved):
+        return kv.BlockRemoved(_hexed(w.block_hashes), w.medium, w.group_idx)
+    return kv.AllBlocksCleared()
+
+
+def decode_batch(payload: bytes) -> tuple[float, tuple[kv.KvEvent, ...], int | None]:
+    """(ts, events, data_parallel_rank) of one payload; MALFORMED_EVENT if it is none."""
+    try:
+        b = _fast.decode(payload)
+        return b.ts, tuple([_from_wire(e) for e in b.events]), b.data_parallel_rank
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass  # not vLLM's exact form: the general path decides
+    try:
+        raw = _decode.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise _bad(f"payload is not msgpack: {exc}") from None
+    if isinstance(raw, list) and 2 <= len(raw) <= 3:
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) == 3 else None
+    elif isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    else:
+        raise _bad("payload is not an EventBatch [ts, events, data_parallel_rank]")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not isinstance(events, list):
+        raise _bad("EventBatch needs a numeric ts and a list of events")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+        raise _bad("data_parallel_rank is not an int")
+    try:
+        checked = msgspec.convert([_event(e) for e in events], tuple[kv.KvEvent, ...])
+    except msgspec.ValidationError as exc:
+        raise _bad(f"KV event: {exc}") from None
+    return float(ts), checked, rank
+
+
+# -- encoding, for the replay server (and the tests' reference publisher) -------------
+
+def _wire_hash(h: int | str) -> int | bytes:
+    return bytes.fromhex(h) if isinstance(h, str) else h
+
+
+def wire_event(e: kv.KvEvent) -> dict[str, Any]:
+    """One recorded event in vLLM's tagged-map form (defaults omitted), hex back to bytes."""
+    d: dict[str, Any] = msgspec.to_builtins(e)
+    d.update(d.pop("unknown_fields", None) or {})
+    for key in ("block_hashes",):
+        if key in d:
+            d[key] = [_wire_hash(h) for h in d[key]]
+    for key in ("parent_block_hash", "block_hash"):
+        if d.get(key) is not None:
+            d[key] = _wire_hash(d[key])
+    return d
+
+
+_encode = msgspec.msgpack.Encoder()
+
+
+def encode_batch(ts: float, events: tuple[kv.KvEvent, ...], rank: int | None) -> bytes:
+    """A recorded batch as a payload: positional `[ts, events, data_parallel_rank]`."""
+    return _encode.encode([ts, [wire_event(e) for e in events], rank])
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)

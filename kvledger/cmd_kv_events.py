@@ -1,0 +1,180 @@
+"""`kvledger kv-events record | serve | import`: KV-event streams of serving engines
+(vLLM, SGLang, TensorRT-LLM) journaled as their own streams (docs/KV_EVENTS.md).
+
+    kvledger kv-events record --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
+    kvledger kv-events serve --bind tcp://127.0.0.1:5600
+    kvledger kv-events import events.jsonl --dialect trtllm
+
+These need pyzmq (record, serve): pip install 'kvledger[kv-events]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import TYPE_CHECKING
+
+from kvledger import args as a
+from kvledger.args import DB_HELP
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+if TYPE_CHECKING:
+    from kvledger.journal.contract import Journal
+
+_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
+
+
+def endpoint(value: str) -> str:
+    """A ZMQ endpoint to connect to: tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
+    if not _ENDPOINT.match(value) or len(value) > 200:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r} is not a ZMQ endpoint "
+                                                        "(tcp://HOST:PORT, ipc://PATH)")
+    return value
+
+
+def seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:40]!r} is not a number of seconds") from None
+    if not 0 < s <= 31_536_000:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:40]!r} seconds is outside (0, 31536000]")
+    return s
+
+
+def _topic(value: str) -> str:
+    if len(value) > 100 or any(ord(ch) < 32 for ch in value):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a topic is at most 100 printable characters")
+    return value
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    top = sub.add_parser("kv-events", help="record, serve and import the KV-cache events of vLLM, SGLang "
+                                           "and TensorRT-LLM (their prefix-cache residency)")
+    kv = top.add_subparsers(dest="kv_command", metavar="SUBCOMMAND", required=True)
+
+    p = kv.add_parser("record", help="subscribe to an engine's KV-event publisher and journal every "
+                                     "batch exactly once (gaps replayed or journaled, restarts journaled)")
+    p.add_argument("--endpoint", type=endpoint, required=True, help="the publisher's PUB endpoint")
+    p.add_argument("--replay-endpoint", type=endpoint, help="the publisher's replay ROUTER endpoint")
+    p.add_argument("--topic", type=_topic, default="", help="topic (default: none, which SGLang's form needs)")
+    p.add_argument("--dialect", choices=("auto", "vllm", "sglang"), default="auto",
+                   help="message form: vllm [topic, seq, payload], sglang [seq, payload]; auto takes either "
+                        "(default)")
+    p.add_argument("--block-bytes", type=a.BLOCK_BYTES, metavar="N",
+                   help="bytes per block: the summary then gives the streams' resident bytes")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
+                   help="stop after this long without a message (default: run until SIGINT/SIGTERM)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(run=_cmd_record)
+
+    p = kv.add_parser("import", help="load a recorded KV-event stream from a JSONL file, all or nothing")
+    p.add_argument("file", type=a.input_file, metavar="FILE.jsonl")
+    p.add_argument("--dialect", choices=("trtllm", "vllm"), required=True,
+                   help="trtllm: get_kv_cache_events() dicts, one a line; vllm: one batch a line")
+    p.add_argument("--stream", type=_topic, metavar="NAME",
+                   help="the stream's source name (default: import:FILE's name)")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(run=_cmd_import)
+
+    p = kv.add_parser("serve", help="answer vLLM's replay protocol from the journal (any seq ever recorded), "
+                                    "and snapshot requests (resident blocks + the seq they are valid at)")
+    p.add_argument("--bind", type=endpoint, required=True, help="ROUTER endpoint to bind, e.g. tcp://127.0.0.1:5600")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
+                   help="stop after this long without a request (default: run until SIGINT/SIGTERM)")
+    p.set_defaults(run=_cmd_serve)
+
+
+def _need_zmq() -> None:
+    try:
+        import zmq  # noqa: F401 - only whether it is installed
+    except ModuleNotFoundError:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "kv-events needs pyzmq: pip install "
+                                                        "'kvledger[kv-events]'") from None
+
+
+def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None) -> None:
+    keys = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs", "restarts", "streams")
+    doc = {k: getattr(s, k) for k in keys} | (extra or {})
+    print(json.dumps(doc) if as_json else " ".join(f"{k}={v}" for k, v in doc.items()))
+
+
+def _resident_bytes(journal: Journal, endpoint: str, topic: str, block_bytes: int) -> dict[str, object]:
+    """The recorded streams' resident bytes now (their block pools, folded from the journal)."""
+    from kvledger.adapters.kv_events_recorder import stream_id
+    from kvledger.replay.kv_blocks import KvBlocks, report
+    from kvledger.schemas.kv_events import KV_LIFECYCLE
+
+    prefix = stream_id(endpoint, topic, None)[:-3]
+    fold = KvBlocks()
+    for sid, head in journal.heads().items():
+        if head.lifecycle == KV_LIFECYCLE and sid.startswith(prefix):
+            fold.feed(journal.read_stream(sid))
+    return {"resident_bytes": {r.stream_id: sum(p.resident_bytes or 0 for p in r.pools.values())
+                               for r in report(fold.state, block_bytes)}}
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvledger.adapters.kv_events_import import import_operations
+    from kvledger.adapters.kv_events_recorder import stream_id
+    from kvledger.migrations.storage import creating_journal
+
+    path = Path(args.file)
+    source = args.stream or f"import:{path.name}"
+    with creating_journal(args.db) as journal:
+        heads = journal.heads()
+        if any(sid.startswith(stream_id(source, "", None)[:-3]) for sid in heads):
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"the journal already holds stream {source!r}: "
+                                                            "name another with --stream")
+        ops, rec = import_operations(path, args.dialect, heads, source)
+        if ops:
+            journal.append(ops)  # one transaction: all or nothing
+    _summary(rec.summary, args.json)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    _need_zmq()
+    import zmq
+
+    from kvledger.adapters import kv_events_serve as s
+    from kvledger.adapters import kv_events_zmq as z
+    from kvledger.migrations.storage import open_existing_journal
+
+    stop = z.Stop()
+    z.install_signals(stop)
+    with open_existing_journal(args.db) as journal:
+        try:
+            answered = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
+        except zmq.ZMQError as exc:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot bind {args.bind}: {exc}") from None
+    print(f"answered={answered}")
+    return 0
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    _need_zmq()
+    from kvledger.adapters import kv_events_zmq as z
+    from kvledger.migrations.storage import open_or_create_journal
+
+    stop = z.Stop()
+    z.install_signals(stop)
+
+    def progress(s: z.Summary) -> None:
+        print(f"kv-events: {s.batches} batches, {s.events} events, {s.replayed} replayed, "
+              f"{s.gaps} gaps, {s.restarts} restarts", file=sys.stderr, flush=True)
+
+    with open_or_create_journal(args.db) as journal:
+        summary = z.record(journal, args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
+                           idle_exit=args.idle_exit, progress=progress, stop=stop, dialect=args.dialect)
+        extra = None if args.block_bytes is None else \
+            _resident_bytes(journal, args.endpoint, args.topic, args.block_bytes)
+    _summary(summary, args.json, extra)
+    return 0
