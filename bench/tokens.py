@@ -38,8 +38,9 @@ NOTES = {
                                    "commit of 64 decode chains per transaction, 32 layers; Python-bound: "
                                    "deciding and planning ~60% of the time, building the record ~12%",
     "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is",
-    "journal_bytes_per_token_L32": "records of JSON bodies compressed ~8.5x (random digests and ids do "
-                                   "not compress), plus lookup rows and page slack",
+    "journal_bytes_per_token_L32": "records of JSON bodies compressed ~12.6x by zstd (two random digests "
+                                   "a token do not compress), plus lookup rows, empty pre-0003 tables "
+                                   "and page slack",
     "replay_tokens_per_s": "read + inflate + decode + project; three JSON events per token",
 }
 
