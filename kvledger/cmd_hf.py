@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import uuid
 from typing import Any
 
@@ -32,7 +31,8 @@ def generate(args: argparse.Namespace) -> int:
     import torch
 
     from kvledger.adapters.hf import journaled_generate
-    from kvledger.journal import redact, resolve_url
+    from kvledger.cmd_serve import print_generated
+    from kvledger.journal import resolve_url
     from kvledger.ledger import Ledger
 
     model = load(args.model, args.device)
@@ -50,13 +50,7 @@ def generate(args: argparse.Namespace) -> int:
         ids = torch.tensor([prompt], device=args.device)
         out = journaled_generate(model, ledger=ledger, input_ids=ids, request_ids=[handle], **kwargs)
         position = ledger.journal.last_position()
-    outputs = out[0, len(prompt):].tolist()
-    if args.json:
-        print(json.dumps({"handle_id": handle, "prompt_ids": list(prompt), "output_ids": outputs,
-                          "events_written": position - first, "journal": redact(url), "position": position}))
-    else:
-        print(",".join(map(str, outputs)))
-    return 0
+    return print_generated(args, url, handle, prompt, out[0, len(prompt):].tolist(), first, position)
 
 
 def reexecute(args: argparse.Namespace, events: list[Any]) -> dict[str, Any]:

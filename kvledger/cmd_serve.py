@@ -268,6 +268,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         position = journal.last_position()
     if worker.errors:
         raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"generation rejected: {worker.errors[0]}")
+    return print_generated(args, url, handle, prompt, outputs, first, position)
+
+
+def print_generated(args: argparse.Namespace, url: str, handle: str, prompt: tuple[int, ...] | list[int],
+                    outputs: list[int], first: int, position: int) -> int:
+    """What `generate` prints, whichever runtime generated: the ids (or, with --json, the
+    journal's part in it too)."""
     if args.json:
         print(json.dumps({"handle_id": handle, "prompt_ids": list(prompt), "output_ids": outputs,
                           "events_written": position - first, "journal": redact(url), "position": position}))
