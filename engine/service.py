@@ -18,6 +18,7 @@ import msgspec
 
 from kvledger.engine import commands as c
 from kvledger.engine.decide import Draft, decide
+from kvledger.engine.decode_step import decode_step
 from kvledger.engine.evolve import evolve, fold
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
@@ -115,6 +116,9 @@ class CommandService(BatchSurface):
     # anything is decided or written: a field outside it would poison every later replay.
     # The worker's own commands are built valid and skip the cost.
     strict: bool = False
+    # engine.decode_step decides the worker's plain decode chain in one call; off, every
+    # command takes the general path (tests compare the two, and it bisects a doubt).
+    fast_decode: bool = True
 
     # -- state -------------------------------------------------------------------
 
@@ -251,6 +255,11 @@ class CommandService(BatchSurface):
                                                  "with another fingerprint")
 
     def _plan(self, cmd: c.Command, operation_id: str, local: Mapping[str, HandleState | None]) -> Plan:
+        if type(cmd) is c.Chain and self.fast_decode and not self.strict:
+            h = cmd.handle_id
+            s = local[h] if h in local else self.state(h)
+            if s is not None and (plan := self._plan_decode(cmd, operation_id, s)) is not None:
+                return plan
         before = {h: local[h] if h in local else self.state(h) for h in c.handles_of(cmd)}
         now_mono, now_wall = self.clock.monotonic_ns(), self.clock.wall_ns()
         after: dict[str, HandleState | None] = dict(before)
@@ -284,6 +293,26 @@ class CommandService(BatchSurface):
             manifests = ((p.manifest_sha256, canonical_json(cmd.manifest)),)
         op = Operation(operation_id, cmd.fingerprint(), writes, checks, manifests)
         return Plan(cmd, op, written, events)
+
+    def _plan_decode(self, cmd: c.Chain, operation_id: str, s: HandleState) -> Plan | None:
+        """_plan for a plain decode chain (engine.decode_step), or None."""
+        mono = self.clock.monotonic_ns()
+        decided = decode_step(s, cmd, mono)
+        if decided is None:
+            return None
+        payloads, after = decided
+        wall = self.clock.wall_ns()
+        h, position, seq = s.handle_id, s.stream_position, self.local_sequence
+        self.local_sequence = seq + 3
+        envelope = dict(stream_id=h, request_id=s.request_id, handle_generation=s.generation,
+                        operation_id=operation_id, source_instance=self.source_instance,
+                        monotonic_ns=mono, observed_wall_time=wall)
+        events: tuple[ev.Event, ...] = tuple(
+            cls(event_id=new_id(), stream_position=position + i, schema_version=version,
+                local_sequence=seq + i, payload=p, **envelope)
+            for i, (cls, version, p) in enumerate(zip(_DECODE_CLASSES, _DECODE_VERSIONS, payloads), 1))
+        write = StreamWrite(h, _guard(s), _head(after), events)
+        return Plan(cmd, Operation(operation_id, cmd.fingerprint(), (write,)), {h: after}, list(events))
 
     @staticmethod
     def _steps(cmd: c.Command) -> tuple[c.Command, ...]:
@@ -319,6 +348,10 @@ class CommandService(BatchSurface):
             # decide pairs each event class with its own payload type (Draft): mypy sees the unions
             monotonic_ns=mono, observed_wall_time=wall, payload=d.payload,  # type: ignore[arg-type]
         )
+
+
+_DECODE_CLASSES = (ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent)
+_DECODE_VERSIONS = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in _DECODE_CLASSES)
 
 
 def _decodable(event: ev.Event) -> None:

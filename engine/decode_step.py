@@ -1,0 +1,76 @@
+"""A decode step decided in one function: the fast path of the worker's hot chain.
+
+A worker's decode iteration is one Chain per sequence: publish the running append, emit
+the token its logits chose, start the append that processes that token. Deciding it
+step by step (`decide`, `bind`, `evolve`, three times) costs about 45 Python calls, the
+largest part of what a decoded token costs the write path. This function decides the
+same chain at once when it is the plain case: one open append that is not a verify or a
+repair, every base either the handle's or left to the chain, an active handle, a
+decode start of exactly the emitted token. Anything else returns None and the general
+path decides it, so every rejection keeps its exact code and message. The events and
+the state it gives are the general path's, field for field: tests/test_decode_step.py
+checks that over generated chains, including every way one can be off.
+"""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from kvledger.engine import commands as c
+from kvledger.engine.state import HandleState, OpenTxn
+from kvledger.schemas import events as ev
+
+Payloads = tuple[ev.AppendPublish, ev.OutputEmit, ev.AppendStart]
+
+
+def _base_is(step: c.Publish | c.EmitOutput | c.BeginAppend, generation: int, snapshot: int) -> bool:
+    """The step's base is the given one, named or left to the chain."""
+    g, v = step.base_generation, step.base_snapshot_version
+    return (g is None or g == generation) and (v is None or v == snapshot)
+
+
+def decode_step(s: HandleState, chain: c.Chain, monotonic_ns: int) -> tuple[Payloads, HandleState] | None:
+    """The payloads of the chain's three events and the state they leave (its stream
+    position three further), or None when the general path must decide."""
+    steps = chain.steps
+    if len(steps) != 3 or s.lifecycle != "ACTIVE" or len(s.open_txns) != 1:
+        return None
+    publish, emit, start = steps
+    if type(publish) is not c.Publish or type(emit) is not c.EmitOutput or type(start) is not c.BeginAppend:
+        return None
+    txn = s.open_txns[0]
+    g, v = s.generation, s.snapshot_version
+    committed = txn.interval_start + txn.interval_count
+    outputs = len(s.outputs)
+    t, token = committed, emit.token_id
+    # The first step names its base (the service binds a Relative chain before this);
+    # a later one may leave it to the chain, which is then the state after the publish.
+    if (publish.base_generation != g or publish.base_snapshot_version != v or publish.txn_id != txn.txn_id
+            or publish.layers is not None or publish.accepted_count is not None
+            or txn.kind == "verify" or txn.kind == "repair" or txn.base_snapshot_version != v
+            # the publication leaves logits ready only when its rows reach the last token
+            or committed != len(s.prompt) + outputs
+            or not _base_is(emit, g, v + 1) or emit.output_index != outputs
+            or not _base_is(start, g, v + 1) or start.kind != "decode"
+            or start.cache_abi_sha256 != s.cache_abi_sha256
+            or start.interval_start != t or start.interval_count != 1 or start.token_ids != (token,)
+            or start.cache_positions != (t,) or start.mask_key_extent != t + 1 or t + 1 > s.reserved_capacity
+            or start.txn_id in s.aborted_txn_ids
+            or not publish.handle_id == emit.handle_id == start.handle_id == chain.handle_id):
+        return None
+    payloads = (
+        ev.AppendPublish(txn_id=txn.txn_id, base_snapshot_version=v, result_snapshot_version=v + 1,
+                         committed_length=committed, accepted_count=txn.interval_count,
+                         layers_complete=s.num_layers, logits_ready=True,
+                         workspace_bytes=publish.workspace_bytes, rows_sha256=publish.rows_sha256),
+        ev.OutputEmit(output_index=outputs, token_id=token, snapshot_version=v + 1),
+        ev.AppendStart(txn_id=start.txn_id, kind="decode", base_snapshot_version=v + 1, interval_start=t,
+                       interval_count=1, token_ids=start.token_ids, cache_positions=start.cache_positions,
+                       mask_key_extent=t + 1, cache_abi_sha256=start.cache_abi_sha256, call=start.call),
+    )
+    after = replace(
+        s, stream_position=s.stream_position + 3, snapshot_version=v + 1, committed_length=committed,
+        logits_ready=False, outputs=s.outputs + (token,), output_ns=s.output_ns + (monotonic_ns,),
+        open_txns=(OpenTxn(start.txn_id, "decode", v + 1, t, 1, start.token_ids),),
+    )
+    return payloads, after

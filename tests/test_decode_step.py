@@ -1,0 +1,177 @@
+"""engine.decode_step, the one-call decision of a plain decode chain, against the general
+path (decide and evolve step by step): for generated states and chains, including every
+way a field can be off, the fast path either declines or gives the general path's
+events, state and operation field for field; it never accepts what the general path
+refuses. And it is taken for the plain chain, so the comparison means something."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvledger import Ledger
+from kvledger.engine import commands as c
+from kvledger.engine.decide import full_layers
+from kvledger.engine.decode_step import decode_step
+from kvledger.engine.ids import seeded
+from kvledger.engine.service import CommandService, ManualClock
+from kvledger.engine.state import HandleState, OpenTxn
+from kvledger.migrations.storage import open_or_create_journal
+from kvledger.schemas.errors import KvLedgerError
+
+from lifecycle_helpers import allocate, emit
+
+H = "h-decode"
+DIGEST = "ab" * 32
+
+
+@pytest.fixture(scope="module")
+def journal(tmp_path_factory):
+    with open_or_create_journal(f"sqlite:///{tmp_path_factory.mktemp('decode')}/j.db") as j:
+        yield j
+
+
+@pytest.fixture(scope="module")
+def states(journal) -> list[HandleState]:
+    """Real states of one handle as a ledger leaves them: after its prefill started, and
+    after each of a few decode steps started (the states a decode chain meets)."""
+    ledger = Ledger(journal)
+    allocate(ledger, H, capacity=12)
+    s = ledger.state(H)
+    b = (s.generation, s.snapshot_version)
+    ledger.begin_append(H, txn_id="t0", kind="prefill", base=b, start=0, token_ids=s.prompt)
+    out = [ledger.state(H)]
+    ledger.publish(H, txn_id="t0", base=b)
+    for i in range(1, 4):
+        emit(ledger, H, 100 + i)
+        s = ledger.state(H)
+        b = (s.generation, s.snapshot_version)
+        ledger.begin_append(H, txn_id=f"t{i}", kind="decode", base=b, start=s.committed_length,
+                            token_ids=(s.outputs[-1],))
+        out.append(ledger.state(H))
+        ledger.publish(H, txn_id=f"t{i}", base=b)
+    return out
+
+
+def _plain(s: HandleState, token: int) -> c.Chain:
+    t = s.open_txns[0]
+    at = t.interval_start + t.interval_count
+    return c.Chain(handle_id=s.handle_id, steps=(
+        c.Publish(handle_id=s.handle_id, txn_id=t.txn_id, base_generation=s.generation,
+                  base_snapshot_version=s.snapshot_version, rows_sha256=DIGEST),
+        c.EmitOutput(handle_id=s.handle_id, base_generation=None, base_snapshot_version=None,
+                     output_index=len(s.outputs), token_id=token),
+        c.BeginAppend(handle_id=s.handle_id, txn_id=f"next-{at}", kind="decode", base_generation=None,
+                      base_snapshot_version=None, interval_start=at, interval_count=1, token_ids=(token,),
+                      cache_positions=(at,), mask_key_extent=at + 1, cache_abi_sha256=s.cache_abi_sha256),
+    ))
+
+
+def _plan(journal, fast: bool, s: HandleState, chain: c.Chain):
+    """(events, states, operation, local sequence) or the general path's refusal; ids
+    are seeded, so two calls agree unless their decisions do."""
+    service = CommandService(journal, clock=ManualClock().at(7.5), fast_decode=fast)
+    with seeded("decode-step"):
+        try:
+            plan = service._plan(chain, "op-1", {s.handle_id: s})
+        except KvLedgerError as exc:
+            return ("refused", exc.code, exc.message)
+    return (plan.events, plan.states, plan.op, service.local_sequence)
+
+
+def test_the_plain_chain_takes_the_fast_path_and_equals_the_general_one(journal, states):
+    for s in states:
+        chain = _plain(s, 4242)
+        assert decode_step(s, chain, 1) is not None
+        fast, general = _plan(journal, True, s, chain), _plan(journal, False, s, chain)
+        assert fast[0] and fast == general
+        events, after, op, _ = fast
+        assert [e.event_type for e in events] == ["append_publish", "output_emit", "append_start"]
+        assert after[H].stream_position == s.stream_position + 3
+        assert op.writes[0].expected.stream_position == s.stream_position
+
+
+FIELDS = 40  # more than the fields `cases` may move off the plain chain
+
+
+@st.composite
+def cases(draw, states: list[HandleState]):
+    # At most two fields off the plain case at once: with each field off independently,
+    # nearly every example would be off in many ways and the fast path never taken.
+    off_set = draw(st.sets(st.integers(0, FIELDS - 1), max_size=2))
+    field = iter(range(FIELDS))
+
+    def _off(draw, right, *wrong):
+        """`right`, or one of the wrong values when this field is one of those moved off."""
+        return draw(st.sampled_from(wrong)) if next(field) in off_set else right
+
+    s = draw(st.sampled_from(states))
+    t = s.open_txns[0]
+    g, v, at = s.generation, s.snapshot_version, t.interval_start + t.interval_count
+    token = draw(st.integers(0, 50_000))
+    # the state, possibly moved off the plain case
+    s = msgspec.structs.replace(
+        s,
+        lifecycle=_off(draw, s.lifecycle, "FINISHED", "CANCELLED", "RELEASED"),
+        reserved_capacity=_off(draw, s.reserved_capacity, at, at + 1, at - 1),
+        aborted_txn_ids=_off(draw, s.aborted_txn_ids, ("next",), ("gone",)),
+        open_txns=_off(draw, s.open_txns, (), (*s.open_txns, OpenTxn("x", "decode", v, at, 1, (1,))),
+                       (msgspec.structs.replace(t, kind="verify"),), (msgspec.structs.replace(t, kind="repair"),),
+                       (msgspec.structs.replace(t, base_snapshot_version=v - 1),)),
+        outputs=_off(draw, s.outputs, s.outputs + (9,), s.outputs[:-1]),
+    )
+    publish = c.Publish(
+        handle_id=_off(draw, H, "other"), txn_id=_off(draw, t.txn_id, "nope", "next"),
+        base_generation=_off(draw, g, None, g + 1), base_snapshot_version=_off(draw, v, None, v - 1, v + 1),
+        layers=_off(draw, None, full_layers(s.num_layers, t.interval_start, t.interval_count)),
+        accepted_count=_off(draw, None, t.interval_count, 0),
+        rows_sha256=_off(draw, DIGEST, None), workspace_bytes=_off(draw, 0, 64))
+    emit_ = c.EmitOutput(
+        handle_id=_off(draw, H, "other"), base_generation=_off(draw, None, g, g + 1),
+        base_snapshot_version=_off(draw, None, v + 1, v), output_index=_off(draw, len(s.outputs), len(s.outputs) + 1),
+        token_id=token)
+    start = c.BeginAppend(
+        handle_id=_off(draw, H, "other"), txn_id=_off(draw, "next", t.txn_id, "gone"),
+        kind=_off(draw, "decode", "chunk", "repair", "verify", "prefill"),
+        base_generation=_off(draw, None, g, g + 1), base_snapshot_version=_off(draw, None, v + 1, v),
+        interval_start=_off(draw, at, at + 1, at - 1), interval_count=_off(draw, 1, 2),
+        token_ids=_off(draw, (token,), (token + 1,), (token, token)), cache_positions=_off(draw, (at,), (at + 1,)),
+        mask_key_extent=_off(draw, at + 1, at), cache_abi_sha256=_off(draw, s.cache_abi_sha256, "", "cd" * 32))
+    steps = _off(draw, (publish, emit_, start), (publish, emit_), (publish, start, emit_),
+                 (publish, emit_, start, start))
+    return s, c.Chain(handle_id=_off(draw, H, "other"), steps=steps)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_fast_path_never_differs_from_the_general_one(journal, states, data):
+    s, chain = data.draw(cases(states))
+    fast, general = _plan(journal, True, s, chain), _plan(journal, False, s, chain)
+    decided = decode_step(s, chain, 1)
+    if decided is not None:
+        assert general[0] != "refused", f"the fast path accepted what the general one refuses: {general}"
+    assert fast == general
+
+
+def test_the_ledger_journal_is_the_same_with_and_without_the_fast_path(tmp_path):
+    """Whole runs through the journal: the same commands, fast path on and off, give the
+    same exported events (ids and clocks are seeded and manual)."""
+    exports = []
+    for fast in (True, False):
+        url = f"sqlite:///{tmp_path}/{fast}.db"
+        with open_or_create_journal(url) as journal, seeded("run"):
+            ledger = Ledger(journal)
+            service = ledger.service = CommandService(journal, clock=ManualClock().at(1.0), fast_decode=fast)
+            allocate(ledger, H, capacity=40)
+            s = ledger.state(H)
+            b = (s.generation, s.snapshot_version)
+            ledger.begin_append(H, txn_id="t0", kind="prefill", base=b, start=0, token_ids=s.prompt)
+            for i in range(30):
+                s = ledger.state(H)
+                [r] = service.execute_many([c.Relative(_plain(s, 7 * i))])
+                assert not isinstance(r, Exception)
+            exports.append(list(journal.read_all()))
+    assert len(exports[0]) == 2 + 30 * 3
+    assert exports[0] == exports[1]
