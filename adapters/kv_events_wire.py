@@ -14,9 +14,11 @@ In every form the seq is the second-last frame and the payload the last.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from kvledger.schemas import kv_events as kv
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -46,12 +48,19 @@ def seq_of(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
+def _batch_seq(frame: bytes) -> int:
+    seq = seq_of(frame)
+    if seq < 0:  # only the replay's end marker is negative; a journaled seq never is
+        raise _bad(f"a batch's seq is >= 0, not {seq}")
+    return seq
+
+
 def split_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
     """(topic, seq, payload) of one PUB message; SGLang's form has topic b""."""
     if len(frames) == 3:
-        return frames[0], seq_of(frames[1]), frames[2]
+        return frames[0], _batch_seq(frames[1]), frames[2]
     if len(frames) == 2:
-        return b"", seq_of(frames[0]), frames[1]
+        return b"", _batch_seq(frames[0]), frames[1]
     raise _bad(f"a KV-event message has 2 or 3 frames, not {len(frames)}")
 
 
@@ -62,7 +71,7 @@ def split_replay(frames: list[bytes]) -> tuple[int, bytes] | None:
     seq = seq_of(frames[-2])
     if seq == -1 and not frames[-1]:
         return None
-    return seq, frames[-1]
+    return _batch_seq(frames[-2]), frames[-1]
 
 
 def _hash(h: Any) -> int | str:
@@ -128,8 +137,12 @@ def _plain(value: Any) -> Any:
 
 # The fast path, in C: vLLM's own form (a positional batch of maps tagged by "type", every
 # field known). Anything else (SGLang's arrays, a map batch, a field a newer vLLM added)
-# takes the general path below, which keeps unknown fields.
-WireHash = int | bytes
+# takes the general path below, which keeps unknown fields. The wire types carry the
+# limits of schemas.kv_events (a bytes hash of 256 bytes is 512 hex characters), so what
+# passes here reads back from the journal (tests/test_kv_events_wire.py checks both agree).
+WireHash = int | Annotated[bytes, Meta(max_length=256)]
+WireName = Annotated[str, Meta(max_length=256)]
+WireHashes = Annotated[list[WireHash], Meta(max_length=1 << 20)]
 
 
 class _Wire(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, gc=False):
@@ -137,22 +150,22 @@ class _Wire(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, gc=Fal
 
 
 class _WStored(_Wire, tag="BlockStored"):
-    block_hashes: list[WireHash]
+    block_hashes: WireHashes
     parent_block_hash: WireHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
+    token_ids: Annotated[tuple[int, ...], Meta(max_length=1 << 22)] = ()
+    block_size: Annotated[int, Meta(ge=0)] = 0
     lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    medium: WireName | None = None
+    lora_name: WireName | None = None
     extra_keys: Any = None
     group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_kind: WireName | None = None
     kv_cache_spec_sliding_window: int | None = None
 
 
 class _WRemoved(_Wire, tag="BlockRemoved"):
-    block_hashes: list[WireHash]
-    medium: str | None = None
+    block_hashes: WireHashes
+    medium: WireName | None = None
     group_idx: int | None = None
 
 
@@ -162,7 +175,7 @@ class _WCleared(_Wire, tag="AllBlocksCleared"):
 
 class _WBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[_WStored | _WRemoved | _WCleared]
+    events: Annotated[list[_WStored | _WRemoved | _WCleared], Meta(max_length=1 << 20)]
     data_parallel_rank: int | None = None
 
 
@@ -178,7 +191,7 @@ def _from_wire(w: _WStored | _WRemoved | _WCleared) -> kv.KvEvent:
         parent = w.parent_block_hash
         return kv.BlockStored(
             _hexed(w.block_hashes), parent.hex() if isinstance(parent, bytes) else parent,
-            tuple(w.token_ids), w.block_size, w.lora_id, w.medium, w.lora_name,
+            w.token_ids, w.block_size, w.lora_id, w.medium, w.lora_name,
             None if w.extra_keys is None else _plain(w.extra_keys), w.group_idx, w.kv_cache_spec_kind,
             w.kv_cache_spec_sliding_window)
     if isinstance(w, _WRemoved):
@@ -190,9 +203,13 @@ def decode_batch(payload: bytes) -> tuple[float, tuple[kv.KvEvent, ...], int | N
     """(ts, events, data_parallel_rank) of one payload; MALFORMED_EVENT if it is none."""
     try:
         b = _fast.decode(payload)
-        return b.ts, tuple([_from_wire(e) for e in b.events]), b.data_parallel_rank
     except (msgspec.ValidationError, msgspec.DecodeError):
-        pass  # not vLLM's exact form: the general path decides
+        pass  # not vLLM's exact form: the general path decides, and names what is wrong
+    else:
+        decoded = tuple([_from_wire(e) for e in b.events])
+        if not math.isfinite(b.ts) or any(type(e) is kv.BlockStored and e.extra_keys is not None for e in decoded):
+            decoded = _readable(b.ts, decoded, b.data_parallel_rank)  # JSON has no NaN; extra_keys is any shape
+        return b.ts, decoded, b.data_parallel_rank
     try:
         raw = _decode.decode(payload)
     except msgspec.DecodeError as exc:
@@ -207,11 +224,23 @@ def decode_batch(payload: bytes) -> tuple[float, tuple[kv.KvEvent, ...], int | N
         raise _bad("EventBatch needs a numeric ts and a list of events")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
         raise _bad("data_parallel_rank is not an int")
+    return float(ts), _readable(float(ts), tuple([_event(e) for e in events]), rank), rank
+
+
+_json_encode = msgspec.json.Encoder().encode
+_read_back = msgspec.json.Decoder(kv.KvEventsBatch).decode
+
+
+def _readable(ts: float, events: tuple[kv.KvEvent, ...], rank: int | None) -> tuple[kv.KvEvent, ...]:
+    """The events as the journal's reader will read them back (stored as JSON, read as a
+    kv.KvEventsBatch); refuses a batch it would refuse, which would poison every later
+    replay. (A Struct built in Python, or passed through msgspec.convert, is unchecked.)"""
+    if not math.isfinite(ts):
+        raise _bad(f"EventBatch ts is {ts}, not a finite number")
     try:
-        checked = msgspec.convert([_event(e) for e in events], tuple[kv.KvEvent, ...])
+        return _read_back(_json_encode(kv.KvEventsBatch(0, 0, ts, events, rank))).events
     except msgspec.ValidationError as exc:
         raise _bad(f"KV event: {exc}") from None
-    return float(ts), checked, rank
 
 
 # -- encoding, for the replay server (and the tests' reference publisher) -------------
