@@ -25,6 +25,12 @@ checked equal to its own); a reorder_cache(beam_idx) becomes, before the next ca
 forks where a beam is selected twice, and a reorder event over the group. Beams left
 behind stay open until the end, where each returned sequence is matched to the handle
 that holds its tokens, emits its last one and finishes; all are then released.
+
+The end: generate never runs the last token it chooses. The closing call (closing_rows,
+then one decode call on a cache of those handles' rows) emits it, runs it as a decode
+and publishes it before the handle finishes: a finish aborts whatever is still open,
+and a repair would commit rows of a handle already finished. Without it (close_frontier
+off) the last token is emitted and the handle finishes one row short.
 """
 
 from __future__ import annotations
@@ -113,7 +119,10 @@ class Tracker:
         self.call: ForwardCall | None = None
         self.unmatched: list[tuple[int, list[int]]] = []  # returned sequences no handle holds
         self._drafts: tuple[Seq, tuple[int, ...], ForwardCall] | None = None
-        self.closing = False  # the next call runs each row's last token: a closing repair
+        # after generate: the next call runs each sequence's last token as a decode, whose
+        # handle finishes only once that row is published (decide aborts what a finish leaves open)
+        self.closing = False
+        self.closing_reasons: dict[str, FinishReason] = {}
 
     # -- cache notifications ----------------------------------------------------------
     def wrote(self, layer: int) -> None:
@@ -164,8 +173,11 @@ class Tracker:
             st.append(c.EmitOutput(handle_id=seq.handle, base_generation=None, base_snapshot_version=None,
                                    output_index=len(seq.outputs), token_id=t))
             seq.outputs.append(t)
-            if t in self.plan.eos or self.closing:  # the row is still computed: a repair closes the frontier
-                reason: FinishReason = "eos" if t in self.plan.eos else "max_tokens"
+            reason: FinishReason = "eos" if t in self.plan.eos else "max_tokens"
+            if self.closing:
+                self.closing_reasons[seq.handle] = reason
+                st.append(self._begin(seq, "decode", tokens, call(r)))
+            elif t in self.plan.eos:  # transformers still runs the row: a repair closes the frontier
                 seq.finished = reason
                 st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=reason))
                 st.append(self._begin(seq, "repair", tokens, call(r)))
@@ -333,7 +345,7 @@ class Tracker:
         return out
 
     def _layers(self) -> hf_rows.Layers:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+        return hf_rows.of_cache(self.cache)
 
     # -- beams ---------------------------------------------------------------------------
     def _child(self, parent: Seq) -> Seq:
@@ -382,16 +394,54 @@ class Tracker:
         return cmds
 
     # -- the end -------------------------------------------------------------------------
-    def finish(self, sequences: torch.Tensor) -> None:
+    def closing_rows(self, sequences: list[list[int]]) -> list[tuple[Seq, int, int]]:
+        """Each returned sequence's handle, its last token and the batch row of the cache
+        (as the last call left it) that holds the handle's rows. The last call's appends
+        are published first: a verify's publish says which rows its crop kept."""
         self._settle()
         steps: dict[str, list[c.Step]] = {}
         self._flush(steps)
         _check(self.port.execute_many(self._chains(steps)))
+        self.closing = True
+        self.reorder = None  # generate's reorder after its last call moved rows no call reads
+        if not self.plan.beams:
+            return [(seq, sequences[r][-1], r) for r, seq in enumerate(self.rows)
+                    if seq is not None and seq.finished is None]
+        row_of = {id(s): r for r, s in enumerate(self.rows) if s is not None}
+        ends, forks = self._match_beams(sequences)
+        gone = [f"returned sequence {i}" for i, gen in self.unmatched if gen] + \
+               [f"the sequence {seq.handle} returns" for seq, _, src in ends if id(src) not in row_of]
+        if gone:  # a beam that finished before the search did: its parent's rows were reordered away
+            for seq, _, src in ends:
+                if seq is not src:  # a fork not journaled: nothing for abort to cancel
+                    del self.seqs[seq.handle]
+            raise KvLedgerError(ErrorCode.FRONTIER_MISMATCH, f"{gone[0]} ended before the beam search did: the "
+                                                             "rows its last token was chosen from left the cache, "
+                                                             "so that token cannot run (close_frontier=False "
+                                                             "journals it one row short)")
+        if forks:
+            _check(self.port.execute_many(forks))
+        return [(seq, token, row_of[id(src)]) for seq, token, src in ends]
+
+    def finish(self, sequences: torch.Tensor) -> None:
+        self._settle()
+        steps: dict[str, list[c.Step]] = {}
+        self._flush(steps)
+        for handle, reason in self.closing_reasons.items():  # after its closing decode's publish
+            self.seqs[handle].finished = reason
+            steps.setdefault(handle, []).append(c.Finish(handle_id=handle, base_generation=None, reason=reason))
+        _check(self.port.execute_many(self._chains(steps)))
         steps = {}
         seqs = sequences.tolist()
         p = self.plan
-        if p.beams:
-            self._match_beams(seqs, steps)
+        if self.closing:
+            pass  # each last token was emitted and run by the closing call
+        elif p.beams:
+            ends, forks = self._match_beams(seqs)
+            if forks:
+                _check(self.port.execute_many(forks))
+            for holder, token, _ in ends:
+                self._last(holder, token, steps)
         else:
             for r, seq in enumerate(self.rows):
                 if seq is None or seq.finished is not None:
@@ -418,13 +468,14 @@ class Tracker:
         seq.finished = reason
         st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=reason))
 
-    def _match_beams(self, seqs: list[list[int]], steps: dict[str, list[c.Step]]) -> None:
+    def _match_beams(self, seqs: list[list[int]]) -> tuple[list[tuple[Seq, int, Seq]], list[c.Command | c.Relative]]:
         """Each returned sequence ends at the handle whose outputs are all its tokens but
         the last (chosen from that handle's published logits); two ending at the same
-        handle: the second is a fork of it, taken before either emits."""
+        handle: the second is a fork of it, taken before either emits. Per sequence: the
+        handle it ends on, its last token and the handle whose cache row holds the rows."""
         p = self.plan
         per = len(seqs) // len(p.request_ids)
-        ends: list[tuple[Seq, int]] = []
+        ends: list[tuple[Seq, int, Seq]] = []
         forks: list[c.Command | c.Relative] = []
         used: set[str] = set()
         for i, row in enumerate(seqs):
@@ -437,16 +488,14 @@ class Tracker:
                 self.unmatched.append((i, gen))
                 log.warning("returned beam held by no handle", group=group, index=i)
                 continue
+            source = holder
             if holder.handle in used:
                 child = self._child(holder)
                 forks.append(self._fork(holder, child))
                 holder = child
             used.add(holder.handle)
-            ends.append((holder, gen[-1]))
-        if forks:
-            _check(self.port.execute_many(forks))
-        for holder, token in ends:
-            self._last(holder, token, steps)
+            ends.append((holder, gen[-1], source))
+        return ends, forks
 
     def abort(self, exc: BaseException) -> None:
         """The generation raised: every open append fails, every handle is cancelled and
