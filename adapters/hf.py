@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from kvledger.adapters import hf_identity, hf_rows
 from kvledger.adapters.hf_journal import Plan, Tracker
@@ -70,6 +70,18 @@ class JournaledCache(DynamicCache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "batch_select_indices on a journaled cache: "
                                                         "a generation mode kvledger.hf does not journal")
+
+
+class _Candidates(StoppingCriteria):
+    """Stops nothing: shows the tracker each step's scored beam continuations, where a
+    sequence that ends on EOS and may be returned is seen before its parent moves on."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        self.tracker.candidates(input_ids)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
 def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
@@ -132,10 +144,13 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     handle's committed length is its whole unpadded sequence. `close_frontier=False`
     skips that call: each handle then ends one row short (the last token emitted,
     never run), unless generate itself ran it (an EOS row of a batch, closed by a
-    repair). With beams, a returned sequence that ended on EOS before the search did
-    may have lost the rows its last token was chosen from to a reorder: that is
-    FRONTIER_MISMATCH (the journal is cancelled and released); close_frontier=False
-    journals it.
+    repair). With beams and EOS, each of a step's best candidates that ends on EOS is
+    forked off its parent before the next reorder moves the parent on, with a copy of
+    its rows kept to the end (one sequence's rows per such candidate), so a beam
+    returned after ending early is closed too. A returned beam ended early by a
+    stopping criterion other than EOS cannot be: that is FRONTIER_MISMATCH, raised
+    after generate with the journal cancelled and released; close_frontier=False
+    returns it unjournaled (held by no handle), as before.
 
     `seed` seeds torch's generator just before generate (what `torch.manual_seed(seed)`
     before `model.generate` would do) and is recorded in each request's sampling policy;
@@ -153,7 +168,11 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     plan = plan_for(model, input_ids, request_ids, generate_kwargs, seed)
     tracker = Tracker(ledger.service, plan, hf_identity.cache_schema(model).num_cache_layers,
                       overlap=overlap_commit)
+    tracker.keep_rows = close_frontier
     cache = JournaledCache(model, tracker)
+    if plan.beams and plan.eos:
+        generate_kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [*(generate_kwargs.get("stopping_criteria") or []), _Candidates(tracker)])
     window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
     longest = input_ids.shape[1] + max(plan.reserve_for(()) - 1, 0)
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers) and window and longest > window:
@@ -181,7 +200,7 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         if close_frontier:
-            _close(model, cache, tracker, sequences)
+            _close(model, tracker, sequences)
     except BaseException as exc:
         tracker.abort(exc)
         raise
@@ -193,22 +212,21 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
 
 
 @torch.inference_mode()
-def _close(model: Any, cache: JournaledCache, tracker: Tracker, sequences: torch.Tensor) -> None:
+def _close(model: Any, tracker: Tracker, sequences: torch.Tensor) -> None:
     """One forward call of each returned sequence's last token, on a new cache holding
     that sequence's own rows, laid out as hf_reexec rebuilds a call (each row's rows
     right-aligned after zero columns the mask hides), so the proof recomputes it."""
-    layers = cache.before_reorder or hf_rows.of_cache(cache)
     ends = tracker.closing_rows(sequences.tolist())
     if not ends:
         return
     width = max(seq.committed for seq, _, _ in ends)
     rows = []
-    for k, v in layers:
-        nk = k.new_zeros((len(ends), k.shape[1], width, k.shape[3]))
-        nv = v.new_zeros((len(ends), v.shape[1], width, v.shape[3]))
-        for i, (seq, _, r) in enumerate(ends):
-            nk[i, :, width - seq.committed:] = k[r, :, seq.pad:seq.pad + seq.committed]
-            nv[i, :, width - seq.committed:] = v[r, :, seq.pad:seq.pad + seq.committed]
+    for layer, (k, v) in enumerate(ends[0][2]):
+        nk = k.new_zeros((len(ends), k.shape[0], width, k.shape[2]))
+        nv = v.new_zeros((len(ends), v.shape[0], width, v.shape[2]))
+        for i, (seq, _, held) in enumerate(ends):
+            nk[i, :, width - seq.committed:] = held[layer][0]
+            nv[i, :, width - seq.committed:] = held[layer][1]
         rows.append((nk, nv))
     closing = JournaledCache(model, tracker, rows)
     tracker.rows = [seq for seq, _, _ in ends]
