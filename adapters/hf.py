@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from kvledger.adapters import hf_identity
+from kvledger.adapters import hf_identity, hf_rows
 from kvledger.adapters.hf_journal import Plan, Tracker
 from kvledger.engine.port import CommandPort
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -41,18 +41,25 @@ class JournaledCache(DynamicCache):
     """A DynamicCache that tells a Tracker which layers each call wrote and how beam
     search moved its rows. Crops need no notice: the tracker reads the length after."""
 
-    def __init__(self, model: Any, tracker: Tracker) -> None:
-        super().__init__(config=model.config.get_text_config(decoder=True))
+    def __init__(self, model: Any, tracker: Tracker, rows: hf_rows.Layers | None = None) -> None:
+        super().__init__(rows, config=model.config.get_text_config(decoder=True))
         self.tracker = tracker
         tracker.cache = self
+        # the rows as the last forward call left them, while a reorder after it is the last
+        # word: beam search reorders after its final call, and the closing call needs the
+        # rows its returned beams were chosen from
+        self.before_reorder: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.before_reorder = None  # another call runs: the reorder was not the last word
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.tracker.wrote(layer_idx)
         return out
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.before_reorder is None:  # index_select leaves these tensors as they were
+            self.before_reorder = hf_rows.of_cache(self)
         super().reorder_cache(beam_idx)
         self.tracker.reordered([int(i) for i in beam_idx.tolist()])
 
@@ -63,6 +70,18 @@ class JournaledCache(DynamicCache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "batch_select_indices on a journaled cache: "
                                                         "a generation mode kvledger.hf does not journal")
+
+
+class _Candidates(StoppingCriteria):
+    """Stops nothing: shows the tracker each step's scored beam continuations, where a
+    sequence that ends on EOS and may be returned is seen before its parent moves on."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        self.tracker.candidates(input_ids)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
 def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
@@ -80,7 +99,7 @@ def _ids(value: Any) -> frozenset[int]:
 
 
 def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | None,
-             kwargs: dict[str, Any]) -> Plan:
+             kwargs: dict[str, Any], seed: int | None = None) -> Plan:
     gc = _generation_config(model, kwargs)
     batch, width = input_ids.shape
     if request_ids is None:
@@ -93,8 +112,9 @@ def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | N
     expand = max(gc.num_beams or 1, gc.num_return_sequences or 1)
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else max(1, (gc.max_length or 20) - width)
     eos = _ids(gc.eos_token_id)
-    sampling = SamplingPolicy(kind="temperature", temperature=float(gc.temperature or 1.0)) if gc.do_sample \
-        else SamplingPolicy()
+    sampling = SamplingPolicy(kind="temperature" if gc.do_sample else "greedy",
+                              temperature=float(gc.temperature or 1.0) if gc.do_sample else 1.0,
+                              seed=0 if seed is None else seed)
 
     def manifest_for(rid: str, prompt: tuple[int, ...]) -> Any:
         return hf_identity.manifest(model, request_id=rid, prompt=prompt, max_new_tokens=max_new,
@@ -108,7 +128,7 @@ def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | N
 
 def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, request_ids: Sequence[str] | None = None,
-                       close_frontier: bool = False, overlap_commit: bool = False,
+                       close_frontier: bool = True, seed: int | None = None, overlap_commit: bool = False,
                        **generate_kwargs: Any) -> Any:
     """model.generate(input_ids=..., attention_mask=..., **generate_kwargs), journaled.
 
@@ -117,11 +137,24 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     open append ends in a failure event, every handle is cancelled and released, and the
     original exception is raised.
 
-    generate() never runs the last token it chooses, so a handle ends one row short of
-    its sequence. `close_frontier=True` runs one more forward call after generate (the
-    spec's final-token repair: real model work, its logits discarded), so the committed
-    length is the whole unpadded sequence. Not with beams, whose returned sequences are
-    not the cache's rows.
+    generate() never runs the last token it chooses. By default (`close_frontier=True`)
+    one more forward call runs after generate, on a cache built from each returned
+    sequence's own rows: it emits the last token, decodes it (real model work whose
+    logits are discarded) and publishes the row, then the handle finishes, so every
+    handle's committed length is its whole unpadded sequence. `close_frontier=False`
+    skips that call: each handle then ends one row short (the last token emitted,
+    never run), unless generate itself ran it (an EOS row of a batch, closed by a
+    repair). With beams and EOS, each of a step's best candidates that ends on EOS is
+    forked off its parent before the next reorder moves the parent on, with a copy of
+    its rows kept to the end (one sequence's rows per such candidate), so a beam
+    returned after ending early is closed too. A returned beam ended early by a
+    stopping criterion other than EOS cannot be: that is FRONTIER_MISMATCH, raised
+    after generate with the journal cancelled and released; close_frontier=False
+    returns it unjournaled (held by no handle), as before.
+
+    `seed` seeds torch's generator just before generate (what `torch.manual_seed(seed)`
+    before `model.generate` would do) and is recorded in each request's sampling policy;
+    without it the policy's seed is 0 and whatever state the generator is in is used.
 
     `overlap_commit=True` lets each call's journal commit (its fsync) run while the call
     computes, as the worker's pipeline does; nothing is published before that commit is
@@ -132,13 +165,14 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{key}= is the journaled cache's place")
     if input_ids.dim() != 2:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "input_ids must be [batch, tokens]")
-    plan = plan_for(model, input_ids, request_ids, generate_kwargs)
-    if close_frontier and plan.beams:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "close_frontier with beam search: the returned "
-                                                        "sequences are not the cache's rows")
+    plan = plan_for(model, input_ids, request_ids, generate_kwargs, seed)
     tracker = Tracker(ledger.service, plan, hf_identity.cache_schema(model).num_cache_layers,
                       overlap=overlap_commit)
+    tracker.keep_rows = close_frontier
     cache = JournaledCache(model, tracker)
+    if plan.beams and plan.eos:
+        generate_kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [*(generate_kwargs.get("stopping_criteria") or []), _Candidates(tracker)])
     window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
     longest = input_ids.shape[1] + max(plan.reserve_for(()) - 1, 0)
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers) and window and longest > window:
@@ -147,7 +181,7 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
                                                         f"of {window}: not journaled")
 
     def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if kwargs.get("cache") is not cache:
+        if kwargs.get("cache") is not tracker.cache:  # the closing call swaps in its own cache
             return
         ids = kwargs.get("input_ids")
         if ids is None:
@@ -155,43 +189,54 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
         tracker.before_forward(ids, kwargs.get("attention_mask"))
 
     def after(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if kwargs.get("cache") is cache:
+        if kwargs.get("cache") is tracker.cache:
             tracker.after_forward()
 
     hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
              model.register_forward_hook(after, with_kwargs=True)]
     try:
+        if seed is not None:
+            torch.manual_seed(seed)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
         if close_frontier:
-            _close(model, cache, tracker, out if isinstance(out, torch.Tensor) else out.sequences)
+            _close(model, tracker, sequences)
     except BaseException as exc:
         tracker.abort(exc)
         raise
     finally:
         for h in hooks:
             h.remove()
-    tracker.finish(out if isinstance(out, torch.Tensor) else out.sequences)
+    tracker.finish(sequences)
     return out
 
 
 @torch.inference_mode()
-def _close(model: Any, cache: JournaledCache, tracker: Tracker, sequences: torch.Tensor) -> None:
-    """One forward call of each live row's last token, shaped as generate's next decode
-    call would be (a row that finished runs a placeholder pad token, as generate runs it)."""
-    width = cache.get_seq_length()
-    rows = tracker.rows
-    live = [s is not None and s.finished is None for s in rows]
-    if not any(live):
+def _close(model: Any, tracker: Tracker, sequences: torch.Tensor) -> None:
+    """One forward call of each returned sequence's last token, on a new cache holding
+    that sequence's own rows, laid out as hf_reexec rebuilds a call (each row's rows
+    right-aligned after zero columns the mask hides), so the proof recomputes it."""
+    ends = tracker.closing_rows(sequences.tolist())
+    if not ends:
         return
-    last = sequences[:, -1].tolist()
-    ids = torch.tensor([[last[r] if ok else 0] for r, ok in enumerate(live)], device=model.device)
-    mask = torch.ones((len(rows), width + 1), dtype=torch.long)
-    positions = torch.zeros((len(rows), 1), dtype=torch.long)
-    for r, s in enumerate(rows):
-        if s is not None and live[r]:
-            mask[r, :s.pad] = 0
-            positions[r, 0] = len(s.prompt) + len(s.outputs)  # the last token, not yet emitted
-    padded = any(s is not None and s.pad for s in rows)  # generate kept a 2D mask throughout
-    tracker.closing = True
-    model(input_ids=ids, attention_mask=mask.to(model.device) if padded else None,
-          position_ids=positions.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    width = max(seq.committed for seq, _, _ in ends)
+    rows = []
+    for layer, (k, v) in enumerate(ends[0][2]):
+        nk = k.new_zeros((len(ends), k.shape[0], width, k.shape[2]))
+        nv = v.new_zeros((len(ends), v.shape[0], width, v.shape[2]))
+        for i, (seq, _, held) in enumerate(ends):
+            nk[i, :, width - seq.committed:] = held[layer][0]
+            nv[i, :, width - seq.committed:] = held[layer][1]
+        rows.append((nk, nv))
+    closing = JournaledCache(model, tracker, rows)
+    tracker.rows = [seq for seq, _, _ in ends]
+    ids = torch.tensor([[token] for _, token, _ in ends])
+    mask = torch.ones((len(ends), width + 1), dtype=torch.long)
+    for i, (seq, _, _) in enumerate(ends):
+        mask[i, :width - seq.committed] = 0
+    positions = torch.tensor([[seq.committed] for seq, _, _ in ends])
+    # transformers keeps a 2D mask through a generation whose prompts were padded and
+    # drops an all-ones one otherwise; the proof rebuilds the call by the same rule
+    explicit = any(s.pad for s in tracker.seqs.values()) or not bool(mask.all())
+    model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device) if explicit else None,
+          position_ids=positions.to(model.device), cache=closing, use_cache=True, logits_to_keep=1)

@@ -24,12 +24,21 @@ Beams: the expanded rows are forks of the first at the prompt (their prefill row
 checked equal to its own); a reorder_cache(beam_idx) becomes, before the next call,
 forks where a beam is selected twice, and a reorder event over the group. Beams left
 behind stay open until the end, where each returned sequence is matched to the handle
-that holds its tokens, emits its last one and finishes; all are then released.
+that holds its tokens, emits its last one and finishes; all are then released. A
+candidate ending on EOS (seen through a stopping criterion that stops nothing) may be
+returned while the search goes on: before the next reorder moves its parent on, it
+becomes a fork of the parent, the handle that emits its EOS at the end.
+
+The end: generate never runs the last token it chooses. The closing call (closing_rows,
+then one decode call on a cache of those handles' rows) emits it, runs it as a decode
+and publishes it before the handle finishes: a finish aborts whatever is still open,
+and a repair would commit rows of a handle already finished. Without it (close_frontier
+off) the last token is emitted and the handle finishes one row short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +122,13 @@ class Tracker:
         self.call: ForwardCall | None = None
         self.unmatched: list[tuple[int, list[int]]] = []  # returned sequences no handle holds
         self._drafts: tuple[Seq, tuple[int, ...], ForwardCall] | None = None
-        self.closing = False  # the next call runs each row's last token: a closing repair
+        # after generate: the next call runs each sequence's last token as a decode, whose
+        # handle finishes only once that row is published (decide aborts what a finish leaves open)
+        self.closing = False
+        self.closing_reasons: dict[str, FinishReason] = {}
+        self.keep_rows = False  # the frontier will be closed: keep the rows of beams forked at an EOS
+        self.eos_candidates: list[tuple[str, tuple[int, ...]]] = []  # (group, generated ids), last one EOS
+        self.saved: dict[str, hf_rows.Layers] = {}  # handle -> its rows [H_kv, n, d_h] per layer
 
     # -- cache notifications ----------------------------------------------------------
     def wrote(self, layer: int) -> None:
@@ -143,9 +158,11 @@ class Tracker:
         cmds: list[c.Command | c.Relative] = []
         steps: dict[str, list[c.Step]] = {}
         self._flush(steps)
-        if self.reorder is not None:
+        if self.reorder is not None or self.eos_candidates:
             cmds += self._chains(steps)
             steps = {}
+            cmds += self._eos_forks()
+        if self.reorder is not None:
             cmds += self._apply_reorder(self.reorder)
             self.reorder = None
         id_rows = ids.tolist()
@@ -164,8 +181,11 @@ class Tracker:
             st.append(c.EmitOutput(handle_id=seq.handle, base_generation=None, base_snapshot_version=None,
                                    output_index=len(seq.outputs), token_id=t))
             seq.outputs.append(t)
-            if t in self.plan.eos or self.closing:  # the row is still computed: a repair closes the frontier
-                reason: FinishReason = "eos" if t in self.plan.eos else "max_tokens"
+            reason: FinishReason = "eos" if t in self.plan.eos else "max_tokens"
+            if self.closing:
+                self.closing_reasons[seq.handle] = reason
+                st.append(self._begin(seq, "decode", tokens, call(r)))
+            elif t in self.plan.eos:  # transformers still runs the row: a repair closes the frontier
                 seq.finished = reason
                 st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=reason))
                 st.append(self._begin(seq, "repair", tokens, call(r)))
@@ -333,7 +353,7 @@ class Tracker:
         return out
 
     def _layers(self) -> hf_rows.Layers:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+        return hf_rows.of_cache(self.cache)
 
     # -- beams ---------------------------------------------------------------------------
     def _child(self, parent: Seq) -> Seq:
@@ -381,17 +401,94 @@ class Tracker:
         self.rows = new
         return cmds
 
+    def candidates(self, sequences: torch.Tensor) -> None:
+        """One step of beam search's scored continuations, best first per request. Any
+        of the best num_beams that ends on EOS may be returned, while the search goes on
+        and the next reorder moves its parent's rows on or away: it becomes a fork of its
+        parent before that (_eos_forks), a handle that can still emit it."""
+        p = self.plan
+        per = sequences.shape[0] // len(p.request_ids)
+        self.eos_candidates = [(p.request_ids[i // per], tuple(row[p.prompt_width:]))
+                               for i, row in enumerate(sequences.tolist()) if i % per < p.expand and row[-1] in p.eos]
+
+    def _eos_forks(self) -> list[c.Command | c.Relative]:
+        """A fork per EOS candidate of the last call, off the handle it continues (whose
+        logits chose it), with a copy of that handle's rows if the frontier is to be closed."""
+        found, self.eos_candidates = self.eos_candidates, []
+        layers = self.cache.before_reorder or hf_rows.of_cache(self.cache)  # the rows self.rows describes
+        forks: list[c.Command | c.Relative] = []
+        for group, gen in found:
+            r, parent = next(((r, s) for r, s in enumerate(self.rows) if s is not None and s.group == group
+                              and s.logits_ready and s.finished is None and tuple(s.outputs) == gen[:-1]),
+                             (-1, None))
+            if parent is None:
+                log.warning("EOS candidate continues no handle", group=group, tokens=len(gen))
+                continue
+            child = self._child(parent)
+            forks.append(self._fork(parent, child))
+            if self.keep_rows:
+                lo, hi = parent.pad, parent.pad + parent.committed
+                self.saved[child.handle] = [(k[r, :, lo:hi].clone(), v[r, :, lo:hi].clone()) for k, v in layers]
+        return forks
+
     # -- the end -------------------------------------------------------------------------
+    def closing_rows(self, sequences: list[list[int]]) -> list[tuple[Seq, int, hf_rows.Layers]]:
+        """Each returned sequence's handle, its last token and the handle's rows per layer
+        [H_kv, n, d_h], from the cache as the last call left it. The last call's appends
+        are published first: a verify's publish says which rows its crop kept."""
+        self._settle()
+        layers = self.cache.before_reorder or hf_rows.of_cache(self.cache)  # the rows self.rows describes
+        steps: dict[str, list[c.Step]] = {}
+        self._flush(steps)
+        _check(self.port.execute_many(self._chains(steps)))
+        self.closing = True
+        self.reorder = None  # generate's reorder after its last call moved rows no call reads
+        self.eos_candidates = []  # of the last call: their parents are still in self.rows
+
+        def rows_of(seq: Seq, r: int) -> hf_rows.Layers:
+            return [(k[r, :, seq.pad:seq.pad + seq.committed], v[r, :, seq.pad:seq.pad + seq.committed])
+                    for k, v in layers]
+
+        if not self.plan.beams:
+            return [(seq, sequences[r][-1], rows_of(seq, r)) for r, seq in enumerate(self.rows)
+                    if seq is not None and seq.finished is None]
+        row_of = {id(s): r for r, s in enumerate(self.rows) if s is not None}
+        ends, forks = self._match_beams(sequences, held=lambda s: id(s) in row_of or s.handle in self.saved)
+        gone = [f"returned sequence {i}" for i, gen in self.unmatched if gen] + \
+               [f"the sequence {seq.handle} returns" for seq, _, src in ends
+                if id(src) not in row_of and src.handle not in self.saved]
+        if gone:  # a beam that finished before the search did: its parent's rows were reordered away
+            for seq, _, src in ends:
+                if seq is not src:  # a fork not journaled: nothing for abort to cancel
+                    del self.seqs[seq.handle]
+            raise KvLedgerError(ErrorCode.FRONTIER_MISMATCH, f"{gone[0]} ended before the beam search did: the "
+                                                             "rows its last token was chosen from left the cache, "
+                                                             "so that token cannot run (close_frontier=False "
+                                                             "does not run it)")
+        if forks:
+            _check(self.port.execute_many(forks))
+        return [(seq, token, self.saved[src.handle] if src.handle in self.saved else rows_of(src, row_of[id(src)]))
+                for seq, token, src in ends]
+
     def finish(self, sequences: torch.Tensor) -> None:
         self._settle()
         steps: dict[str, list[c.Step]] = {}
         self._flush(steps)
+        for handle, reason in self.closing_reasons.items():  # after its closing decode's publish
+            self.seqs[handle].finished = reason
+            steps.setdefault(handle, []).append(c.Finish(handle_id=handle, base_generation=None, reason=reason))
         _check(self.port.execute_many(self._chains(steps)))
         steps = {}
         seqs = sequences.tolist()
         p = self.plan
-        if p.beams:
-            self._match_beams(seqs, steps)
+        if self.closing:
+            pass  # each last token was emitted and run by the closing call
+        elif p.beams:
+            ends, forks = self._match_beams(seqs)
+            if forks:
+                _check(self.port.execute_many(forks))
+            for holder, token, _ in ends:
+                self._last(holder, token, steps)
         else:
             for r, seq in enumerate(self.rows):
                 if seq is None or seq.finished is not None:
@@ -407,6 +504,7 @@ class Tracker:
             st.append(c.Release(handle_id=seq.handle, base_generation=None))
             seq.released = True
         _check(self.port.execute_many([*cmds, *self._chains(steps)]))
+        self.saved = {}
 
     def _last(self, seq: Seq, token: int, steps: dict[str, list[c.Step]]) -> None:
         """The token chosen from the last call's logits, never run through the model."""
@@ -418,35 +516,37 @@ class Tracker:
         seq.finished = reason
         st.append(c.Finish(handle_id=seq.handle, base_generation=None, reason=reason))
 
-    def _match_beams(self, seqs: list[list[int]], steps: dict[str, list[c.Step]]) -> None:
+    def _match_beams(self, seqs: list[list[int]], held: Callable[[Seq], bool] = lambda s: True
+                     ) -> tuple[list[tuple[Seq, int, Seq]], list[c.Command | c.Relative]]:
         """Each returned sequence ends at the handle whose outputs are all its tokens but
-        the last (chosen from that handle's published logits); two ending at the same
-        handle: the second is a fork of it, taken before either emits."""
+        the last (chosen from that handle's published logits), one whose rows are `held`
+        if any is; two ending at the same handle: the second is a fork of it, taken before
+        either emits. Per sequence: the handle it ends on, its last token and the handle
+        holding the rows."""
         p = self.plan
         per = len(seqs) // len(p.request_ids)
-        ends: list[tuple[Seq, int]] = []
+        ends: list[tuple[Seq, int, Seq]] = []
         forks: list[c.Command | c.Relative] = []
         used: set[str] = set()
         for i, row in enumerate(seqs):
             group = p.request_ids[i // per]
             gen = row[p.prompt_width:]
             gen = gen[:next((k + 1 for k, t in enumerate(gen) if t in p.eos), len(gen))]
-            holder = next((s for s in list(self.seqs.values()) if s.group == group and s.logits_ready
-                           and s.finished is None and s.outputs == gen[:-1]), None)
+            holders = [s for s in self.seqs.values() if s.group == group and s.logits_ready
+                       and s.finished is None and s.outputs == gen[:-1]]
+            holder = next((s for s in holders if held(s)), holders[0] if holders else None)
             if holder is None or not gen:
                 self.unmatched.append((i, gen))
                 log.warning("returned beam held by no handle", group=group, index=i)
                 continue
+            source = holder
             if holder.handle in used:
                 child = self._child(holder)
                 forks.append(self._fork(holder, child))
                 holder = child
             used.add(holder.handle)
-            ends.append((holder, gen[-1]))
-        if forks:
-            _check(self.port.execute_many(forks))
-        for holder, token in ends:
-            self._last(holder, token, steps)
+            ends.append((holder, gen[-1], source))
+        return ends, forks
 
     def abort(self, exc: BaseException) -> None:
         """The generation raised: every open append fails, every handle is cancelled and

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 Layers = Sequence[tuple[Tensor, Tensor]]  # per layer: keys, values [B, H_kv, T, d_h]
+
+
+def of_cache(cache: Any) -> list[tuple[Tensor, Tensor]]:
+    """A transformers cache's layers as (keys, values) [B, H_kv, T, d_h]."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _bytes(t: Tensor) -> np.ndarray:

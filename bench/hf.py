@@ -21,7 +21,8 @@ NOTES = {
     "hf_journal_overhead": "worst case over batch 1 and 8 of (journaled time / plain time) - 1, default "
                            "commit mode (before the call; overlap_commit=True, during it, is reported "
                            "beside it); per forward call one journal commit (publications, outputs, next "
-                           "starts) and the row digests read back from the cache. On 2 shared cores the "
+                           "starts) and the row digests read back from the cache, plus the closing call that runs "
+                           "each last token after generate (close_frontier, the default). On 2 shared cores the "
                            "figure moves with the neighbours' load",
 }
 PROMPT = 32

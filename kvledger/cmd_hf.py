@@ -41,9 +41,7 @@ def generate(args: argparse.Namespace) -> int:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"token id {max(prompt)} is outside the vocabulary")
     handle = f"gen-{uuid.uuid4().hex[:12]}"
     kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "num_beams": args.num_beams,
-                              "do_sample": args.do_sample}
-    if args.do_sample:
-        torch.manual_seed(args.seed)
+                              "do_sample": args.do_sample, "seed": args.seed if args.do_sample else None}
     url = resolve_url(args.db)
     with Ledger.open(url, source_instance="kvledger-generate-hf") as ledger:
         first = ledger.journal.last_position()

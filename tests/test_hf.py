@@ -56,15 +56,16 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(model, tmp_path, ids, mask=None, seed=None, url=None, **kw):
-    """(plain generate's result, journaled_generate's result, the journal's events)."""
+    """(plain generate's result, journaled_generate's result, the journal's events); a
+    seed goes to torch before plain generate and to journaled_generate as its seed=."""
     if seed is not None:
         torch.manual_seed(seed)
     ref = model.generate(input_ids=ids, attention_mask=mask, **{k: v for k, v in kw.items()
                                                              if k not in ("close_frontier", "overlap_commit")})
     with Ledger.open(url or f"sqlite:///{tmp_path}/j.db") as ledger:
         if seed is not None:
-            torch.manual_seed(seed)
-        out = journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, **kw)
+            torch.manual_seed(seed + 1)  # journaled_generate must seed the generator itself
+        out = journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, seed=seed, **kw)
         verdict = verify_journal(ledger.journal)
         events = list(ledger.journal.read_all())
     assert verdict.ok, verdict.findings
@@ -83,6 +84,30 @@ def before_release(events: list[ev.Event]) -> dict[str, object]:
 def kinds(events: list[ev.Event]) -> Counter[str]:
     return Counter(e.event_type for e in events) + Counter(
         f"append:{e.payload.kind}" for e in events if isinstance(e, ev.AppendStartEvent))
+
+
+def assert_closed(states, sequences: torch.Tensor, prompts: list[list[int]], eos: int | None = None) -> None:
+    """Every handle ends with every token it holds run through the model (committed =
+    logical), and each returned sequence has a finished handle whose committed length
+    is the sequence's unpadded length (prompt + generated up to its EOS)."""
+    assert states and all(s.committed_length == s.logical_length for s in states.values())
+    per = len(sequences) // len(prompts)
+    width = sequences.shape[1] - max(len(s.outputs) for s in states.values())
+    for row, seq in enumerate(sequences.tolist()):
+        prompt, gen = prompts[row // per], seq[width:]
+        if eos is not None and eos in gen:
+            gen = gen[:gen.index(eos) + 1]
+        held = [s for s in states.values() if s.prompt == tuple(prompt) and s.outputs == tuple(gen)
+                and s.lifecycle == "FINISHED"]
+        assert held, f"returned sequence {row} has no finished handle"
+        assert held[0].committed_length == len(prompt) + len(gen)
+
+
+def closing_order(events: list[ev.Event], handle: str) -> list[str]:
+    """A handle's last events: the closing decode of its last token, then its finish."""
+    starts = {e.payload.txn_id: e.payload.kind for e in events if isinstance(e, ev.AppendStartEvent)}
+    return [e.event_type + (f":{starts[e.payload.txn_id]}" if isinstance(e, ev.AppendStartEvent) else "")
+            for e in events if e.stream_id == handle][-5:]
 
 
 def assert_proof(model, events) -> int:
@@ -106,13 +131,16 @@ def test_left_padded_batch_greedy(arch, tmp_path):
     for b, s in enumerate(states.values()):
         generated = out[b, ids.shape[1]:].tolist()
         assert s.prompt == tuple(PROMPTS[b]) and s.outputs == tuple(generated)
-        # unpadded: prompt + generated; the last token was chosen, never run through the model
-        assert s.logical_length == len(PROMPTS[b]) + 6
-        assert s.committed_length == s.logical_length - 1
+        # unpadded: prompt + generated, the last token too (run by the closing call)
+        assert s.committed_length == s.logical_length == len(PROMPTS[b]) + 6
         assert s.lifecycle == "FINISHED"
+        assert closing_order(events, s.handle_id) == ["output_emit", "append_start:decode", "append_publish",
+                                                      "finish", "release"]
+    assert_closed(states, out, PROMPTS)
     c = kinds(events)
-    assert c["release"] == 3 and c["append:prefill"] == 3 and c["append:decode"] == 15 and c["output_emit"] == 18
-    assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 15
+    assert c["release"] == 3 and c["append:prefill"] == 3 and c["append:decode"] == 18 and c["output_emit"] == 18
+    assert c["append:repair"] == 0
+    assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 18
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -122,8 +150,11 @@ def test_seeded_sampling(arch, tmp_path):
     ref, out, events = run(model, tmp_path, ids, seed=123, max_new_tokens=8, do_sample=True, temperature=1.5)
     assert torch.equal(out, ref)
     (s,) = before_release(events).values()
-    assert s.outputs == tuple(out[0, 5:].tolist()) and s.committed_length == 5 + 8 - 1
-    assert_proof(model, events)
+    assert s.outputs == tuple(out[0, 5:].tolist()) and s.committed_length == 5 + 8
+    (alloc,) = [e for e in events if isinstance(e, ev.RequestAllocateEvent)]
+    sampling = alloc.payload.manifest.request_policy.sampling
+    assert (sampling.kind, sampling.temperature, sampling.seed) == ("temperature", 1.5, 123)
+    assert assert_proof(model, events) == 5 + 8
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -146,7 +177,13 @@ def test_beam_search(arch, tmp_path, db_url):
         holders = [s for s in states.values() if s.outputs == generated and s.lifecycle == "FINISHED"
                    and s.finish_ns is not None and s.prompt == tuple(PROMPTS[row // 2])]
         assert holders, f"returned sequence {row} has no handle"
-        assert holders[0].committed_length == len(PROMPTS[row // 2]) + 5 - 1
+        assert holders[0].committed_length == len(PROMPTS[row // 2]) + 5
+        assert closing_order(events, holders[0].handle_id)[1:] == ["append_start:decode", "append_publish",
+                                                                   "finish", "release"]
+    assert_closed(states, out, PROMPTS[:2])
+    # the closing call is one call of the four returned sequences
+    closing = [e.payload.call for e in events if isinstance(e, ev.AppendStartEvent)][-4:]
+    assert len({call.call_id for call in closing}) == 1 and closing[0].size == 4
     assert_proof(model, events)
 
 
@@ -162,7 +199,8 @@ def test_assisted_decoding(arch, how, tmp_path):
     ref, out, events = run(model, tmp_path, ids, max_new_tokens=12, do_sample=False, **kw)
     assert torch.equal(out, ref)
     (s,) = before_release(events).values()
-    assert s.outputs == tuple(out[0, 10:].tolist()) and s.committed_length == 10 + 12 - 1
+    assert s.outputs == tuple(out[0, 10:].tolist()) and s.committed_length == s.logical_length == 10 + 12
+    assert closing_order(events, s.handle_id)[1:] == ["append_start:decode", "append_publish", "finish", "release"]
     starts = {e.payload.txn_id: e.payload for e in events if isinstance(e, ev.AppendStartEvent)}
     verifies = [(starts[e.payload.txn_id].interval_count, e.payload.accepted_count) for e in events
                 if isinstance(e, ev.AppendPublishEvent) and starts[e.payload.txn_id].kind == "verify"]
@@ -187,6 +225,7 @@ def test_sampled_return_sequences_are_a_fork_group(tmp_path):
     by_row = sorted(states, key=lambda s: (s.handle_id.split(".")[0], s.handle_id))
     for row, s in enumerate(by_row):
         assert s.outputs == tuple(out[row, ids.shape[1]:].tolist())
+    assert_closed(before_release(events), out, PROMPTS[1:])
     assert_proof(model, events)
 
 
@@ -205,67 +244,110 @@ def test_eos_row_is_repaired_and_the_rest_runs_on(tmp_path):
     s0 = states[next(iter(states))]
     assert s0.outputs == (int(probe[0, ids.shape[1]]), eos)
     assert s0.committed_length == s0.logical_length  # the repair ran the EOS row
+    # the others are closed after generate, not repaired: only row 0 stopped early
+    assert_closed(states, out, [PROMPTS[0], [9, 10, 11, 12, 13], PROMPTS[2]], eos=eos)
     finishes = [e.payload.reason for e in events if isinstance(e, ev.FinishEvent)]
     assert finishes.count("eos") >= 1
-    assert kinds(events)["append:repair"] >= 1
+    assert kinds(events)["append:repair"] == 1
+    closing = [e.payload.call for e in events if isinstance(e, ev.AppendStartEvent)][-2:]
+    assert closing[0].call_id == closing[1].call_id and closing[0].size == 2  # row 0 is not in it
     assert_proof(model, events)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_close_frontier_commits_the_whole_sequence(arch, tmp_path):
-    """close_frontier runs each row's last token once more (a repair): the committed
-    length is then the unpadded sequence length, and the proof covers that call too."""
+def test_close_frontier_false_ends_one_row_short(arch, tmp_path):
+    """The opt-out: no call after generate, so each last token is emitted, never run."""
     model = tiny(arch)
     ids, mask = left_padded(PROMPTS)
-    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=5, do_sample=False, close_frontier=True)
+    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=5, do_sample=False, close_frontier=False)
     assert torch.equal(out, ref)
     for b, s in enumerate(before_release(events).values()):
         assert s.outputs == tuple(out[b, ids.shape[1]:].tolist())
-        assert s.committed_length == s.logical_length == len(PROMPTS[b]) + 5
-    assert kinds(events)["append:repair"] == 3
-    assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 3 * 5
+        assert s.committed_length == s.logical_length - 1 == len(PROMPTS[b]) + 5 - 1
+        assert closing_order(events, s.handle_id)[-3:] == ["output_emit", "finish", "release"]
+    c = kinds(events)
+    assert c["append:repair"] == 0 and c["append:decode"] == 3 * 4
+    assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 3 * 4
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_forward_that_raises_leaves_failures_then_raises(overlap, tmp_path):
-    model = tiny("qwen2")
-    ids, mask = left_padded(PROMPTS)
-    calls = []
+def eos_before_the_search_ends(arch: str, seed: int):
+    """A model, batch and EOS id with which a returned beam ends on EOS while the search
+    runs on (so generate pads it): found by trying the tokens beam search chose."""
+    model = tiny(arch, seed=seed)
+    ids, mask = left_padded(PROMPTS[:2])
+    kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False)
+    width = ids.shape[1]
+    for tok in sorted(set(model.generate(input_ids=ids, attention_mask=mask, **kw)[:, width:].flatten().tolist())):
+        out = model.generate(input_ids=ids, attention_mask=mask, eos_token_id=tok, **kw)
+        if any(tok in row[:-1] for row in out[:, width:].tolist()):
+            return model, ids, mask, {**kw, "eos_token_id": tok}
+    pytest.fail("no token ends a returned beam early")
 
-    class Boom(RuntimeError):
-        pass
 
-    def explode(module, args, kwargs):
-        calls.append(1)
-        if len(calls) == 3:  # the second decode call, in layer 1
-            raise Boom("injected in layer 1")
-
-    hook = model.model.layers[1].self_attn.register_forward_pre_hook(explode, with_kwargs=True)
-    try:
-        with Ledger.open(f"sqlite:///{tmp_path}/j.db") as ledger, pytest.raises(Boom):
-            journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                               overlap_commit=overlap)
-        with open_or_create_journal(f"sqlite:///{tmp_path}/j.db") as journal:
-            assert verify_journal(journal).ok
-            events = list(journal.read_all())
-    finally:
-        hook.remove()
-    failures = [e for e in events if isinstance(e, ev.FailureEvent) and e.payload.outcome == "failed"]
-    assert len(failures) == 3 and all("injected in layer 1" in f.payload.detail for f in failures)
-    starts = {e.payload.txn_id: e for e in events if isinstance(e, ev.AppendStartEvent)}
-    assert {starts[f.payload.txn_id].payload.kind for f in failures} == {"decode"}
+@pytest.mark.parametrize("close", [True, False])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_beam_that_ended_on_eos_early_is_closed(arch, close, tmp_path):
+    """A returned beam that hit EOS while the search ran on was chosen from rows a later
+    reorder moved on or away: it is forked off its parent before that reorder, and the
+    closing call runs its EOS on a copy of those rows. Opted out, it still has a handle."""
+    model, ids, mask, kw = eos_before_the_search_ends(arch, seed=0)
+    eos = kw["eos_token_id"]
+    ref, out, events = run(model, tmp_path, ids, mask, close_frontier=close, **kw)
+    assert torch.equal(out, ref)
     states = before_release(events)
-    assert all(s.lifecycle == "CANCELLED" and not s.open_txns for s in states.values())
-    assert kinds(events)["release"] == 3
+    if close:
+        assert_closed(states, out, PROMPTS[:2], eos=eos)
+    width = ids.shape[1]
+    for row, seq in enumerate(out[:, width:].tolist()):
+        if eos not in seq[:-1]:
+            continue
+        gen = tuple(seq[:seq.index(eos) + 1])
+        (held,) = [s for s in states.values() if s.outputs == gen and s.lifecycle == "FINISHED"]
+        assert held.parent_handle_id is not None  # the fork taken at the EOS
+        assert held.committed_length == len(PROMPTS[row // 2]) + len(gen) - (0 if close else 1)
     assert_proof(model, events)
 
 
-def test_a_flipped_digest_is_named(tmp_path):
+class StopOn(transformers.StoppingCriteria):
+    """Ends a candidate on one token, as EOS would, but unseen by the wrapper."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_a_beam_stopped_early_by_a_criterion_cannot_be_closed(tmp_path):
+    """A stopping criterion the wrapper cannot read ends a returned beam early: its last
+    token was chosen from rows a later reorder overwrote. Refused with a code after
+    generate, the journal cancelled and released, verify-clean."""
+    model, ids, mask, kw = eos_before_the_search_ends("llama", seed=0)
+    stop = StopOn(kw.pop("eos_token_id"))
+    kw["stopping_criteria"] = transformers.StoppingCriteriaList([stop])
+    url = f"sqlite:///{tmp_path}/j.db"
+    with Ledger.open(url) as ledger, pytest.raises(KvLedgerError) as refused:
+        journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, **kw)
+    assert refused.value.code.value == "FRONTIER_MISMATCH" and "ended before the beam search did" in str(refused.value)
+    with open_or_create_journal(url) as journal:
+        assert verify_journal(journal).ok
+        events = list(journal.read_all())
+    states = before_release(events)
+    assert all(s.lifecycle == "CANCELLED" and not s.open_txns for s in states.values())
+    assert kinds(events)["release"] == len(states)
+    assert_proof(model, events)
+    (tmp_path / "opt-out").mkdir()
+    ref, out, _ = run(model, tmp_path / "opt-out", ids, mask, close_frontier=False, **kw)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("which", [3, -1])  # a decode in generate; the closing call's last publish
+def test_a_flipped_digest_is_named(which, tmp_path):
     model = tiny("mistral")
     ids, mask = left_padded(PROMPTS[:2])
     _, _, events = run(model, tmp_path, ids, mask, max_new_tokens=4, do_sample=False)
     publishes = [i for i, e in enumerate(events) if isinstance(e, ev.AppendPublishEvent)]
-    i = publishes[3]
+    i = publishes[which]
     p = events[i].payload
     flipped = ("0" if p.rows_sha256[0] != "0" else "1") + p.rows_sha256[1:]
     events[i] = msgspec.structs.replace(events[i], payload=msgspec.structs.replace(p, rows_sha256=flipped))
@@ -302,7 +384,12 @@ def test_cli_generate_and_reexecute(tmp_path, capsys):
                      "--json")
     assert proof.returncode == 0, proof.stdout + proof.stderr
     re = json.loads(proof.stdout)["reexecution"]
-    assert re["mismatches"] == [] and re["verified_rows"] == len(prompt) + 6 and re["other_artifacts"] == []
+    assert re["mismatches"] == [] and re["verified_rows"] == len(prompt) + 7 and re["other_artifacts"] == []
+    # the state before the release (which empties the handle): all of prompt + output committed
+    replayed = kvledger(capsys, "replay", "--db", db, "--at", str(doc["position"] - 1), "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    assert [(h["lifecycle"], h["committed_length"], h["logical_length"])
+            for h in json.loads(replayed.stdout)["handles"]] == [("FINISHED", len(prompt) + 7, len(prompt) + 7)]
     # the same proof over an audit file with one publication's digest changed
     audit = tmp_path / "audit.jsonl"
     assert kvledger(capsys, "export", "--db", db, "--out", str(audit)).returncode == 0
@@ -323,6 +410,40 @@ def test_cli_generate_and_reexecute(tmp_path, capsys):
                  ("generate", "--runtime", "hf", "--model", str(model_dir), "--prompt-ids", "1,999", "--db", db)):
         refused = kvledger(capsys, *argv)
         assert refused.returncode == 2 and refused.stderr.startswith("INVALID_ARGUMENT"), (argv, refused.stderr)
+
+
+def test_cli_seeded_sampling(tmp_path, capsys):
+    """`--do-sample --seed S` gives transformers' own sample after torch.manual_seed(S),
+    the same ids on every run, and the seed in the request's manifest."""
+    model = tiny("qwen2", seed=6)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    prompt = [2, 7, 1, 8, 2, 8]
+    samples = []
+    for seed in (11, 12):
+        torch.manual_seed(seed)
+        samples.append(model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=9,
+                                      do_sample=True)[0, len(prompt):].tolist())
+    assert samples[0] != samples[1]  # the seed decides: equal ids below are not a coincidence
+    db = f"sqlite:///{tmp_path}/cli.db"
+    runs = []
+    for seed in ("11", "11", "12"):
+        done = kvledger(capsys, "generate", "--runtime", "hf", "--model", str(model_dir), "--prompt-ids",
+                        ",".join(map(str, prompt)), "--max-new-tokens", "9", "--do-sample", "--seed", seed,
+                        "--db", db, "--json")
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout)["output_ids"])
+    assert runs == [samples[0], samples[0], samples[1]]
+    with open_or_create_journal(db) as journal:
+        events = list(journal.read_all())
+    policies = [e.payload.manifest.request_policy.sampling for e in events if isinstance(e, ev.RequestAllocateEvent)]
+    assert [(p.kind, p.seed) for p in policies] == [("temperature", 11), ("temperature", 11), ("temperature", 12)]
+    assert all(s.committed_length == len(prompt) + 9 for s in before_release(events).values())
+    proof = kvledger(capsys, "verify", "--db", db, "--reexecute", "--runtime", "hf", "--model", str(model_dir),
+                     "--json")
+    assert proof.returncode == 0, proof.stdout + proof.stderr
+    re = json.loads(proof.stdout)["reexecution"]
+    assert re["mismatches"] == [] and re["verified_rows"] == 3 * (len(prompt) + 9)
 
 
 def test_bad_arguments_leave_the_journal_untouched(tmp_path):
