@@ -254,6 +254,41 @@ def test_eos_row_is_repaired_and_the_rest_runs_on(tmp_path):
     assert_proof(model, events)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_forward_that_raises_leaves_failures_then_raises(overlap, tmp_path):
+    model = tiny("qwen2")
+    ids, mask = left_padded(PROMPTS)
+    calls = []
+
+    class Boom(RuntimeError):
+        pass
+
+    def explode(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the second decode call, in layer 1
+            raise Boom("injected in layer 1")
+
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(explode, with_kwargs=True)
+    try:
+        with Ledger.open(f"sqlite:///{tmp_path}/j.db") as ledger, pytest.raises(Boom):
+            journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                               overlap_commit=overlap)
+        with open_or_create_journal(f"sqlite:///{tmp_path}/j.db") as journal:
+            assert verify_journal(journal).ok
+            events = list(journal.read_all())
+    finally:
+        hook.remove()
+    failures = [e for e in events if isinstance(e, ev.FailureEvent) and e.payload.outcome == "failed"]
+    assert len(failures) == 3 and all("injected in layer 1" in f.payload.detail for f in failures)
+    starts = {e.payload.txn_id: e for e in events if isinstance(e, ev.AppendStartEvent)}
+    assert {starts[f.payload.txn_id].payload.kind for f in failures} == {"decode"}
+    states = before_release(events)
+    assert all(s.lifecycle == "CANCELLED" and not s.open_txns for s in states.values())
+    assert kinds(events)["release"] == 3
+    assert_proof(model, events)
+
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_close_frontier_false_ends_one_row_short(arch, tmp_path):
     """The opt-out: no call after generate, so each last token is emitted, never run."""
