@@ -1,6 +1,8 @@
 """kvledger kv-events record against the reference publisher (tests/kv_publisher.py):
 2,000 batches of random stores and removes in each case, the journal holding every
-published seq exactly once with the published events (issue 21)."""
+published seq exactly once with the published events (issue 21). Each case runs in both
+encodings: vLLM's (tagged maps, [topic, seq, payload]) and SGLang's (positional arrays,
+[seq, payload])."""
 
 from __future__ import annotations
 
@@ -115,13 +117,14 @@ def test_dropped_batches_are_replayed_and_journaled_once(tmp_path, dialect):
     assert drop <= replayed
 
 
-def test_publisher_restart_is_journaled_and_clears_the_pool(tmp_path):
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_publisher_restart_is_journaled_and_clears_the_pool(tmp_path, dialect):
     from kvledger.replay import replay_journal
     from kvledger.replay.metrics import WindowSpec
 
     url = _db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
-    with _recording(url, "vllm") as (pub, _):
+    with _recording(url, dialect) as (pub, _):
         _publish(pub, Workload(2, clears=False), N // 2, published)
         _wait_for(url, N // 2)
         pub.restart()
@@ -146,11 +149,12 @@ def test_publisher_restart_is_journaled_and_clears_the_pool(tmp_path):
         == {m: len(s) for m, s in model.items()}
 
 
-def test_evicted_batches_are_one_gap_with_the_exact_range(tmp_path):
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_evicted_batches_are_one_gap_with_the_exact_range(tmp_path, dialect):
     url = _db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
     lost = set(range(700, 1100))  # 400 not sent live; the ring keeps only the last 200
-    with _recording(url, "vllm", buffer_steps=200) as (pub, _):
+    with _recording(url, dialect, buffer_steps=200) as (pub, _):
         _publish(pub, Workload(4), N, published, drop=lost, pace=N)  # no pause: the ring moves on at once
         got = _wait_for(url, 0, timeout=30, last=(0, N - 1))
         replays = list(pub.replays)
@@ -172,9 +176,10 @@ def _record_cli(url: str, pub: Publisher, *extra: str) -> subprocess.Popen[bytes
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "KVLEDGER_LOG": "warning"})
 
 
-def test_sigkill_mid_run_then_restart_catches_up_by_replay(tmp_path):
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_sigkill_mid_run_then_restart_catches_up_by_replay(tmp_path, dialect):
     url = _db(tmp_path)
-    pub = Publisher("vllm")
+    pub = Publisher(dialect)
     published: dict[tuple[int, int], list[Any]] = {}
     w = Workload(5)
     try:
