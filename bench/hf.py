@@ -22,8 +22,9 @@ NOTES = {
                            "commit mode (before the call; overlap_commit=True, during it, is reported "
                            "beside it); per forward call one journal commit (publications, outputs, next "
                            "starts) and the row digests read back from the cache, plus the closing call that runs "
-                           "each last token after generate (close_frontier, the default). On 2 shared cores the "
-                           "figure moves with the neighbours' load",
+                           "each last token after generate (close_frontier, the default). What limits it is the "
+                           "fsync each call's commit waits for (2.7-14 ms a call on this disk, against a 37 ms "
+                           "step at b1), see docs/PERFORMANCE.md",
 }
 PROMPT = 32
 
