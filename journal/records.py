@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zstandard
@@ -27,9 +28,10 @@ import zstandard
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import Manifest
+from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-FORMAT = 2  # zstd; 1 was zlib
-FORMATS = (1, 2)
+FORMAT = 3  # zstd, compact receipts; 2: zstd, receipts as JSON; 1: zlib
+FORMATS = (1, 2, 3)
 GENESIS = bytes(32)  # the chain before the first record
 LEVEL = 1  # zstd's level 1: its higher levels cost far more CPU for a few percent
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -42,16 +44,105 @@ class _Header(msgspec.Struct, array_like=True, frozen=True, gc=False):
     event_crcs: list[int]
     receipt_lengths: list[int]
     receipt_crcs: list[int]
-    data: bytes  # the events' bytes, then the receipts', compressed (format 1: zlib; 2: zstd)
+    data: bytes  # the events' bytes, then the receipts', compressed (format 1: zlib; 2 and 3: zstd)
 
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Header).decode
 
 
-class Record(msgspec.Struct, frozen=True, gc=False):
-    events: list[bytes]
-    receipts: list[bytes]
+class Record:
+    """A record's events and receipts, each as the JSON bytes the one-row-per-event layout
+    stored. A format 3 record's receipts are expanded from its events when first read
+    (most reads want events only)."""
+
+    __slots__ = ("_compact", "_receipts", "events")
+
+    def __init__(self, events: list[bytes], receipts: list[bytes], compact: bool = False) -> None:
+        self.events, self._receipts, self._compact = events, receipts, compact
+
+    @property
+    def receipts(self) -> list[bytes]:
+        if self._compact:
+            expanded = expand_receipts(self._receipts, self.events)
+            if isinstance(expanded, str):  # its CRCs held: a writer's fault, not a flipped byte
+                raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"a record's receipts do not fit its events: "
+                                                               f"{expanded} (run `kvledger verify`)")
+            self._receipts, self._compact = expanded, False
+        return self._receipts
+
+
+# -- compact receipts (format 3) -------------------------------------------------------
+# A receipt repeats what its events hold: their ids and positions, its operation id, the
+# handles it wrote and where their streams ended. Format 3 stores only what they do not
+# hold: how many of the record's events are its own (operations' events follow each other
+# in receipt order), the fingerprint (32 bytes when it is a SHA-256 in hex), the commit
+# time and each written handle's generation, snapshot version and committed length. The
+# JSON receipt is rebuilt from them, byte for byte what format 2 stored (tests/test_records.py).
+
+
+class _Compact(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    count: int
+    fingerprint: Any  # str, or the 32 bytes of a SHA-256 (msgspec takes no str | bytes union)
+    committed_wall_ns: int
+    heads: list[int]  # generation, snapshot_version, committed_length of each handle, in write order
+
+
+class _EventKeys(msgspec.Struct, frozen=True, gc=False):
+    event_id: str
+    stream_id: str
+    stream_position: int
+    global_position: int
+    operation_id: str
+
+
+_compact_decode = msgspec.msgpack.Decoder(_Compact).decode
+_event_keys = msgspec.json.Decoder(_EventKeys).decode
+
+
+def compact_receipt(r: Receipt) -> bytes:
+    fp: str | bytes = r.fingerprint
+    if len(fp) == 64:
+        try:
+            raw = bytes.fromhex(r.fingerprint)
+            fp = raw if raw.hex() == r.fingerprint else fp  # only a lowercase hex one reads back the same
+        except ValueError:
+            pass
+    heads = [x for h in r.handles for x in (h.generation, h.snapshot_version, h.committed_length)]
+    return _encode(_Compact(len(r.event_ids), fp, r.committed_wall_ns, heads))
+
+
+def expand_receipts(compact: Sequence[bytes], events: Sequence[bytes]) -> list[bytes] | str:
+    """The JSON receipts of compact ones over the record's events, or what does not fit."""
+    out: list[bytes] = []
+    at = 0
+    try:
+        for c in compact:
+            r = _compact_decode(c)
+            own = [_event_keys(e) for e in events[at:at + r.count]]
+            if r.count < 1 or len(own) != r.count:
+                return f"receipt {len(out)} claims {r.count} events from event {at} of {len(events)}"
+            at += r.count
+            last: dict[str, int] = {}
+            for e in own:
+                last[e.stream_id] = e.stream_position  # dicts keep first-seen order: the write order
+            if len(r.heads) != 3 * len(last):
+                return f"receipt {len(out)} has heads for {len(r.heads) / 3:g} handles, its events {len(last)}"
+            h = r.heads
+            fp = r.fingerprint.hex() if isinstance(r.fingerprint, bytes) else r.fingerprint
+            if not isinstance(fp, str):
+                return f"receipt {len(out)} has a fingerprint of type {type(fp).__name__}"
+            out.append(receipt_encoder.encode(Receipt(
+                own[0].operation_id, fp,
+                tuple(HandleResult(sid, h[3 * i], h[3 * i + 1], pos, h[3 * i + 2]) for i, (sid, pos) in
+                      enumerate(last.items())),
+                tuple(e.event_id for e in own), own[0].global_position, own[-1].global_position,
+                r.committed_wall_ns)))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return f"receipt {len(out)} is unreadable: {exc}"
+    if at != len(events):
+        return f"{len(events) - at} events after the last receipt's"
+    return out
 
 
 class Damage(msgspec.Struct, frozen=True):
@@ -64,10 +155,11 @@ class Damage(msgspec.Struct, frozen=True):
     events: list[bytes] = []
 
 
-def encode_record(events: Sequence[bytes], receipts: Sequence[bytes]) -> bytes:
+def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int = FORMAT) -> bytes:
+    """A record of `fmt` (2 or 3) with the receipts in its stored form (3: compact_receipt)."""
     crc = zlib.crc32
     return _encode(_Header(
-        FORMAT, [len(e) for e in events], [crc(e) for e in events],
+        fmt, [len(e) for e in events], [crc(e) for e in events],
         [len(r) for r in receipts], [crc(r) for r in receipts],
         compress(b"".join(events) + b"".join(receipts))))
 
@@ -147,14 +239,16 @@ def stable_key(value: str) -> int:
 def decode_record(body: bytes, where: str) -> Record:
     """A stored record's events and receipts; a damaged one is CORRUPT_JOURNAL (the
     readers' answer: `verify` names what changed)."""
-    found = audit_record(body)
+    found = audit_record(body, eager=False)
     if isinstance(found, Damage):
         raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL,
                             f"the record {where} is damaged: {found.message} (run `kvledger verify`)")
     return found
 
 
-def audit_record(body: bytes) -> Record | Damage:
+def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
+    """The record's events and receipts (a format 3 record's receipts rebuilt now unless
+    not `eager`), or the damage found."""
     try:
         h = _decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -182,7 +276,12 @@ def audit_record(body: bytes) -> Record | Damage:
         at += n
     if problem or at != len(data):
         return Damage(None, problem or f"{len(data) - at} bytes after the last receipt", events)
-    return Record(events, receipts)
+    if h.format == 3 and eager:
+        expanded = expand_receipts(receipts, events)
+        if isinstance(expanded, str):
+            return Damage(None, f"its receipts do not fit its events: {expanded}", events)
+        return Record(events, expanded)
+    return Record(events, receipts, compact=h.format == 3)
 
 
 def _inflate(fmt: int, data: bytes, expected: int) -> tuple[bytes, str | None]:
