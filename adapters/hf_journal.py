@@ -401,6 +401,11 @@ class Tracker:
         self.rows = new
         return cmds
 
+    def _described_layers(self) -> hf_rows.Layers:
+        """The cache's rows as self.rows describes them: before a reorder that no call has
+        read yet (beam search reorders after its last call)."""
+        return self.cache.before_reorder or hf_rows.of_cache(self.cache)
+
     def candidates(self, sequences: torch.Tensor) -> None:
         """One step of beam search's scored continuations, best first per request. Any
         of the best num_beams that ends on EOS may be returned, while the search goes on
@@ -415,7 +420,7 @@ class Tracker:
         """A fork per EOS candidate of the last call, off the handle it continues (whose
         logits chose it), with a copy of that handle's rows if the frontier is to be closed."""
         found, self.eos_candidates = self.eos_candidates, []
-        layers = self.cache.before_reorder or hf_rows.of_cache(self.cache)  # the rows self.rows describes
+        layers = self._described_layers()
         forks: list[c.Command | c.Relative] = []
         for group, gen in found:
             r, parent = next(((r, s) for r, s in enumerate(self.rows) if s is not None and s.group == group
@@ -427,8 +432,7 @@ class Tracker:
             child = self._child(parent)
             forks.append(self._fork(parent, child))
             if self.keep_rows:
-                lo, hi = parent.pad, parent.pad + parent.committed
-                self.saved[child.handle] = [(k[r, :, lo:hi].clone(), v[r, :, lo:hi].clone()) for k, v in layers]
+                self.saved[child.handle] = [(k.clone(), v.clone()) for k, v in _rows_of(layers, parent, r)]
         return forks
 
     # -- the end -------------------------------------------------------------------------
@@ -437,7 +441,7 @@ class Tracker:
         [H_kv, n, d_h], from the cache as the last call left it. The last call's appends
         are published first: a verify's publish says which rows its crop kept."""
         self._settle()
-        layers = self.cache.before_reorder or hf_rows.of_cache(self.cache)  # the rows self.rows describes
+        layers = self._described_layers()
         steps: dict[str, list[c.Step]] = {}
         self._flush(steps)
         _check(self.port.execute_many(self._chains(steps)))
@@ -445,12 +449,8 @@ class Tracker:
         self.reorder = None  # generate's reorder after its last call moved rows no call reads
         self.eos_candidates = []  # of the last call: their parents are still in self.rows
 
-        def rows_of(seq: Seq, r: int) -> hf_rows.Layers:
-            return [(k[r, :, seq.pad:seq.pad + seq.committed], v[r, :, seq.pad:seq.pad + seq.committed])
-                    for k, v in layers]
-
         if not self.plan.beams:
-            return [(seq, sequences[r][-1], rows_of(seq, r)) for r, seq in enumerate(self.rows)
+            return [(seq, sequences[r][-1], _rows_of(layers, seq, r)) for r, seq in enumerate(self.rows)
                     if seq is not None and seq.finished is None]
         row_of = {id(s): r for r, s in enumerate(self.rows) if s is not None}
         ends, forks = self._match_beams(sequences, held=lambda s: id(s) in row_of or s.handle in self.saved)
@@ -467,8 +467,8 @@ class Tracker:
                                                              "does not run it)")
         if forks:
             _check(self.port.execute_many(forks))
-        return [(seq, token, self.saved[src.handle] if src.handle in self.saved else rows_of(src, row_of[id(src)]))
-                for seq, token, src in ends]
+        return [(seq, token, self.saved[src.handle] if src.handle in self.saved
+                 else _rows_of(layers, src, row_of[id(src)])) for seq, token, src in ends]
 
     def finish(self, sequences: torch.Tensor) -> None:
         self._settle()
@@ -576,3 +576,9 @@ class Tracker:
         for r in results:
             if isinstance(r, KvLedgerError):
                 log.error("journal refused a failure event", error=str(r))
+
+
+def _rows_of(layers: hf_rows.Layers, seq: Seq, r: int) -> hf_rows.Layers:
+    """Batch row r's rows of `seq` per layer, [H_kv, committed, d_h]: after its left padding."""
+    lo, hi = seq.pad, seq.pad + seq.committed
+    return [(k[r, :, lo:hi], v[r, :, lo:hi]) for k, v in layers]

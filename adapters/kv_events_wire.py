@@ -48,8 +48,7 @@ def seq_of(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
-def _batch_seq(frame: bytes) -> int:
-    seq = seq_of(frame)
+def _batch_seq(seq: int) -> int:
     if seq < 0:  # only the replay's end marker is negative; a journaled seq never is
         raise _bad(f"a batch's seq is >= 0, not {seq}")
     return seq
@@ -58,9 +57,9 @@ def _batch_seq(frame: bytes) -> int:
 def split_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
     """(topic, seq, payload) of one PUB message; SGLang's form has topic b""."""
     if len(frames) == 3:
-        return frames[0], _batch_seq(frames[1]), frames[2]
+        return frames[0], _batch_seq(seq_of(frames[1])), frames[2]
     if len(frames) == 2:
-        return b"", _batch_seq(frames[0]), frames[1]
+        return b"", _batch_seq(seq_of(frames[0])), frames[1]
     raise _bad(f"a KV-event message has 2 or 3 frames, not {len(frames)}")
 
 
@@ -71,7 +70,7 @@ def split_replay(frames: list[bytes]) -> tuple[int, bytes] | None:
     seq = seq_of(frames[-2])
     if seq == -1 and not frames[-1]:
         return None
-    return _batch_seq(frames[-2]), frames[-1]
+    return _batch_seq(seq), frames[-1]
 
 
 def _hash(h: Any) -> int | str:
