@@ -390,5 +390,6 @@ def baseline_run(backend: Backend, specs: list[RequestSpec], root: Path, writer:
         detail = error["message"] if error else (out.get("errors") or ["no result"])[0]
         raise RuntimeError(f"the uninterrupted baseline run failed ({detail}): see {root / 'baseline.log'}")
     backend.release(-1)
+    out["acks"] = len(_read_lines(str(root / "baseline.acks")))
     return out
 
