@@ -42,6 +42,9 @@ NOTES = {
                                    "a token do not compress), plus lookup rows, empty pre-0003 tables "
                                    "and page slack",
     "replay_tokens_per_s": "read + inflate + decode + project; three JSON events per token",
+    "journal_wal_bytes_per_token": "WAL written per decoded token by a commit of 64 decode chains once the "
+                                   "journal holds ~10k tokens (every page it dirties), before the checkpoint "
+                                   "writes the same pages again",
 }
 
 BATCH = 64
@@ -154,6 +157,32 @@ def chain_rate(url: str, layers: int, steps: int, repeats: int) -> tuple[float, 
     return best_rate(rates), tokens
 
 
+def wal_bytes_per_token(path: str, layers: int, steps: int, groups: int) -> float:
+    """WAL bytes one commit of decode chains writes, per token, once the journal holds
+    `groups` groups' tokens: every page the commit dirties is a WAL frame (records,
+    heads, lookup rows), written again into the database at the checkpoint. With
+    checkpoints off for the measured steps, the WAL's growth is exactly those frames."""
+    from kvledger.engine.service import CommandService
+    from kvledger.migrations.storage import open_or_create_journal
+
+    with open_or_create_journal(f"sqlite:///{path}") as j:
+        service = CommandService(j)
+        for g in range(groups):
+            group = Lockstep(service, layers, steps, f"w{g}")
+            for _ in range(steps + 1):
+                group.step()
+        group = Lockstep(service, layers, steps, "measured")
+        group.step()
+        con = j.conn  # the journal's own connection: a checkpoint needs no reader on the WAL
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        con.execute("PRAGMA wal_autocheckpoint=0")
+        for _ in range(steps):
+            group.step()
+        grown = os.path.getsize(f"{path}-wal")
+        con.execute("PRAGMA wal_autocheckpoint=1000")
+    return grown / (BATCH * steps)
+
+
 def _worker_run(url: str | None, layers: int, g: int, writer: str | None) -> tuple[float, int]:
     """Tokens/s and tokens of the near-free model serving BATCH requests."""
     from contextlib import nullcontext
@@ -247,6 +276,9 @@ def run(ctx: Context) -> dict[str, Any]:
         missing["journal_tokens_per_s_postgres"] = str(exc)
     else:
         out["journal_tokens_per_s_postgres"] = round(chain_rate(pg_url, 32, steps, repeats)[0])
+    path = str(ctx.sqlite_path("tokens_wal"))
+    out["journal_wal_bytes_per_token"] = round(wal_bytes_per_token(path, 32, 20, ctx.size(smoke=1, quick=8,
+                                                                                         full=8)))
     ctx.log(f"   service alone, 32 layers: sqlite {out['journal_tokens_per_s_sqlite']:,} tok/s, "
             f"postgres {out['journal_tokens_per_s_postgres']} tok/s")
 

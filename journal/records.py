@@ -17,7 +17,9 @@ name the first event whose bytes changed. The chain costs 32 bytes a commit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -234,6 +236,43 @@ def stable_key(value: str) -> int:
     tables: 8 bytes a row where the id itself would take 32 or more. Two ids may share a
     key; a lookup reads the records it names and keeps the exact id."""
     return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+# kvledger's own operation ids (engine.ids) are a 16-hex process prefix and a 16-hex
+# counter. A hashed key scattered one writer's consecutive operations over the whole
+# lookup B-tree, so every commit of 64 decode chains dirtied ~64 of its pages, more as the
+# journal grew: ~40% of the WAL a commit wrote, and its commit time grew with the journal
+# (docs/COMPACT.md, step 6). Keyed by the prefix's hash and then the counter, a writer's
+# operations land at one end of their own range, as a log's would.
+_OWN_ID = re.compile("[0-9a-f]{32}").fullmatch
+_COUNTER_BITS = 40
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix_key(prefix: str) -> int:
+    return int.from_bytes(hashlib.blake2b(prefix.encode(), digest_size=3).digest(), "little") << _COUNTER_BITS
+
+
+def op_key(operation_id: str) -> int:
+    """The kvl_record_ops key of an operation id (revision 0004): for an id of 32
+    lowercase hex digits, 24 bits of its first half's hash, then the low 40 bits of its
+    second half (engine.ids' counter), so one writer's keys ascend; any other id, its
+    stable_key. Two ids may share a key, as with stable_key."""
+    if _OWN_ID(operation_id) is None:
+        return stable_key(operation_id)
+    key = _prefix_key(operation_id[:16]) | (int(operation_id[16:], 16) & ((1 << _COUNTER_BITS) - 1))
+    return key - (1 << 64) if key >= 1 << 63 else key  # two's complement: a signed 64-bit column
+
+
+def operation_ids(body: bytes) -> set[str] | None:
+    """The operation ids of a stored record's events (None: a damaged record)."""
+    found = audit_record(body, eager=False)
+    if isinstance(found, Damage):
+        return None
+    try:
+        return {_event_keys(e).operation_id for e in found.events}
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def decode_record(body: bytes, where: str) -> Record:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredDamage, StoredEvent, StoredReceipt
-from kvledger.journal.records import GENESIS, Damage, audit_record, chain, stable_key
+from kvledger.journal.records import GENESIS, Damage, audit_record, chain, op_key, stable_key
 from kvledger.journal.statements import Row, Statements, T
 
 PAGE = 5000
@@ -88,7 +88,7 @@ class SqlSnapshot(Snapshot):
                                            f"but is stored as ending at {stored_last}")
                 last = stored_last
                 needs["streams"][stored_last] = {stable_key(str(_names(e).stream_id)) for e in found.events}
-                needs["ops"][stored_last] = {stable_key(str(_receipt_names(r).operation_id))
+                needs["ops"][stored_last] = {op_key(str(_receipt_names(r).operation_id))
                                              for r in found.receipts}
             end = page[-1][0] if page and type(page[-1][0]) is int else None
             done = len(page) < self.RECORDS_PAGE or end is None

@@ -44,7 +44,7 @@ from kvledger.journal.contract import (
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.records import chain as link
-from kvledger.journal.records import compact_receipt, encode_record, manifest_ref, pack_manifest, stable_key
+from kvledger.journal.records import compact_receipt, encode_record, manifest_ref, op_key, pack_manifest, stable_key
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
@@ -369,7 +369,7 @@ class SqlJournal(Journal):
                                             h.stream_position, h.committed_length))
             receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(ids), first, position, now)
             add_receipt(encode_receipt(receipt))
-            op_keys.add(stable_key(op_id))
+            op_keys.add(op_key(op_id))
             for sha, manifest in op.manifests:  # where its allocation holds it, or itself
                 manifest_rows[sha] = manifest_ref(allocated[sha]) if sha in allocated else pack_manifest(manifest)
             results[i] = receipt

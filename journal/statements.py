@@ -22,6 +22,7 @@ from kvledger.journal.records import (
     audit_record,
     decode_record,
     manifest_ref_position,
+    op_key,
     stable_key,
     unpack_manifest,
 )
@@ -269,7 +270,7 @@ class Statements(abc.ABC):
     def record_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         wanted = set(operation_ids)
         found: dict[str, tuple[str, bytes]] = {}
-        for last, body in self.records_by_op_keys(cur, sorted({stable_key(o) for o in wanted})):
+        for last, body in self.records_by_op_keys(cur, sorted({op_key(o) for o in wanted})):
             where = f"ending at position {last}"
             for receipt in decode_record(stored_bytes(body, f"the record {where}"), where).receipts:
                 key = _receipt_key(receipt)  # a shared key names other operations' records too

@@ -20,7 +20,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 # Every alembic revision this code knows (migrations/versions), oldest first; the last
 # is the head it reads and writes. A database at a revision not listed here was written
 # by a newer kvledger. (tests/test_cli_foundation checks this against alembic.)
-REVISIONS = ("0001", "0002", "0003")
+REVISIONS = ("0001", "0002", "0003", "0004")
 SCHEMA_REVISION = REVISIONS[-1]
 VERSION_TABLE = "kvl_alembic_version"
 JOURNAL_TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints", "kvl_records",

@@ -4,10 +4,14 @@ refused command changed nothing."""
 
 from __future__ import annotations
 
+import shutil
+import sqlite3
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
+from kvledger import migrations
 from kvledger.cli import main
 from kvledger.journal import make_engine, parse_url
 from kvledger.journal.tables import JOURNAL_TABLES as TABLES
@@ -15,6 +19,34 @@ from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import import_jsonl
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def old_journal(request: pytest.FixtureRequest, tmp_path: Path, fixture: Path, revision: str,
+                tables: tuple[str, ...]) -> str:
+    """A writable copy of an old journal fixture (`fixture`/journal.db, at `revision`) on
+    the backend `request.param` names. On PostgreSQL: a database migrated to `revision`
+    with the same rows of `tables` (the old code wrote the same row values on both
+    backends: one codec)."""
+    if request.param == "sqlite":
+        shutil.copy(fixture / "journal.db", tmp_path / "journal.db")
+        return f"sqlite:///{tmp_path}/journal.db"
+    url: str = request.getfixturevalue("pg_admin").create(migrated=False)
+    engine = make_engine(parse_url(url))
+    migrations.upgrade(engine, revision)
+    src = sqlite3.connect(fixture / "journal.db")
+    try:
+        with engine.begin() as conn:
+            for table in tables:  # constant names
+                cols = [r[1] for r in src.execute(f"PRAGMA table_info({table})")]
+                rows = [dict(zip(cols, r, strict=True)) for r in src.execute(f"SELECT * FROM {table}")]
+                if rows:
+                    conn.exec_driver_sql(
+                        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join(f'%({c})s' for c in cols)})",
+                        rows)
+    finally:
+        src.close()
+        engine.dispose()
+    return url
 
 
 def sql(db_url: str, statement: str, **params) -> list[tuple]:

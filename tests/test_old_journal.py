@@ -12,20 +12,19 @@ export imports into a fresh database with the same results.
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
 
 import pytest
 
-from kvledger import Ledger, migrations
-from kvledger.journal import make_engine, open_journal, parse_url
+from kvledger import Ledger
+from kvledger.journal import open_journal
 from kvledger.journal.builders import allocate_op, make_manifest
 from kvledger.journal.contract import Rejection
 from kvledger.journal.tables import SCHEMA_REVISION, VERSION_TABLE
 from kvledger.replay import verify_journal
 from kvledger.schemas.errors import KvLedgerError
 
-from stored_rows import FIXTURES, cli, one_coded_line, sql
+from stored_rows import FIXTURES, cli, old_journal, one_coded_line, sql
 
 OLD = FIXTURES / "journal_0002"
 OLD_EVENTS = len((OLD / "export.jsonl").read_bytes().splitlines())
@@ -36,26 +35,7 @@ LIVE = "old-live"  # left mid-decode by the old code: an append started, not pub
 @pytest.fixture(params=["sqlite", "postgres"])
 def old_url(request, tmp_path) -> str:
     """A writable copy of the old journal, at revision 0002, on the parametrized backend."""
-    if request.param == "sqlite":
-        shutil.copy(OLD / "journal.db", tmp_path / "journal.db")
-        return f"sqlite:///{tmp_path}/journal.db"
-    url = request.getfixturevalue("pg_admin").create(migrated=False)
-    engine = make_engine(parse_url(url))
-    migrations.upgrade(engine, "0002")
-    src = sqlite3.connect(OLD / "journal.db")
-    try:
-        with engine.begin() as conn:
-            for table in OLD_TABLES:  # constant names
-                cols = [r[1] for r in src.execute(f"PRAGMA table_info({table})")]
-                rows = [dict(zip(cols, r, strict=True)) for r in src.execute(f"SELECT * FROM {table}")]
-                if rows:
-                    conn.exec_driver_sql(
-                        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join(f'%({c})s' for c in cols)})",
-                        rows)
-    finally:
-        src.close()
-        engine.dispose()
-    return url
+    return old_journal(request, tmp_path, OLD, "0002", OLD_TABLES)
 
 
 def old_rows(url: str) -> dict[str, list[tuple]]:

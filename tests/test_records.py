@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvledger.journal.records import (
     FORMAT,
@@ -19,7 +21,9 @@ from kvledger.journal.records import (
     compact_receipt,
     decode_record,
     encode_record,
+    op_key,
     pack_manifest,
+    stable_key,
     unpack_manifest,
 )
 from kvledger.schemas.errors import KvLedgerError
@@ -198,3 +202,32 @@ def test_a_new_sqlite_journal_has_1kb_pages_and_an_older_one_keeps_its_own(tmp_p
         assert con.execute("PRAGMA page_size").fetchone()[0] == size
         assert con.execute("PRAGMA quick_check").fetchone()[0] == "ok"
         con.close()
+
+
+# -- operation keys (revision 0004) ----------------------------------------------------
+
+HEX16 = st.text("0123456789abcdef", min_size=16, max_size=16)
+
+
+@given(HEX16, st.integers(0, (1 << 40) - 2), st.integers(1, 1 << 20))
+def test_one_writers_operation_keys_ascend_with_its_counter(prefix, a, step):
+    """engine.ids' ids (a process prefix, then a counter) key in the counter's order, so
+    a writer's lookup rows go in at one end of its range."""
+    b = min(a + step, (1 << 40) - 1)
+    ka, kb = op_key(f"{prefix}{a:016x}"), op_key(f"{prefix}{b:016x}")
+    assert ka < kb and -(1 << 63) <= ka and kb < 1 << 63
+
+
+@given(st.text(min_size=1, max_size=64))
+def test_other_operation_ids_keep_the_hashed_key(value):
+    key = op_key(value)
+    assert -(1 << 63) <= key < 1 << 63
+    if not (len(value) == 32 and all(ch in "0123456789abcdef" for ch in value)):
+        assert key == stable_key(value)
+
+
+def test_an_operation_key_depends_on_the_prefix_and_the_counter_only():
+    new = [op_key(f"{p}{c:016x}") for p in ("0" * 16, "f" * 16) for c in (0, 1 << 40, 1)]
+    assert new[0] == new[1] != new[2]  # the counter's low 40 bits: the 41st wraps
+    assert new[0] != new[3] and new[3] == new[4]
+    assert op_key("F" * 32) == stable_key("F" * 32)  # upper case is not engine.ids' form

@@ -1,0 +1,126 @@
+"""A journal of records written by revision 0003's code (commit 16fcafa) keeps working
+after revision 0004 keys kvl_record_ops in each writer's order (journal.records.op_key).
+fixtures/journal_0003 holds what that code wrote and printed: the SQLite file, its
+export, `replay --json`, `verify --json` and every receipt.
+
+`kvledger init` keys the operation rows again from their records, and nothing else
+changes: verify (which checks every lookup row against its record) is clean, replay and
+export print what the old code printed, and every old operation's receipt is found by
+its id (what makes a retry of it idempotent). A downgrade gives back the old rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import sqlite3
+
+import pytest
+from alembic import command
+
+from kvledger import migrations
+from kvledger.journal import make_engine, open_journal, parse_url
+from kvledger.journal.records import op_key, stable_key
+from kvledger.journal.tables import SCHEMA_REVISION, VERSION_TABLE
+from kvledger.schemas.receipts import receipt_decoder
+
+from stored_rows import FIXTURES, cli, old_journal, one_coded_line, sql
+
+OLD = FIXTURES / "journal_0003"
+TABLES = ("kvl_heads", "kvl_manifests", "kvl_checkpoints", "kvl_records", "kvl_record_streams", "kvl_record_ops")
+RECEIPTS = [receipt_decoder.decode(line) for line in (OLD / "receipts.jsonl").read_bytes().splitlines()]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def old_url(request, tmp_path) -> str:
+    """A writable copy of the fixture, at revision 0003, on the parametrized backend."""
+    return old_journal(request, tmp_path, OLD, "0003", TABLES)
+
+
+def op_rows(url: str) -> list[tuple[int, int]]:
+    return sorted(sql(url, "SELECT op_key, last_position FROM kvl_record_ops"))
+
+
+def _record_ends() -> list[int]:
+    src = sqlite3.connect(OLD / "journal.db")
+    try:
+        return sorted(last for (last,) in src.execute("SELECT last_position FROM kvl_records"))
+    finally:
+        src.close()
+
+
+RECORD_ENDS = _record_ends()
+
+
+def keyed_by(key) -> list[tuple[int, int]]:
+    """The kvl_record_ops rows `key` gives: (key, the record's last position) of each
+    operation, from the receipts the old code returned."""
+    return sorted({(key(r.operation_id), RECORD_ENDS[bisect.bisect_left(RECORD_ENDS, r.last_global_position)])
+                   for r in RECEIPTS})
+
+
+def revision(url: str) -> str:
+    [(rev,)] = sql(url, f"SELECT version_num FROM {VERSION_TABLE}")
+    return rev
+
+
+def test_the_fixture_is_revision_0003_with_hashed_operation_keys(old_url):
+    assert revision(old_url) == "0003" and SCHEMA_REVISION != "0003"
+    assert len(RECEIPTS) > 50 and op_rows(old_url) == keyed_by(stable_key)
+    assert keyed_by(op_key) != keyed_by(stable_key)  # the migration has work to do
+
+
+def test_before_init_it_is_refused_and_unchanged(old_url, capsys):
+    before = op_rows(old_url)
+    code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
+    assert code == 2 and out == "" and "revision 0003" in one_coded_line(err, "NOT_MIGRATED")
+    assert op_rows(old_url) == before
+
+
+def test_init_keys_operations_in_order_and_the_journal_reads_as_before(old_url, capsys, tmp_path):
+    streams = sorted(sql(old_url, "SELECT stream_key, last_position FROM kvl_record_streams"))
+    records = sorted(sql(old_url, "SELECT last_position, body FROM kvl_records"))
+    code, out, err = cli(capsys, "init", "--db", old_url, "--json")
+    assert code == 0, err
+    assert revision(old_url) == SCHEMA_REVISION
+    assert op_rows(old_url) == keyed_by(op_key)
+    # only the operation keys changed
+    assert sorted(sql(old_url, "SELECT stream_key, last_position FROM kvl_record_streams")) == streams
+    assert sorted(sql(old_url, "SELECT last_position, body FROM kvl_records")) == records
+
+    code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
+    assert code == 0, err
+    got, want = json.loads(out), json.loads((OLD / "verify.json").read_text())
+    skip = {"source", "storage"}
+    assert got["ok"] and {k: v for k, v in got.items() if k not in skip} == \
+        {k: v for k, v in want.items() if k not in skip}
+    code, out, err = cli(capsys, "replay", "--json", "--db", old_url)
+    assert code == 0 and out == (OLD / "replay.json").read_text(), err
+    assert cli(capsys, "export", "--db", old_url, "--out", str(tmp_path / "e.jsonl"))[0] == 0
+    assert (tmp_path / "e.jsonl").read_bytes() == (OLD / "export.jsonl").read_bytes()
+    with open_journal(old_url) as journal:
+        assert [journal.receipt(r.operation_id) for r in RECEIPTS] == RECEIPTS
+
+
+def test_a_wrong_operation_key_is_found_by_verify_after_init(old_url, capsys):
+    """The rekeyed rows are checked like any other: verify recomputes op_key."""
+    assert cli(capsys, "init", "--db", old_url)[0] == 0
+    [(key, last)] = sql(old_url, "SELECT op_key, last_position FROM kvl_record_ops ORDER BY last_position LIMIT 1")
+    sql(old_url, "UPDATE kvl_record_ops SET op_key = :k WHERE op_key = :o AND last_position = :p",
+        k=stable_key(next(r.operation_id for r in RECEIPTS if r.last_global_position == last)), o=key, p=last)
+    code, out, _ = cli(capsys, "verify", "--json", "--db", old_url)
+    assert code == 1 and not json.loads(out)["ok"]
+
+
+def test_downgrade_gives_back_the_hashed_keys(old_url, capsys):
+    before = op_rows(old_url)
+    assert cli(capsys, "init", "--db", old_url)[0] == 0
+    engine = make_engine(parse_url(old_url))
+    try:
+        with engine.begin() as conn:
+            cfg = migrations._config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0003")
+    finally:
+        engine.dispose()
+    assert revision(old_url) == "0003" and op_rows(old_url) == before
