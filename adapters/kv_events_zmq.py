@@ -22,7 +22,7 @@ import zmq
 from kvledger.adapters.kv_events_recorder import Recorder, Summary
 
 __all__ = ["Stop", "Summary", "install_signals", "record"]
-from kvledger.adapters.kv_events_wire import decode_batch, seq_bytes, split_live, split_replay
+from kvledger.adapters.kv_events_wire import decode_batch_encoded, seq_bytes, split_live, split_replay
 from kvledger.journal.contract import Journal, Operation, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
@@ -178,11 +178,18 @@ class _Committer:
 def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], most: int = 4096) -> int:
     """Hand up to `most` waiting messages to `handle`; how many there were."""
     n = 0
+    recv = sock.recv
     while n < most:
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frame = recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             break
+        # Frame.more, not recv_multipart: that asks getsockopt(RCVMORE) after each part,
+        # which converts the option to an enum in Python (2.5 of its 6.5 us a message here).
+        frames = [frame.bytes]
+        while frame.more:
+            frame = recv(zmq.NOBLOCK, copy=False)  # a message's parts arrive together
+            frames.append(frame.bytes)
         n += 1
         handle(frames)
     return n
@@ -195,7 +202,7 @@ def _live(rec: Recorder, frames: list[bytes], topic: bytes, frame_count: int | N
         got_topic, seq, payload = split_live(frames)
         if len(frames) == 3 and got_topic != topic and topic:
             return False
-        rec.message(seq, payload, decode_batch(payload), replayed=False)
+        rec.message(seq, payload, decode_batch_encoded(payload), replayed=False)
     except KvLedgerError as exc:
         print(f"kv-events: skipped a live message: {exc}", file=sys.stderr)
         return False
@@ -209,7 +216,7 @@ def _replayed(rec: Recorder, frames: list[bytes]) -> bool:
             rec.replay_done()
             return False
         seq, payload = item
-        rec.message(seq, payload, decode_batch(payload), replayed=True)
+        rec.message(seq, payload, decode_batch_encoded(payload), replayed=True)
     except KvLedgerError as exc:
         print(f"kv-events: skipped a replayed message: {exc}", file=sys.stderr)
         return False
