@@ -27,6 +27,8 @@ from kvledger.journal.contract import Journal, Operation, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 FLUSH_OPS = 4096  # decided batches that wait for a busy committer before the receiving waits too
+RECEIVE_MOST = 256  # messages taken per look, so the first commit starts soon after the first batch
+MIN_GROUP = 1024  # while messages keep waiting, an idle committer gets at least this many batches
 REPLAY_TIMEOUT_S = 5.0  # a replay silent this long without its end marker is treated as ended
 PROGRESS_EVERY_S = 5.0
 
@@ -90,9 +92,9 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             ready = dict(poller.poll(1 if rec.ops else 100))
             got = 0
             if sub in ready:
-                got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes, frame_count))
+                got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes, frame_count), RECEIVE_MOST)
             if dealer is not None and dealer in ready:
-                got += _receive(dealer, lambda frames: _replayed(rec, frames))
+                got += _receive(dealer, lambda frames: _replayed(rec, frames), RECEIVE_MOST)
                 replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
             now = time.monotonic()
             if got:
@@ -100,8 +102,11 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
                     rec.summary.first_message_ns = time.monotonic_ns()
                 last_message = now
             # Group commit: whatever was decided while the previous commit ran goes in the
-            # next one; a committer that falls far behind holds the receiving back.
-            if rec.ops and (committer.idle() or len(rec.ops) >= FLUSH_OPS):
+            # next one; a committer that falls far behind holds the receiving back. While
+            # a backlog is still waiting, a group is at least MIN_GROUP: each commit costs
+            # an fsync and its statements, which small groups under load pay far too often.
+            if rec.ops and (len(rec.ops) >= FLUSH_OPS or committer.idle() and (
+                    len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
                 flush()
             if progress is not None and now > next_progress:
                 progress(rec.summary)
