@@ -28,6 +28,7 @@ from typing import Any  # _write's payload: the one of `cls`, a pairing its type
 
 import msgspec
 
+from kvledger.adapters.kv_events_wire import Encoded
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.schemas import events as ev
 from kvledger.schemas import kv_events as kv
@@ -38,6 +39,10 @@ SOURCE = "kvledger-kv-events"
 RECENT = 1 << 16  # seqs remembered per stream to tell a late live duplicate from a restart
 MAX_HELD = 1 << 17  # batches held while a replay is pending; beyond this the gap is journaled
 GROUP = 256  # a stream's consecutive batches written as one operation (one guard, one receipt)
+
+# A batch's events: as kv events, or already encoded as the journal stores them (the live
+# recorder's form, kv_events_wire.decode_batch_encoded); either is journaled the same bytes.
+Events = tuple[kv.KvEvent, ...] | Encoded
 
 
 def stream_id(endpoint: str, topic: str, rank: int | None) -> str:
@@ -57,7 +62,7 @@ class Cursor(msgspec.Struct):
     epoch: int = 0
     next_seq: int = 0
     position: int = 0
-    held: dict[int, tuple[float, tuple[kv.KvEvent, ...], int | None, bool, bytes]] = {}
+    held: dict[int, tuple[float, Events, int | None, bool, bytes]] = {}
     recent: dict[int, bytes] = {}
     order: deque[int] = msgspec.field(default_factory=deque)
 
@@ -102,6 +107,7 @@ class Recorder:
             if replayable else None
         self.replay_pending = False
         self._known: dict[str, int] = {}  # per stream, the last seq known missing when the replay was asked
+        self._by_rank: dict[int | None, Cursor] = {}  # a stream's name is formatted once, not per batch
 
     def take(self, group: int = GROUP) -> list[Operation]:
         """The operations to append for everything decided since the last take."""
@@ -110,7 +116,7 @@ class Recorder:
 
     # -- messages ----------------------------------------------------------------
 
-    def message(self, seq: int, payload: bytes, batch: tuple[float, tuple[kv.KvEvent, ...], int | None],
+    def message(self, seq: int, payload: bytes, batch: tuple[float, Events, int | None],
                 *, replayed: bool) -> None:
         ts, events, rank = batch
         c = self._cursor(rank)
@@ -157,11 +163,15 @@ class Recorder:
     # -- decisions ---------------------------------------------------------------
 
     def _cursor(self, rank: int | None) -> Cursor:
+        c = self._by_rank.get(rank)
+        if c is not None:
+            return c
         sid = stream_id(self.endpoint, self.topic, rank)
         c = self.cursors.get(sid)
         if c is None:
             c = self.cursors[sid] = Cursor(sid, stream_key(sid))
             self.summary.streams += 1
+        self._by_rank[rank] = c
         return c
 
     def _drain(self, c: Cursor) -> None:
@@ -170,10 +180,16 @@ class Recorder:
             ts, events, rank, replayed, payload = held.pop(c.next_seq)
             self._record(c, c.next_seq, ts, events, rank, replayed, payload)
 
-    def _record(self, c: Cursor, seq: int, ts: float, events: tuple[kv.KvEvent, ...], rank: int | None,
+    def _record(self, c: Cursor, seq: int, ts: float, events: Events, rank: int | None,
                 replayed: bool, payload: bytes) -> None:
         fp = _fingerprint(payload)
-        payload_ = kv.KvEventsBatch(c.epoch, seq, ts, events, rank, replayed)
+        if isinstance(events, Encoded):
+            # The events' JSON in place of their tuple: what the encoder writes is the same.
+            body: Any = events.json
+            count = events.count
+        else:
+            body, count = events, len(events)
+        payload_ = kv.KvEventsBatch(c.epoch, seq, ts, body, rank, replayed)
         self._write(c, f"{c.epoch}:{seq}", fp.hex(), ev.KvEventsBatchEvent, payload_, seq + 1, c.epoch)
         c.recent[seq] = fp
         c.order.append(seq)
@@ -181,7 +197,7 @@ class Recorder:
             c.recent.pop(c.order.popleft(), None)
         s = self.summary
         s.batches += 1
-        s.events += len(events)
+        s.events += count
         s.replayed += replayed
 
     def _gap(self, c: Cursor, last: int, reason: str) -> None:

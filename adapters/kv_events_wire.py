@@ -15,6 +15,7 @@ In every form the seq is the second-last frame and the payload the last.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -181,21 +182,38 @@ class _WBatch(msgspec.Struct, array_like=True, gc=False):
 _fast = msgspec.msgpack.Decoder(_WBatch)
 
 
+_hex: Callable[[Any], str] = bytes.hex
+
+
 def _hexed(hashes: list[WireHash]) -> tuple[int | str, ...]:
-    return tuple([h.hex() if isinstance(h, bytes) else h for h in hashes])
+    try:
+        return tuple(map(_hex, hashes))  # every hash bytes (vLLM's): no Python frame per hash
+    except TypeError:
+        return tuple([h.hex() if isinstance(h, bytes) else h for h in hashes])
 
 
-def _from_wire(w: _WStored | _WRemoved | _WCleared) -> kv.KvEvent:
-    if isinstance(w, _WStored):
-        parent = w.parent_block_hash
-        return kv.BlockStored(
-            _hexed(w.block_hashes), parent.hex() if isinstance(parent, bytes) else parent,
-            w.token_ids, w.block_size, w.lora_id, w.medium, w.lora_name,
-            None if w.extra_keys is None else _plain(w.extra_keys), w.group_idx, w.kv_cache_spec_kind,
-            w.kv_cache_spec_sliding_window)
-    if isinstance(w, _WRemoved):
-        return kv.BlockRemoved(_hexed(w.block_hashes), w.medium, w.group_idx)
-    return kv.AllBlocksCleared()
+def _from_wire(events: list[_WStored | _WRemoved | _WCleared]) -> tuple[list[kv.KvEvent], bool]:
+    """The events as kv events, and whether one has extra_keys (any shape: only a JSON
+    round trip tells whether the journal reads them back). One loop, no call per event:
+    this runs for every batch received."""
+    out: list[kv.KvEvent] = []
+    add = out.append
+    extra = False
+    for w in events:
+        if type(w) is _WStored:
+            parent = w.parent_block_hash
+            keys = w.extra_keys
+            if keys is not None:
+                extra, keys = True, _plain(keys)
+            add(kv.BlockStored(
+                _hexed(w.block_hashes), parent.hex() if isinstance(parent, bytes) else parent,
+                w.token_ids, w.block_size, w.lora_id, w.medium, w.lora_name, keys, w.group_idx,
+                w.kv_cache_spec_kind, w.kv_cache_spec_sliding_window))
+        elif type(w) is _WRemoved:
+            add(kv.BlockRemoved(_hexed(w.block_hashes), w.medium, w.group_idx))
+        else:
+            add(kv.AllBlocksCleared())
+    return out, extra
 
 
 def decode_batch(payload: bytes) -> tuple[float, tuple[kv.KvEvent, ...], int | None]:
@@ -205,10 +223,10 @@ def decode_batch(payload: bytes) -> tuple[float, tuple[kv.KvEvent, ...], int | N
     except (msgspec.ValidationError, msgspec.DecodeError):
         pass  # not vLLM's exact form: the general path decides, and names what is wrong
     else:
-        decoded = tuple([_from_wire(e) for e in b.events])
-        if not math.isfinite(b.ts) or any(type(e) is kv.BlockStored and e.extra_keys is not None for e in decoded):
-            decoded = _readable(b.ts, decoded, b.data_parallel_rank)  # JSON has no NaN; extra_keys is any shape
-        return b.ts, decoded, b.data_parallel_rank
+        decoded, extra = _from_wire(b.events)
+        if extra or not math.isfinite(b.ts):
+            return b.ts, _readable(b.ts, tuple(decoded), b.data_parallel_rank), b.data_parallel_rank  # JSON has no NaN
+        return b.ts, tuple(decoded), b.data_parallel_rank
     try:
         raw = _decode.decode(payload)
     except msgspec.DecodeError as exc:
@@ -240,6 +258,24 @@ def _readable(ts: float, events: tuple[kv.KvEvent, ...], rank: int | None) -> tu
         return _read_back(_json_encode(kv.KvEventsBatch(0, 0, ts, events, rank))).events
     except msgspec.ValidationError as exc:
         raise _bad(f"KV event: {exc}") from None
+
+
+class Encoded(msgspec.Struct, frozen=True, gc=False):
+    """A batch's events as the journal stores them: the JSON msgspec writes for their
+    tuple of kv events (a msgspec.Raw, which an encoder copies where it would have encoded
+    the tuple), and how many there are."""
+
+    json: msgspec.Raw
+    count: int
+
+
+def decode_batch_encoded(payload: bytes) -> tuple[float, Encoded, int | None]:
+    """decode_batch, with the events encoded at once: the recorder's form. The events'
+    objects die young, while the batch waits for its commit as one bytes object, and the
+    encoding reads them while they are still in the cache (about 4 us a batch here
+    against 10 us later on the committer)."""
+    ts, events, rank = decode_batch(payload)
+    return ts, Encoded(msgspec.Raw(_json_encode(events)), len(events)), rank
 
 
 # -- encoding, for the replay server (and the tests' reference publisher) -------------

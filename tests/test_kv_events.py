@@ -250,6 +250,33 @@ def test_block_pool_projection_matches_an_independent_model_at_20_positions(tmp_
     assert doc["kv_blocks"][0]["seq"] == seq_at[pos]
 
 
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_the_recorder_journals_the_same_bytes_from_either_form_of_a_batch(dialect):
+    """The live recorder hands the Recorder each batch's events already as JSON
+    (decode_batch_encoded); the journal's bytes are those of the kv events themselves,
+    through held batches, a gap and a restart too."""
+    from kvledger.adapters.kv_events_recorder import Recorder
+    from kvledger.adapters.kv_events_wire import decode_batch, decode_batch_encoded
+    from kvledger.schemas.codec import encode_event
+
+    from kv_publisher import encode
+
+    w = Workload(11)
+    first = [(i, encode(dialect, 1.0 + i, w.batch(), 0)) for i in [*range(10), 12, *range(13, 20), *range(25, 30)]]
+    restarted = [(i, encode(dialect, 50.0 + i, w.batch(), 0)) for i in range(8)]  # new bytes at old seqs
+    bodies, summaries = [], []
+    for decode in (decode_batch, decode_batch_encoded):
+        rec = Recorder("tcp://127.0.0.1:1", "kv", {}, replayable=False)
+        for seq, payload in first + restarted:
+            rec.message(seq, payload, decode(payload), replayed=False)
+        bodies.append([encode_event(msgspec.structs.replace(e, global_position=i + 1, monotonic_ns=0,
+                                                            observed_wall_time=0))
+                       for i, e in enumerate(e for op in rec.take() for wr in op.writes for e in wr.events)])
+        summaries.append(rec.summary)
+    assert bodies[0] == bodies[1] and summaries[0] == summaries[1]
+    assert (summaries[1].batches, summaries[1].events, summaries[1].gaps, summaries[1].restarts) == (31, 310, 2, 1)
+
+
 def test_verify_finds_a_missing_and_a_repeated_seq():
     from kvledger.adapters.kv_events_recorder import Recorder
     from kvledger.adapters.kv_events_wire import decode_batch

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.adapters.kv_events_wire import decode_batch, split_live, split_replay
+from kvledger.adapters.kv_events_wire import decode_batch, decode_batch_encoded, split_live, split_replay
 from kvledger.cli import main
 from kvledger.schemas import kv_events as kv
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -123,3 +123,7 @@ def test_every_accepted_batch_reads_back(ts, events, rank):
     batch = kv.KvEventsBatch(0, 0, ts_, decoded, rank_)
     again = read_back(msgspec.json.encode(batch))  # raises if the journal could not read it
     assert again.events == batch.events  # what the recorder journals is what replay will read
+    # The live recorder's form journals the same bytes.
+    ts_e, encoded, rank_e = decode_batch_encoded(payload)
+    assert (ts_e, rank_e, encoded.count) == (ts_, rank_, len(decoded))
+    assert msgspec.json.encode(kv.KvEventsBatch(0, 0, ts_e, encoded.json, rank_e)) == msgspec.json.encode(batch)
