@@ -42,7 +42,7 @@ def op_rows(url: str) -> list[tuple[int, int]]:
 
 
 def _record_ends() -> list[int]:
-    src = sqlite3.connect(OLD / "journal.db")
+    src = sqlite3.connect(f"file:{OLD / 'journal.db'}?mode=ro", uri=True)  # never an empty new file
     try:
         return sorted(last for (last,) in src.execute("SELECT last_position FROM kvl_records"))
     finally:
