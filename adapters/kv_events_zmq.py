@@ -92,9 +92,9 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             ready = dict(poller.poll(1 if rec.ops else 100))
             got = 0
             if sub in ready:
-                got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes, frame_count), RECEIVE_MOST)
+                got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes, frame_count))
             if dealer is not None and dealer in ready:
-                got += _receive(dealer, lambda frames: _replayed(rec, frames), RECEIVE_MOST)
+                got += _receive(dealer, lambda frames: _replayed(rec, frames))
                 replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
             now = time.monotonic()
             if got:
@@ -180,7 +180,7 @@ class _Committer:
         self.summary.last_commit_ns = time.monotonic_ns()
 
 
-def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], most: int = 4096) -> int:
+def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], most: int = RECEIVE_MOST) -> int:
     """Hand up to `most` waiting messages to `handle`; how many there were."""
     n = 0
     recv = sock.recv

@@ -42,6 +42,7 @@ from kvledger.recovery.crash_backends import Backend, PostgresBackend, SqliteBac
 from kvledger.recovery.crash_children import (
     MAX_NEW_TOKENS,
     Result,
+    acknowledged,
     baseline_run,
     check_child,
     fork,
@@ -244,22 +245,16 @@ def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Res
     if not ready:
         status = kill_group(pid)
     elif plan.mode == "sigkill":
-        deadline = t_ready + timeout
-        while status is None and time.monotonic() < deadline:
-            if _lines(acks) >= plan.after_acks:
-                status = wait_child(pid, plan.delay_s)
-                break
-            status = wait_child(pid, 0.0005)
+        status, reached = _wait_until(pid, lambda: acknowledged(acks) >= plan.after_acks, t_ready + timeout, 0.0005)
+        if reached:
+            status = wait_child(pid, plan.delay_s)
         if status is None:
             status = kill_group(pid)
     elif plan.mode == "stall":
-        deadline = t_ready + timeout
-        while status is None and time.monotonic() < deadline:
-            if Path(flog).exists() and Path(flog).read_text():
-                time.sleep(plan.delay_s)
-                status = kill_group(pid)
-                break
-            status = wait_child(pid, 0.001)
+        status, reached = _wait_until(pid, lambda: Path(flog).exists() and bool(Path(flog).read_text()),
+                                      t_ready + timeout, 0.001)
+        if reached:
+            time.sleep(plan.delay_s)  # stalled at its fault point, the writer lock held
         if status is None:
             status = kill_group(pid)
     else:
@@ -287,12 +282,16 @@ def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Res
     return result
 
 
-def _lines(path: str) -> int:
-    try:
-        with open(path, "rb") as f:
-            return f.read().count(b"\n")
-    except FileNotFoundError:
-        return 0
+def _wait_until(pid: int, condition: Callable[[], bool], deadline: float, poll: float) -> tuple[int | None, bool]:
+    """Poll `condition` until it holds, the child exits or the deadline passes: (the
+    child's exit status, None while it runs; whether the condition held)."""
+    while time.monotonic() < deadline:
+        if condition():
+            return None, True
+        status = wait_child(pid, poll)
+        if status is not None:
+            return status, False
+    return None, False
 
 
 def _tally(t: Totals, result: Result, baseline: Result) -> list[str]:
