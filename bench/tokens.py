@@ -221,7 +221,7 @@ def disk_bytes(path: str) -> dict[str, Any]:
         con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         bodies = [(last, bytes(body)) for last, body in con.execute("SELECT last_position, body FROM kvl_records")]
         lookups = {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]  # constant names
-                   for t in ("kvl_record_streams", "kvl_record_ops")}
+                   for t in ("kvl_record_streams", "kvl_record_ids")}
     finally:
         con.close()
     per_type: dict[str, list[int]] = {}

@@ -30,6 +30,7 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.journal.records import id_runs, stab
 from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
@@ -150,23 +151,28 @@ class PostgresStatements(Statements):
         "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)b::bigint "
         "AND coalesce((SELECT max(last_position) FROM kvl_records), "
         "(SELECT max(global_position) FROM kvl_events), 0) = %(last)b::bigint "
-        "AND NOT EXISTS (SELECT 1 FROM unnest(%(okeys)b) AS k(v) JOIN kvl_record_ops o ON o.op_key = k.v) "
-        "AND NOT EXISTS (SELECT 1 FROM kvl_receipts WHERE operation_id = ANY(%(ops)b)) AS ok), "
+        "AND NOT EXISTS (SELECT 1 FROM unnest(%(lo)b, %(hi)b, %(a)b) AS q(lo, hi, a) JOIN kvl_record_ids i "
+        "ON i.first_key BETWEEN q.lo AND q.hi AND i.last_key >= q.a) "
+        "AND NOT EXISTS (SELECT 1 FROM kvl_receipts WHERE operation_id = ANY(%(ops)b)) "
+        "AND NOT EXISTS (SELECT 1 FROM kvl_events WHERE event_id = ANY(%(eids)b)) AS ok), "
         "r AS (INSERT INTO kvl_records (last_position, first_position, chain, body) "
         "SELECT CASE WHEN verdict.ok THEN %(rlast)b::bigint END, %(rfirst)b::bigint, %(chain)b, %(body)b "
         "FROM verdict), "
         "s AS (INSERT INTO kvl_record_streams (stream_key, last_position) "
         "SELECT k, %(rlast)b::bigint FROM unnest(%(skeys)b) AS k) "
-        "INSERT INTO kvl_record_ops (op_key, last_position) SELECT k, %(rlast)b::bigint FROM unnest(%(okeys)b) AS k"
+        "INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
+        "SELECT f, l, %(rlast)b::bigint FROM unnest(%(rf)b, %(rl)b) AS k(f, l)"
     )
 
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
-                  operation_ids: list[str], last: int) -> bool:
+                  operation_ids: list[str], event_ids: list[str], last: int) -> bool:
         params = _guarded_update_params(updates)
-        rlast, rfirst, chain_, body, skeys, okeys = record
+        rlast, rfirst, chain_, body, skeys, runs = record
+        lo, hi, a = zip(*stab(runs))  # a record holds an event: one run at least
         params.update(
-            okeys=_int8s(okeys), skeys=_int8s(skeys), ops=_texts(operation_ids), rlast=rlast, rfirst=rfirst,
-            chain=chain_, body=body, n=len(updates), last=last,
+            lo=_int8s(lo), hi=_int8s(hi), a=_int8s(a), rf=_int8s([r[0] for r in runs]),
+            rl=_int8s([r[1] for r in runs]), skeys=_int8s(skeys), ops=_texts(operation_ids),
+            eids=_texts(event_ids), rlast=rlast, rfirst=rfirst, chain=chain_, body=body, n=len(updates), last=last,
         )
         conn = self.conn
         try:
@@ -254,24 +260,36 @@ class PostgresStatements(Statements):
         )
         return {r[0]: (r[1], bytes(r[2])) for r in cur.fetchall()}
 
-    def records_by_op_keys(self, cur: Any, keys: list[int]) -> list[Row]:
+    def row_event_ids(self, cur: Any, event_ids: list[str]) -> set[str]:
+        if not event_ids:
+            return set()
+        cur.execute("SELECT event_id FROM kvl_events WHERE event_id = ANY(%b)", (_texts(event_ids),))
+        return {r[0] for r in cur.fetchall()}
+
+    def records_holding(self, cur: Any, keys: list[int]) -> list[Row]:
+        bounds = stab(id_runs(keys))
+        if not bounds:
+            return []
+        lo, hi, a = zip(*bounds)
         cur.execute(
             "SELECT r.last_position, r.body FROM kvl_records r WHERE r.last_position IN "
-            "(SELECT o.last_position FROM kvl_record_ops o WHERE o.op_key = ANY(%b))",
-            (_int8s(keys),),
+            "(SELECT i.last_position FROM unnest(%b, %b, %b) AS q(lo, hi, a) JOIN kvl_record_ids i "
+            "ON i.first_key BETWEEN q.lo AND q.hi AND i.last_key >= q.a)",
+            (_int8s(lo), _int8s(hi), _int8s(a)),
         )
         rows: list[Row] = cur.fetchall()
         return rows
 
     def insert_record(self, cur: Any, row: RecordRow) -> None:
-        last, first, chain_, body, streams, ops = row
+        last, first, chain_, body, streams, runs = row
         cur.execute("INSERT INTO kvl_records (last_position, first_position, chain, body) VALUES (%s, %s, %s, %s)",
                     (last, first, chain_, body))
         faults.fault("mid_batch")  # the record is written, its lookup rows not yet
         cur.execute("INSERT INTO kvl_record_streams (stream_key, last_position) SELECT k, %s FROM unnest(%b) AS k",
                     (last, _int8s(streams)))
-        cur.execute("INSERT INTO kvl_record_ops (op_key, last_position) SELECT k, %s FROM unnest(%b) AS k",
-                    (last, _int8s(ops)))
+        cur.execute("INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
+                    "SELECT f, l, %s FROM unnest(%b, %b) AS k(f, l)",
+                    (last, _int8s([r[0] for r in runs]), _int8s([r[1] for r in runs])))
 
 
 def _guarded_update_params(rows: list[tuple[StreamWrite, Guard]]) -> dict[str, Any]:

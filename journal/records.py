@@ -21,7 +21,7 @@ import functools
 import hashlib
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -72,6 +72,14 @@ class Record:
                                                                f"{expanded} (run `kvledger verify`)")
             self._receipts, self._compact = expanded, False
         return self._receipts
+
+    def ids(self) -> tuple[set[str], set[str]] | None:
+        """The event ids and the operation ids of its events (None: one does not decode)."""
+        try:
+            keys = [_event_keys(e) for e in self.events]
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return {k.event_id for k in keys}, {k.operation_id for k in keys}
 
 
 # -- compact receipts (format 3) -------------------------------------------------------
@@ -254,10 +262,11 @@ def _prefix_key(prefix: str) -> int:
 
 
 def op_key(operation_id: str) -> int:
-    """The kvl_record_ops key of an operation id (revision 0004): for an id of 32
-    lowercase hex digits, 24 bits of its first half's hash, then the low 40 bits of its
-    second half (engine.ids' counter), so one writer's keys ascend; any other id, its
-    stable_key. Two ids may share a key, as with stable_key."""
+    """The id index's key of an operation or event id (kvl_record_ops' since revision
+    0004, kvl_record_ids' since 0005): for an id of 32 lowercase hex digits, 24 bits of
+    its first half's hash, then the low 40 bits of its second half (engine.ids' counter),
+    so one writer's keys ascend; any other id, its stable_key. Two ids may share a key,
+    as with stable_key."""
     if _OWN_ID(operation_id) is None:
         return stable_key(operation_id)
     key = _prefix_key(operation_id[:16]) | (int(operation_id[16:], 16) & ((1 << _COUNTER_BITS) - 1))
@@ -266,13 +275,42 @@ def op_key(operation_id: str) -> int:
 
 def operation_ids(body: bytes) -> set[str] | None:
     """The operation ids of a stored record's events (None: a damaged record)."""
+    found = record_ids(body)
+    return None if found is None else found[1]
+
+
+def record_ids(body: bytes) -> tuple[set[str], set[str]] | None:
+    """The event ids and the operation ids of a stored record's events (None: a damaged
+    record)."""
     found = audit_record(body, eager=False)
-    if isinstance(found, Damage):
-        return None
-    try:
-        return {_event_keys(e).operation_id for e in found.events}
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    return None if isinstance(found, Damage) else found.ids()
+
+
+# -- the id index (revision 0005) ------------------------------------------------------
+# One writer's operation and event ids come from one counter (engine.ids), so a record of
+# 64 decode chains holds 256 consecutive op_keys. kvl_record_ids stores each record's keys
+# as runs of consecutive keys, one row a run: (first_key, last_key, last_position). No run
+# is longer than MAX_RUN, so the runs that can hold a key k start in (k - MAX_RUN, k]: an
+# index range on first_key, not a scan. Two ids may share a key (op_key hashes the prefix
+# and any foreign id); a lookup decodes the records a run names and keeps the exact ids.
+MAX_RUN = 4096
+
+
+def id_runs(keys: Iterable[int]) -> list[tuple[int, int]]:
+    """The keys as runs (first, last) of consecutive keys, in order, none longer than MAX_RUN."""
+    runs: list[list[int]] = []
+    for k in sorted(set(keys)):
+        if runs and k == runs[-1][1] + 1 and k - runs[-1][0] < MAX_RUN:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    return [(a, b) for a, b in runs]
+
+
+def stab(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """For each run (a, b) of wanted keys, the bounds (lo, hi, a) of a query for the
+    stored runs it meets: first_key BETWEEN lo AND hi AND last_key >= a."""
+    return [(max(a - MAX_RUN + 1, -(1 << 63)), b, a) for a, b in runs]
 
 
 def decode_record(body: bytes, where: str) -> Record:

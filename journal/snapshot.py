@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredDamage, StoredEvent, StoredReceipt
-from kvledger.journal.records import GENESIS, Damage, audit_record, chain, op_key, stable_key
+from kvledger.journal.records import GENESIS, Damage, audit_record, chain, id_runs, op_key, stable_key
 from kvledger.journal.statements import Row, Statements, T
 
 PAGE = 5000
@@ -53,7 +53,7 @@ class SqlSnapshot(Snapshot):
         previous, after = GENESIS, None  # the chain so far; the key of the page before
         while True:
             page = self._call(partial(self._sql.page, self._cur, self._sql.RECORD_PAGES, after, self.RECORDS_PAGE))
-            needs: dict[str, dict[int, set[int] | None]] = {"streams": {}, "ops": {}}  # record -> keys
+            needs: dict[str, dict[int, set[Any] | None]] = {"streams": {}, "ids": {}}  # record -> keys
             firsts: dict[int, int] = {}  # record (its stored last position) -> its first event
             for row in page:
                 stored_last, first, link, body = row
@@ -81,15 +81,18 @@ class SqlSnapshot(Snapshot):
                     bad = at + (found.index or 0)
                     yield StoredDamage(bad, found.message, replaces=found.index is not None)
                     last = stored_last
-                    needs["streams"][stored_last] = needs["ops"][stored_last] = None
+                    needs["streams"][stored_last] = needs["ids"][stored_last] = None
                     continue
                 if stored_last != at + len(found.events) - 1:
                     yield StoredDamage(at, f"the record holds positions {at}..{at + len(found.events) - 1} "
                                            f"but is stored as ending at {stored_last}")
                 last = stored_last
-                needs["streams"][stored_last] = {stable_key(str(_names(e).stream_id)) for e in found.events}
-                needs["ops"][stored_last] = {op_key(str(_receipt_names(r).operation_id))
-                                             for r in found.receipts}
+                names = [_names(e) for e in found.events]
+                needs["streams"][stored_last] = {stable_key(str(n.stream_id)) for n in names}
+                # every event id and operation id (the receipts' are their events')
+                needs["ids"][stored_last] = set(id_runs(
+                    [op_key(str(n.event_id)) for n in names]
+                    + [op_key(str(_receipt_names(r).operation_id)) for r in found.receipts]))
             end = page[-1][0] if page and type(page[-1][0]) is int else None
             done = len(page) < self.RECORDS_PAGE or end is None
             yield from self._lookup_rows(needs, firsts, after, None if done else end)
@@ -97,16 +100,16 @@ class SqlSnapshot(Snapshot):
                 return
             after = end
 
-    def _lookup_rows(self, needs: dict[str, dict[int, set[int] | None]], firsts: dict[int, int],
+    def _lookup_rows(self, needs: dict[str, dict[int, set[Any] | None]], firsts: dict[int, int],
                      after: int | None, upto: int | None) -> Iterator[StoredDamage]:
         """The lookup rows keyed in (after, upto] are exactly the keys those records need
         (None: no bound; a record's keys None: unknown, its record is damaged): a missing
         one hides a record from a stream's or an operation's reads; an extra one is an
         edit. A finding names the record's first event."""
-        for name, table in (("streams", "kvl_record_streams"), ("ops", "kvl_record_ops")):
+        for name, table in (("streams", "kvl_record_streams"), ("ids", "kvl_record_ids")):
             stored: dict[Any, set[Any]] = {}
-            for key, position in self._call(partial(self._sql.lookup_rows, self._cur, table, after, upto)):
-                stored.setdefault(position, set()).add(key)
+            for *key, position in self._call(partial(self._sql.lookup_rows, self._cur, table, after, upto)):
+                stored.setdefault(position, set()).add(key[0] if len(key) == 1 else tuple(key))
             want = needs[name]
             for position in sorted(set(stored) | set(want), key=repr):
                 keys = want.get(position, set())

@@ -44,7 +44,15 @@ from kvledger.journal.contract import (
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.records import chain as link
-from kvledger.journal.records import compact_receipt, encode_record, manifest_ref, op_key, pack_manifest, stable_key
+from kvledger.journal.records import (
+    compact_receipt,
+    encode_record,
+    id_runs,
+    manifest_ref,
+    op_key,
+    pack_manifest,
+    stable_key,
+)
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
@@ -276,10 +284,11 @@ class SqlJournal(Journal):
         last = self._predicted
         assert last is not None
         results: list[Receipt | Rejection | None] = [None] * len(ops)
-        record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain)
+        record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain, set())
         assert record is not None  # every operation writes an event
         fault("before_update")
-        if self.sql.append_if(updates, record, list(op_ids), last):
+        event_ids = [e.event_id for op in ops for e in op.writes[0].events]
+        if self.sql.append_if(updates, record, list(op_ids), event_ids, last):
             self._predicted, self._predicted_chain, self._misses = position, record[2], 0
             return results  # type: ignore[return-value]  # _rows filled every slot
         # Another writer moved the journal (or a guard failed, or this is a retry): back
@@ -291,7 +300,9 @@ class SqlJournal(Journal):
     def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
         # One pass per step, no per-event helper calls: this loop is the Python cost a
         # publication pays on top of the database's (see docs/PERFORMANCE.md).
-        last, chain, stored = self.sql.begin_append(cur, list({op.operation_id: None for op in ops}))
+        last, chain, stored, taken = self.sql.begin_append(
+            cur, list({op.operation_id: None for op in ops}),
+            [e.event_id for op in ops for w in op.writes for e in w.events])
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         first_in_batch: dict[str, int] = {}
         pending: list[int] = []
@@ -312,7 +323,7 @@ class SqlJournal(Journal):
                 results[i] = rejection
         fault("after_update")
 
-        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain)
+        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken)
         self._committed_chain = chain if record is None else record[2]
         if len(first_in_batch) + len(stored) < len(ops):
             for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
@@ -333,16 +344,19 @@ class SqlJournal(Journal):
     @staticmethod
     def _rows(
         ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None], last: int,
-        chain: bytes,
+        chain: bytes, taken: set[str],
     ) -> tuple[RecordRow | None, dict[str, bytes], int]:
         """The record (linked to `chain`) and the manifest rows of the operations at
         `indexes` not yet decided in `results`, at global positions after `last`; fills
-        in their receipts. Returns them and the last position used."""
+        in their receipts. Returns them and the last position used. An event id in
+        `taken` (already stored) or written twice is CONSTRAINT_VIOLATION: nothing of
+        the batch may commit (the caller's transaction rolls back)."""
         now = time.time_ns()
         bodies: list[bytes] = []
         receipts: list[bytes] = []
         streams: set[int] = set()
-        op_keys: set[int] = set()
+        ids: set[str] = set()
+        written: list[int] = []
         manifest_rows: dict[str, bytes] = {}
         allocated: dict[str, int] = {}  # manifest digest -> position of the event that holds it
         add_body, add_receipt = bodies.append, receipts.append
@@ -354,29 +368,33 @@ class SqlJournal(Journal):
             op = ops[i]
             op_id = op.operation_id
             first = position + 1
-            ids: list[str] = []
+            event_ids: list[str] = []
             handles: list[HandleResult] = []
             for write in op.writes:
                 for ev in write.events:
                     position += 1
                     add_body(encode(replace(ev, global_position=position)))
-                    ids.append(ev.event_id)
+                    event_ids.append(ev.event_id)
                     if op.manifests and isinstance(ev.payload, RequestAllocate):
                         allocated[ev.payload.manifest_sha256] = position
                 streams.add(stable_key(write.handle_id))
                 h = write.head
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
                                             h.stream_position, h.committed_length))
-            receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(ids), first, position, now)
+            receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(event_ids), first, position, now)
             add_receipt(encode_receipt(receipt))
-            op_keys.add(op_key(op_id))
+            ids.update(event_ids)
+            ids.add(op_id)
+            written.append(i)
             for sha, manifest in op.manifests:  # where its allocation holds it, or itself
                 manifest_rows[sha] = manifest_ref(allocated[sha]) if sha in allocated else pack_manifest(manifest)
             results[i] = receipt
         if not bodies:
             return None, manifest_rows, position
+        if len(ids) != len(bodies) + len(receipts) or not taken.isdisjoint(ids):
+            _refuse_reused_ids([ops[i] for i in written], taken)
         body = encode_record(bodies, receipts)
-        record = (position, last + 1, link(chain, body), body, sorted(streams), sorted(op_keys))
+        record = (position, last + 1, link(chain, body), body, sorted(streams), id_runs(map(op_key, ids)))
         return record, manifest_rows, position
 
     def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]]) -> dict[int, Rejection]:
@@ -718,6 +736,19 @@ def _validate(op: Operation) -> None:
                           f"{CURRENT_VERSION[ev.event_type]}")
         if w.head.stream_position != position:
             raise bad(f"head of {handle} does not end at its last event")
+
+
+def _refuse_reused_ids(ops: Sequence[Operation], taken: set[str]) -> None:
+    """CONSTRAINT_VIOLATION naming the first id the batch's new operations reuse: an
+    event id stored before or written twice, or an operation id that is also an event id."""
+    seen: set[str] = set()
+    for op in ops:
+        for e in (e.event_id for w in op.writes for e in w.events):
+            if e in taken or e in seen:
+                raise KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, f"operation {op.operation_id}: event id {e} "
+                                    f"is {'already in the journal' if e in taken else 'written twice'}")
+            seen.add(e)
+    raise KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, "an operation id of this batch is also one of its event ids")
 
 
 def _stored_receipt(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:

@@ -21,8 +21,10 @@ from kvledger.journal.records import (
     allocation_manifest,
     audit_record,
     decode_record,
+    id_runs,
     manifest_ref_position,
     op_key,
+    stab,
     stable_key,
     unpack_manifest,
 )
@@ -38,8 +40,8 @@ Row = tuple[Any, ...]  # a row as the driver returned it (a damaged row can hold
 EventRow = tuple[int, str, str, int, str, int, str | None, bytes]
 # (operation_id, fingerprint, first_global_position, last_global_position, body)
 ReceiptRow = tuple[str, str, int, int, bytes]
-# (last_position, first_position, chain, body, stream keys, operation keys): one commit
-RecordRow = tuple[int, int, bytes, bytes, list[int], list[int]]
+# (last_position, first_position, chain, body, stream keys, id runs): one commit
+RecordRow = tuple[int, int, bytes, bytes, list[int], list[tuple[int, int]]]
 
 
 class Statements(abc.ABC):
@@ -90,15 +92,17 @@ class Statements(abc.ABC):
 
     # Only where speculative is set.
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
-                  operation_ids: list[str], last: int) -> bool:
+                  operation_ids: list[str], event_ids: list[str], last: int) -> bool:
         raise NotImplementedError
 
-    def begin_append(self, cur: Any, operation_ids: list[str]) -> tuple[int, bytes, dict[str, tuple[str, bytes]]]:
+    def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str]
+                     ) -> tuple[int, bytes, dict[str, tuple[str, bytes]], set[str]]:
         """Take the writer lock; return the last global position, the chain digest the
-        next record links to, and the stored receipts of `operation_ids`."""
+        next record links to, the stored receipts of `operation_ids` and which of
+        `event_ids` the journal already holds."""
         self.lock_and_last_position(cur)
         last, chain = self.last_record(cur)
-        return last, chain, self.fetch_receipts(cur, operation_ids)
+        return last, chain, *self.find_ids(cur, operation_ids, event_ids)
 
     def last_record(self, cur: Any) -> tuple[int, bytes]:
         """The last global position, and the last record's chain (GENESIS before any)."""
@@ -198,14 +202,14 @@ class Statements(abc.ABC):
 
     INSERT_RECORD = "INSERT INTO kvl_records (last_position, first_position, chain, body) VALUES (?, ?, ?, ?)"
     INSERT_STREAM_KEYS = "INSERT INTO kvl_record_streams (stream_key, last_position) VALUES (?, ?)"
-    INSERT_OP_KEYS = "INSERT INTO kvl_record_ops (op_key, last_position) VALUES (?, ?)"
+    INSERT_ID_RUNS = "INSERT INTO kvl_record_ids (first_key, last_key, last_position) VALUES (?, ?, ?)"
 
     def insert_record(self, cur: Any, row: RecordRow) -> None:
-        last, first, chain, body, streams, ops = row
+        last, first, chain, body, streams, runs = row
         cur.execute(self.q(self.INSERT_RECORD), (last, first, chain, body))
         faults.fault("mid_batch")  # the record is written, its lookup rows not yet
         cur.executemany(self.q(self.INSERT_STREAM_KEYS), [(k, last) for k in streams])
-        cur.executemany(self.q(self.INSERT_OP_KEYS), [(k, last) for k in ops])
+        cur.executemany(self.q(self.INSERT_ID_RUNS), [(a, b, last) for a, b in runs])
 
     def insert_manifests(self, cur: Any, rows: list[tuple[str, bytes]]) -> None:
         cur.executemany(
@@ -227,31 +231,62 @@ class Statements(abc.ABC):
     def fetch_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         """(fingerprint, receipt body) of each of `operation_ids` that has a receipt,
         in a record or (written before records, or imported) in kvl_receipts."""
-        if not operation_ids:
-            return {}
-        found = self.record_receipts(cur, operation_ids)
-        if len(found) < len(operation_ids):
-            found.update(self.row_receipts(cur, [o for o in operation_ids if o not in found]))
-        return found
+        return self.find_ids(cur, operation_ids, [])[0]
 
-    RECORDS_BY_OP_KEY = (
-        "SELECT DISTINCT r.last_position, r.body FROM kvl_record_ops o "
-        "JOIN kvl_records r ON r.last_position = o.last_position WHERE o.op_key = ?"
+    def find_ids(self, cur: Any, operation_ids: list[str], event_ids: list[str]
+                 ) -> tuple[dict[str, tuple[str, bytes]], set[str]]:
+        """The stored receipts of `operation_ids` (fingerprint, body), and which of
+        `event_ids` are stored, in records or in the one-row-per-event tables."""
+        ops, events = set(operation_ids), set(event_ids)
+        found: dict[str, tuple[str, bytes]] = {}
+        taken: set[str] = set()
+        if not ops and not events:
+            return found, taken
+        for last, body in self.records_holding(cur, [op_key(i) for i in ops | events]):
+            where = f"ending at position {last}"
+            record = decode_record(stored_bytes(body, f"the record {where}"), where)
+            ids = record.ids()  # a shared key names other ids' records too: keep the exact ones
+            if ids is None:
+                raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"an event of the record {where} does not "
+                                    "decode (run `kvledger verify`)")
+            taken |= ids[0] & events
+            if ops & ids[1]:
+                for receipt in record.receipts:
+                    key = _receipt_key(receipt)
+                    if key.operation_id in ops:
+                        found[key.operation_id] = (key.fingerprint, receipt)
+        if self.has_event_rows(cur):
+            found.update(self.row_receipts(cur, [o for o in ops if o not in found]))
+            taken |= self.row_event_ids(cur, [e for e in events if e not in taken])
+        return found, taken
+
+    def has_event_rows(self, cur: Any) -> bool:
+        """Whether the one-row-per-event tables hold anything (written before revision
+        0003, or imported); most journals have none, and skip their lookups."""
+        cur.execute("SELECT 1 FROM kvl_events LIMIT 1")
+        return cur.fetchone() is not None
+
+    # One statement for many runs: the bounds travel as one bound JSON array (json_each).
+    RECORDS_HOLDING_RUN = (
+        "SELECT r.last_position, r.body FROM kvl_records r WHERE r.last_position IN "
+        "(SELECT i.last_position FROM kvl_record_ids i WHERE i.first_key BETWEEN ? AND ? AND i.last_key >= ?)"
     )
-    RECORDS_BY_OP_KEYS = (
-        "SELECT DISTINCT r.last_position, r.body FROM kvl_record_ops o "
-        "JOIN kvl_records r ON r.last_position = o.last_position "
-        "WHERE o.op_key IN (SELECT value FROM json_each(?))"
+    RECORDS_HOLDING_RUNS = (
+        "SELECT r.last_position, r.body FROM kvl_records r WHERE r.last_position IN "
+        "(SELECT i.last_position FROM json_each(?) q JOIN kvl_record_ids i "
+        "ON i.first_key BETWEEN json_extract(q.value, '$[0]') AND json_extract(q.value, '$[1]') "
+        "AND i.last_key >= json_extract(q.value, '$[2]'))"
     )
 
-    def records_by_op_keys(self, cur: Any, keys: list[int]) -> list[Row]:
-        rows = self._lookup(cur, self.RECORDS_BY_OP_KEYS, self.RECORDS_BY_OP_KEY, keys)
-        return list({r[0]: r for r in rows}.values())  # one record per row, if a key repeats it
+    def records_holding(self, cur: Any, keys: list[int]) -> list[Row]:
+        """(last_position, body) of each record whose id runs hold one of `keys`."""
+        rows = self._lookup(cur, self.RECORDS_HOLDING_RUNS, self.RECORDS_HOLDING_RUN, stab(id_runs(keys)))
+        return list({r[0]: r for r in rows}.values())  # one row a record
 
     def _lookup(self, cur: Any, many: str, one: str, values: list[Any]) -> list[Row]:
         """The rows `many` finds for all `values` at once (its parameter: them as one JSON
         array, through json_each), or where this SQLite has no JSON functions, the rows
-        `one` finds for each value."""
+        `one` finds for each value (a tuple: its parameters)."""
         if len(values) > 1 and self.json_each:
             try:
                 cur.execute(self.q(many), (_json_encode(values),))
@@ -263,26 +298,22 @@ class Statements(abc.ABC):
                 self.json_each = False
         rows: list[Row] = []
         for v in values:
-            cur.execute(self.q(one), (v,))
+            cur.execute(self.q(one), v if isinstance(v, tuple) else (v,))
             rows += cur.fetchall()
         return rows
-
-    def record_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
-        wanted = set(operation_ids)
-        found: dict[str, tuple[str, bytes]] = {}
-        for last, body in self.records_by_op_keys(cur, sorted({op_key(o) for o in wanted})):
-            where = f"ending at position {last}"
-            for receipt in decode_record(stored_bytes(body, f"the record {where}"), where).receipts:
-                key = _receipt_key(receipt)  # a shared key names other operations' records too
-                if key.operation_id in wanted:
-                    found[key.operation_id] = (key.fingerprint, receipt)
-        return found
 
     def row_receipts(self, cur: Any, operation_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         if not operation_ids:
             return {}
         return {r[0]: (r[1], bytes(r[2]))
                 for r in self._lookup(cur, self.FETCH_RECEIPTS, self.FETCH_RECEIPT, operation_ids)}
+
+    def row_event_ids(self, cur: Any, event_ids: list[str]) -> set[str]:
+        if not event_ids:
+            return set()
+        return {r[0] for r in self._lookup(
+            cur, "SELECT event_id FROM kvl_events WHERE event_id IN (SELECT value FROM json_each(?))",
+            "SELECT event_id FROM kvl_events WHERE event_id = ?", event_ids)}
 
     # -- reads -------------------------------------------------------------------
     def last_position(self, cur: Any) -> int:
@@ -442,11 +473,11 @@ class Statements(abc.ABC):
         "SELECT last_position, first_position, chain, body FROM kvl_records WHERE last_position > ? "
         "ORDER BY last_position LIMIT ?",
     )
-    LOOKUP_TABLES = {"kvl_record_streams": "stream_key", "kvl_record_ops": "op_key"}
+    LOOKUP_TABLES = {"kvl_record_streams": "stream_key", "kvl_record_ids": "first_key, last_key"}
 
     def lookup_rows(self, cur: Any, table: str, after: int | None, upto: int | None) -> list[Row]:
-        """(key, last_position) rows of a records lookup table with last_position in
-        (after, upto]; None: unbounded on that side."""
+        """(key columns..., last_position) rows of a records lookup table with
+        last_position in (after, upto]; None: unbounded on that side."""
         key = self.LOOKUP_TABLES[table]  # one of two constant names: never input
         where = " AND ".join(c for c, v in (("last_position > ?", after), ("last_position <= ?", upto))
                              if v is not None)

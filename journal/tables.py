@@ -20,11 +20,11 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 # Every alembic revision this code knows (migrations/versions), oldest first; the last
 # is the head it reads and writes. A database at a revision not listed here was written
 # by a newer kvledger. (tests/test_cli_foundation checks this against alembic.)
-REVISIONS = ("0001", "0002", "0003", "0004")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005")
 SCHEMA_REVISION = REVISIONS[-1]
 VERSION_TABLE = "kvl_alembic_version"
 JOURNAL_TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints", "kvl_records",
-                  "kvl_record_streams", "kvl_record_ops")
+                  "kvl_record_streams", "kvl_record_ids")
 
 
 def too_new(revision: str, where: str) -> KvLedgerError:
@@ -111,10 +111,14 @@ record_streams = Table(
     sqlite_with_rowid=False,
 )
 
-record_ops = Table(
-    "kvl_record_ops",
+# Runs of consecutive id keys (journal.records.id_runs), one row a run: which records hold
+# an operation or event id (revision 0005; it replaced 0003's kvl_record_ops, a row per
+# operation). The key (first_key, last_position) makes the stab of records.stab an index range.
+record_ids = Table(
+    "kvl_record_ids",
     metadata,
-    Column("op_key", BigInteger, primary_key=True, autoincrement=False),
+    Column("first_key", BigInteger, primary_key=True, autoincrement=False),
     Column("last_position", BigInteger, primary_key=True, autoincrement=False),
+    Column("last_key", BigInteger, nullable=False),
     sqlite_with_rowid=False,
 )

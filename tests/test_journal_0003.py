@@ -1,12 +1,15 @@
 """A journal of records written by revision 0003's code (commit 16fcafa) keeps working
-after revision 0004 keys kvl_record_ops in each writer's order (journal.records.op_key).
+after revision 0004 keys kvl_record_ops in each writer's order (journal.records.op_key)
+and revision 0005 replaces those rows with runs of event and operation id keys
+(kvl_record_ids, journal.records.id_runs).
 fixtures/journal_0003 holds what that code wrote and printed: the SQLite file, its
 export, `replay --json`, `verify --json` and every receipt.
 
-`kvledger init` keys the operation rows again from their records, and nothing else
-changes: verify (which checks every lookup row against its record) is clean, replay and
-export print what the old code printed, and every old operation's receipt is found by
-its id (what makes a retry of it idempotent). A downgrade gives back the old rows.
+`kvledger init` builds the id runs from the records, and nothing else changes: verify
+(which checks every lookup row against its record) is clean, replay and export print
+what the old code printed, and every old operation's receipt is found by its id (what
+makes a retry of it idempotent). A downgrade gives back the old rows, and one to 0004
+the rows 0004 keyed in order.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from alembic import command
 
 from kvledger import migrations
 from kvledger.journal import make_engine, open_journal, parse_url
-from kvledger.journal.records import op_key, stable_key
+from kvledger.journal.records import id_runs, op_key, stable_key
 from kvledger.journal.tables import SCHEMA_REVISION, VERSION_TABLE
 from kvledger.schemas.receipts import receipt_decoder
 
@@ -52,11 +55,27 @@ def _record_ends() -> list[int]:
 RECORD_ENDS = _record_ends()
 
 
+def _record_end(r) -> int:
+    return RECORD_ENDS[bisect.bisect_left(RECORD_ENDS, r.last_global_position)]
+
+
 def keyed_by(key) -> list[tuple[int, int]]:
     """The kvl_record_ops rows `key` gives: (key, the record's last position) of each
     operation, from the receipts the old code returned."""
-    return sorted({(key(r.operation_id), RECORD_ENDS[bisect.bisect_left(RECORD_ENDS, r.last_global_position)])
-                   for r in RECEIPTS})
+    return sorted({(key(r.operation_id), _record_end(r)) for r in RECEIPTS})
+
+
+def id_runs_wanted() -> list[tuple[int, int, int]]:
+    """The kvl_record_ids rows: (first key, last key, the record's last position) of the
+    runs of each record's event and operation id keys, from the old code's receipts."""
+    keys: dict[int, set[int]] = {}
+    for r in RECEIPTS:
+        keys.setdefault(_record_end(r), set()).update(op_key(i) for i in (r.operation_id, *r.event_ids))
+    return sorted((a, b, last) for last, ks in keys.items() for a, b in id_runs(ks))
+
+
+def id_rows(url: str) -> list[tuple[int, int, int]]:
+    return sorted(sql(url, "SELECT first_key, last_key, last_position FROM kvl_record_ids"))
 
 
 def revision(url: str) -> str:
@@ -77,14 +96,17 @@ def test_before_init_it_is_refused_and_unchanged(old_url, capsys):
     assert op_rows(old_url) == before
 
 
-def test_init_keys_operations_in_order_and_the_journal_reads_as_before(old_url, capsys, tmp_path):
+def test_init_indexes_id_runs_and_the_journal_reads_as_before(old_url, capsys, tmp_path):
     streams = sorted(sql(old_url, "SELECT stream_key, last_position FROM kvl_record_streams"))
     records = sorted(sql(old_url, "SELECT last_position, body FROM kvl_records"))
     code, out, err = cli(capsys, "init", "--db", old_url, "--json")
     assert code == 0, err
     assert revision(old_url) == SCHEMA_REVISION
-    assert op_rows(old_url) == keyed_by(op_key)
-    # only the operation keys changed
+    runs = id_rows(old_url)
+    assert runs == id_runs_wanted()
+    # one writer's ids are consecutive: far fewer runs than ids (0003 had a row per operation)
+    assert len(runs) * 8 < len(RECEIPTS) + sum(len(r.event_ids) for r in RECEIPTS)
+    # only the id lookup rows changed
     assert sorted(sql(old_url, "SELECT stream_key, last_position FROM kvl_record_streams")) == streams
     assert sorted(sql(old_url, "SELECT last_position, body FROM kvl_records")) == records
 
@@ -102,25 +124,35 @@ def test_init_keys_operations_in_order_and_the_journal_reads_as_before(old_url, 
         assert [journal.receipt(r.operation_id) for r in RECEIPTS] == RECEIPTS
 
 
-def test_a_wrong_operation_key_is_found_by_verify_after_init(old_url, capsys):
-    """The rekeyed rows are checked like any other: verify recomputes op_key."""
+@pytest.mark.parametrize("column", ["first_key", "last_key"])
+def test_a_wrong_id_run_is_found_by_verify_after_init(old_url, capsys, column):
+    """The built rows are checked like any other: verify recomputes the runs."""
     assert cli(capsys, "init", "--db", old_url)[0] == 0
-    [(key, last)] = sql(old_url, "SELECT op_key, last_position FROM kvl_record_ops ORDER BY last_position LIMIT 1")
-    sql(old_url, "UPDATE kvl_record_ops SET op_key = :k WHERE op_key = :o AND last_position = :p",
-        k=stable_key(next(r.operation_id for r in RECEIPTS if r.last_global_position == last)), o=key, p=last)
+    [(first, last)] = sql(old_url, "SELECT first_key, last_position FROM kvl_record_ids "
+                                   "ORDER BY last_position LIMIT 1")
+    # constant column names
+    sql(old_url, f"UPDATE kvl_record_ids SET {column} = {column} - 1 WHERE first_key = :f AND last_position = :p",
+        f=first, p=last)
     code, out, _ = cli(capsys, "verify", "--json", "--db", old_url)
     assert code == 1 and not json.loads(out)["ok"]
+    assert any("ids lookup rows" in f["message"] for f in json.loads(out)["findings"])
+
+
+def _downgrade(url: str, to: str) -> None:
+    engine = make_engine(parse_url(url))
+    try:
+        with engine.begin() as conn:
+            cfg = migrations._config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, to)
+    finally:
+        engine.dispose()
 
 
 def test_downgrade_gives_back_the_hashed_keys(old_url, capsys):
     before = op_rows(old_url)
     assert cli(capsys, "init", "--db", old_url)[0] == 0
-    engine = make_engine(parse_url(old_url))
-    try:
-        with engine.begin() as conn:
-            cfg = migrations._config()
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0003")
-    finally:
-        engine.dispose()
+    _downgrade(old_url, "0004")
+    assert revision(old_url) == "0004" and op_rows(old_url) == keyed_by(op_key)
+    _downgrade(old_url, "0003")
     assert revision(old_url) == "0003" and op_rows(old_url) == before

@@ -257,3 +257,62 @@ def test_deferred_append_acknowledges_only_what_it_committed(journal, db_url):
     # after a wait the journal is free again for plain appends
     [p2] = journal.append([publish_op("h1", guard_of(journal.head("h1")), "next")])
     assert isinstance(p2, Receipt) and p2.first_global_position == 4
+
+
+def _own_ids(n: int) -> list[str]:
+    from kvledger.engine.ids import new_id
+
+    return [new_id() for _ in range(n)]
+
+
+def test_an_event_id_already_stored_is_refused_and_nothing_is_written(journal):
+    """DESIGN.md: event ids are unique. An append reusing one is CONSTRAINT_VIOLATION
+    and writes nothing of its batch, wherever the stored id sits in its run of keys."""
+    handles = [f"h{i}" for i in range(4)]
+    journal.append([allocate_op(h, op_id=i, event_id=e) for h, (i, e) in zip(handles, zip(_own_ids(4), _own_ids(4)))])
+    ids = _own_ids(8)  # one writer's consecutive ids: one run of keys
+    journal.append([publish_op(h, guard_of(journal.head(h)), ids[2 * k], event_id=ids[2 * k + 1])
+                    for k, h in enumerate(handles)])
+    stored = [e.event_id for e in journal.read_all()]
+    before = snapshot_of(journal)
+    for reused in (stored[0], stored[4], stored[5], stored[-1]):  # first, inside and last of runs
+        fresh = publish_op("h0", guard_of(journal.head("h0")), _own_ids(1)[0])
+        dup = publish_op("h1", guard_of(journal.head("h1")), _own_ids(1)[0], event_id=reused)
+        with pytest.raises(KvLedgerError) as exc:
+            journal.append([fresh, dup])
+        assert exc.value.code is ErrorCode.CONSTRAINT_VIOLATION and f"event id {reused} is already" in exc.value.message
+        assert snapshot_of(journal) == before
+    # a retry of a stored operation is still answered with its receipt, not refused
+    first = publish_op(handles[0], Guard(0, 0, 1), ids[0], event_id=ids[1])
+    assert journal.append([first])[0] == journal.receipt(ids[0])
+
+
+def test_an_event_id_written_twice_in_one_batch_is_refused(journal):
+    journal.append([allocate_op("a"), allocate_op("b")])
+    before = snapshot_of(journal)
+    same = _own_ids(1)[0]
+    with pytest.raises(KvLedgerError) as exc:
+        journal.append([publish_op("a", guard_of(journal.head("a")), "pa", event_id=same),
+                        publish_op("b", guard_of(journal.head("b")), "pb", event_id=same)])
+    assert exc.value.code is ErrorCode.CONSTRAINT_VIOLATION and "written twice" in exc.value.message
+    assert snapshot_of(journal) == before
+
+
+def test_runs_longer_than_the_longest_stored_are_split_and_found(journal, monkeypatch):
+    """Runs are capped at MAX_RUN so a lookup is an index range; with a cap of 3, a batch
+    of 16 consecutive ids is 6 rows, and each id is found (receipts, refusals)."""
+    from kvledger.journal import records
+
+    monkeypatch.setattr(records, "MAX_RUN", 3)
+    handles = [f"h{i}" for i in range(8)]
+    journal.append([allocate_op(h) for h in handles])
+    ids = _own_ids(16)
+    ops = [publish_op(h, guard_of(journal.head(h)), ids[2 * k], event_id=ids[2 * k + 1])
+           for k, h in enumerate(handles)]
+    receipts = journal.append(ops)
+    for k, r in enumerate(receipts):
+        assert journal.receipt(ids[2 * k]) == r
+    for reused in ids[1::2]:
+        with pytest.raises(KvLedgerError) as exc:
+            journal.append([publish_op("h0", guard_of(journal.head("h0")), _own_ids(1)[0], event_id=reused)])
+        assert exc.value.code is ErrorCode.CONSTRAINT_VIOLATION

@@ -19,10 +19,9 @@ import pytest
 from kvledger import Ledger
 from kvledger.journal import open_journal
 from kvledger.journal.builders import allocate_op, make_manifest
-from kvledger.journal.contract import Rejection
 from kvledger.journal.tables import SCHEMA_REVISION, VERSION_TABLE
 from kvledger.replay import verify_journal
-from kvledger.schemas.errors import KvLedgerError
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 from stored_rows import FIXTURES, cli, old_journal, one_coded_line, sql
 
@@ -180,21 +179,15 @@ def test_the_old_export_imports_with_the_same_results(db_url, backend, capsys):
     same_verify(out, backend_storage=backend == "postgres")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "DESIGN.md promises a unique event_id at append; since the records layout (0003) an "
-    "append does not check ids against the journal: it commits, and verify reports "
-    "DUPLICATE_EVENT_ID. Revision 0002 refused it (CONSTRAINT_VIOLATION)."))
 def test_an_event_id_already_in_the_journal_is_refused_at_append(old_url, capsys):
+    """DESIGN.md promises a unique event_id at append. Revision 0002 refused one through
+    kvl_events' unique index (CONSTRAINT_VIOLATION); since 0005 the append looks its ids up
+    in the old rows and in the records' id runs before it writes."""
     init(capsys, old_url)
     with open_journal(old_url) as journal:
         old_id = next(iter(journal.read_all())).event_id
         last = journal.last_position()
-        try:
-            [outcome] = journal.append([allocate_op("dup-id", event_id=old_id)])
-            refused = isinstance(outcome, Rejection)
-        except KvLedgerError:
-            refused = True
-        if not refused and "DUPLICATE_EVENT_ID" not in {f.code for f in verify_journal(journal).findings}:
-            pytest.fail("an event id committed twice and verify did not see it")  # not the expected failure
-        assert refused and journal.last_position() == last
-
+        with pytest.raises(KvLedgerError) as exc:
+            journal.append([allocate_op("dup-id", event_id=old_id)])
+        assert exc.value.code is ErrorCode.CONSTRAINT_VIOLATION and old_id in exc.value.message
+        assert journal.last_position() == last and journal.head("dup-id") is None

@@ -15,14 +15,17 @@ from hypothesis import strategies as st
 
 from kvledger.journal.records import (
     FORMAT,
+    MAX_RUN,
     Damage,
     _Header,
     audit_record,
     compact_receipt,
     decode_record,
     encode_record,
+    id_runs,
     op_key,
     pack_manifest,
+    stab,
     stable_key,
     unpack_manifest,
 )
@@ -231,3 +234,37 @@ def test_an_operation_key_depends_on_the_prefix_and_the_counter_only():
     assert new[0] == new[1] != new[2]  # the counter's low 40 bits: the 41st wraps
     assert new[0] != new[3] and new[3] == new[4]
     assert op_key("F" * 32) == stable_key("F" * 32)  # upper case is not engine.ids' form
+
+
+# -- id runs (revision 0005) -----------------------------------------------------------
+
+KEYS = st.integers(-(1 << 63), (1 << 63) - 1)
+
+
+def _near(base: int) -> st.SearchStrategy[int]:
+    """Keys clustered as one writer's are (consecutive with gaps), near the edges too."""
+    return st.integers(0, 3 * MAX_RUN).map(lambda d: max(-(1 << 63), min((1 << 63) - 1, base + d)))
+
+
+CLUSTERED = st.sampled_from([-(1 << 63), -5, 0, (1 << 63) - 3 * MAX_RUN]).flatmap(
+    lambda b: st.lists(_near(b), max_size=3 * MAX_RUN))
+
+
+@given(st.one_of(st.lists(KEYS, max_size=50), CLUSTERED))
+def test_id_runs_cover_exactly_the_keys_in_capped_runs(keys):
+    runs = id_runs(keys)
+    covered = [k for a, b in runs for k in range(a, b + 1)]
+    assert covered == sorted(set(keys))  # every key once, in order, nothing else
+    assert all(0 <= b - a < MAX_RUN for a, b in runs)
+    # maximal: two runs are apart, or the first is full
+    assert all(c > b + 1 or b - a == MAX_RUN - 1 for (a, b), (c, _) in zip(runs, runs[1:]))
+
+
+@given(st.one_of(st.lists(KEYS, max_size=30), CLUSTERED), st.one_of(st.lists(KEYS, max_size=10), CLUSTERED))
+def test_a_stab_finds_exactly_the_stored_runs_that_hold_a_wanted_key(stored_keys, wanted_keys):
+    """What `first_key BETWEEN lo AND hi AND last_key >= a` selects, evaluated here as the
+    database would: every stored run that holds a wanted key, and no run that does not."""
+    stored, wanted = id_runs(stored_keys), set(wanted_keys)
+    selected = {(f, lk) for lo, hi, a in stab(id_runs(wanted)) for f, lk in stored if lo <= f <= hi and lk >= a}
+    holding = {(f, lk) for f, lk in stored if any(f <= k <= lk for k in wanted)}
+    assert selected == holding

@@ -136,7 +136,8 @@ def test_an_edited_indexed_column_names_the_record(demo):
         finally:
             sql(db_url, "UPDATE kvl_records SET chain = :c WHERE last_position = :p", c=bytes(link), p=last)
         assert found and found[0] == first
-        for table, key in (("kvl_record_streams", "stream_key"), ("kvl_record_ops", "op_key")):
+        for table, key in (("kvl_record_streams", "stream_key"), ("kvl_record_ids", "first_key"),
+                           ("kvl_record_ids", "last_key")):
             [(k,)] = sql(db_url, f"SELECT min({key}) FROM {table} WHERE last_position = :p", p=last)
             sql(db_url, f"UPDATE {table} SET {key} = {key} + 1 WHERE last_position = :p AND {key} = :k", p=last, k=k)
             try:
