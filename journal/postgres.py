@@ -19,7 +19,7 @@ binary arrays faster than array literals.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from itertools import chain, repeat
 from typing import Any, ClassVar
@@ -266,7 +266,7 @@ class PostgresStatements(Statements):
         cur.execute("SELECT event_id FROM kvl_events WHERE event_id = ANY(%b)", (_texts(event_ids),))
         return {r[0] for r in cur.fetchall()}
 
-    def records_holding(self, cur: Any, keys: list[int]) -> list[Row]:
+    def records_holding(self, cur: Any, keys: Iterable[int]) -> list[Row]:
         bounds = stab(id_runs(keys))
         if not bounds:
             return []

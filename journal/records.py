@@ -262,11 +262,11 @@ def _prefix_key(prefix: str) -> int:
 
 
 def op_key(operation_id: str) -> int:
-    """The id index's key of an operation or event id (kvl_record_ops' since revision
-    0004, kvl_record_ids' since 0005): for an id of 32 lowercase hex digits, 24 bits of
-    its first half's hash, then the low 40 bits of its second half (engine.ids' counter),
-    so one writer's keys ascend; any other id, its stable_key. Two ids may share a key,
-    as with stable_key."""
+    """The kvl_record_ops key of an operation id (revision 0004; kept for its downgrade
+    and as id_key's own-id form): for an id of 32 lowercase hex digits, 24 bits of its
+    first half's hash, then the low 40 bits of its second half (engine.ids' counter), so
+    one writer's keys ascend; any other id, its stable_key. Two ids may share a key, as
+    with stable_key."""
     if _OWN_ID(operation_id) is None:
         return stable_key(operation_id)
     key = _prefix_key(operation_id[:16]) | (int(operation_id[16:], 16) & ((1 << _COUNTER_BITS) - 1))
@@ -286,25 +286,79 @@ def record_ids(body: bytes) -> tuple[set[str], set[str]] | None:
     return None if isinstance(found, Damage) else found.ids()
 
 
+# Other ids that end in a decimal counter (the KV-event recorder's "kv:<stream>:<epoch>:<seq>",
+# a caller's "op-17") key by 24 bits of the hash of what precedes the counter, then the
+# counter's low 40 bits: one stream's or one caller's consecutive ids are consecutive keys too.
+_COUNTED = re.compile(r"(.*?)([0-9]{1,12})", re.DOTALL).fullmatch
+_LOW = (1 << _COUNTER_BITS) - 1
+_stems: dict[str, int] = {}  # stem -> its hash's bits above the counter
+
+
+def _stem(stem: str) -> int:
+    bits = _stems.get(stem)
+    if bits is None:
+        if len(_stems) > 4096:  # a cache, not a registry: callers' stems are unbounded
+            _stems.clear()
+        bits = _stems[stem] = _prefix_key(stem)
+    return bits
+
+
+def id_keys(ids: Iterable[str]) -> list[int]:
+    """The keys of event and operation ids in kvl_record_ids (revision 0005): for 32
+    characters whose second half parses as hex (engine.ids' form: op_key's key), 24 bits
+    of the first half's hash, then the counter's low 40 bits; for an id that ends in a
+    decimal counter, the same of the stem before it; else stable_key. A key only has to
+    be the same wherever it is computed: it is not checked for canonical hex, so this runs
+    once per id on the write path at a third of op_key's cost. Two ids may share a key."""
+    out: list[int] = []
+    add, stem, known, top = out.append, _stem, _stems.get, 1 << 63
+    for v in ids:
+        key = None
+        if len(v) == 32:
+            try:
+                key = (known(v[:16]) or stem(v[:16])) | (int(v[16:], 16) & _LOW)
+            except ValueError:
+                pass
+        if key is None:
+            counted = _COUNTED(v)
+            if counted is None:
+                add(stable_key(v))
+                continue
+            key = stem(counted[1]) | int(counted[2])
+        add(key - (top << 1) if key >= top else key)  # two's complement: a signed 64-bit column
+    return out
+
+
+def id_key(value: str) -> int:
+    return id_keys((value,))[0]
+
+
 # -- the id index (revision 0005) ------------------------------------------------------
 # One writer's operation and event ids come from one counter (engine.ids), so a record of
-# 64 decode chains holds 256 consecutive op_keys. kvl_record_ids stores each record's keys
+# 64 decode chains holds 256 consecutive keys (id_key). kvl_record_ids stores each record's keys
 # as runs of consecutive keys, one row a run: (first_key, last_key, last_position). No run
 # is longer than MAX_RUN, so the runs that can hold a key k start in (k - MAX_RUN, k]: an
-# index range on first_key, not a scan. Two ids may share a key (op_key hashes the prefix
-# and any foreign id); a lookup decodes the records a run names and keeps the exact ids.
+# index range on first_key, not a scan. Two ids may share a key (id_key hashes the prefix
+# and any other id); a lookup decodes the records a run names and keeps the exact ids.
 MAX_RUN = 4096
 
 
 def id_runs(keys: Iterable[int]) -> list[tuple[int, int]]:
     """The keys as runs (first, last) of consecutive keys, in order, none longer than MAX_RUN."""
-    runs: list[list[int]] = []
-    for k in sorted(set(keys)):
-        if runs and k == runs[-1][1] + 1 and k - runs[-1][0] < MAX_RUN:
-            runs[-1][1] = k
-        else:
-            runs.append([k, k])
-    return [(a, b) for a, b in runs]
+    ordered = sorted(set(keys))
+    if not ordered:
+        return []
+    runs: list[tuple[int, int]] = []
+    longest = MAX_RUN - 1
+    first = last = ordered[0]
+    for k in ordered:
+        if k == last + 1 and k - first <= longest:
+            last = k
+        elif k != first:
+            runs.append((first, last))
+            first = last = k
+    runs.append((first, last))
+    return runs
 
 
 def stab(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredDamage, StoredEvent, StoredReceipt
-from kvledger.journal.records import GENESIS, Damage, audit_record, chain, id_runs, op_key, stable_key
+from kvledger.journal.records import GENESIS, Damage, audit_record, chain, id_keys, id_runs, stable_key
 from kvledger.journal.statements import Row, Statements, T
 
 PAGE = 5000
@@ -91,8 +91,8 @@ class SqlSnapshot(Snapshot):
                 needs["streams"][stored_last] = {stable_key(str(n.stream_id)) for n in names}
                 # every event id and operation id (the receipts' are their events')
                 needs["ids"][stored_last] = set(id_runs(
-                    [op_key(str(n.event_id)) for n in names]
-                    + [op_key(str(_receipt_names(r).operation_id)) for r in found.receipts]))
+                    id_keys([str(n.event_id) for n in names]
+                            + [str(_receipt_names(r).operation_id) for r in found.receipts])))
             end = page[-1][0] if page and type(page[-1][0]) is int else None
             done = len(page) < self.RECORDS_PAGE or end is None
             yield from self._lookup_rows(needs, firsts, after, None if done else end)

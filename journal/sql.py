@@ -47,9 +47,9 @@ from kvledger.journal.records import chain as link
 from kvledger.journal.records import (
     compact_receipt,
     encode_record,
+    id_keys,
     id_runs,
     manifest_ref,
-    op_key,
     pack_manifest,
     stable_key,
 )
@@ -300,9 +300,11 @@ class SqlJournal(Journal):
     def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
         # One pass per step, no per-event helper calls: this loop is the Python cost a
         # publication pays on top of the database's (see docs/PERFORMANCE.md).
-        last, chain, stored, taken = self.sql.begin_append(
-            cur, list({op.operation_id: None for op in ops}),
-            [e.event_id for op in ops for w in op.writes for e in w.events])
+        op_ids = list({op.operation_id: None for op in ops})
+        event_ids = [e.event_id for op in ops for w in op.writes for e in w.events]
+        ids = op_ids + event_ids
+        keys = dict(zip(ids, id_keys(ids)))  # computed once: the lookup's and the record's
+        last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, keys.values())
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         first_in_batch: dict[str, int] = {}
         pending: list[int] = []
@@ -323,7 +325,7 @@ class SqlJournal(Journal):
                 results[i] = rejection
         fault("after_update")
 
-        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken)
+        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, keys)
         self._committed_chain = chain if record is None else record[2]
         if len(first_in_batch) + len(stored) < len(ops):
             for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
@@ -344,19 +346,20 @@ class SqlJournal(Journal):
     @staticmethod
     def _rows(
         ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None], last: int,
-        chain: bytes, taken: set[str],
+        chain: bytes, taken: set[str], keys: dict[str, int] | None = None,
     ) -> tuple[RecordRow | None, dict[str, bytes], int]:
         """The record (linked to `chain`) and the manifest rows of the operations at
         `indexes` not yet decided in `results`, at global positions after `last`; fills
         in their receipts. Returns them and the last position used. An event id in
         `taken` (already stored) or written twice is CONSTRAINT_VIOLATION: nothing of
-        the batch may commit (the caller's transaction rolls back)."""
+        the batch may commit (the caller's transaction rolls back). `keys`: the ids'
+        keys, if known (records.id_keys)."""
         now = time.time_ns()
         bodies: list[bytes] = []
         receipts: list[bytes] = []
         streams: set[int] = set()
-        ids: set[str] = set()
-        written: list[int] = []
+        event_ids: set[str] = set()  # the record's: an event id is unique (an operation id may equal one)
+        op_ids: list[str] = []
         manifest_rows: dict[str, bytes] = {}
         allocated: dict[str, int] = {}  # manifest digest -> position of the event that holds it
         add_body, add_receipt = bodies.append, receipts.append
@@ -368,33 +371,34 @@ class SqlJournal(Journal):
             op = ops[i]
             op_id = op.operation_id
             first = position + 1
-            event_ids: list[str] = []
+            own: list[str] = []
             handles: list[HandleResult] = []
             for write in op.writes:
                 for ev in write.events:
                     position += 1
                     add_body(encode(replace(ev, global_position=position)))
-                    event_ids.append(ev.event_id)
+                    own.append(ev.event_id)
                     if op.manifests and isinstance(ev.payload, RequestAllocate):
                         allocated[ev.payload.manifest_sha256] = position
                 streams.add(stable_key(write.handle_id))
                 h = write.head
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
                                             h.stream_position, h.committed_length))
-            receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(event_ids), first, position, now)
+            receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(own), first, position, now)
             add_receipt(encode_receipt(receipt))
-            ids.update(event_ids)
-            ids.add(op_id)
-            written.append(i)
+            event_ids.update(own)
+            op_ids.append(op_id)
             for sha, manifest in op.manifests:  # where its allocation holds it, or itself
                 manifest_rows[sha] = manifest_ref(allocated[sha]) if sha in allocated else pack_manifest(manifest)
             results[i] = receipt
         if not bodies:
             return None, manifest_rows, position
-        if len(ids) != len(bodies) + len(receipts) or not taken.isdisjoint(ids):
-            _refuse_reused_ids([ops[i] for i in written], taken)
+        if len(event_ids) != len(bodies) or not taken.isdisjoint(event_ids):
+            raise _reused_id(ops, op_ids, taken)
         body = encode_record(bodies, receipts)
-        record = (position, last + 1, link(chain, body), body, sorted(streams), id_runs(map(op_key, ids)))
+        written = event_ids.union(op_ids)
+        runs = id_runs(id_keys(written) if keys is None else [keys[i] for i in written])
+        record = (position, last + 1, link(chain, body), body, sorted(streams), runs)
         return record, manifest_rows, position
 
     def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]]) -> dict[int, Rejection]:
@@ -738,17 +742,21 @@ def _validate(op: Operation) -> None:
             raise bad(f"head of {handle} does not end at its last event")
 
 
-def _refuse_reused_ids(ops: Sequence[Operation], taken: set[str]) -> None:
-    """CONSTRAINT_VIOLATION naming the first id the batch's new operations reuse: an
-    event id stored before or written twice, or an operation id that is also an event id."""
+def _reused_id(ops: Sequence[Operation], written: list[str], taken: set[str]) -> KvLedgerError:
+    """CONSTRAINT_VIOLATION naming the first event id that the batch's operations being
+    written (their ids: `written`) reuse: one stored before, or one written twice."""
     seen: set[str] = set()
+    new = set(written)
     for op in ops:
+        if op.operation_id not in new:
+            continue
+        new.discard(op.operation_id)  # a repeat in the batch is a retry of the first
         for e in (e.event_id for w in op.writes for e in w.events):
             if e in taken or e in seen:
-                raise KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, f"operation {op.operation_id}: event id {e} "
-                                    f"is {'already in the journal' if e in taken else 'written twice'}")
+                return KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, f"operation {op.operation_id}: event id {e} "
+                                     f"is {'already in the journal' if e in taken else 'written twice'}")
             seen.add(e)
-    raise KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, "an operation id of this batch is also one of its event ids")
+    return KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, "this batch reuses an event id")
 
 
 def _stored_receipt(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:

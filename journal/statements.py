@@ -7,7 +7,7 @@ the statements whose best form differs over a network (set-based, one round trip
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import msgspec
@@ -21,9 +21,9 @@ from kvledger.journal.records import (
     allocation_manifest,
     audit_record,
     decode_record,
+    id_keys,
     id_runs,
     manifest_ref_position,
-    op_key,
     stab,
     stable_key,
     unpack_manifest,
@@ -95,14 +95,14 @@ class Statements(abc.ABC):
                   operation_ids: list[str], event_ids: list[str], last: int) -> bool:
         raise NotImplementedError
 
-    def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str]
+    def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str], keys: Iterable[int]
                      ) -> tuple[int, bytes, dict[str, tuple[str, bytes]], set[str]]:
         """Take the writer lock; return the last global position, the chain digest the
         next record links to, the stored receipts of `operation_ids` and which of
-        `event_ids` the journal already holds."""
+        `event_ids` the journal already holds (`keys`: all their id keys)."""
         self.lock_and_last_position(cur)
         last, chain = self.last_record(cur)
-        return last, chain, *self.find_ids(cur, operation_ids, event_ids)
+        return last, chain, *self.find_ids(cur, operation_ids, event_ids, keys)
 
     def last_record(self, cur: Any) -> tuple[int, bytes]:
         """The last global position, and the last record's chain (GENESIS before any)."""
@@ -233,16 +233,17 @@ class Statements(abc.ABC):
         in a record or (written before records, or imported) in kvl_receipts."""
         return self.find_ids(cur, operation_ids, [])[0]
 
-    def find_ids(self, cur: Any, operation_ids: list[str], event_ids: list[str]
-                 ) -> tuple[dict[str, tuple[str, bytes]], set[str]]:
+    def find_ids(self, cur: Any, operation_ids: list[str], event_ids: list[str],
+                 keys: Iterable[int] | None = None) -> tuple[dict[str, tuple[str, bytes]], set[str]]:
         """The stored receipts of `operation_ids` (fingerprint, body), and which of
-        `event_ids` are stored, in records or in the one-row-per-event tables."""
+        `event_ids` are stored, in records or in the one-row-per-event tables. `keys`:
+        the ids' keys when the caller has them (records.id_keys)."""
         ops, events = set(operation_ids), set(event_ids)
         found: dict[str, tuple[str, bytes]] = {}
         taken: set[str] = set()
         if not ops and not events:
             return found, taken
-        for last, body in self.records_holding(cur, [op_key(i) for i in ops | events]):
+        for last, body in self.records_holding(cur, id_keys(ops | events) if keys is None else keys):
             where = f"ending at position {last}"
             record = decode_record(stored_bytes(body, f"the record {where}"), where)
             ids = record.ids()  # a shared key names other ids' records too: keep the exact ones
@@ -278,7 +279,7 @@ class Statements(abc.ABC):
         "AND i.last_key >= json_extract(q.value, '$[2]'))"
     )
 
-    def records_holding(self, cur: Any, keys: list[int]) -> list[Row]:
+    def records_holding(self, cur: Any, keys: Iterable[int]) -> list[Row]:
         """(last_position, body) of each record whose id runs hold one of `keys`."""
         rows = self._lookup(cur, self.RECORDS_HOLDING_RUNS, self.RECORDS_HOLDING_RUN, stab(id_runs(keys)))
         return list({r[0]: r for r in rows}.values())  # one row a record

@@ -23,7 +23,7 @@ from alembic import command
 
 from kvledger import migrations
 from kvledger.journal import make_engine, open_journal, parse_url
-from kvledger.journal.records import id_runs, op_key, stable_key
+from kvledger.journal.records import id_key, id_runs, op_key, stable_key
 from kvledger.journal.tables import SCHEMA_REVISION, VERSION_TABLE
 from kvledger.schemas.receipts import receipt_decoder
 
@@ -70,7 +70,7 @@ def id_runs_wanted() -> list[tuple[int, int, int]]:
     runs of each record's event and operation id keys, from the old code's receipts."""
     keys: dict[int, set[int]] = {}
     for r in RECEIPTS:
-        keys.setdefault(_record_end(r), set()).update(op_key(i) for i in (r.operation_id, *r.event_ids))
+        keys.setdefault(_record_end(r), set()).update(id_key(i) for i in (r.operation_id, *r.event_ids))
     return sorted((a, b, last) for last, ks in keys.items() for a, b in id_runs(ks))
 
 

@@ -316,3 +316,11 @@ def test_runs_longer_than_the_longest_stored_are_split_and_found(journal, monkey
         with pytest.raises(KvLedgerError) as exc:
             journal.append([publish_op("h0", guard_of(journal.head("h0")), _own_ids(1)[0], event_id=reused)])
         assert exc.value.code is ErrorCode.CONSTRAINT_VIOLATION
+
+
+def test_an_operation_id_may_equal_one_of_its_event_ids(journal):
+    """Operation and event ids are separate names (the KV-event recorder gives a one-batch
+    operation its event's id): not a reuse."""
+    op = allocate_op("same", op_id="kv:s:0:7", event_id="kv:s:0:7")
+    [r] = journal.append([op])
+    assert isinstance(r, Receipt) and journal.receipt("kv:s:0:7") == r and r.event_ids == ("kv:s:0:7",)

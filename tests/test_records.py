@@ -22,6 +22,7 @@ from kvledger.journal.records import (
     compact_receipt,
     decode_record,
     encode_record,
+    id_key,
     id_runs,
     op_key,
     pack_manifest,
@@ -268,3 +269,17 @@ def test_a_stab_finds_exactly_the_stored_runs_that_hold_a_wanted_key(stored_keys
     selected = {(f, lk) for lo, hi, a in stab(id_runs(wanted)) for f, lk in stored if lo <= f <= hi and lk >= a}
     holding = {(f, lk) for f, lk in stored if any(f <= k <= lk for k in wanted)}
     assert selected == holding
+
+
+@given(st.text(max_size=20).filter(lambda t: not t[-1:].isdigit()), st.integers(0, 10**12 - 2))
+def test_ids_that_end_in_a_counter_key_in_its_order(stem, n):
+    """The KV-event recorder's ids (kv:<stream>:<epoch>:<seq>) and a caller's "op-17":
+    consecutive counters are consecutive keys, so one stream's batches make one run."""
+    a, b = id_key(f"{stem}{n}"), id_key(f"{stem}{n + 1}")
+    assert b == a + 1 and -(1 << 63) <= a < b < 1 << 63
+
+
+def test_id_key_is_op_key_for_own_ids_and_stable_key_for_the_rest():
+    own = "0123456789abcdef" + "0000000000000011"
+    assert id_key(own) == op_key(own) and id_key("g" * 32) == stable_key("g" * 32)
+    assert id_key("no-counter") == stable_key("no-counter")

@@ -34,7 +34,7 @@ def _records(conn: sa.Connection) -> Iterator[tuple[int, bytes]]:
 
 
 def upgrade() -> None:
-    from kvledger.journal.records import id_runs, op_key, record_ids
+    from kvledger.journal.records import id_keys, id_runs, record_ids
 
     op.create_table(
         "kvl_record_ids",
@@ -53,7 +53,7 @@ def upgrade() -> None:
             # reports it); its operation rows carry over, each a run of one key.
             keys = [k for (k,) in conn.execute(old, {"p": last})]
         else:
-            keys = [op_key(i) for i in ids[0] | ids[1]]
+            keys = id_keys(ids[0] | ids[1])
         rows = [{"f": f, "l": lk, "p": last} for f, lk in id_runs(keys)]
         if rows:
             conn.execute(insert, rows)
