@@ -73,6 +73,11 @@ class Record:
             self._receipts, self._compact = expanded, False
         return self._receipts
 
+    @property
+    def stored_receipts(self) -> list[bytes]:
+        """The receipts in the record's own form (format 3: compact, until first expanded)."""
+        return self._receipts
+
     def ids(self) -> tuple[set[str], set[str]] | None:
         """The event ids and the operation ids of its events (None: one does not decode)."""
         try:
