@@ -30,8 +30,8 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
-from kvledger.journal.records import id_runs, stab
-from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns
+from kvledger.journal.records import PREV_INDEXED, id_runs, stab
+from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns, stored_int
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -143,7 +143,7 @@ class PostgresStatements(Statements):
     # rolls back and nothing is committed.
     APPEND_IF = (
         "WITH u AS (UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
-        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph "
+        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph, last_record = %(rlast)b::bigint "
         "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
         "AS v(h, g, s, p, ng, ns, np, nc, ph) "
         "WHERE h.handle_id = v.h AND h.generation = v.g "
@@ -155,11 +155,9 @@ class PostgresStatements(Statements):
         "ON i.first_key BETWEEN q.lo AND q.hi AND i.last_key >= q.a) "
         "AND NOT EXISTS (SELECT 1 FROM kvl_receipts WHERE operation_id = ANY(%(ops)b)) "
         "AND NOT EXISTS (SELECT 1 FROM kvl_events WHERE event_id = ANY(%(eids)b)) AS ok), "
-        "r AS (INSERT INTO kvl_records (last_position, first_position, chain, body) "
-        "SELECT CASE WHEN verdict.ok THEN %(rlast)b::bigint END, %(rfirst)b::bigint, %(chain)b, %(body)b "
-        "FROM verdict), "
-        "s AS (INSERT INTO kvl_record_streams (stream_key, last_position) "
-        "SELECT k, %(rlast)b::bigint FROM unnest(%(skeys)b) AS k) "
+        "r AS (INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
+        "SELECT CASE WHEN verdict.ok THEN %(rlast)b::bigint END, %(rfirst)b::bigint, %(chain)b, %(body)b, "
+        "%(prev)b FROM verdict) "
         "INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
         "SELECT f, l, %(rlast)b::bigint FROM unnest(%(rf)b, %(rl)b) AS k(f, l)"
     )
@@ -167,11 +165,11 @@ class PostgresStatements(Statements):
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
                   operation_ids: list[str], event_ids: list[str], last: int) -> bool:
         params = _guarded_update_params(updates)
-        rlast, rfirst, chain_, body, skeys, runs = record
+        rlast, rfirst, chain_, body, _, prev, runs = record
         lo, hi, a = zip(*stab(runs))  # a record holds an event: one run at least
         params.update(
             lo=_int8s(lo), hi=_int8s(hi), a=_int8s(a), rf=_int8s([r[0] for r in runs]),
-            rl=_int8s([r[1] for r in runs]), skeys=_int8s(skeys), ops=_texts(operation_ids),
+            rl=_int8s([r[1] for r in runs]), prev=prev, ops=_texts(operation_ids),
             eids=_texts(event_ids), rlast=rlast, rfirst=rfirst, chain=chain_, body=body, n=len(updates), last=last,
         )
         conn = self.conn
@@ -280,13 +278,20 @@ class PostgresStatements(Statements):
         rows: list[Row] = cur.fetchall()
         return rows
 
+    def last_records(self, cur: Any, handles: list[str]) -> dict[str, int]:
+        if not handles:
+            return {}
+        cur.execute("SELECT h.handle_id, h.last_record FROM kvl_heads h JOIN unnest(%b) AS v(h) ON h.handle_id = v.h",
+                    (_texts(handles),))
+        return {h: PREV_INDEXED if r is None else stored_int(r, f"the last record of {h}") for h, r in cur.fetchall()}
+
     def insert_record(self, cur: Any, row: RecordRow) -> None:
-        last, first, chain_, body, streams, runs = row
-        cur.execute("INSERT INTO kvl_records (last_position, first_position, chain, body) VALUES (%s, %s, %s, %s)",
-                    (last, first, chain_, body))
+        last, first, chain_, body, handles, prev, runs = row
+        cur.execute("INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
+                    "VALUES (%s, %s, %s, %s, %s)", (last, first, chain_, body, prev))
         faults.fault("mid_batch")  # the record is written, its lookup rows not yet
-        cur.execute("INSERT INTO kvl_record_streams (stream_key, last_position) SELECT k, %s FROM unnest(%b) AS k",
-                    (last, _int8s(streams)))
+        cur.execute("UPDATE kvl_heads AS h SET last_record = %s FROM unnest(%b) AS v(h) WHERE h.handle_id = v.h",
+                    (last, _texts(handles)))
         cur.execute("INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
                     "SELECT f, l, %s FROM unnest(%b, %b) AS k(f, l)",
                     (last, _int8s([r[0] for r in runs]), _int8s([r[1] for r in runs])))

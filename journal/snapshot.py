@@ -21,7 +21,18 @@ from typing import Any, Protocol
 import msgspec
 
 from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredDamage, StoredEvent, StoredReceipt
-from kvledger.journal.records import GENESIS, Damage, audit_record, chain, id_keys, id_runs, stable_key
+from kvledger.journal.records import (
+    GENESIS,
+    PREV_INDEXED,
+    PREV_NONE,
+    Damage,
+    audit_record,
+    chain,
+    id_keys,
+    id_runs,
+    stable_key,
+    unpack_prev,
+)
 from kvledger.journal.statements import Row, Statements, T
 
 PAGE = 5000
@@ -42,21 +53,26 @@ class SqlSnapshot(Snapshot):
 
     def events(self) -> Iterator[StoredEvent | StoredDamage]:
         last = 0
+        seen: set[Any] = set()  # the streams with events so far
         for row in self._pages(self._sql.EVENT_PAGES):
             yield StoredEvent(*row)
             last = row[0] if type(row[0]) is int else last
-        yield from self._records(last)
+            seen.add(row[2])
+        yield from self._records(last, seen)
 
     RECORDS_PAGE = 256
 
-    def _records(self, last: int) -> Iterator[StoredEvent | StoredDamage]:
+    def _records(self, last: int, seen: set[Any]) -> Iterator[StoredEvent | StoredDamage]:
         previous, after = GENESIS, None  # the chain so far; the key of the page before
+        tails: dict[Any, int] = {}  # stream -> the last record since 0006 holding it
+        damaged: set[int] = set()  # records whose streams are lost with their bytes
+        record_firsts: dict[int, int] = {}  # such a record -> its first event
         while True:
             page = self._call(partial(self._sql.page, self._cur, self._sql.RECORD_PAGES, after, self.RECORDS_PAGE))
             needs: dict[str, dict[int, set[Any] | None]] = {"streams": {}, "ids": {}}  # record -> keys
             firsts: dict[int, int] = {}  # record (its stored last position) -> its first event
             for row in page:
-                stored_last, first, link, body = row
+                stored_last, first, link, body, prev = row
                 if not (type(stored_last) is int and type(first) is int and isinstance(link, bytes)
                         and isinstance(body, bytes)):
                     yield StoredDamage(last + 1, "a record's columns are stored as "
@@ -82,13 +98,28 @@ class SqlSnapshot(Snapshot):
                     yield StoredDamage(bad, found.message, replaces=found.index is not None)
                     last = stored_last
                     needs["streams"][stored_last] = needs["ids"][stored_last] = None
+                    damaged.add(stored_last)
                     continue
                 if stored_last != at + len(found.events) - 1:
                     yield StoredDamage(at, f"the record holds positions {at}..{at + len(found.events) - 1} "
                                            f"but is stored as ending at {stored_last}")
                 last = stored_last
                 names = [_names(e) for e in found.events]
-                needs["streams"][stored_last] = {stable_key(str(n.stream_id)) for n in names}
+                streams = list(dict.fromkeys(n.stream_id for n in names))
+                if prev is None:  # written before 0006: kvl_record_streams indexes its streams
+                    needs["streams"][stored_last] = {stable_key(str(s)) for s in streams}
+                else:
+                    needs["streams"][stored_last] = set()
+                    want = [tails.get(s, PREV_INDEXED if s in seen else PREV_NONE) for s in streams]
+                    got = unpack_prev(prev) if isinstance(prev, bytes) else None
+                    if got is None or len(got) != len(want) or any(
+                            g != w and g not in damaged for g, w in zip(got, want)):
+                        yield StoredDamage(at, f"the stream_prev of the record ending at {stored_last} is "
+                                               "not the record before it on each of its streams")
+                    for s in streams:
+                        tails[s] = stored_last
+                    record_firsts[stored_last] = at
+                seen.update(streams)
                 # every event id and operation id (the receipts' are their events')
                 needs["ids"][stored_last] = set(id_runs(
                     id_keys([str(n.event_id) for n in names]
@@ -97,8 +128,14 @@ class SqlSnapshot(Snapshot):
             done = len(page) < self.RECORDS_PAGE or end is None
             yield from self._lookup_rows(needs, firsts, after, None if done else end)
             if done:
-                return
+                break
             after = end
+        for handle, stored in self._call(partial(self._sql.head_pointers, self._cur)):
+            tail = tails.get(handle)
+            if stored != tail and not (stored in damaged and tail is not None):
+                yield StoredDamage(None if tail is None else record_firsts[tail],
+                                   f"the head of {handle!r} names {stored!r} as its last record, "
+                                   f"its events say {tail!r}")
 
     def _lookup_rows(self, needs: dict[str, dict[int, set[Any] | None]], firsts: dict[int, int],
                      after: int | None, upto: int | None) -> Iterator[StoredDamage]:

@@ -43,16 +43,17 @@ from kvledger.journal.contract import (
 )
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
-from kvledger.journal.records import chain as link
 from kvledger.journal.records import (
+    PREV_NONE,
     compact_receipt,
     encode_record,
     id_keys,
     id_runs,
     manifest_ref,
     pack_manifest,
-    stable_key,
+    pack_prev,
 )
+from kvledger.journal.records import chain as link
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
@@ -148,6 +149,12 @@ class SqlJournal(Journal):
         self._predicted_chain = self._committed_chain = b""
         self._misses = 0
         self._skip = 0
+        # handle -> (stream position, the committed record holding that event): a record
+        # names the one before it on each stream (stream_prev); when an operation's guard
+        # expects that position, this is its head's last record (positions never repeat),
+        # so the single-statement append needs no read. Only committed records go in.
+        self._tails: dict[str, tuple[int, int]] = {}
+        self._uncommitted: dict[str, tuple[int, int]] = {}
         try:
             self.engine = make_engine(url)
             self._proxy = self.engine.raw_connection()
@@ -195,6 +202,7 @@ class SqlJournal(Journal):
                         return fast
                 results = self.sql.transaction(lambda cur: self._append(cur, operations))
                 self._predicted, self._predicted_chain = self._committed, self._committed_chain
+                self._remember()
                 fault("after_commit")
                 return results
             except KvLedgerError:
@@ -244,6 +252,7 @@ class SqlJournal(Journal):
             waited = True
             try:
                 committed.result()
+                self._remember()
             except Exception as exc:  # noqa: BLE001 - a failed COMMIT acknowledges nothing
                 with contextlib.suppress(Exception):
                     self.conn.execute("ROLLBACK")
@@ -270,12 +279,17 @@ class SqlJournal(Journal):
         handles: set[str] = set()
         op_ids: set[str] = set()
         updates: list[tuple[StreamWrite, Guard]] = []
+        prevs: dict[str, int] = {}
         for op in ops:
             if len(op.writes) != 1 or op.checks or op.manifests:
                 return None
             w = op.writes[0]
             if w.expected is None:
                 return None
+            tail = self._tails.get(w.handle_id)
+            if tail is None or tail[0] != w.expected.stream_position:
+                return None  # its last record is not known here: the general path reads it
+            prevs[w.handle_id] = tail[1]
             handles.add(w.handle_id)
             op_ids.add(op.operation_id)
             updates.append((w, w.expected))
@@ -284,12 +298,13 @@ class SqlJournal(Journal):
         last = self._predicted
         assert last is not None
         results: list[Receipt | Rejection | None] = [None] * len(ops)
-        record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain, set())
+        record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain, set(), prevs)
         assert record is not None  # every operation writes an event
         fault("before_update")
         event_ids = [e.event_id for op in ops for e in op.writes[0].events]
         if self.sql.append_if(updates, record, list(op_ids), event_ids, last):
             self._predicted, self._predicted_chain, self._misses = position, record[2], 0
+            self._remember()
             return results  # type: ignore[return-value]  # _rows filled every slot
         # Another writer moved the journal (or a guard failed, or this is a retry): back
         # off exponentially so a contended journal does not pay a wasted round trip each time.
@@ -325,7 +340,8 @@ class SqlJournal(Journal):
                 results[i] = rejection
         fault("after_update")
 
-        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, keys)
+        prevs = self._prevs(cur, ops, pending, results)
+        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys)
         self._committed_chain = chain if record is None else record[2]
         if len(first_in_batch) + len(stored) < len(ops):
             for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
@@ -343,21 +359,54 @@ class SqlJournal(Journal):
         fault("before_commit")
         return results  # type: ignore[return-value]  # stored, rejected, _rows or the retry loop filled each slot
 
-    @staticmethod
+    def _prevs(self, cur: Any, ops: Sequence[Operation], indexes: list[int],
+               results: list[Receipt | Rejection | None]) -> dict[str, int]:
+        """The last record of each existing handle the operations at `indexes` still to
+        be written write: from _tails when its first write's guard expects the position
+        cached (the guard just held, so that is the head's), else read from the heads."""
+        prevs: dict[str, int] = {}
+        unknown: list[str] = []
+        for i in indexes:
+            if results[i] is not None:
+                continue
+            for w in ops[i].writes:
+                h = w.handle_id
+                if h in prevs or h in unknown:
+                    continue
+                if w.expected is None:
+                    prevs[h] = PREV_NONE  # created by this batch
+                elif (tail := self._tails.get(h)) is not None and tail[0] == w.expected.stream_position:
+                    prevs[h] = tail[1]
+                else:
+                    unknown.append(h)
+        if unknown:
+            prevs.update(self.sql.last_records(cur, unknown))
+        return prevs
+
+    def _remember(self) -> None:
+        """The record just committed is now each handle's it wrote (see _tails)."""
+        if len(self._tails) > 1 << 16:  # a cache: handles come and go
+            self._tails.clear()
+        self._tails.update(self._uncommitted)
+        self._uncommitted = {}
+
     def _rows(
-        ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None], last: int,
-        chain: bytes, taken: set[str], keys: dict[str, int] | None = None,
+        self, ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None],
+        last: int, chain: bytes, taken: set[str], prevs: dict[str, int], keys: dict[str, int] | None = None,
     ) -> tuple[RecordRow | None, dict[str, bytes], int]:
         """The record (linked to `chain`) and the manifest rows of the operations at
         `indexes` not yet decided in `results`, at global positions after `last`; fills
-        in their receipts. Returns them and the last position used. An event id in
+        in their receipts. Returns them and the last position used. `prevs`: the last
+        record of each existing handle it may write (SqlStatements.last_records; a handle
+        not in it is new: PREV_NONE). An event id in
         `taken` (already stored) or written twice is CONSTRAINT_VIOLATION: nothing of
         the batch may commit (the caller's transaction rolls back). `keys`: the ids'
         keys, if known (records.id_keys)."""
+        self._uncommitted = {}  # a refused earlier attempt (the fast path) committed nothing
         now = time.time_ns()
         bodies: list[bytes] = []
         receipts: list[bytes] = []
-        streams: set[int] = set()
+        tails: dict[str, int] = {}  # each handle written, in the order its events first name it
         event_ids: set[str] = set()  # the record's: an event id is unique (an operation id may equal one)
         op_ids: list[str] = []
         manifest_rows: dict[str, bytes] = {}
@@ -380,8 +429,8 @@ class SqlJournal(Journal):
                     own.append(ev.event_id)
                     if op.manifests and isinstance(ev.payload, RequestAllocate):
                         allocated[ev.payload.manifest_sha256] = position
-                streams.add(stable_key(write.handle_id))
                 h = write.head
+                tails[write.handle_id] = h.stream_position
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
                                             h.stream_position, h.committed_length))
             receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(own), first, position, now)
@@ -398,7 +447,10 @@ class SqlJournal(Journal):
         body = encode_record(bodies, receipts)
         written = event_ids.union(op_ids)
         runs = id_runs(id_keys(written) if keys is None else [keys[i] for i in written])
-        record = (position, last + 1, link(chain, body), body, sorted(streams), runs)
+        streams = list(tails)
+        prev = pack_prev([prevs.get(h, PREV_NONE) for h in streams])
+        record = (position, last + 1, link(chain, body), body, streams, prev, runs)
+        self._uncommitted = {h: (p, position) for h, p in tails.items()}
         return record, manifest_rows, position
 
     def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]]) -> dict[int, Rejection]:

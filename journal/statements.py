@@ -16,6 +16,8 @@ from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
 from kvledger.journal.records import (
     GENESIS,
+    PREV_INDEXED,
+    PREV_NONE,
     Damage,
     Record,
     allocation_manifest,
@@ -26,7 +28,9 @@ from kvledger.journal.records import (
     manifest_ref_position,
     stab,
     stable_key,
+    streams_of,
     unpack_manifest,
+    unpack_prev,
 )
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
@@ -40,8 +44,9 @@ Row = tuple[Any, ...]  # a row as the driver returned it (a damaged row can hold
 EventRow = tuple[int, str, str, int, str, int, str | None, bytes]
 # (operation_id, fingerprint, first_global_position, last_global_position, body)
 ReceiptRow = tuple[str, str, int, int, bytes]
-# (last_position, first_position, chain, body, stream keys, id runs): one commit
-RecordRow = tuple[int, int, bytes, bytes, list[int], list[tuple[int, int]]]
+# (last_position, first_position, chain, body, the handles it writes (in the order its
+#  events first name them), their stream_prev (records.pack_prev), id runs): one commit
+RecordRow = tuple[int, int, bytes, bytes, list[str], bytes, list[tuple[int, int]]]
 
 
 class Statements(abc.ABC):
@@ -103,6 +108,16 @@ class Statements(abc.ABC):
         self.lock_and_last_position(cur)
         last, chain = self.last_record(cur)
         return last, chain, *self.find_ids(cur, operation_ids, event_ids, keys)
+
+    def last_records(self, cur: Any, handles: list[str]) -> dict[str, int]:
+        """For each of `handles` that has a head: the last record holding its events, or
+        PREV_INDEXED when that is a record written before 0006 (or none)."""
+        if not handles:
+            return {}
+        rows = self._lookup(cur, "SELECT handle_id, last_record FROM kvl_heads WHERE handle_id IN "
+                                 "(SELECT value FROM json_each(?))",
+                            "SELECT handle_id, last_record FROM kvl_heads WHERE handle_id = ?", handles)
+        return {h: PREV_INDEXED if r is None else stored_int(r, f"the last record of {h}") for h, r in rows}
 
     def last_record(self, cur: Any) -> tuple[int, bytes]:
         """The last global position, and the last record's chain (GENESIS before any)."""
@@ -200,15 +215,17 @@ class Statements(abc.ABC):
     def insert_receipts(self, cur: Any, rows: list[ReceiptRow]) -> None:
         cur.executemany(self.q(self.INSERT_RECEIPTS), rows)
 
-    INSERT_RECORD = "INSERT INTO kvl_records (last_position, first_position, chain, body) VALUES (?, ?, ?, ?)"
-    INSERT_STREAM_KEYS = "INSERT INTO kvl_record_streams (stream_key, last_position) VALUES (?, ?)"
+    INSERT_RECORD = ("INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
+                     "VALUES (?, ?, ?, ?, ?)")
     INSERT_ID_RUNS = "INSERT INTO kvl_record_ids (first_key, last_key, last_position) VALUES (?, ?, ?)"
+    # the head rows the guarded update just rewrote: no page a commit did not dirty already
+    SET_LAST_RECORD = "UPDATE kvl_heads SET last_record = ? WHERE handle_id = ?"
 
     def insert_record(self, cur: Any, row: RecordRow) -> None:
-        last, first, chain, body, streams, runs = row
-        cur.execute(self.q(self.INSERT_RECORD), (last, first, chain, body))
+        last, first, chain, body, handles, prev, runs = row
+        cur.execute(self.q(self.INSERT_RECORD), (last, first, chain, body, prev))
         faults.fault("mid_batch")  # the record is written, its lookup rows not yet
-        cur.executemany(self.q(self.INSERT_STREAM_KEYS), [(k, last) for k in streams])
+        cur.executemany(self.q(self.SET_LAST_RECORD), [(last, h) for h in handles])
         cur.executemany(self.q(self.INSERT_ID_RUNS), [(a, b, last) for a, b in runs])
 
     def insert_manifests(self, cur: Any, rows: list[tuple[str, bytes]]) -> None:
@@ -330,17 +347,40 @@ class Statements(abc.ABC):
             (handle_id, after),
         )
         bodies = [stored_bytes(r[0], f"a body of stream {handle_id}") for r in cur.fetchall()]
-        cur.execute(
-            self.q("SELECT r.last_position, r.body FROM kvl_record_streams s JOIN kvl_records r "
-                   "ON r.last_position = s.last_position WHERE s.stream_key = ? ORDER BY s.last_position"),
-            (stable_key(handle_id),),
-        )
-        for last, body in cur.fetchall():
-            where = f"ending at position {last}"
-            for e in decode_record(stored_bytes(body, f"the record {where}"), where).events:
-                w = _where(e)  # the record holds other streams' events too (and a shared key's)
-                if w.stream_id == handle_id and w.stream_position > after:
-                    bodies.append(e)
+        cur.execute(self.q("SELECT last_record FROM kvl_heads WHERE handle_id = ?"), (handle_id,))
+        head = cur.fetchone()
+        pointer = PREV_INDEXED if head is None or head[0] is None else stored_int(head[0], f"the last record "
+                                                                                             f"of {handle_id}")
+        chained: list[list[bytes]] = []  # newest record first
+        while pointer > 0:  # back along the chain, until the records hold nothing after `after`
+            cur.execute(self.q("SELECT body, stream_prev FROM kvl_records WHERE last_position = ?"), (pointer,))
+            row = cur.fetchone()
+            where = f"ending at position {pointer}"
+            record = None if row is None else decode_record(stored_bytes(row[0], f"the record {where}"), where)
+            streams = None if record is None else streams_of(record.events)
+            prev = None if row is None or row[1] is None else unpack_prev(stored_bytes(row[1], "a stream_prev"))
+            if record is None or streams is None or prev is None or len(prev) != len(streams) \
+                    or handle_id not in streams:
+                raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} breaks at the "
+                                    f"record {where} (run `kvledger verify`)")
+            own = [(w.stream_position, e) for e in record.events if (w := _where(e)).stream_id == handle_id]
+            chained.append([e for p, e in own if p > after])
+            pointer = prev[streams.index(handle_id)] if own[0][0] > after + 1 else PREV_NONE
+        if pointer == PREV_INDEXED:
+            # the records before 0006: by their lookup rows (bounded by where the chain ended)
+            cur.execute(
+                self.q("SELECT r.last_position, r.body FROM kvl_record_streams s JOIN kvl_records r "
+                       "ON r.last_position = s.last_position WHERE s.stream_key = ? ORDER BY s.last_position"),
+                (stable_key(handle_id),),
+            )
+            for last, body in cur.fetchall():
+                where = f"ending at position {last}"
+                for e in decode_record(stored_bytes(body, f"the record {where}"), where).events:
+                    w = _where(e)  # the record holds other streams' events too (and a shared key's)
+                    if w.stream_id == handle_id and w.stream_position > after:
+                        bodies.append(e)
+        for found in reversed(chained):
+            bodies += found
         return bodies
 
     RECORD_PAGE = 32  # records a read decodes at a time: bounded memory, whatever a record holds
@@ -470,10 +510,17 @@ class Statements(abc.ABC):
     )
 
     RECORD_PAGES = (
-        "SELECT last_position, first_position, chain, body FROM kvl_records ORDER BY last_position LIMIT ?",
-        "SELECT last_position, first_position, chain, body FROM kvl_records WHERE last_position > ? "
+        "SELECT last_position, first_position, chain, body, stream_prev FROM kvl_records "
+        "ORDER BY last_position LIMIT ?",
+        "SELECT last_position, first_position, chain, body, stream_prev FROM kvl_records WHERE last_position > ? "
         "ORDER BY last_position LIMIT ?",
     )
+
+    def head_pointers(self, cur: Any) -> list[Row]:
+        """(handle_id, last_record) of every head, as stored."""
+        cur.execute("SELECT handle_id, last_record FROM kvl_heads")
+        rows: list[Row] = cur.fetchall()
+        return rows
     LOOKUP_TABLES = {"kvl_record_streams": "stream_key", "kvl_record_ids": "first_key, last_key"}
 
     def lookup_rows(self, cur: Any, table: str, after: int | None, upto: int | None) -> list[Row]:

@@ -20,7 +20,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 # Every alembic revision this code knows (migrations/versions), oldest first; the last
 # is the head it reads and writes. A database at a revision not listed here was written
 # by a newer kvledger. (tests/test_cli_foundation checks this against alembic.)
-REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 SCHEMA_REVISION = REVISIONS[-1]
 VERSION_TABLE = "kvl_alembic_version"
 JOURNAL_TABLES = ("kvl_events", "kvl_heads", "kvl_receipts", "kvl_manifests", "kvl_checkpoints", "kvl_records",
@@ -63,6 +63,9 @@ heads = Table(
     Column("lifecycle", String(32), nullable=False),
     Column("prefix_identity_sha256", String(64), nullable=False),
     Column("cache_abi_sha256", String(64), nullable=False),
+    # Since 0006: the last record holding an event of the handle (NULL: none since 0006),
+    # where read_stream starts following the records' stream_prev chain back.
+    Column("last_record", BigInteger),
     Index("kvl_heads_prefix_ix", "prefix_identity_sha256"),
 )
 
@@ -101,6 +104,10 @@ records = Table(
     Column("first_position", BigInteger, nullable=False),
     Column("chain", LargeBinary, nullable=False),
     Column("body", LargeBinary, nullable=False),
+    # Since 0006 (journal.records.pack_prev): for each stream the record holds, in the
+    # order its events first name them, the record before it on that stream. NULL: a
+    # record written before, whose streams kvl_record_streams indexes.
+    Column("stream_prev", LargeBinary),
 )
 
 record_streams = Table(

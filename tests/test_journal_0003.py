@@ -156,3 +156,33 @@ def test_downgrade_gives_back_the_hashed_keys(old_url, capsys):
     assert revision(old_url) == "0004" and op_rows(old_url) == keyed_by(op_key)
     _downgrade(old_url, "0003")
     assert revision(old_url) == "0003" and op_rows(old_url) == before
+
+
+def test_an_old_stream_goes_on_in_new_records_and_reads_whole(old_url, capsys):
+    """After init, a handle whose earlier records are indexed by kvl_record_streams gets a
+    new record that points back to them (PREV_INDEXED): its stream reads old and new
+    events in order, verify is clean, and a downgrade indexes the new record too."""
+    from kvledger.journal.builders import guard_of, publish_op
+    from kvledger.journal.records import PREV_INDEXED, unpack_prev
+
+    assert cli(capsys, "init", "--db", old_url)[0] == 0
+    with open_journal(old_url) as journal:
+        handle = next(iter(journal.heads()))
+        before = journal.read_stream(handle)
+        for n in range(3):
+            journal.append([publish_op(handle, guard_of(journal.head(handle)), f"after-0006-{n}")])
+        after = journal.read_stream(handle)
+        assert after[:len(before)] == before and len(after) == len(before) + 3
+        assert [e.stream_position for e in after] == list(range(1, len(after) + 1))
+        assert journal.read_stream(handle, after=len(before) - 1) == after[len(before) - 1:]
+    first_new = sql(old_url, "SELECT stream_prev FROM kvl_records WHERE stream_prev IS NOT NULL "
+                             "ORDER BY last_position LIMIT 1")
+    assert unpack_prev(bytes(first_new[0][0])) == [PREV_INDEXED]
+    # (publish_op's bare publications after the handle's release are findings of their
+    # own: only the storage's count here)
+    code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
+    assert [f for f in json.loads(out)["findings"] if f["code"] == "TAMPERED"] == [], out + err
+    _downgrade(old_url, "0005")
+    rows = sql(old_url, "SELECT last_position FROM kvl_record_streams WHERE stream_key = :k ORDER BY last_position",
+               k=stable_key(handle))
+    assert len(rows) == len({r for r in rows}) and rows[-1][0] == after[-1].global_position

@@ -78,6 +78,28 @@ def test_fast_path_commits_and_falls_back(pg_url, pipelined):
         assert a.conn.info.transaction_status == 0  # idle: the failed attempt rolled back
 
 
+def test_a_refused_fast_attempt_leaves_no_stale_stream_pointer(pg_url):
+    """The fast path names each handle's last record from what this connection committed.
+    An attempt refused by a moved head (and then refused by the general path too) must not
+    leave its would-be record behind as that last record: the next record would point to
+    a record that never held the handle."""
+    from kvledger.replay import verify_journal
+
+    with open_or_create_journal(pg_url) as a, open_or_create_journal(pg_url) as b:
+        a.append([allocate_op("h0"), allocate_op("h1")])
+        a.append([publish_op("h0", guard_of(a.head("h0")), "a1")])  # general path: a knows h0's record
+        stale = guard_of(a.head("h0"))
+        b.append([publish_op("h1", guard_of(b.head("h1")), "fill")])  # the record a would write next
+        b.append([publish_op("h0", stale, "b1")])  # h0 moves under a, in the record after it
+        a._skip = 0
+        [r] = a.append([publish_op("h0", stale, "a2")])
+        assert isinstance(r, Rejection) and r.code == ErrorCode.STALE_BASE
+        a._skip = 0
+        assert isinstance(a.append([publish_op("h0", guard_of(a.head("h0")), "a3")])[0], Receipt)
+        assert [e.stream_position for e in b.read_stream("h0")] == [1, 2, 3, 4]
+        assert [f for f in verify_journal(a).findings if f.code == "TAMPERED"] == []
+
+
 def test_interleaved_writers_stay_gapless(pg_url, pipelined):
     with open_or_create_journal(pg_url) as a, open_or_create_journal(pg_url) as b:
         a.append([allocate_op(f"h{i}") for i in range(6)])

@@ -14,7 +14,14 @@ import pytest
 import zstandard
 
 from kvledger.journal import open_journal
-from kvledger.journal.records import _Header, chain, compress, decode_record  # the layout under test
+from kvledger.journal.records import (  # the layout under test
+    _Header,
+    chain,
+    compress,
+    decode_record,
+    pack_prev,
+    unpack_prev,
+)
 from kvledger.replay import verify_journal
 
 from stored_rows import cli, sql
@@ -67,6 +74,21 @@ def edit_event(body: bytes, index: int, *, rechecksum: bool) -> bytes:
 
 def test_the_demo_journal_verifies_clean_and_its_chain_links_every_record(demo):
     db_url, records = demo
+    assert tampered(db_url) == []
+
+
+def test_an_edited_last_record_of_a_head_is_found(demo):
+    db_url, records = demo
+    heads = sql(db_url, "SELECT handle_id, last_record FROM kvl_heads ORDER BY handle_id")
+    assert heads and all(r in {last for last, _, _ in records} for _, r in heads)
+    handle, pointer = heads[0]
+    for wrong in (pointer - 1, None, records[0][0] if records[0][0] != pointer else records[-1][0]):
+        sql(db_url, "UPDATE kvl_heads SET last_record = :r WHERE handle_id = :h", r=wrong, h=handle)
+        try:
+            found = tampered(db_url)
+        finally:
+            sql(db_url, "UPDATE kvl_heads SET last_record = :r WHERE handle_id = :h", r=pointer, h=handle)
+        assert found, wrong
     assert tampered(db_url) == []
     [(stored_chain,)] = sql(db_url, "SELECT chain FROM kvl_records WHERE last_position = :p", p=records[-1][0])
     link = bytes(32)
@@ -136,8 +158,23 @@ def test_an_edited_indexed_column_names_the_record(demo):
         finally:
             sql(db_url, "UPDATE kvl_records SET chain = :c WHERE last_position = :p", c=bytes(link), p=last)
         assert found and found[0] == first
-        for table, key in (("kvl_record_streams", "stream_key"), ("kvl_record_ids", "first_key"),
-                           ("kvl_record_ids", "last_key")):
+        # the stream chain (revision 0006): a record's pointers, and no stream rows for it
+        [(prev,)] = sql(db_url, "SELECT stream_prev FROM kvl_records WHERE last_position = :p", p=last)
+        pointers = unpack_prev(bytes(prev))
+        for wrong in ([*pointers[:-1], pointers[-1] + 1], pointers[:-1], [p + 7 for p in pointers]):
+            sql(db_url, "UPDATE kvl_records SET stream_prev = :b WHERE last_position = :p", b=pack_prev(wrong), p=last)
+            try:
+                found = tampered(db_url)
+            finally:
+                sql(db_url, "UPDATE kvl_records SET stream_prev = :b WHERE last_position = :p", b=bytes(prev), p=last)
+            assert first in found, (wrong, first, last, found)
+        sql(db_url, "INSERT INTO kvl_record_streams (stream_key, last_position) VALUES (7, :p)", p=last)
+        try:
+            found = tampered(db_url)
+        finally:
+            sql(db_url, "DELETE FROM kvl_record_streams WHERE stream_key = 7 AND last_position = :p", p=last)
+        assert first in found, (first, last, found)
+        for table, key in (("kvl_record_ids", "first_key"), ("kvl_record_ids", "last_key")):
             [(k,)] = sql(db_url, f"SELECT min({key}) FROM {table} WHERE last_position = :p", p=last)
             sql(db_url, f"UPDATE {table} SET {key} = {key} + 1 WHERE last_position = :p AND {key} = :k", p=last, k=k)
             try:
