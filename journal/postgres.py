@@ -30,8 +30,8 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
-from kvledger.journal.records import PREV_INDEXED, id_runs, stab
-from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns, stored_int
+from kvledger.journal.records import id_runs, stab
+from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -278,12 +278,11 @@ class PostgresStatements(Statements):
         rows: list[Row] = cur.fetchall()
         return rows
 
-    def last_records(self, cur: Any, handles: list[str]) -> dict[str, int]:
-        if not handles:
-            return {}
+    def last_record_rows(self, cur: Any, handles: list[str]) -> list[Row]:
         cur.execute("SELECT h.handle_id, h.last_record FROM kvl_heads h JOIN unnest(%b) AS v(h) ON h.handle_id = v.h",
                     (_texts(handles),))
-        return {h: PREV_INDEXED if r is None else stored_int(r, f"the last record of {h}") for h, r in cur.fetchall()}
+        rows: list[Row] = cur.fetchall()
+        return rows
 
     def insert_record(self, cur: Any, row: RecordRow) -> None:
         last, first, chain_, body, handles, prev, runs = row

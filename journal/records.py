@@ -80,11 +80,20 @@ class Record:
 
     def ids(self) -> tuple[set[str], set[str]] | None:
         """The event ids and the operation ids of its events (None: one does not decode)."""
+        keys = self._keys()
+        return None if keys is None else ({k.event_id for k in keys}, {k.operation_id for k in keys})
+
+    def streams(self) -> list[str] | None:
+        """The streams its events name, in the order they first name them (None: an event
+        that does not decode)."""
+        keys = self._keys()
+        return None if keys is None else list(dict.fromkeys(k.stream_id for k in keys))
+
+    def _keys(self) -> list[_EventKeys] | None:
         try:
-            keys = [_event_keys(e) for e in self.events]
+            return [_event_keys(e) for e in self.events]
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        return {k.event_id for k in keys}, {k.operation_id for k in keys}
 
 
 # -- compact receipts (format 3) -------------------------------------------------------
@@ -274,8 +283,7 @@ def op_key(operation_id: str) -> int:
     with stable_key."""
     if _OWN_ID(operation_id) is None:
         return stable_key(operation_id)
-    key = _prefix_key(operation_id[:16]) | (int(operation_id[16:], 16) & ((1 << _COUNTER_BITS) - 1))
-    return key - (1 << 64) if key >= 1 << 63 else key  # two's complement: a signed 64-bit column
+    return id_keys((operation_id,))[0]  # its 32-character form: the same key
 
 
 def operation_ids(body: bytes) -> set[str] | None:
@@ -363,19 +371,10 @@ def unpack_prev(stored: bytes) -> list[int] | None:
         return None
 
 
-def streams_of(events: Sequence[bytes]) -> list[str] | None:
-    """The streams a record's events name, in the order they first name them (None: an
-    event that does not decode)."""
-    try:
-        return list(dict.fromkeys(_event_keys(e).stream_id for e in events))
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-
-
 def record_streams(body: bytes) -> list[str] | None:
-    """streams_of a stored record (None: a damaged record)."""
+    """Record.streams of a stored record (None: a damaged record)."""
     found = audit_record(body, eager=False)
-    return None if isinstance(found, Damage) else streams_of(found.events)
+    return None if isinstance(found, Damage) else found.streams()
 
 
 # -- the id index (revision 0005) ------------------------------------------------------

@@ -28,7 +28,6 @@ from kvledger.journal.records import (
     manifest_ref_position,
     stab,
     stable_key,
-    streams_of,
     unpack_manifest,
     unpack_prev,
 )
@@ -114,10 +113,14 @@ class Statements(abc.ABC):
         PREV_INDEXED when that is a record written before 0006 (or none)."""
         if not handles:
             return {}
-        rows = self._lookup(cur, "SELECT handle_id, last_record FROM kvl_heads WHERE handle_id IN "
+        return {h: PREV_INDEXED if r is None else stored_int(r, f"the last record of {h}")
+                for h, r in self.last_record_rows(cur, handles)}
+
+    def last_record_rows(self, cur: Any, handles: list[str]) -> list[Row]:
+        """(handle_id, last_record) of each of `handles` that has a head, as stored."""
+        return self._lookup(cur, "SELECT handle_id, last_record FROM kvl_heads WHERE handle_id IN "
                                  "(SELECT value FROM json_each(?))",
                             "SELECT handle_id, last_record FROM kvl_heads WHERE handle_id = ?", handles)
-        return {h: PREV_INDEXED if r is None else stored_int(r, f"the last record of {h}") for h, r in rows}
 
     def last_record(self, cur: Any) -> tuple[int, bytes]:
         """The last global position, and the last record's chain (GENESIS before any)."""
@@ -347,17 +350,14 @@ class Statements(abc.ABC):
             (handle_id, after),
         )
         bodies = [stored_bytes(r[0], f"a body of stream {handle_id}") for r in cur.fetchall()]
-        cur.execute(self.q("SELECT last_record FROM kvl_heads WHERE handle_id = ?"), (handle_id,))
-        head = cur.fetchone()
-        pointer = PREV_INDEXED if head is None or head[0] is None else stored_int(head[0], f"the last record "
-                                                                                             f"of {handle_id}")
+        pointer = self.last_records(cur, [handle_id]).get(handle_id, PREV_INDEXED)
         chained: list[list[bytes]] = []  # newest record first
         while pointer > 0:  # back along the chain, until the records hold nothing after `after`
             cur.execute(self.q("SELECT body, stream_prev FROM kvl_records WHERE last_position = ?"), (pointer,))
             row = cur.fetchone()
             where = f"ending at position {pointer}"
             record = None if row is None else decode_record(stored_bytes(row[0], f"the record {where}"), where)
-            streams = None if record is None else streams_of(record.events)
+            streams = None if record is None else record.streams()
             prev = None if row is None or row[1] is None else unpack_prev(stored_bytes(row[1], "a stream_prev"))
             if record is None or streams is None or prev is None or len(prev) != len(streams) \
                     or handle_id not in streams:
@@ -521,6 +521,7 @@ class Statements(abc.ABC):
         cur.execute("SELECT handle_id, last_record FROM kvl_heads")
         rows: list[Row] = cur.fetchall()
         return rows
+
     LOOKUP_TABLES = {"kvl_record_streams": "stream_key", "kvl_record_ids": "first_key, last_key"}
 
     def lookup_rows(self, cur: Any, table: str, after: int | None, upto: int | None) -> list[Row]:
