@@ -14,6 +14,7 @@ reorders). Nothing it does touches the random generator or the tensors generate 
 from __future__ import annotations
 
 import copy
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -129,7 +130,7 @@ def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | N
 def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, request_ids: Sequence[str] | None = None,
                        close_frontier: bool = True, seed: int | None = None, overlap_commit: bool = False,
-                       **generate_kwargs: Any) -> Any:
+                       stats: dict[str, float] | None = None, **generate_kwargs: Any) -> Any:
     """model.generate(input_ids=..., attention_mask=..., **generate_kwargs), journaled.
 
     One handle per batch row (named by `request_ids`, one per row of input_ids, or
@@ -159,7 +160,12 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     `overlap_commit=True` lets each call's journal commit (its fsync) run while the call
     computes, as the worker's pipeline does; nothing is published before that commit is
     seen durable. It pays where torch leaves a core free (a GPU, fewer threads than
-    cores), and costs where the commit thread preempts a CPU forward using every core."""
+    cores), and costs where the commit thread preempts a CPU forward using every core.
+
+    `stats`, if given, is filled in as generate returns (or raises): `journal_s`, the
+    seconds spent in the journal's own work (before and after each forward call, the
+    closing call, finishing), and `forward_calls`. What the journal costs, apart from
+    the wall time of a run, which the machine's load also moves."""
     for key in ("cache", "past_key_values"):
         if generate_kwargs.get(key) is not None:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{key}= is the journaled cache's place")
@@ -180,17 +186,28 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"up to {longest} tokens exceed the sliding window "
                                                         f"of {window}: not journaled")
 
+    spent = {"journal_s": 0.0, "forward_calls": 0.0}
+
     def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if kwargs.get("cache") is not tracker.cache:  # the closing call swaps in its own cache
             return
         ids = kwargs.get("input_ids")
         if ids is None:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a forward without input_ids is not journaled")
-        tracker.before_forward(ids, kwargs.get("attention_mask"))
+        t0 = time.perf_counter()
+        try:
+            tracker.before_forward(ids, kwargs.get("attention_mask"))
+        finally:
+            spent["journal_s"] += time.perf_counter() - t0
+            spent["forward_calls"] += 1
 
     def after(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if kwargs.get("cache") is tracker.cache:
-            tracker.after_forward()
+            t0 = time.perf_counter()
+            try:
+                tracker.after_forward()
+            finally:
+                spent["journal_s"] += time.perf_counter() - t0
 
     hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
              model.register_forward_hook(after, with_kwargs=True)]
@@ -199,6 +216,7 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
             torch.manual_seed(seed)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        t0, during = time.perf_counter(), spent["journal_s"]  # the closing call is all journal work
         if close_frontier:
             _close(model, tracker, sequences)
     except BaseException as exc:
@@ -207,7 +225,11 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     finally:
         for h in hooks:
             h.remove()
+        if stats is not None:
+            stats.update(spent)
     tracker.finish(sequences)
+    if stats is not None:
+        stats["journal_s"] = during + time.perf_counter() - t0
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -35,9 +36,20 @@ ARCHS = {
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [13, 14, 15, 16, 17]]
 
 
+def _biased(model):
+    """transformers initialises Qwen2's q/k/v biases to zero: random ones, so the biases
+    the rows are computed with are really exercised."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            if proj.bias is not None:
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model.eval()
+
+
 def tiny(arch: str, seed: int = 0):
     torch.manual_seed(seed)
-    return ARCHS[arch]().eval()
+    return _biased(ARCHS[arch]())
 
 
 def smaller(arch: str, seed: int = 7):
@@ -45,7 +57,12 @@ def smaller(arch: str, seed: int = 7):
     cfg = {**COMMON, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1}
     kind = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
     torch.manual_seed(seed)
-    return getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(**cfg)).eval()
+    return _biased(getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(**cfg)))
+
+
+def test_qwen2_biases_are_not_zero():
+    attn = tiny("qwen2").model.layers[0].self_attn
+    assert all(p.bias is not None and p.bias.abs().min() > 0 for p in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +78,7 @@ def run(model, tmp_path, ids, mask=None, seed=None, url=None, **kw):
     if seed is not None:
         torch.manual_seed(seed)
     ref = model.generate(input_ids=ids, attention_mask=mask, **{k: v for k, v in kw.items()
-                                                             if k not in ("close_frontier", "overlap_commit")})
+                                                             if k not in ("close_frontier", "overlap_commit", "stats")})
     with Ledger.open(url or f"sqlite:///{tmp_path}/j.db") as ledger:
         if seed is not None:
             torch.manual_seed(seed + 1)  # journaled_generate must seed the generator itself
@@ -118,14 +135,24 @@ def assert_proof(model, events) -> int:
     return r.verified_rows
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_left_padded_batch_greedy(arch, tmp_path):
+def test_left_padded_batch_greedy(arch, overlap, tmp_path, capsys):
     model = tiny(arch)
     ids, mask = left_padded(PROMPTS)
-    # the commit of each call's starts overlaps the call on one of them
-    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=6, do_sample=False,
-                           overlap_commit=arch == "qwen2")
+    # overlap: the commit of each call's starts overlaps the call
+    stats: dict[str, float] = {}
+    ref, out, events = run(model, tmp_path, ids, mask, max_new_tokens=6, do_sample=False, overlap_commit=overlap,
+                           stats=stats)
     assert torch.equal(out, ref)
+    # six calls of generate (the prefill, five decodes), then the closing call
+    assert stats["forward_calls"] == 7 and 0 < stats["journal_s"]
+    # what `replay --json` shows just before the releases (which empty the handles)
+    at = min(e.global_position for e in events if isinstance(e, ev.ReleaseEvent)) - 1
+    replayed = kvledger(capsys, "replay", "--db", f"sqlite:///{tmp_path}/j.db", "--at", str(at), "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    assert sorted(h["committed_length"] for h in json.loads(replayed.stdout)["handles"]) == \
+        sorted(len(p) + 6 for p in PROMPTS)
     states = before_release(events)
     assert len(states) == 3
     for b, s in enumerate(states.values()):
@@ -155,6 +182,30 @@ def test_seeded_sampling(arch, tmp_path):
     sampling = alloc.payload.manifest.request_policy.sampling
     assert (sampling.kind, sampling.temperature, sampling.seed) == ("temperature", 1.5, 123)
     assert assert_proof(model, events) == 5 + 8
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_seeded_sampling_through_the_pinned_call(arch, tmp_path):
+    """The caller seeds torch, as before plain generate, and calls journaled_generate
+    with generate's own arguments only: the same sampled ids (a left-padded batch)."""
+    model = tiny(arch, seed=5)
+    ids, mask = left_padded(PROMPTS)
+    kw = dict(max_new_tokens=6, do_sample=True, temperature=1.3, top_k=20)
+    torch.manual_seed(77)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    with Ledger.open(f"sqlite:///{tmp_path}/j.db") as ledger:
+        torch.manual_seed(77)
+        out = journaled_generate(model, ledger=ledger, input_ids=ids, attention_mask=mask, **kw)
+        assert verify_journal(ledger.journal).ok
+        events = list(ledger.journal.read_all())
+    assert torch.equal(out, ref)
+    assert not torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                               do_sample=False)), "sampling chose the greedy ids: a weak test"
+    states = before_release(events)
+    for b, s in enumerate(states.values()):
+        assert s.outputs == tuple(out[b, ids.shape[1]:].tolist())
+        assert s.committed_length == len(PROMPTS[b]) + 6
+    assert assert_proof(model, events) == sum(map(len, PROMPTS)) + 18
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -337,7 +388,8 @@ def test_a_beam_that_ended_on_eos_early_is_closed(arch, close, tmp_path):
         if eos not in seq[:-1]:
             continue
         gen = tuple(seq[:seq.index(eos) + 1])
-        (held,) = [s for s in states.values() if s.outputs == gen and s.lifecycle == "FINISHED"]
+        (held,) = [s for s in states.values() if s.outputs == gen and s.lifecycle == "FINISHED"
+                   and s.prompt == tuple(PROMPTS[row // 2])]
         assert held.parent_handle_id is not None  # the fork taken at the EOS
         assert held.committed_length == len(PROMPTS[row // 2]) + len(gen) - (0 if close else 1)
     assert_proof(model, events)
@@ -493,3 +545,41 @@ def test_bad_arguments_leave_the_journal_untouched(tmp_path):
                 journaled_generate(model, ledger=ledger, input_ids=ids, max_new_tokens=2, **args)
             assert refused.value.code.value == "INVALID_ARGUMENT"
         assert ledger.journal.last_position() == 0
+
+
+def _readme_block() -> str:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("```python\n", readme.index("## Hugging Face transformers")) + len("```python\n")
+    return readme[start:readme.index("\n```", start)]
+
+
+def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
+    """The README's block, as written, in a directory holding a tiny Qwen2 and a byte-level
+    BPE tokenizer (Qwen2's kind, trained here) under the name it loads: it returns plain
+    generate's ids, and the re-execution proof holds over its journal."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    pad = "<|endoftext|>"
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["The capital of France is", "A KV cache holds"] * 4, vocab_size=300,
+                            min_frequency=1, special_tokens=[pad])
+    spec = json.loads(bpe.to_str())["model"]
+    tok = transformers.Qwen2Tokenizer(vocab=spec["vocab"], merges=[tuple(m) for m in spec["merges"]], pad_token=pad,
+                                      unk_token=None)
+    model_dir = tmp_path / "Qwen2-0.5B-Instruct"
+    tok.save_pretrained(model_dir)
+    torch.manual_seed(6)
+    config = transformers.Qwen2Config(**{**COMMON, "vocab_size": 320, "pad_token_id": tok.pad_token_id})
+    _biased(transformers.Qwen2ForCausalLM(config)).save_pretrained(model_dir)
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, object] = {}
+    exec(compile(_readme_block(), "README.md", "exec"), scope)  # the README's own example, as written
+    printed = capsys.readouterr()
+    assert "The capital of France is" in printed.out and "A KV cache holds" in printed.out, printed
+    batch, model, out = scope["batch"], scope["model"], scope["out"]
+    ref = model.generate(**batch, max_new_tokens=64, do_sample=False)
+    assert torch.equal(out, ref) and out.shape == (2, batch["input_ids"].shape[1] + 64)
+    proof = kvledger(capsys, "verify", "--db", "sqlite:///kv.db", "--reexecute", "--runtime", "hf", "--model",
+                     str(model_dir), "--json")
+    assert proof.returncode == 0, proof.stdout + proof.stderr
+    assert json.loads(proof.stdout)["reexecution"]["verified_rows"] == sum(batch["attention_mask"].sum(1)) + 128
