@@ -17,6 +17,7 @@ how fast a journal of decoded tokens replays (the compact-journal goals).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import sqlite3
@@ -42,6 +43,9 @@ NOTES = {
                                    "a token do not compress), plus lookup rows, empty pre-0003 tables "
                                    "and page slack",
     "replay_tokens_per_s": "read + inflate + decode + project; three JSON events per token",
+    "journal_gc_us_per_token": "the cyclic garbage collector's time during the timed decode steps of the "
+                               "SQLite service-alone run, per token: commands, operations and receipts are "
+                               "untracked (gc=False) since step 9",
     "journal_wal_bytes_per_token": "WAL written per decoded token by a commit of 64 decode chains once the "
                                    "journal holds ~10k tokens (every page it dirties), before the checkpoint "
                                    "writes the same pages again",
@@ -137,9 +141,34 @@ class Lockstep:
         self._do(chains)
 
 
-def chain_rate(url: str, layers: int, steps: int, repeats: int) -> tuple[float, int]:
+class GcClock:
+    """Seconds the cyclic garbage collector ran, and how often, while in the block."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._start = 0.0, 0, 0.0
+
+    def _tick(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections += 1
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._tick)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._tick)
+
+
+def chain_rate(url: str, layers: int, steps: int, repeats: int,
+               collector: GcClock | None = None) -> tuple[float, int]:
     """Best tokens/s of `steps` lockstep steps, over `repeats` fresh groups of handles in
-    one journal; returns it with the tokens written."""
+    one journal; returns it with the tokens written. `collector` times the garbage
+    collector during the timed steps."""
+    from contextlib import nullcontext
+
     from kvledger.engine.service import CommandService
     from kvledger.migrations.storage import open_or_create_journal
 
@@ -149,10 +178,11 @@ def chain_rate(url: str, layers: int, steps: int, repeats: int) -> tuple[float, 
         for r in range(repeats):
             group = Lockstep(service, layers, steps, f"t{r}")
             group.step()  # the prefill publication: not a decode step
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                group.step()
-            rates.append(BATCH * steps / (time.perf_counter() - t0))
+            with collector or nullcontext():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    group.step()
+                rates.append(BATCH * steps / (time.perf_counter() - t0))
             tokens += BATCH * (steps + 1)
     return best_rate(rates), tokens
 
@@ -266,8 +296,12 @@ def run(ctx: Context) -> dict[str, Any]:
     steps = ctx.size(smoke=3, quick=30, full=60)
     repeats = ctx.repeats
 
-    rate, _ = chain_rate(ctx.sqlite_journal_url("tokens"), 32, steps, repeats)
+    collector = GcClock()
+    rate, _ = chain_rate(ctx.sqlite_journal_url("tokens"), 32, steps, repeats, collector)
     out["journal_tokens_per_s_sqlite"] = round(rate)
+    decoded = BATCH * steps * repeats
+    out["journal_gc_us_per_token"] = round(collector.seconds / decoded * 1e6, 2)
+    out["journal_gc_collections_per_1k_tokens"] = round(collector.collections / decoded * 1000, 2)
     try:
         pg_url = ctx.pg_journal_url("tokens")
     except RuntimeError as exc:

@@ -40,7 +40,12 @@ Perm = Annotated[tuple[N, ...], Meta(max_length=4096)]
 Abi = Annotated[str, Meta(max_length=64)]
 
 
-class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+# gc=False (here and on the journal's Operation, StreamWrite, Guard, HeadFacts and on
+# Receipt): a frozen struct of immutable values cannot be part of a reference cycle, so the
+# cyclic collector need not track it. Tracked, the ~15 such objects a decoded token makes
+# ran the collector about once a commit of 64 tokens, and now and then a full pass over
+# the heap stalled the write path for 40-60 ms (docs/PERFORMANCE.md, step 9).
+class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     operation_id: Id | None = None  # idempotency key; the service makes one if absent
 
     def fingerprint(self) -> str:
@@ -197,7 +202,7 @@ Command = (
 )
 
 
-class Relative(msgspec.Struct, frozen=True, tag=True):
+class Relative(msgspec.Struct, frozen=True, tag=True, gc=False):
     """A command decided against its handle's state at decision time, which fills in its
     base (see bind_current); the base fields it carries are ignored. That state is the
     service's view, which the journal's guard then checks against the head row, so it is

@@ -19,7 +19,8 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
 
 
-class Guard(msgspec.Struct, frozen=True):
+# gc=False on the write path's structs: see kvledger.engine.commands._Command.
+class Guard(msgspec.Struct, frozen=True, gc=False):
     """The head a write was decided against. Stream position is part of it because
     events that do not advance the snapshot (output_emit, finish, append_start) still
     change what is legal next."""
@@ -29,7 +30,7 @@ class Guard(msgspec.Struct, frozen=True):
     stream_position: int
 
 
-class HeadFacts(msgspec.Struct, frozen=True):
+class HeadFacts(msgspec.Struct, frozen=True, gc=False):
     """The indexed facts of a handle's head row, written with its newest event."""
 
     request_id: str
@@ -42,21 +43,21 @@ class HeadFacts(msgspec.Struct, frozen=True):
     cache_abi_sha256: str
 
 
-class StreamWrite(msgspec.Struct, frozen=True):
+class StreamWrite(msgspec.Struct, frozen=True, gc=False):
     handle_id: str
     expected: Guard | None  # None: the stream must not exist yet
     head: HeadFacts
     events: tuple[Event, ...]
 
 
-class Check(msgspec.Struct, frozen=True):
+class Check(msgspec.Struct, frozen=True, gc=False):
     """A guard with no write: a fork reads its parent's snapshot without mutating it."""
 
     handle_id: str
     expected: Guard
 
 
-class Operation(msgspec.Struct, frozen=True):
+class Operation(msgspec.Struct, frozen=True, gc=False):
     operation_id: str
     fingerprint: str
     writes: tuple[StreamWrite, ...]
@@ -64,7 +65,7 @@ class Operation(msgspec.Struct, frozen=True):
     manifests: tuple[tuple[str, bytes], ...] = ()  # (manifest_sha256, canonical JSON)
 
 
-class Rejection(msgspec.Struct, frozen=True):
+class Rejection(msgspec.Struct, frozen=True, gc=False):
     operation_id: str
     code: str  # STALE_BASE, HANDLE_EXISTS or CONFLICT
     handle_id: str | None

@@ -60,7 +60,7 @@ class RequestAllocate(_Payload, frozen=True):
         _hex(self.manifest_sha256, self.cache_abi_sha256, self.prefix_identity_sha256)
 
 
-class ForwardCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ForwardCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """The model call an append ran in. Floating-point results depend on the call's
     shape (batch size, padded query rows, padded key extent) and on how many CPU threads
     split its reductions, so re-executing a journal bit-for-bit needs both: recovery

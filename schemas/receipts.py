@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 
-class HandleResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class HandleResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     handle_id: str
     generation: int
     snapshot_version: int
@@ -13,7 +13,7 @@ class HandleResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     committed_length: int
 
 
-class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Durable proof of one committed operation. A retry with the same operation id and
     fingerprint returns these exact bytes: it describes the historical commit, not the
     handle's current state."""
