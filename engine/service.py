@@ -186,8 +186,14 @@ class CommandService(BatchSurface):
         the earlier ones leave; a refused one gets its result now."""
         local: dict[str, HandleState | None] = {}
         planned: list[tuple[int, Plan]] = []
+        fast = self.fast_decode and not self.strict
         for i in todo:
             cmd = cmds[i]
+            if fast and type(cmd) is c.Relative and (plan := self._relative_decode(cmd.command, local)) is not None:
+                cmds[i] = plan.cmd
+                local.update(plan.states)
+                planned.append((i, plan))
+                continue
             if self.strict:
                 try:
                     cmd = cmds[i] = c.validate(cmd)
@@ -219,15 +225,14 @@ class CommandService(BatchSurface):
         # a later successor could carry the same version numbers (the ABA shape).
         broken: set[str] = set()
         for (i, plan), out in zip(planned, outcomes):
-            touched = set(c.handles_of(plan.cmd))
-            if touched & broken:
-                broken |= touched
+            if broken and not broken.isdisjoint(c.handles_of(plan.cmd)):
+                broken.update(c.handles_of(plan.cmd))
                 results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{plan.op.operation_id}: an "
                                            "earlier command of this batch on the same handle was refused")
                 continue
             if isinstance(out, Receipt):
                 results[i] = out
-                if out.event_ids == tuple(e.event_id for e in plan.events):
+                if out.event_ids == tuple([e.event_id for e in plan.events]):
                     self.states.update(plan.states)
                     for hook in self.on_commit:
                         hook(out, plan.events)
@@ -235,10 +240,11 @@ class CommandService(BatchSurface):
                     for h in plan.states:
                         self.state(h, refresh=True)
             elif out.code == ErrorCode.CONFLICT:
-                broken |= touched
+                broken.update(c.handles_of(plan.cmd))
                 results[i] = KvLedgerError(ErrorCode.CONFLICT, out.message)
             else:  # the head moved under us: re-read and decide again
-                broken |= touched
+                touched = c.handles_of(plan.cmd)
+                broken.update(touched)
                 for h in touched:
                     self.state(h, refresh=True)
                 pending.append((i, plan))
@@ -294,12 +300,34 @@ class CommandService(BatchSurface):
         op = Operation(operation_id, cmd.fingerprint(), writes, checks, manifests)
         return Plan(cmd, op, written, events)
 
-    def _plan_decode(self, cmd: c.Chain, operation_id: str, s: HandleState) -> Plan | None:
-        """_plan for a plain decode chain (engine.decode_step), or None."""
+    def _relative_decode(self, chain: c.Command, local: Mapping[str, HandleState | None]) -> Plan | None:
+        """A Relative decode chain bound and planned in one go, as bind_current binds a
+        chain (its first step, a publish, takes the handle's base) with a new operation id,
+        then _plan_decode; None: the general path decides it (and gives any refusal)."""
+        if type(chain) is not c.Chain or chain.operation_id is not None:
+            return None
+        steps = chain.steps
+        if len(steps) != 3 or type(steps[0]) is not c.Publish:
+            return None
+        h = chain.handle_id
+        s = local[h] if h in local else self.state(h)
+        if s is None:
+            return None
+        replace = msgspec.structs.replace
+        publish = replace(steps[0], base_generation=s.generation, base_snapshot_version=s.snapshot_version)
+        return self._plan_decode(replace(chain, steps=(publish, steps[1], steps[2])), None, s)
+
+    def _plan_decode(self, cmd: c.Chain, operation_id: str | None, s: HandleState) -> Plan | None:
+        """_plan for a plain decode chain (engine.decode_step), or None. No operation id:
+        a new one, taken only once the chain decides here (ids are drawn in the general
+        path's order, so a seeded run is the same either way)."""
         mono = self.clock.monotonic_ns()
         decided = decode_step(s, cmd, mono)
         if decided is None:
             return None
+        if operation_id is None:
+            operation_id = new_id()
+            cmd = msgspec.structs.replace(cmd, operation_id=operation_id)
         payloads, after = decided
         wall = self.clock.wall_ns()
         h, position, seq = s.handle_id, s.stream_position, self.local_sequence

@@ -175,3 +175,39 @@ def test_the_ledger_journal_is_the_same_with_and_without_the_fast_path(tmp_path)
             exports.append(list(journal.read_all()))
     assert len(exports[0]) == 2 + 30 * 3
     assert exports[0] == exports[1]
+
+
+def test_relative_chains_the_fast_lane_declines_decide_as_the_general_path_does(tmp_path):
+    """Relative chains off the plain case (a wrong output index, an unknown handle, a caller's
+    operation id, a chain of two steps), each after a plain one, through execute_many with
+    the fast lane on and off: the same results, word for word, and the same journal."""
+    runs = []
+    for fast in (True, False):
+        with open_or_create_journal(f"sqlite:///{tmp_path}/{fast}.db") as journal, seeded("lanes"):
+            ledger = Ledger(journal)
+            service = ledger.service = CommandService(journal, clock=ManualClock().at(2.0), fast_decode=fast)
+            allocate(ledger, H, capacity=40)
+            s = ledger.state(H)
+            b = (s.generation, s.snapshot_version)
+            ledger.begin_append(H, txn_id="t0", kind="prefill", base=b, start=0, token_ids=s.prompt)
+            results = []
+            for i, shape in enumerate(("wrong_index", "unknown", "own_id", "two_steps")):
+                s = ledger.state(H)
+                plain = _plain(s, 11 + i)
+                off = {
+                    "wrong_index": msgspec.structs.replace(plain, steps=(
+                        plain.steps[0], msgspec.structs.replace(plain.steps[1], output_index=9), plain.steps[2])),
+                    "unknown": msgspec.structs.replace(plain, handle_id="nobody", steps=tuple(
+                        msgspec.structs.replace(x, handle_id="nobody") for x in plain.steps)),
+                    "own_id": msgspec.structs.replace(plain, operation_id=f"caller-{i}"),
+                    "two_steps": msgspec.structs.replace(plain, steps=plain.steps[:2]),
+                }[shape]
+                for r in service.execute_many([c.Relative(off)]):
+                    results.append((r.code, r.message) if isinstance(r, KvLedgerError) else r.event_ids)
+                if shape in ("wrong_index", "unknown"):
+                    [r] = service.execute_many([c.Relative(_plain(ledger.state(H), 11 + i))])
+                    results.append(r.event_ids)
+            runs.append((results, list(journal.read_all())))
+    assert runs[0] == runs[1]
+    codes = [r[0] for r in runs[0][0] if isinstance(r[0], str) and r[0].isupper()]
+    assert len(codes) == 2  # the wrong index and the unknown handle are refused
