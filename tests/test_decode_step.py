@@ -155,6 +155,18 @@ def test_the_fast_path_never_differs_from_the_general_one(journal, states, data)
     assert fast == general
 
 
+def _prefilling(journal, fast: bool, at_ms: float) -> tuple[Ledger, CommandService]:
+    """A ledger whose service takes the fast path or not, with H allocated and its
+    prefill started."""
+    ledger = Ledger(journal)
+    service = ledger.service = CommandService(journal, clock=ManualClock().at(at_ms), fast_decode=fast)
+    allocate(ledger, H, capacity=40)
+    s = ledger.state(H)
+    ledger.begin_append(H, txn_id="t0", kind="prefill", base=(s.generation, s.snapshot_version), start=0,
+                        token_ids=s.prompt)
+    return ledger, service
+
+
 def test_the_ledger_journal_is_the_same_with_and_without_the_fast_path(tmp_path):
     """Whole runs through the journal: the same commands, fast path on and off, give the
     same exported events (ids and clocks are seeded and manual)."""
@@ -162,12 +174,7 @@ def test_the_ledger_journal_is_the_same_with_and_without_the_fast_path(tmp_path)
     for fast in (True, False):
         url = f"sqlite:///{tmp_path}/{fast}.db"
         with open_or_create_journal(url) as journal, seeded("run"):
-            ledger = Ledger(journal)
-            service = ledger.service = CommandService(journal, clock=ManualClock().at(1.0), fast_decode=fast)
-            allocate(ledger, H, capacity=40)
-            s = ledger.state(H)
-            b = (s.generation, s.snapshot_version)
-            ledger.begin_append(H, txn_id="t0", kind="prefill", base=b, start=0, token_ids=s.prompt)
+            ledger, service = _prefilling(journal, fast, 1.0)
             for i in range(30):
                 s = ledger.state(H)
                 [r] = service.execute_many([c.Relative(_plain(s, 7 * i))])
@@ -184,12 +191,7 @@ def test_relative_chains_the_fast_lane_declines_decide_as_the_general_path_does(
     runs = []
     for fast in (True, False):
         with open_or_create_journal(f"sqlite:///{tmp_path}/{fast}.db") as journal, seeded("lanes"):
-            ledger = Ledger(journal)
-            service = ledger.service = CommandService(journal, clock=ManualClock().at(2.0), fast_decode=fast)
-            allocate(ledger, H, capacity=40)
-            s = ledger.state(H)
-            b = (s.generation, s.snapshot_version)
-            ledger.begin_append(H, txn_id="t0", kind="prefill", base=b, start=0, token_ids=s.prompt)
+            ledger, service = _prefilling(journal, fast, 2.0)
             results = []
             for i, shape in enumerate(("wrong_index", "unknown", "own_id", "two_steps")):
                 s = ledger.state(H)
