@@ -19,7 +19,7 @@ binary arrays faster than array literals.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import nullcontext
 from itertools import chain, repeat
 from typing import Any, ClassVar
@@ -199,7 +199,10 @@ class PostgresStatements(Statements):
         " AND h.generation = v.g AND h.snapshot_version = v.s AND h.stream_position = v.p", "")
     assert UNGUARDED_UPDATE_SET != GUARDED_UPDATE_SET
 
-    def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]]) -> set[str]:
+    points_heads = False  # insert_record sets every head's last_record in one statement
+
+    def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]],
+                       last_record: int | None = None) -> set[str]:
         if not rows:
             return set()
         cur.execute(self.UNGUARDED_UPDATE_SET if faults.UNGUARDED else self.GUARDED_UPDATE_SET,
@@ -284,7 +287,7 @@ class PostgresStatements(Statements):
         rows: list[Row] = cur.fetchall()
         return rows
 
-    def insert_record(self, cur: Any, row: RecordRow) -> None:
+    def insert_record(self, cur: Any, row: RecordRow, pointed: Collection[str] = ()) -> None:
         last, first, chain_, body, handles, prev, runs = row
         cur.execute("INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
                     "VALUES (%s, %s, %s, %s, %s)", (last, first, chain_, body, prev))

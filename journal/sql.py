@@ -334,9 +334,12 @@ class SqlJournal(Journal):
                 first_in_batch[op_id] = i
                 pending.append(i)
 
+        # Where the record will end if every pending operation is written: guarded updates
+        # point their heads at it, and insert_record then rewrites only the other heads.
+        predicted = last + sum(len(w.events) for i in pending for w in ops[i].writes)
         fault("before_update")
         for round_ in _rounds(ops, _chains(ops, pending)):
-            for i, rejection in self._apply_round(cur, ops, round_).items():
+            for i, rejection in self._apply_round(cur, ops, round_, predicted).items():
                 results[i] = rejection
         fault("after_update")
 
@@ -353,7 +356,10 @@ class SqlJournal(Journal):
                         else _conflict(op)
                     )
         if record is not None:
-            self.sql.insert_record(cur, record)
+            pointed: set[str] = set()
+            if self.sql.points_heads and record[0] == predicted:  # nothing refused: the prediction held
+                pointed = {w.handle_id for i in pending for w in ops[i].writes if w.expected is not None}
+            self.sql.insert_record(cur, record, pointed)
         if manifest_rows:
             self.sql.insert_manifests(cur, list(manifest_rows.items()))
         fault("before_commit")
@@ -453,7 +459,8 @@ class SqlJournal(Journal):
         self._uncommitted = {h: (p, position) for h, p in tails.items()}
         return record, manifest_rows, position
 
-    def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]]) -> dict[int, Rejection]:
+    def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]],
+                     last_record: int | None = None) -> dict[int, Rejection]:
         """Apply the guards of the units of one round (disjoint handles). A unit is one
         operation, or a chain of single-handle operations each starting from the head the
         previous one leaves: one guarded update from the chain's first base to its last
@@ -487,7 +494,7 @@ class SqlJournal(Journal):
         rejected: dict[int, Rejection] = {}
         live = units
         while True:
-            ok = self.sql.guarded_update(cur, updates)
+            ok = self.sql.guarded_update(cur, updates, last_record)
             if creates:
                 ok |= self.sql.create_heads(cur, creates)
             checked = self.sql.check_heads(cur, checks) if checks else set()

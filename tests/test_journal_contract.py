@@ -94,6 +94,13 @@ def test_batch_checks_each_guard_on_its_own(journal):
     assert positions == sorted(positions) and len(set(positions)) == 5
     assert journal.head("h2").snapshot_version == 1  # only "pre"
     assert all(journal.head(h).snapshot_version == 1 for h in handles)
+    # A refused operation moves the record's end from where the guarded updates pointed
+    # the heads: each head still names its own last record (verify), and streams read whole.
+    from kvledger.replay import verify_journal
+
+    assert [f for f in verify_journal(journal).findings if f.code == "TAMPERED"] == []
+    for h in handles:
+        assert [e.stream_position for e in journal.read_stream(h)] == [1, 2]
 
 
 def test_same_handle_twice_in_a_batch_is_sequential(journal):
