@@ -36,8 +36,10 @@ GOALS = {
 }
 NOTES = {
     "journal_tokens_per_s_sqlite": "command service alone: decide + stamp + encode + statements + "
-                                   "commit of 64 decode chains per transaction, 32 layers; Python-bound: "
-                                   "deciding and planning ~60% of the time, building the record ~12%",
+                                   "commit of 64 decode chains per transaction, 32 layers; Python-bound "
+                                   "(step 9, us a token: deciding 20-40, the record 14-24, statements ~8, "
+                                   "the commit's fsync 10-16, the bench's own commands ~20); the fsync "
+                                   "alone caps one writer here near 67,000 tokens/s",
     "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is",
     "journal_bytes_per_token_L32": "records of JSON bodies compressed ~12.6x by zstd (two random digests "
                                    "a token do not compress), plus lookup rows, empty pre-0003 tables "

@@ -1,0 +1,105 @@
+"""Two commits' write paths at once: `python -m bench.ab REV_A REV_B [--pairs N] [--json]`.
+
+This VM's speed moves up to 2x between runs seconds apart, so a rate measured now and
+another measured a minute later compare the machine as much as the code. Here both
+commits run the service-alone decode steps (bench.tokens.Lockstep: 64 handles, 32
+layers, one commit a step, durable SQLite) at the same time, each pinned to its own
+core, and the cores are swapped from one pair to the next: what slows the machine slows
+both sides. Each side reports its median time a token over its groups; the result is
+each pair's ratio A/B and their median (> 1: B is faster).
+
+Each commit is unpacked (git archive) into a temporary directory laid out as the
+installed package (kvledger/ with its layers beside it), which goes first on the child's
+PYTHONPATH; the harness (bench.tokens) is this checkout's for both sides. A one-off
+measurement, not a section of `python -m bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("schemas", "journal", "migrations", "engine", "worker", "telemetry", "replay", "recovery", "adapters")
+CHILD = """
+import statistics, sys, tempfile, time
+import kvledger
+assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
+sys.path.insert(0, sys.argv[2])
+from bench.tokens import BATCH, Lockstep
+from kvledger.engine.service import CommandService
+from kvledger.migrations.storage import open_or_create_journal
+steps, groups, times = 40, int(sys.argv[3]), []
+with open_or_create_journal(f"sqlite:///{tempfile.mkdtemp()}/ab.db") as j:
+    service = CommandService(j)
+    for g in range(groups):
+        group = Lockstep(service, 32, steps + 2, f"g{g}")
+        group.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            group.step()
+        times.append((time.perf_counter() - t0) / (BATCH * steps) * 1e6)
+print(statistics.median(times))
+"""
+
+
+def unpack(rev: str, into: Path) -> Path:
+    """The commit's tree laid out as the installed package; returns the PYTHONPATH entry."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    src = into / "src"
+    src.mkdir(parents=True)
+    with tempfile.TemporaryFile() as f:
+        f.write(archive)
+        f.seek(0)
+        with tarfile.open(fileobj=f) as tar:
+            tar.extractall(src, filter="data")
+    pkg = into / "pkg"
+    (pkg / "kvledger").mkdir(parents=True)
+    for item in (src / "kvledger").iterdir():
+        (pkg / "kvledger" / item.name).symlink_to(item)
+    for layer in LAYERS:
+        (pkg / "kvledger" / layer).symlink_to(src / layer)
+    return pkg
+
+
+def side(pkg: Path, cpu: int, groups: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(pkg)}
+    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", CHILD, str(pkg), str(ROOT),
+                             str(groups)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a")
+    parser.add_argument("b")
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--groups", type=int, default=6, help="groups of 40 steps a side a pair")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = unpack(args.a, Path(tmp) / "a"), unpack(args.b, Path(tmp) / "b")
+        pairs = []
+        for i in range(args.pairs):
+            procs = side(a, i % 2, args.groups), side(b, 1 - i % 2, args.groups)
+            us = [float(p.communicate()[0]) for p in procs]
+            pairs.append(us)
+            if not args.json:
+                print(f"pair {i + 1}: A {us[0]:.1f} us/token (cpu {i % 2}), B {us[1]:.1f} (cpu {1 - i % 2}), "
+                      f"A/B {us[0] / us[1]:.2f}", file=sys.stderr)
+    ratios = sorted(x / y for x, y in pairs)
+    result = {"a": args.a, "b": args.b, "pairs_us_per_token": [[round(x, 1), round(y, 1)] for x, y in pairs],
+              "median_a_over_b": round(statistics.median(ratios), 3),
+              "min": round(ratios[0], 3), "max": round(ratios[-1], 3)}
+    print(json.dumps(result) if args.json else
+          f"median A/B {result['median_a_over_b']} (from {result['min']} to {result['max']})")
+
+
+if __name__ == "__main__":
+    main()
