@@ -72,7 +72,8 @@ def unpack(rev: str, into: Path) -> Path:
 def side(pkg: Path, cpu: int, groups: int) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(pkg)}
     return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", CHILD, str(pkg), str(ROOT),
-                             str(groups)], env=env, stdout=subprocess.PIPE, text=True)
+                             str(groups)], env=env, stdout=subprocess.PIPE, text=True,
+                            cwd=pkg.parent)  # not this checkout: its kvledger/ would shadow the package
 
 
 def main() -> None:
