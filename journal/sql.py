@@ -334,6 +334,9 @@ class SqlJournal(Journal):
                 first_in_batch[op_id] = i
                 pending.append(i)
 
+        # Each handle's last record before this commit: read before the guarded updates,
+        # which point the heads at this commit's record.
+        prevs = self._prevs(cur, ops, pending, results)
         # Where the record will end if every pending operation is written: guarded updates
         # point their heads at it, and insert_record then rewrites only the other heads.
         predicted = last + sum(len(w.events) for i in pending for w in ops[i].writes)
@@ -342,8 +345,6 @@ class SqlJournal(Journal):
             for i, rejection in self._apply_round(cur, ops, round_, predicted).items():
                 results[i] = rejection
         fault("after_update")
-
-        prevs = self._prevs(cur, ops, pending, results)
         record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys)
         self._committed_chain = chain if record is None else record[2]
         if len(first_in_batch) + len(stored) < len(ops):
@@ -368,8 +369,10 @@ class SqlJournal(Journal):
     def _prevs(self, cur: Any, ops: Sequence[Operation], indexes: list[int],
                results: list[Receipt | Rejection | None]) -> dict[str, int]:
         """The last record of each existing handle the operations at `indexes` still to
-        be written write: from _tails when its first write's guard expects the position
-        cached (the guard just held, so that is the head's), else read from the heads."""
+        be written write, as it stands before their guarded updates (which repoint the
+        heads): from _tails when its first write's guard expects the position cached (if
+        the guard holds, that is the head's; if not, the operation is refused and the
+        pointer goes unused), else read from the heads."""
         prevs: dict[str, int] = {}
         unknown: list[str] = []
         for i in indexes:

@@ -383,7 +383,11 @@ class Statements(abc.ABC):
                                     f"record {where} (run `kvledger verify`)")
             own = [(w.stream_position, e) for e in record.events if (w := _where(e)).stream_id == handle_id]
             chained.append([e for p, e in own if p > after])
-            pointer = prev[streams.index(handle_id)] if own[0][0] > after + 1 else PREV_NONE
+            earlier = prev[streams.index(handle_id)] if own[0][0] > after + 1 else PREV_NONE
+            if earlier >= pointer:  # a chain only goes back: a damaged pointer must not loop the read
+                raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} points from the "
+                                    f"record {where} to {earlier}, not back (run `kvledger verify`)")
+            pointer = earlier
         if pointer == PREV_INDEXED:
             # the records before 0006: by their lookup rows (bounded by where the chain ended)
             cur.execute(

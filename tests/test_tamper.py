@@ -219,3 +219,30 @@ def test_a_manifest_is_stored_as_a_reference_to_its_allocation_and_an_edited_one
             sql(db_url, "UPDATE kvl_manifests SET body = :b WHERE manifest_sha256 = :s", b=bytes(ref_a), s=sha_a)
         assert [(f.code, f.global_position) for f in result.findings] == [("DIGEST_MISMATCH", allocations[sha_a])]
     assert tampered(db_url) == []
+
+
+def test_a_stream_chain_that_does_not_go_back_is_refused_not_followed(db_url):
+    """A record's stream_prev edited to name the record itself, or a later one: reading
+    the stream is CORRUPT_JOURNAL at once (a chain followed as stored would loop)."""
+    from kvledger.migrations.storage import open_or_create_journal
+    from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+    from factories import allocate_op, guard_of, publish_op
+
+    with open_or_create_journal(db_url) as j:
+        j.append([allocate_op("a"), allocate_op("b")])
+        for step in range(3):
+            j.append([publish_op(h, guard_of(j.head(h)), f"p{step}-{h}") for h in ("a", "b")])
+        whole = j.read_stream("a")
+    [(last, prev)] = sql(db_url, "SELECT last_position, stream_prev FROM kvl_records "
+                                 "ORDER BY last_position DESC LIMIT 1")
+    for wrong in ([last, last], [last + 2, last + 2]):
+        sql(db_url, "UPDATE kvl_records SET stream_prev = :b WHERE last_position = :p", b=pack_prev(wrong), p=last)
+        try:
+            with open_journal(db_url) as j, pytest.raises(KvLedgerError) as refused:
+                j.read_stream("a")
+        finally:
+            sql(db_url, "UPDATE kvl_records SET stream_prev = :b WHERE last_position = :p", b=bytes(prev), p=last)
+        assert refused.value.code is ErrorCode.CORRUPT_JOURNAL and "not back" in refused.value.message
+    with open_journal(db_url) as j:
+        assert j.read_stream("a") == whole
