@@ -29,24 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("schemas", "journal", "migrations", "engine", "worker", "telemetry", "replay", "recovery", "adapters")
 CHILD = """
-import statistics, sys, tempfile, time
+import statistics, sys, tempfile
 import kvledger
 assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
 sys.path.insert(0, sys.argv[2])
-from bench.tokens import BATCH, Lockstep
-from kvledger.engine.service import CommandService
-from kvledger.migrations.storage import open_or_create_journal
-steps, groups, times = 40, int(sys.argv[3]), []
-with open_or_create_journal(f"sqlite:///{tempfile.mkdtemp()}/ab.db") as j:
-    service = CommandService(j)
-    for g in range(groups):
-        group = Lockstep(service, 32, steps + 2, f"g{g}")
-        group.step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            group.step()
-        times.append((time.perf_counter() - t0) / (BATCH * steps) * 1e6)
-print(statistics.median(times))
+from bench.tokens import group_rates
+rates, _ = group_rates(f"sqlite:///{tempfile.mkdtemp()}/ab.db", 32, 40, int(sys.argv[3]))
+print(statistics.median(1e6 / r for r in rates))
 """
 
 

@@ -169,6 +169,13 @@ def chain_rate(url: str, layers: int, steps: int, repeats: int,
     """Best tokens/s of `steps` lockstep steps, over `repeats` fresh groups of handles in
     one journal; returns it with the tokens written. `collector` times the garbage
     collector during the timed steps."""
+    rates, tokens = group_rates(url, layers, steps, repeats, collector)
+    return best_rate(rates), tokens
+
+
+def group_rates(url: str, layers: int, steps: int, repeats: int,
+                collector: GcClock | None = None) -> tuple[list[float], int]:
+    """chain_rate's tokens/s of each group, and the tokens written."""
     from contextlib import nullcontext
 
     from kvledger.engine.service import CommandService
@@ -186,7 +193,7 @@ def chain_rate(url: str, layers: int, steps: int, repeats: int,
                     group.step()
                 rates.append(BATCH * steps / (time.perf_counter() - t0))
             tokens += BATCH * (steps + 1)
-    return best_rate(rates), tokens
+    return rates, tokens
 
 
 def wal_bytes_per_token(path: str, layers: int, steps: int, groups: int) -> float:

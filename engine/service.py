@@ -225,8 +225,8 @@ class CommandService(BatchSurface):
         # a later successor could carry the same version numbers (the ABA shape).
         broken: set[str] = set()
         for (i, plan), out in zip(planned, outcomes):
-            if broken and not broken.isdisjoint(c.handles_of(plan.cmd)):
-                broken.update(c.handles_of(plan.cmd))
+            if broken and not broken.isdisjoint(touched := c.handles_of(plan.cmd)):
+                broken.update(touched)
                 results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{plan.op.operation_id}: an "
                                            "earlier command of this batch on the same handle was refused")
                 continue

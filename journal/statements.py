@@ -161,6 +161,9 @@ class Statements(abc.ABC):
         "AND snapshot_version = ? AND stream_position = ?"
     )
 
+    SET_LIFECYCLE, SET_LIFECYCLE_AND_RECORD = "lifecycle = ? ", "lifecycle = ?, last_record = ? "
+    assert SET_LIFECYCLE in GUARDED_UPDATE and SET_LIFECYCLE in UNGUARDED_UPDATE
+
     # Where set, guarded_update also points each head at the record the commit will write
     # (`last_record`), and insert_record then leaves those heads alone: the 64 head rows a
     # commit of decode chains rewrites are updated once, not twice (~3 us a token).
@@ -175,17 +178,13 @@ class Statements(abc.ABC):
         position of the record this commit will write, if known, stored as each
         updated head's last_record."""
         sql = self.UNGUARDED_UPDATE if faults.UNGUARDED else self.GUARDED_UPDATE
-        params: list[tuple[Any, ...]]
-        if last_record is None:
-            params = [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
-                       w.head.committed_length, w.head.lifecycle, w.handle_id, g.generation,
-                       g.snapshot_version, g.stream_position) for w, g in rows]
-        else:
-            sql = sql.replace("lifecycle = ? ", "lifecycle = ?, last_record = ? ")
-            params = [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
-                       w.head.committed_length, w.head.lifecycle, last_record, w.handle_id, g.generation,
-                       g.snapshot_version, g.stream_position) for w, g in rows]
+        at: tuple[int, ...] = ()
+        if last_record is not None:
+            sql, at = sql.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD), (last_record,)
         sql = self.q(sql)
+        params = [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
+                   w.head.committed_length, w.head.lifecycle, *at, w.handle_id, g.generation,
+                   g.snapshot_version, g.stream_position) for w, g in rows]
         if len(rows) >= 4:
             cur.execute("SAVEPOINT kvl_guards")
             cur.executemany(sql, params)
