@@ -229,9 +229,19 @@ def test_killed_sink_loses_only_counted_records(tmp_path):
     sink = KillableSink(path)
     telemetry = Telemetry(sink)
 
+    at_kill: list[int] = []
+
     def kill(worker) -> None:
+        # The sink dies mid-run, once the exporter has written all it was given: no
+        # producer runs between steps, so every record before this point is written and
+        # every later one is lost. (A fixed sleep here once let the run race the kill.)
         if worker.step_no == 4:
-            time.sleep(0.2)  # let the exporter write what it has: the sink dies mid-run
+            x = telemetry.exporter
+            deadline = time.monotonic() + 10
+            while (x._out < x._in or x._pending) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert x._out == x._in and not x._pending, "the exporter did not drain within 10 s"
+            at_kill.append(telemetry.emitted)
             sink.killed.set()
 
     with open_or_create_journal(url) as journal:
@@ -247,7 +257,9 @@ def test_killed_sink_loses_only_counted_records(tmp_path):
     assert sum(1 for e in events if e.event_type == "output_emit") >= 6 * 4
     written = _records(path)
     stats = telemetry.stats()
-    assert stats["dropped_sink_error"] == telemetry.dropped > 0 and stats["written"] > 0
+    assert at_kill and 0 < at_kill[0] < telemetry.emitted  # records on both sides of the kill
+    assert stats["written"] == at_kill[0] and stats["dropped_sink_error"] == telemetry.dropped
+    assert telemetry.dropped == telemetry.emitted - at_kill[0]
     assert stats["written"] + telemetry.dropped == telemetry.emitted
     assert not any(getattr(r, "record", None) == "trailer" for r in written)
     rec = reconcile(iter(events), jsonl_bodies(path))
