@@ -49,6 +49,7 @@ from kvledger.adapters import hf_rows
 from kvledger.engine import commands as c
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
+from kvledger.schemas.canonical import layers_sha256
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import AppendKind, FinishReason, ForwardCall, LayerRows
 from kvledger.schemas.manifest import Manifest, cache_abi_sha256
@@ -322,11 +323,20 @@ class Tracker:
     def _publish(self, seq: Seq, o: Open, steps: dict[str, list[c.Step]], accepted: int | None = None) -> None:
         assert o.digests is not None, f"{seq.handle}: {o.kind} rows not digested"
         n = len(o.tokens) if accepted is None else accepted
-        layers = tuple(LayerRows(layer=i, start=o.start, count=n, k_complete=True, v_complete=True, rows_sha256=d)
-                       for i, d in enumerate(o.digests))
-        steps.setdefault(seq.handle, []).append(c.Publish(
-            handle_id=seq.handle, txn_id=o.txn, base_generation=None, base_snapshot_version=None, layers=layers,
-            accepted_count=accepted if o.kind == "verify" else None))
+        if o.kind == "verify":  # each layer named: the service checks the accepted rows per layer
+            publish = c.Publish(handle_id=seq.handle, txn_id=o.txn, base_generation=None, base_snapshot_version=None,
+                                layers=tuple(LayerRows(layer=i, start=o.start, count=n, k_complete=True,
+                                                       v_complete=True, rows_sha256=d)
+                                             for i, d in enumerate(o.digests)),
+                                accepted_count=accepted)
+        else:
+            # The combined digest, as the worker sends it (after_forward saw every layer
+            # write): the publication stores the same bytes, and a decode chain then
+            # takes the service's one-function lane (engine.decode_step) instead of
+            # deciding a record per layer.
+            publish = c.Publish(handle_id=seq.handle, txn_id=o.txn, base_generation=None, base_snapshot_version=None,
+                                rows_sha256=layers_sha256(o.digests))
+        steps.setdefault(seq.handle, []).append(publish)
         seq.opens.remove(o)
         seq.committed = o.start + n
         if o.kind == "verify":

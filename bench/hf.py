@@ -4,8 +4,9 @@ plain `generate`, the same model and weights in the same run.
 The bench's large config (decode.LARGE: 8 layers x 1024, GQA 16/4 heads) as a random
 transformers LlamaForCausalLM, greedy, 64 new tokens after a 32-token prompt, at batch 1
 and 8; the journal is durable SQLite (WAL, synchronous=FULL) in the bench's temp dir.
-Each of five repeats runs both back to back (paired; the figure is the median ratio),
-plain generate first in one repeat and last in the next; the weights digest of the artifact identity
+Each of three blocks runs plain, journaled (sync), journaled (overlap_commit), then the
+same three in reverse; a mode's figure is the median over blocks of its two runs' time
+over plain's two. The weights digest of the artifact identity
 is taken once per model, before the timed runs, as journaled_generate caches it.
 """
 
@@ -25,16 +26,16 @@ NOTES = {
                            "starts) and the row digests read back from the cache, plus the closing call that runs "
                            "each last token after generate (close_frontier, the default). "
                            "hf_journal_own_share_b* is the journal's own time (journaled_generate's stats) over "
-                           "plain time: steady at 0.05-0.09 here, while plain generate's own time moves 10-60% "
-                           "between runs on this VM, which is what moves the wall-time figure; per call at b1 "
-                           "~1 ms is the commit's fsync, ~0.9 ms deciding and appending, ~0.6 ms the row "
-                           "digests, see docs/PERFORMANCE.md",
+                           "plain time: 0.05-0.075 here, while plain generate's own time moves 10-60% "
+                           "between runs on this VM; per call at b1 ~1.4 ms is the append (0.7 ms of it the "
+                           "COMMIT), ~0.3 ms the row digests, ~0.2 ms deciding, see docs/PERFORMANCE.md",
 }
 PROMPT = 32
-# Pairs per batch size: a generate of 64 tokens here is 2.5-7 s, and this VM's speed moves
-# 10-20% between runs seconds apart: one pair in three off by that much moved the median
-# of three by 0.1, where the journal's own hooks take 5-8% of plain time (timed apart).
-PAIRS = 5
+# Blocks per batch size (six generate calls each): a generate of 64 tokens here is 2-7 s,
+# and this VM's speed moves 10-20% between runs seconds apart, often as a drift over a
+# block. Five plain/journaled pairs (plain first in every other one) still put the median
+# anywhere from 0.03 to 0.27 above the journal's own 5-8% of plain time (timed apart).
+BLOCKS = 3
 
 
 def _model(cfg: dict[str, Any]) -> Any:
@@ -68,26 +69,31 @@ def run(ctx: Context) -> dict[str, Any]:
             ids = torch.randint(1, cfg["vocab_size"], (batch, PROMPT), generator=g)
             kw = dict(max_new_tokens=new, do_sample=False)
             journaled_generate(model, ledger=ledger, input_ids=ids, **kw)  # warm-up, weights digest
-            plain: list[float] = []
+            plain: list[float] = []  # per block: the mean of its two runs
             journaled: dict[bool, list[float]] = {False: [], True: []}
-            spent: list[float] = []  # the journal's own seconds in each sync run
+            spent: list[float] = []  # per block: the journal's own seconds in a sync run (mean)
             stats: dict[str, float] = {}
             ref = model.generate(input_ids=ids, **kw)
-            for r in range(ctx.size(smoke=1, quick=PAIRS, full=PAIRS)):
-                # every other repeat runs plain generate last: a drift in the VM's speed over a
-                # repeat then favours neither side
-                order = [None, False, True] if r % 2 == 0 else [False, True, None]
-                for overlap in order:
+            for _ in range(ctx.size(smoke=1, quick=BLOCKS, full=BLOCKS)):
+                # plain, sync, overlap, overlap, sync, plain: each mode's two runs sit
+                # symmetrically about the block's middle, so a drift of the VM's speed
+                # during the block favours none of them
+                block: dict[bool | None, float] = {None: 0.0, False: 0.0, True: 0.0}
+                own = 0.0
+                for overlap in (None, False, True, True, False, None):
                     t0 = time.perf_counter()
                     if overlap is None:
                         got = model.generate(input_ids=ids, **kw)
                     else:
                         got = journaled_generate(model, ledger=ledger, input_ids=ids, overlap_commit=overlap,
                                                  stats=stats, **kw)
-                        if not overlap:
-                            spent.append(stats["journal_s"])
-                    (plain if overlap is None else journaled[overlap]).append(time.perf_counter() - t0)
+                        own += 0.0 if overlap else stats["journal_s"]
+                    block[overlap] += time.perf_counter() - t0
                     assert torch.equal(ref, got)
+                plain.append(block[None] / 2)
+                journaled[False].append(block[False] / 2)
+                journaled[True].append(block[True] / 2)
+                spent.append(own / 2)
             out[f"hf_generate_tokens_per_s_plain_b{batch}"] = round(batch * new / min(plain), 1)
             overhead = None
             for overlap, times in journaled.items():

@@ -186,20 +186,27 @@ class CommandService(BatchSurface):
         the earlier ones leave; a refused one gets its result now."""
         local: dict[str, HandleState | None] = {}
         planned: list[tuple[int, Plan]] = []
-        fast = self.fast_decode and not self.strict
+        fast, strict = self.fast_decode, self.strict
         for i in todo:
             cmd = cmds[i]
-            if fast and type(cmd) is c.Relative and (plan := self._relative_decode(cmd.command, local)) is not None:
-                cmds[i] = plan.cmd
-                local.update(plan.states)
-                planned.append((i, plan))
-                continue
-            if self.strict:
+            if strict:
                 try:
                     cmd = cmds[i] = c.validate(cmd)
                 except KvLedgerError as exc:  # not even its operation id can be looked up
                     results[i] = exc
                     continue
+            if fast and type(cmd) is c.Relative and (plan := self._relative_decode(cmd.command, local)) is not None:
+                if strict:
+                    try:  # what the general path checks of each event it stamps
+                        for event in plan.events:
+                            _decodable(event)
+                    except KvLedgerError as exc:
+                        results[i] = exc
+                        continue
+                cmds[i] = plan.cmd
+                local.update(plan.states)
+                planned.append((i, plan))
+                continue
             try:
                 if isinstance(cmd, c.Relative):
                     cmd = cmds[i] = c.bind_current(cmd.command,

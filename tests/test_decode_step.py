@@ -155,11 +155,12 @@ def test_the_fast_path_never_differs_from_the_general_one(journal, states, data)
     assert fast == general
 
 
-def _prefilling(journal, fast: bool, at_ms: float) -> tuple[Ledger, CommandService]:
-    """A ledger whose service takes the fast path or not, with H allocated and its
-    prefill started."""
+def _prefilling(journal, fast: bool, at_ms: float, strict: bool = False) -> tuple[Ledger, CommandService]:
+    """A ledger whose service takes the fast path or not (and validates commands, as the
+    public Ledger's does, or not), with H allocated and its prefill started."""
     ledger = Ledger(journal)
-    service = ledger.service = CommandService(journal, clock=ManualClock().at(at_ms), fast_decode=fast)
+    service = ledger.service = CommandService(journal, clock=ManualClock().at(at_ms), fast_decode=fast,
+                                              strict=strict)
     allocate(ledger, H, capacity=40)
     s = ledger.state(H)
     ledger.begin_append(H, txn_id="t0", kind="prefill", base=(s.generation, s.snapshot_version), start=0,
@@ -167,33 +168,41 @@ def _prefilling(journal, fast: bool, at_ms: float) -> tuple[Ledger, CommandServi
     return ledger, service
 
 
-def test_the_ledger_journal_is_the_same_with_and_without_the_fast_path(tmp_path):
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_ledger_journal_is_the_same_with_and_without_the_fast_path(tmp_path, strict):
     """Whole runs through the journal: the same commands, fast path on and off, give the
     same exported events (ids and clocks are seeded and manual)."""
     exports = []
     for fast in (True, False):
         url = f"sqlite:///{tmp_path}/{fast}.db"
         with open_or_create_journal(url) as journal, seeded("run"):
-            ledger, service = _prefilling(journal, fast, 1.0)
+            ledger, service = _prefilling(journal, fast, 1.0, strict)
+            general = []
+            real_plan = service._plan
+            service._plan = lambda *a, general=general, real_plan=real_plan: (general.append(a), real_plan(*a))[1]
             for i in range(30):
                 s = ledger.state(H)
                 [r] = service.execute_many([c.Relative(_plain(s, 7 * i))])
                 assert not isinstance(r, Exception)
+            assert len(general) == (0 if fast else 30)  # the lane took every chain, validated or not
             exports.append(list(journal.read_all()))
     assert len(exports[0]) == 2 + 30 * 3
     assert exports[0] == exports[1]
 
 
-def test_relative_chains_the_fast_lane_declines_decide_as_the_general_path_does(tmp_path):
+@pytest.mark.parametrize("strict", [False, True])
+def test_relative_chains_the_fast_lane_declines_decide_as_the_general_path_does(tmp_path, strict):
     """Relative chains off the plain case (a wrong output index, an unknown handle, a caller's
-    operation id, a chain of two steps), each after a plain one, through execute_many with
-    the fast lane on and off: the same results, word for word, and the same journal."""
+    operation id, a chain of two steps; with a validating service, as the public Ledger's
+    is, also a malformed token id), each after a plain one, through execute_many with the
+    fast lane on and off: the same results, word for word, and the same journal."""
     runs = []
+    shapes = ("wrong_index", "unknown") + (("bad_token",) if strict else ()) + ("own_id", "two_steps")
     for fast in (True, False):
         with open_or_create_journal(f"sqlite:///{tmp_path}/{fast}.db") as journal, seeded("lanes"):
-            ledger, service = _prefilling(journal, fast, 2.0)
+            ledger, service = _prefilling(journal, fast, 2.0, strict)
             results = []
-            for i, shape in enumerate(("wrong_index", "unknown", "own_id", "two_steps")):
+            for i, shape in enumerate(shapes):
                 s = ledger.state(H)
                 plain = _plain(s, 11 + i)
                 off = {
@@ -203,13 +212,16 @@ def test_relative_chains_the_fast_lane_declines_decide_as_the_general_path_does(
                         msgspec.structs.replace(x, handle_id="nobody") for x in plain.steps)),
                     "own_id": msgspec.structs.replace(plain, operation_id=f"caller-{i}"),
                     "two_steps": msgspec.structs.replace(plain, steps=plain.steps[:2]),
+                    "bad_token": msgspec.structs.replace(plain, steps=(
+                        plain.steps[0], msgspec.structs.replace(plain.steps[1], token_id=-1), plain.steps[2])),
                 }[shape]
                 for r in service.execute_many([c.Relative(off)]):
                     results.append((r.code, r.message) if isinstance(r, KvLedgerError) else r.event_ids)
-                if shape in ("wrong_index", "unknown"):
+                if shape in ("wrong_index", "unknown", "bad_token"):
                     [r] = service.execute_many([c.Relative(_plain(ledger.state(H), 11 + i))])
                     results.append(r.event_ids)
             runs.append((results, list(journal.read_all())))
     assert runs[0] == runs[1]
     codes = [r[0] for r in runs[0][0] if isinstance(r[0], str) and r[0].isupper()]
-    assert len(codes) == 2  # the wrong index and the unknown handle are refused
+    # the wrong index and the unknown handle are refused; the bad token id too, if validated
+    assert len(codes) == 2 + strict

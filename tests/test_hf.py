@@ -583,3 +583,26 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
                      str(model_dir), "--json")
     assert proof.returncode == 0, proof.stdout + proof.stderr
     assert json.loads(proof.stdout)["reexecution"]["verified_rows"] == sum(batch["attention_mask"].sum(1)) + 128
+
+
+@pytest.mark.parametrize("form", ["contiguous", "strided", "bfloat16"])
+def test_a_decode_column_digests_as_its_one_row_span(form):
+    """column_layers (a decode step's rows, read in one pass over the batch) gives, row
+    by row, span_layers' digests of that one column, for the cache's own contiguous
+    tensors (the numpy views) and for others (the torch path)."""
+    from kvledger.adapters import hf_rows
+
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if form == "bfloat16" else torch.float32
+
+    def tensor():
+        if form == "strided":  # [B, H, T, d] as a transposed view of [B, T, H, d]
+            return torch.randn(5, 9, 3, 4, generator=g).transpose(1, 2)
+        return torch.randn(5, 3, 9, 4, generator=g).to(dtype)
+
+    layers = [(tensor(), tensor()) for _ in range(4)]
+    assert layers[0][0].is_contiguous() == (form != "strided")
+    rows = [4, 0, 2]
+    got = hf_rows.column_layers(layers, rows, 6)
+    assert got == [hf_rows.span_layers(layers, r, 6, 1) for r in rows]
+    assert len({d for per in got for d in per}) == len(rows) * len(layers)
