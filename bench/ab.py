@@ -1,4 +1,4 @@
-"""Two commits' write paths at once: `python -m bench.ab REV_A REV_B [--pairs N] [--json]`.
+"""Two commits' write paths at once: `python -m bench.ab REV_A REV_B [--pairs N] [--replay] [--json]`.
 
 This VM's speed moves up to 2x between runs seconds apart, so a rate measured now and
 another measured a minute later compare the machine as much as the code. Here both
@@ -37,6 +37,18 @@ from bench.tokens import group_rates
 rates, _ = group_rates(f"sqlite:///{tempfile.mkdtemp()}/ab.db", 32, 40, int(sys.argv[3]))
 print(statistics.median(1e6 / r for r in rates))
 """
+# --replay: the replay key's path instead (bench.tokens.replay_rate: read, inflate, decode
+# and project a 32-layer journal of decode chains, written by that side's own code)
+CHILD_REPLAY = """
+import statistics, sys, tempfile
+import kvledger
+assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
+sys.path.insert(0, sys.argv[2])
+from bench.tokens import chain_rate, replay_rate
+url = f"sqlite:///{tempfile.mkdtemp()}/ab.db"
+tokens = sum(chain_rate(url, 32, 59, 1)[1] for _ in range(4))
+print(statistics.median(1e6 / replay_rate(url, tokens) for _ in range(int(sys.argv[3]))))
+"""
 
 
 def unpack(rev: str, into: Path) -> Path:
@@ -58,9 +70,9 @@ def unpack(rev: str, into: Path) -> Path:
     return pkg
 
 
-def side(pkg: Path, cpu: int, groups: int) -> subprocess.Popen[str]:
+def side(pkg: Path, cpu: int, groups: int, child: str = CHILD) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(pkg)}
-    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", CHILD, str(pkg), str(ROOT),
+    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", child, str(pkg), str(ROOT),
                              str(groups)], env=env, stdout=subprocess.PIPE, text=True,
                             cwd=pkg.parent)  # not this checkout: its kvledger/ would shadow the package
 
@@ -70,14 +82,17 @@ def main() -> None:
     parser.add_argument("a")
     parser.add_argument("b")
     parser.add_argument("--pairs", type=int, default=6)
-    parser.add_argument("--groups", type=int, default=6, help="groups of 40 steps a side a pair")
+    parser.add_argument("--groups", type=int, default=6,
+                        help="groups of 40 steps a side a pair (--replay: replays of its journal)")
+    parser.add_argument("--replay", action="store_true", help="time the replay path, not the write path")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a, b = unpack(args.a, Path(tmp) / "a"), unpack(args.b, Path(tmp) / "b")
         pairs = []
         for i in range(args.pairs):
-            procs = side(a, i % 2, args.groups), side(b, 1 - i % 2, args.groups)
+            child = CHILD_REPLAY if args.replay else CHILD
+            procs = side(a, i % 2, args.groups, child), side(b, 1 - i % 2, args.groups, child)
             us = [float(p.communicate()[0]) for p in procs]
             pairs.append(us)
             if not args.json:

@@ -417,7 +417,10 @@ class Statements(abc.ABC):
         if len(rows) < limit:
             start = rows[-1][0] if rows else after
             for first, record in self.records_after(cur, start):
-                rows += ((p, e) for p, e in enumerate(record.events, first) if p > start)
+                events = record.events
+                if first <= start:  # the record holding `start`: its events after it
+                    events, first = events[start + 1 - first:], start + 1
+                rows += zip(range(first, first + len(events)), events)
                 if len(rows) >= limit:
                     break
         return rows[:limit]
