@@ -63,6 +63,9 @@ class Operation(msgspec.Struct, frozen=True, gc=False):
     writes: tuple[StreamWrite, ...]
     checks: tuple[Check, ...] = ()
     manifests: tuple[tuple[str, bytes], ...] = ()  # (manifest_sha256, canonical JSON)
+    # The fingerprint is schemas.decode_fingerprint's of the operation's three events (a
+    # decode chain's own form): a record marks it derived instead of storing it.
+    derived: bool = False
 
 
 class Rejection(msgspec.Struct, frozen=True, gc=False):

@@ -29,12 +29,14 @@ import msgspec
 import zstandard
 
 from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.codec import decode_event
+from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import Manifest
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-FORMAT = 3  # zstd, compact receipts; 2: zstd, receipts as JSON; 1: zlib
-FORMATS = (1, 2, 3)
+FORMAT = 4  # 3, and a decode chain's fingerprint derived from its events; 3: zstd, compact
+FORMATS = (1, 2, 3, 4)  # receipts; 2: zstd, receipts as JSON; 1: zlib
 GENESIS = bytes(32)  # the chain before the first record
 LEVEL = 1  # zstd's level 1: its higher levels cost far more CPU for a few percent
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -104,11 +106,14 @@ class Record:
 # in receipt order), the fingerprint (32 bytes when it is a SHA-256 in hex), the commit
 # time and each written handle's generation, snapshot version and committed length. The
 # JSON receipt is rebuilt from them, byte for byte what format 2 stored (tests/test_records.py).
+# Format 4 stores no fingerprint (nil) for a decode chain in the worker's form: its three
+# events determine the command, so schemas.decode_fingerprint rebuilds it (32 random
+# bytes a decoded token that zstd cannot remove; docs/COMPACT.md, step 10).
 
 
 class _Compact(msgspec.Struct, array_like=True, frozen=True, gc=False):
     count: int
-    fingerprint: Any  # str, or the 32 bytes of a SHA-256 (msgspec takes no str | bytes union)
+    fingerprint: Any  # str, the 32 bytes of a SHA-256 (msgspec takes no str | bytes union), or nil: derived
     committed_wall_ns: int
     heads: list[int]  # generation, snapshot_version, committed_length of each handle, in write order
 
@@ -125,9 +130,12 @@ _compact_decode = msgspec.msgpack.Decoder(_Compact).decode
 _event_keys = msgspec.json.Decoder(_EventKeys).decode
 
 
-def compact_receipt(r: Receipt) -> bytes:
-    fp: str | bytes = r.fingerprint
-    if len(fp) == 64:
+def compact_receipt(r: Receipt, derived: bool = False) -> bytes:
+    """`derived`: the fingerprint is its events' (Operation.derived), stored as nil."""
+    fp: str | bytes | None = r.fingerprint
+    if derived:
+        fp = None
+    elif len(r.fingerprint) == 64:
         try:
             raw = bytes.fromhex(r.fingerprint)
             fp = raw if raw.hex() == r.fingerprint else fp  # only a lowercase hex one reads back the same
@@ -155,6 +163,11 @@ def expand_receipts(compact: Sequence[bytes], events: Sequence[bytes]) -> list[b
                 return f"receipt {len(out)} has heads for {len(r.heads) / 3:g} handles, its events {len(last)}"
             h = r.heads
             fp = r.fingerprint.hex() if isinstance(r.fingerprint, bytes) else r.fingerprint
+            if fp is None:  # format 4: a decode chain's, rebuilt from its three events
+                chain = chain_events([decode_event(e) for e in events[at - r.count:at]])
+                if chain is None:
+                    return f"receipt {len(out)} marks its fingerprint derived, but its events are no decode chain"
+                fp = decode_chain_fingerprint(*chain)
             if not isinstance(fp, str):
                 return f"receipt {len(out)} has a fingerprint of type {type(fp).__name__}"
             out.append(receipt_encoder.encode(Receipt(
@@ -165,6 +178,8 @@ def expand_receipts(compact: Sequence[bytes], events: Sequence[bytes]) -> list[b
                 r.committed_wall_ns)))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return f"receipt {len(out)} is unreadable: {exc}"
+    except KvLedgerError as exc:  # an event of a derived receipt that does not decode
+        return f"receipt {len(out)}'s events do not decode: {exc.message}"
     if at != len(events):
         return f"{len(events) - at} events after the last receipt's"
     return out
@@ -181,7 +196,7 @@ class Damage(msgspec.Struct, frozen=True):
 
 
 def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int = FORMAT) -> bytes:
-    """A record of `fmt` (2 or 3) with the receipts in its stored form (3: compact_receipt)."""
+    """A record of `fmt` (2, 3 or 4) with the receipts in its stored form (3 and 4: compact_receipt)."""
     crc = zlib.crc32
     return _encode(_Header(
         fmt, [len(e) for e in events], [crc(e) for e in events],
@@ -464,12 +479,12 @@ def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
 
 
 def _record(fmt: int, events: list[bytes], receipts: list[bytes], eager: bool) -> Record | Damage:
-    if fmt == 3 and eager:
+    if fmt >= 3 and eager:
         expanded = expand_receipts(receipts, events)
         if isinstance(expanded, str):
             return Damage(None, f"its receipts do not fit its events: {expanded}", events)
         return Record(events, expanded)
-    return Record(events, receipts, compact=fmt == 3)
+    return Record(events, receipts, compact=fmt >= 3)
 
 
 def _inflate(fmt: int, data: bytes, expected: int) -> tuple[bytes, str | None]:

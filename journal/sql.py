@@ -443,7 +443,7 @@ class SqlJournal(Journal):
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
                                             h.stream_position, h.committed_length))
             receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(own), first, position, now)
-            add_receipt(encode_receipt(receipt))
+            add_receipt(encode_receipt(receipt, op.derived))
             event_ids.update(own)
             op_ids.append(op_id)
             for sha, manifest in op.manifests:  # where its allocation holds it, or itself

@@ -19,7 +19,9 @@ from kvledger.engine.ids import seeded
 from kvledger.engine.service import CommandService, ManualClock
 from kvledger.engine.state import HandleState, OpenTxn
 from kvledger.migrations.storage import open_or_create_journal
+from kvledger.schemas.decode_fingerprint import decode_chain_fingerprint
 from kvledger.schemas.errors import KvLedgerError
+from kvledger.schemas.events import ForwardCall
 
 from lifecycle_helpers import allocate, emit
 
@@ -78,7 +80,9 @@ def _plan(journal, fast: bool, s: HandleState, chain: c.Chain):
             plan = service._plan(chain, "op-1", {s.handle_id: s})
         except KvLedgerError as exc:
             return ("refused", exc.code, exc.message)
-    return (plan.events, plan.states, plan.op, service.local_sequence)
+    # The lane marks the worker's form derived (its fingerprint rebuilt from its events,
+    # schemas.decode_fingerprint); equal to the general path's otherwise, fingerprint included.
+    return (plan.events, plan.states, msgspec.structs.replace(plan.op, derived=False), service.local_sequence)
 
 
 def test_the_plain_chain_takes_the_fast_path_and_equals_the_general_one(journal, states):
@@ -89,6 +93,7 @@ def test_the_plain_chain_takes_the_fast_path_and_equals_the_general_one(journal,
         assert fast[0] and fast == general
         events, after, op, _ = fast
         assert [e.event_type for e in events] == ["append_publish", "output_emit", "append_start"]
+        assert op.fingerprint == chain.fingerprint() == decode_chain_fingerprint(*events)
         assert after[H].stream_position == s.stream_position + 3
         assert op.writes[0].expected.stream_position == s.stream_position
 
@@ -127,18 +132,21 @@ def cases(draw, states: list[HandleState]):
         base_generation=_off(draw, g, None, g + 1), base_snapshot_version=_off(draw, v, None, v - 1, v + 1),
         layers=_off(draw, None, full_layers(s.num_layers, t.interval_start, t.interval_count)),
         accepted_count=_off(draw, None, t.interval_count, 0),
-        rows_sha256=_off(draw, DIGEST, None), workspace_bytes=_off(draw, 0, 64))
+        rows_sha256=_off(draw, DIGEST, None), workspace_bytes=_off(draw, 0, 64),
+        operation_id=_off(draw, None, "inner-p"))
     emit_ = c.EmitOutput(
         handle_id=_off(draw, H, "other"), base_generation=_off(draw, None, g, g + 1),
         base_snapshot_version=_off(draw, None, v + 1, v), output_index=_off(draw, len(s.outputs), len(s.outputs) + 1),
-        token_id=token)
+        token_id=token, operation_id=_off(draw, None, "inner-e"))
     start = c.BeginAppend(
         handle_id=_off(draw, H, "other"), txn_id=_off(draw, "next", t.txn_id, "gone"),
         kind=_off(draw, "decode", "chunk", "repair", "verify", "prefill"),
         base_generation=_off(draw, None, g, g + 1), base_snapshot_version=_off(draw, None, v + 1, v),
         interval_start=_off(draw, at, at + 1, at - 1), interval_count=_off(draw, 1, 2),
         token_ids=_off(draw, (token,), (token + 1,), (token, token)), cache_positions=_off(draw, (at,), (at + 1,)),
-        mask_key_extent=_off(draw, at + 1, at), cache_abi_sha256=_off(draw, s.cache_abi_sha256, "", "cd" * 32))
+        mask_key_extent=_off(draw, at + 1, at), cache_abi_sha256=_off(draw, s.cache_abi_sha256, "", "cd" * 32),
+        operation_id=_off(draw, None, "inner-s"),
+        call=_off(draw, None, ForwardCall(call_id="call-1", index=2, size=4, new_pad=1, key_extent=at + 1, threads=2)))
     steps = _off(draw, (publish, emit_, start), (publish, emit_), (publish, start, emit_),
                  (publish, emit_, start, start))
     return s, c.Chain(handle_id=_off(draw, H, "other"), steps=steps)
@@ -152,7 +160,7 @@ def test_the_fast_path_never_differs_from_the_general_one(journal, states, data)
     decided = decode_step(s, chain, 1)
     if decided is not None:
         assert general[0] != "refused", f"the fast path accepted what the general one refuses: {general}"
-    assert fast == general
+    assert fast == general  # the fingerprint too: derived from the events when the lane marks it
 
 
 def _prefilling(journal, fast: bool, at_ms: float, strict: bool = False) -> tuple[Ledger, CommandService]:

@@ -1,6 +1,7 @@
-"""The record format (journal/records.py): format 3 (zstd, compact receipts) rebuilds
-every receipt byte for byte; format 2 (zstd, JSON receipts) and format 1 (zlib) records
-written before it read back the same; damage is named, never inflated without bound;
+"""The record format (journal/records.py): format 4 (zstd, compact receipts, a decode
+chain's fingerprint derived from its events) rebuilds every receipt byte for byte;
+format 2 (zstd, JSON receipts) and format 1 (zlib) records written before it read back
+the same; damage is named, never inflated without bound;
 manifests read back in either stored form."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvledger.engine import commands as c
 from kvledger.journal.records import (
     FORMAT,
     MAX_RUN,
@@ -61,7 +63,7 @@ def test_zstd_records_are_smaller_than_format_1():
     events = [b'{"event_type":"output_emit","payload":{"output_index":%d,"token_id":%d}}' % (i, i * 7919 % 50000)
               for i in range(2000)]
     new, old = encode_record(events, []), _format1(events, [])
-    assert msgspec.msgpack.decode(new, type=_Header).format == FORMAT == 3
+    assert msgspec.msgpack.decode(new, type=_Header).format == FORMAT == 4
     assert len(new) < len(old)
 
 
@@ -137,6 +139,14 @@ def _committed(tmp_path) -> tuple[list[bytes], list[bytes]]:
         ledger.truncate("A", base=base(ledger, "A"), new_length=3)
         ledger.finish("B", base=base(ledger, "B")[0])
         ledger.release("B", base=base(ledger, "B")[0])
+        # decode chains through the service's decode lane, the worker's form (format 4
+        # derives their fingerprints) and one with its emit's base named (stored as before)
+        allocate(ledger, "D", capacity=32)
+        s = ledger.state("D")
+        ledger.begin_append("D", txn_id="D0", kind="prefill", base=base(ledger, "D"), start=0, token_ids=s.prompt)
+        for i in range(4):
+            [r] = ledger.service.execute_many([c.Relative(_decode_chain(ledger.state("D"), i, named=i == 2))])
+            assert not isinstance(r, Exception), r
         rec = Recorder("tcp://x:1", "kv", {}, replayable=False)
         rec.message(3, b"x", (1.0, (), 0), replayed=False)  # seqs 0-2 never seen: a gap, then the batch
         returned += ledger.journal.append(rec.take())
@@ -149,16 +159,42 @@ def _committed(tmp_path) -> tuple[list[bytes], list[bytes]]:
     return [receipt_encoder.encode(r) for r in returned], bodies
 
 
-def test_format_3_rebuilds_each_receipt_byte_for_byte(tmp_path):
+def _decode_chain(s, i: int, named: bool = False):
+    """The worker's decode chain for handle state `s` (`named`: the emit names its base)."""
+    from kvledger.engine import commands as c
+
+    t = s.open_txns[0]
+    at = t.interval_start + t.interval_count
+    g, v = (s.generation, s.snapshot_version + 1) if named else (None, None)
+    return c.Chain(handle_id=s.handle_id, steps=(
+        c.Publish(handle_id=s.handle_id, txn_id=t.txn_id, base_generation=None, base_snapshot_version=None,
+                  rows_sha256=f"{i:064x}", workspace_bytes=64 * i),
+        c.EmitOutput(handle_id=s.handle_id, base_generation=g, base_snapshot_version=v,
+                     output_index=len(s.outputs), token_id=100 + i),
+        c.BeginAppend(handle_id=s.handle_id, txn_id=f"D{i + 1}", kind="decode", base_generation=None,
+                      base_snapshot_version=None, interval_start=at, interval_count=1, token_ids=(100 + i,),
+                      cache_positions=(at,), mask_key_extent=at + 1, cache_abi_sha256=s.cache_abi_sha256),
+    ))
+
+
+def test_format_4_rebuilds_each_receipt_byte_for_byte(tmp_path):
+    """Every receipt the writer returned, rebuilt from the stored records: compact ones
+    (format 3's), and decode chains' whose fingerprints are derived from their events
+    (format 4), which the journal above holds, besides a chain whose fingerprint is stored."""
+    from kvledger.journal.records import _compact_decode
+
     returned, bodies = _committed(tmp_path)
     stored = []
+    marks = []
     for body in bodies:
-        assert msgspec.msgpack.decode(body, type=_Header).format == 3
+        assert msgspec.msgpack.decode(body, type=_Header).format == FORMAT == 4
+        marks += [_compact_decode(r).fingerprint is None for r in decode_record(body, "t").stored_receipts]
         record = decode_record(body, "t")
         stored += record.receipts
         audited = audit_record(body)
         assert not isinstance(audited, Damage) and audited.receipts == record.receipts
     assert stored == returned
+    assert marks.count(True) == 3  # the chains in the worker's form; the named one's is stored
     # and each is what format 2 stored: the same record with its receipts as JSON
     for body in bodies:
         record = decode_record(body, "t")

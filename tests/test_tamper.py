@@ -59,7 +59,7 @@ def edit_event(body: bytes, index: int, *, rechecksum: bool) -> bytes:
     """The record with one byte of its event `index` changed (a digit or letter turned
     into another one, so the JSON still parses), its CRCs kept or recomputed."""
     h = msgspec.msgpack.decode(body, type=_Header)
-    assert h.format in (2, 3)  # zstd
+    assert h.format in (2, 3, 4)  # zstd
     data = bytearray(zstandard.ZstdDecompressor().decompress(h.data))
     start = sum(h.event_lengths[:index])
     event = data[start:start + h.event_lengths[index]]
