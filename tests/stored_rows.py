@@ -4,6 +4,7 @@ refused command changed nothing."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sqlite3
 from pathlib import Path
@@ -13,7 +14,7 @@ from sqlalchemy import text
 
 from kvledger import migrations
 from kvledger.cli import main
-from kvledger.journal import make_engine, parse_url
+from kvledger.journal import make_engine, open_journal, parse_url
 from kvledger.journal.tables import JOURNAL_TABLES as TABLES
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import import_jsonl
@@ -92,6 +93,25 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def reads_as_recorded(capsys, url: str, fixture: Path, out_dir: Path, receipts: list | None = None) -> None:
+    """`verify --json` (clean, apart from where it ran), `replay --json` and `export` of
+    the journal at `url` print what the old code printed into `fixture`; and each of
+    the old code's `receipts` is found by its operation id."""
+    code, out, err = cli(capsys, "verify", "--json", "--db", url)
+    assert code == 0, err
+    got, want = json.loads(out), json.loads((fixture / "verify.json").read_text())
+    skip = {"source", "storage"}
+    assert got["ok"] and {k: v for k, v in got.items() if k not in skip} == \
+        {k: v for k, v in want.items() if k not in skip}
+    code, out, err = cli(capsys, "replay", "--json", "--db", url)
+    assert code == 0 and out == (fixture / "replay.json").read_text(), err
+    assert cli(capsys, "export", "--db", url, "--out", str(out_dir / "e.jsonl"))[0] == 0
+    assert (out_dir / "e.jsonl").read_bytes() == (fixture / "export.jsonl").read_bytes()
+    if receipts is not None:
+        with open_journal(url) as journal:
+            assert [journal.receipt(r.operation_id) for r in receipts] == receipts
 
 
 def one_coded_line(err: str, code: str | None = None) -> str:

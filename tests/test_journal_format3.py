@@ -1,0 +1,65 @@
+"""A journal of format 3 records (commit 0823483: every receipt's fingerprint stored)
+reads the same with today's code, which writes format 4 (a decode chain's fingerprint
+derived from its events). fixtures/journal_format3 holds what that code wrote and
+printed: the SQLite file, its export, `replay --json`, `verify --json` and every receipt.
+
+Same revision (0006), so nothing migrates: verify is clean, replay and export print what
+the old code printed, every old receipt is found by its operation id (what makes a
+retry of it idempotent), and after today's code appends to it, the journal holds both
+formats and still verifies, the old receipts unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from kvledger.journal import open_journal
+from kvledger.journal.records import FORMAT, _compact_decode, _Header, decode_record
+from kvledger.journal.tables import SCHEMA_REVISION
+from kvledger.schemas.receipts import receipt_decoder
+
+from stored_rows import FIXTURES, cli, old_journal, reads_as_recorded, sql
+
+OLD = FIXTURES / "journal_format3"
+TABLES = ("kvl_heads", "kvl_manifests", "kvl_checkpoints", "kvl_records", "kvl_record_ids")
+RECEIPTS = [receipt_decoder.decode(line) for line in (OLD / "receipts.jsonl").read_bytes().splitlines()]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def old_url(request, tmp_path) -> str:
+    """A writable copy of the fixture on the parametrized backend."""
+    return old_journal(request, tmp_path, OLD, SCHEMA_REVISION, TABLES)
+
+
+def formats(url: str) -> list[int]:
+    return [msgspec.msgpack.decode(bytes(b), type=_Header).format
+            for (b,) in sql(url, "SELECT body FROM kvl_records ORDER BY last_position")]
+
+
+def derived(url: str) -> int:
+    """Receipts stored without their fingerprint (format 4's mark)."""
+    return sum(_compact_decode(r).fingerprint is None
+               for (b,) in sql(url, "SELECT body FROM kvl_records")
+               for r in decode_record(bytes(b), "t").stored_receipts)
+
+
+def test_format_3_reads_as_the_old_code_read_it(old_url, capsys, tmp_path):
+    assert FORMAT == 4 and set(formats(old_url)) == {3} and derived(old_url) == 0
+    reads_as_recorded(capsys, old_url, OLD, tmp_path, RECEIPTS)
+
+
+def test_appended_format_4_records_verify_beside_format_3_ones(old_url, capsys):
+    code, _, err = cli(capsys, "demo", "--db", old_url, "--requests", "4", "--max-new-tokens", "4", "--seed", "5")
+    assert code == 0, err
+    kinds = formats(old_url)
+    assert kinds[:8] == [3] * 8 and set(kinds[8:]) == {4}
+    assert derived(old_url) > 0  # the demo's decode chains: their fingerprints rebuilt on read
+    code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
+    assert code == 0 and json.loads(out)["ok"], err
+    with open_journal(old_url) as journal:
+        assert [journal.receipt(r.operation_id) for r in RECEIPTS] == RECEIPTS
+        new = [r for r in journal.read_receipts() if r.first_global_position > 149]
+        assert new and all(len(r.fingerprint) == 64 for r in new)
