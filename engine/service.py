@@ -27,7 +27,6 @@ from kvledger.journal.contract import Check, Guard, HeadFacts, Journal, Operatio
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
-from kvledger.schemas.decode_fingerprint import decode_chain_fingerprint
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
@@ -350,13 +349,15 @@ class CommandService(BatchSurface):
         write = StreamWrite(h, _guard(s), _head(after), events)
         publish, emit, start = cmd.steps
         assert type(emit) is c.EmitOutput and type(start) is c.BeginAppend  # what decode_step accepted
-        # The chain's own form (the worker's): its fingerprint is a function of its events,
-        # and the journal stores a mark for it instead of 32 bytes.
+        # The chain's own form (the worker's): its fingerprint is a function of its events
+        # (schemas.decode_fingerprint rebuilds it on read), and the journal stores a mark
+        # for it instead of 32 bytes. Computed here from the command as before, which is
+        # cheaper (4.8 against 7.8 us); tests/test_decode_step.py holds the two equal.
         derived = (publish.operation_id is None and emit.operation_id is None and start.operation_id is None
                    and emit.base_generation is None and emit.base_snapshot_version is None
                    and start.base_generation is None and start.base_snapshot_version is None)
-        fingerprint = decode_chain_fingerprint(*events) if derived else cmd.fingerprint()  # type: ignore[arg-type]  # _DECODE_CLASSES' three
-        return Plan(cmd, Operation(operation_id, fingerprint, (write,), derived=derived), {h: after}, list(events))
+        op = Operation(operation_id, cmd.fingerprint(), (write,), derived=derived)
+        return Plan(cmd, op, {h: after}, list(events))
 
     @staticmethod
     def _steps(cmd: c.Command) -> tuple[c.Command, ...]:
