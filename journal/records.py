@@ -21,6 +21,7 @@ import functools
 import hashlib
 import itertools
 import re
+import struct
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -35,8 +36,11 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import Manifest
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-FORMAT = 4  # 3, and a decode chain's fingerprint derived from its events; 3: zstd, compact
-FORMATS = (1, 2, 3, 4)  # receipts; 2: zstd, receipts as JSON; 1: zlib
+# 5: 4, with the lengths and CRCs inside the zstd frame; 4: 3, and a decode chain's
+# fingerprint derived from its events; 3: zstd, compact receipts; 2: zstd, receipts as
+# JSON; 1: zlib
+FORMAT = 5
+FORMATS = (1, 2, 3, 4, 5)
 GENESIS = bytes(32)  # the chain before the first record
 LEVEL = 1  # zstd's level 1: its higher levels cost far more CPU for a few percent
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -52,8 +56,22 @@ class _Header(msgspec.Struct, array_like=True, frozen=True, gc=False):
     data: bytes  # the events' bytes, then the receipts', compressed (format 1: zlib; 2 and 3: zstd)
 
 
+class _Header5(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Format 5: the lists travel inside the frame, which holds each event's and then each
+    receipt's length (little-endian uint32), then their CRC-32s, then their bytes. Lengths
+    of like events repeat, so zstd stores them in ~1 byte a token where the header's
+    msgpack lists took ~12 (the CRCs, random, cost the same either way)."""
+
+    format: int
+    events: int
+    receipts: int
+    data: bytes  # zstd
+
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Header).decode
+_decode5 = msgspec.msgpack.Decoder(_Header5).decode
+_FORMAT5 = b"\x94\x05"  # a msgpack array of four whose first item is 5: _Header5's start
 
 
 class Record:
@@ -196,12 +214,48 @@ class Damage(msgspec.Struct, frozen=True):
 
 
 def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int = FORMAT) -> bytes:
-    """A record of `fmt` (2, 3 or 4) with the receipts in its stored form (3 and 4: compact_receipt)."""
+    """A record of `fmt` (2 to 5) with the receipts in its stored form (3 to 5: compact_receipt)."""
     crc = zlib.crc32
+    parts = [*events, *receipts]
+    if fmt >= 5:
+        return pack_record(RecordParts(fmt, [len(e) for e in events], [crc(e) for e in events],
+                                       [len(r) for r in receipts], [crc(r) for r in receipts],
+                                       b"".join(parts)))
     return _encode(_Header(
         fmt, [len(e) for e in events], [crc(e) for e in events],
         [len(r) for r in receipts], [crc(r) for r in receipts],
-        compress(b"".join([*events, *receipts]))))  # one join: `+` copies the record's MBs again
+        compress(b"".join(parts))))  # one join: `+` copies the record's MBs again
+
+
+class RecordParts(msgspec.Struct):
+    """A record taken apart: its format, the lists (in format 5 stored inside the frame)
+    and the events' and receipts' bytes, decompressed. For tests that forge records, and
+    for the audit."""
+
+    format: int
+    event_lengths: list[int]
+    event_crcs: list[int]
+    receipt_lengths: list[int]
+    receipt_crcs: list[int]
+    data: bytes
+
+
+def pack_record(p: RecordParts) -> bytes:
+    """The stored bytes of `p`, its lists taken as given (a forger's CRCs too)."""
+    if p.format >= 5:
+        lists = [*p.event_lengths, *p.receipt_lengths, *p.event_crcs, *p.receipt_crcs]
+        frame = struct.pack(f"<{len(lists)}I", *lists) + p.data
+        return _encode(_Header5(p.format, len(p.event_lengths), len(p.receipt_lengths), compress(frame)))
+    return _encode(_Header(p.format, p.event_lengths, p.event_crcs, p.receipt_lengths, p.receipt_crcs,
+                           compress(p.data)))
+
+
+def unpack_record(body: bytes) -> RecordParts:
+    """`body` taken apart (zstd formats, undamaged); see audit_record for the checks."""
+    found = _parts(body)
+    if isinstance(found, Damage) or found[1] is not None:
+        raise ValueError(f"not an undamaged zstd record: {found}")
+    return found[0]
 
 
 def compress(data: bytes) -> bytes:
@@ -437,19 +491,50 @@ def decode_record(body: bytes, where: str) -> Record:
     return found
 
 
-def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
-    """The record's events and receipts (a format 3 record's receipts rebuilt now unless
-    not `eager`), or the damage found."""
+def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
+    """The record's parts (its data as far as it inflates), with what is wrong with its
+    compressed stream (None: nothing), or the damage that leaves no list to check."""
+    if body[:2] == _FORMAT5:
+        try:
+            h5 = _decode5(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Damage(None, f"unreadable header: {exc}")
+        k = h5.events + h5.receipts
+        try:
+            size = zstandard.frame_content_size(h5.data)
+        except zstandard.ZstdError:
+            size = -1
+        if h5.events < 0 or h5.receipts < 0 or size < 8 * k:
+            return Damage(None, "its header's counts do not fit its data")
+        raw, problem = _inflate(h5.format, h5.data, size)
+        if len(raw) < 8 * k:
+            return Damage(None, problem or "its data ends inside its lists")
+        lists = list(struct.unpack_from(f"<{2 * k}I", raw))
+        e = h5.events
+        return RecordParts(h5.format, lists[:e], lists[k:k + e], lists[e:k], lists[k + e:], raw[8 * k:]), problem
     try:
         h = _decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return Damage(None, f"unreadable header: {exc}")
     if h.format not in FORMATS:
         return Damage(None, f"record format {h.format}, this kvledger reads {', '.join(map(str, FORMATS))}")
+    if h.format >= 5:
+        return Damage(None, f"a format {h.format} record with the header of format 4 and before")
     counts = (len(h.event_lengths), len(h.event_crcs), len(h.receipt_lengths), len(h.receipt_crcs))
     if counts[0] != counts[1] or counts[2] != counts[3] or min(h.event_lengths + h.receipt_lengths, default=0) < 0:
         return Damage(None, "header lists do not match")
     data, problem = _inflate(h.format, h.data, sum(h.event_lengths) + sum(h.receipt_lengths))
+    return RecordParts(h.format, h.event_lengths, h.event_crcs, h.receipt_lengths, h.receipt_crcs, data), problem
+
+
+def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
+    """The record's events and receipts (a format 3 to 5 record's receipts rebuilt now
+    unless not `eager`), or the damage found."""
+    found = _parts(body)
+    if isinstance(found, Damage):
+        return found
+    h, problem = found
+    data = h.data
     if problem is None and len(data) == sum(h.event_lengths) + sum(h.receipt_lengths):
         # Every slice is whole: cut and check them in bulk (a replay reads every event
         # through here); the loop below names what fails.

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import pytest
 
 from kvledger.journal import open_journal
-from kvledger.journal.records import FORMAT, _compact_decode, _Header, decode_record
+from kvledger.journal.records import FORMAT, _compact_decode, decode_record, unpack_record
 from kvledger.journal.tables import SCHEMA_REVISION
 from kvledger.schemas.receipts import receipt_decoder
 
@@ -35,8 +34,7 @@ def old_url(request, tmp_path) -> str:
 
 
 def formats(url: str) -> list[int]:
-    return [msgspec.msgpack.decode(bytes(b), type=_Header).format
-            for (b,) in sql(url, "SELECT body FROM kvl_records ORDER BY last_position")]
+    return [unpack_record(bytes(b)).format for (b,) in sql(url, "SELECT body FROM kvl_records ORDER BY last_position")]
 
 
 def derived(url: str) -> int:
@@ -47,7 +45,7 @@ def derived(url: str) -> int:
 
 
 def test_format_3_reads_as_the_old_code_read_it(old_url, capsys, tmp_path):
-    assert FORMAT == 4 and set(formats(old_url)) == {3} and derived(old_url) == 0
+    assert FORMAT == 5 and set(formats(old_url)) == {3} and derived(old_url) == 0
     reads_as_recorded(capsys, old_url, OLD, tmp_path, RECEIPTS)
 
 
@@ -55,7 +53,7 @@ def test_appended_format_4_records_verify_beside_format_3_ones(old_url, capsys):
     code, _, err = cli(capsys, "demo", "--db", old_url, "--requests", "4", "--max-new-tokens", "4", "--seed", "5")
     assert code == 0, err
     kinds = formats(old_url)
-    assert kinds[:8] == [3] * 8 and set(kinds[8:]) == {4}
+    assert kinds[:8] == [3] * 8 and set(kinds[8:]) == {FORMAT}
     assert derived(old_url) > 0  # the demo's decode chains: their fingerprints rebuilt on read
     code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
     assert code == 0 and json.loads(out)["ok"], err

@@ -20,6 +20,7 @@ from kvledger.journal.records import (
     MAX_RUN,
     Damage,
     _Header,
+    _Header5,
     audit_record,
     compact_receipt,
     decode_record,
@@ -28,9 +29,11 @@ from kvledger.journal.records import (
     id_runs,
     op_key,
     pack_manifest,
+    pack_record,
     stab,
     stable_key,
     unpack_manifest,
+    unpack_record,
 )
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.receipts import receipt_decoder, receipt_encoder
@@ -63,7 +66,7 @@ def test_zstd_records_are_smaller_than_format_1():
     events = [b'{"event_type":"output_emit","payload":{"output_index":%d,"token_id":%d}}' % (i, i * 7919 % 50000)
               for i in range(2000)]
     new, old = encode_record(events, []), _format1(events, [])
-    assert msgspec.msgpack.decode(new, type=_Header).format == FORMAT == 4
+    assert unpack_record(new).format == FORMAT == 5
     assert len(new) < len(old)
 
 
@@ -100,6 +103,56 @@ def test_flipped_compressed_bytes_are_damage_inside_the_record():
             assert found.events == EVENTS[:len(found.events)]  # what it keeps is exact
         else:  # the flip landed where zstd does not look (it cannot change a byte we read)
             assert found.events == EVENTS and found.receipts == RECEIPTS
+
+
+def test_format_5_keeps_its_lists_inside_the_frame_and_reads_back_exactly():
+    body = encode_record(EVENTS, RECEIPTS)
+    h = msgspec.msgpack.decode(body, type=_Header5)
+    assert (h.format, h.events, h.receipts) == (5, len(EVENTS), len(RECEIPTS))
+    record = decode_record(body, "t")
+    assert record.events == EVENTS and record.stored_receipts == RECEIPTS
+    parts = unpack_record(body)
+    assert parts.event_lengths == [len(e) for e in EVENTS] and parts.receipt_crcs == [zlib.crc32(r) for r in RECEIPTS]
+    assert pack_record(parts) == body
+    # like events' lengths repeat: the lists cost the frame far less than the header's msgpack lists
+    old = encode_record(EVENTS, RECEIPTS, fmt=4)
+    assert len(body) < len(old)
+
+
+def _forged5(**change) -> bytes:
+    return pack_record(msgspec.structs.replace(unpack_record(encode_record(EVENTS, RECEIPTS)), **change))
+
+
+def test_format_5_names_a_changed_event_and_refuses_forged_lists():
+    crcs = [zlib.crc32(e) for e in EVENTS]
+    crcs[17] ^= 1  # as if event 17's bytes had changed under an unchanged CRC
+    found = audit_record(_forged5(event_crcs=crcs))
+    assert isinstance(found, Damage) and found.index == 17 and found.events == EVENTS[:17]
+    for change in ({"event_lengths": [len(e) for e in EVENTS[:-1]] + [1 << 31]},  # past the data
+                   {"receipt_lengths": [len(r) + 1 for r in RECEIPTS]}):
+        found = audit_record(_forged5(**change))
+        assert isinstance(found, Damage), change
+        with pytest.raises(KvLedgerError) as err:
+            decode_record(_forged5(**change), "at 9")
+        assert err.value.code.value == "CORRUPT_JOURNAL"
+    # a header claiming more lists than its frame holds: refused before anything is cut
+    h = msgspec.msgpack.decode(encode_record(EVENTS, RECEIPTS), type=_Header5)
+    for events in (1 << 40, len(EVENTS) + 10_000, -1):
+        found = audit_record(msgspec.msgpack.encode(msgspec.structs.replace(h, events=events)))
+        assert isinstance(found, Damage) and found.index is None, events
+
+
+def test_format_5_flipped_compressed_bytes_are_damage_inside_the_record():
+    h = msgspec.msgpack.decode(encode_record(EVENTS, RECEIPTS), type=_Header5)
+    for at in range(0, len(h.data), 3):
+        data = bytearray(h.data)
+        data[at] ^= 0x5A
+        found = audit_record(msgspec.msgpack.encode(msgspec.structs.replace(h, data=bytes(data))))
+        if isinstance(found, Damage):
+            assert found.index is None or 0 <= found.index < len(EVENTS)
+            assert found.events == EVENTS[:len(found.events)]  # what it keeps is exact
+        else:  # the flip landed where zstd does not look (it cannot change a byte we read)
+            assert found.events == EVENTS and found.stored_receipts == RECEIPTS
 
 
 def test_manifests_read_back_in_either_stored_form():
@@ -187,7 +240,7 @@ def test_format_4_rebuilds_each_receipt_byte_for_byte(tmp_path):
     stored = []
     marks = []
     for body in bodies:
-        assert msgspec.msgpack.decode(body, type=_Header).format == FORMAT == 4
+        assert unpack_record(body).format == FORMAT == 5
         marks += [_compact_decode(r).fingerprint is None for r in decode_record(body, "t").stored_receipts]
         record = decode_record(body, "t")
         stored += record.receipts
