@@ -5,12 +5,13 @@ layout stored (the same bytes, so readers, `verify` and `export` see exactly wha
 saw before) and the commit's receipts, compressed together. Compression does what a
 columnar encoding would, at a fraction of the code: a batch of decode chains repeats
 every field name and most values, and 2.5 KB of JSON per decoded token stores in about
-200 bytes, receipts included. Format 2 compresses with zstd level 1: against format 1's
+140 bytes, receipts included. Format 2 compresses with zstd level 1: against format 1's
 zlib level 1 it writes 37% fewer bytes in a fifth of the CPU time (docs/COMPACT.md);
-format 1 records stay readable.
+formats 3 to 5 shrink the receipts and the header (below). Every older format stays
+readable.
 
 Tamper evidence (issue 17): each event and receipt carries a CRC-32 of its own bytes in
-the record's header, and each record a chain digest, SHA-256(previous record's chain ||
+the record's lists (format 5: inside the frame), and each record a chain digest, SHA-256(previous record's chain ||
 SHA-256(body)). A changed byte anywhere in a record breaks the chain there; its CRCs
 name the first event whose bytes changed. The chain costs 32 bytes a commit.
 """
@@ -76,7 +77,7 @@ _FORMAT5 = b"\x94\x05"  # a msgpack array of four whose first item is 5: _Header
 
 class Record:
     """A record's events and receipts, each as the JSON bytes the one-row-per-event layout
-    stored. A format 3 record's receipts are expanded from its events when first read
+    stored. A format 3 to 5 record's receipts are expanded from its events when first read
     (most reads want events only)."""
 
     __slots__ = ("_compact", "_receipts", "events")
@@ -181,7 +182,7 @@ def expand_receipts(compact: Sequence[bytes], events: Sequence[bytes]) -> list[b
                 return f"receipt {len(out)} has heads for {len(r.heads) / 3:g} handles, its events {len(last)}"
             h = r.heads
             fp = r.fingerprint.hex() if isinstance(r.fingerprint, bytes) else r.fingerprint
-            if fp is None:  # format 4: a decode chain's, rebuilt from its three events
+            if fp is None:  # formats 4 and 5: a decode chain's, rebuilt from its three events
                 chain = chain_events([decode_event(e) for e in events[at - r.count:at]])
                 if chain is None:
                     return f"receipt {len(out)} marks its fingerprint derived, but its events are no decode chain"
