@@ -242,7 +242,10 @@ class RecordParts(msgspec.Struct):
 
 
 def pack_record(p: RecordParts) -> bytes:
-    """The stored bytes of `p`, its lists taken as given (a forger's CRCs too)."""
+    """The stored bytes of `p` (a zstd format: 2 and later), its lists taken as given (a
+    forger's CRCs too)."""
+    if p.format < 2:
+        raise ValueError(f"format {p.format} is zlib's: pack_record writes zstd records")
     if p.format >= 5:
         lists = [*p.event_lengths, *p.receipt_lengths, *p.event_crcs, *p.receipt_crcs]
         frame = struct.pack(f"<{len(lists)}I", *lists) + p.data
