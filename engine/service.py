@@ -27,6 +27,7 @@ from kvledger.journal.contract import Check, Guard, HeadFacts, Journal, Operatio
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
@@ -395,7 +396,7 @@ class CommandService(BatchSurface):
         )
 
 
-_DECODE_CLASSES = (ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent)
+_DECODE_CLASSES = DECODE_CHAIN  # the order schemas.decode_fingerprint reads them back in
 _DECODE_VERSIONS = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in _DECODE_CLASSES)
 
 

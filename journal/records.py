@@ -217,15 +217,10 @@ class Damage(msgspec.Struct, frozen=True):
 def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int = FORMAT) -> bytes:
     """A record of `fmt` (2 to 5) with the receipts in its stored form (3 to 5: compact_receipt)."""
     crc = zlib.crc32
-    parts = [*events, *receipts]
-    if fmt >= 5:
-        return pack_record(RecordParts(fmt, [len(e) for e in events], [crc(e) for e in events],
-                                       [len(r) for r in receipts], [crc(r) for r in receipts],
-                                       b"".join(parts)))
-    return _encode(_Header(
+    return pack_record(RecordParts(
         fmt, [len(e) for e in events], [crc(e) for e in events],
         [len(r) for r in receipts], [crc(r) for r in receipts],
-        compress(b"".join(parts))))  # one join: `+` copies the record's MBs again
+        b"".join([*events, *receipts])))  # one join: `+` copies the record's MBs again
 
 
 class RecordParts(msgspec.Struct):

@@ -19,6 +19,9 @@ from __future__ import annotations
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json, sha256_hex
 
+# A decode chain's events, in the order the service's decode lane stamps them.
+DECODE_CHAIN = (ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent)
+
 
 def decode_chain_fingerprint(publish: ev.AppendPublishEvent, emit: ev.OutputEmitEvent,
                              start: ev.AppendStartEvent) -> str:
@@ -43,10 +46,9 @@ def chain_events(events: list[ev.Event]) -> tuple[ev.AppendPublishEvent, ev.Outp
                                                   ev.AppendStartEvent] | None:
     """The events of one operation as a decode chain's (publish, emit, start on one
     stream), or None."""
-    if len(events) != 3:
+    if tuple(map(type, events)) != DECODE_CHAIN:
         return None
     p, o, s = events
-    if (type(p) is not ev.AppendPublishEvent or type(o) is not ev.OutputEmitEvent
-            or type(s) is not ev.AppendStartEvent or not p.stream_id == o.stream_id == s.stream_id):
+    if not p.stream_id == o.stream_id == s.stream_id:
         return None
-    return p, o, s
+    return p, o, s  # type: ignore[return-value]  # DECODE_CHAIN's types, checked above
