@@ -30,18 +30,22 @@ from typing import Any
 import msgspec
 import zstandard
 
+from kvledger.journal.steps import StepReader, is_row
 from kvledger.schemas.canonical import canonical_json
-from kvledger.schemas.codec import decode_event
+from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import Event
 from kvledger.schemas.manifest import Manifest
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
+# 6: 5, with decode steps as rows (journal.steps), written when a record holds one;
 # 5: 4, with the lengths and CRCs inside the zstd frame; 4: 3, and a decode chain's
 # fingerprint derived from its events; 3: zstd, compact receipts; 2: zstd, receipts as
 # JSON; 1: zlib
-FORMAT = 5
-FORMATS = (1, 2, 3, 4, 5)
+FORMAT = 6
+EVENTS_FORMAT = 5  # what a record with no step row is written in
+FORMATS = (1, 2, 3, 4, 5, 6)
 GENESIS = bytes(32)  # the chain before the first record
 LEVEL = 1  # zstd's level 1: its higher levels cost far more CPU for a few percent
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -73,22 +77,44 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Header).decode
 _decode5 = msgspec.msgpack.Decoder(_Header5).decode
 _FORMAT5 = b"\x94\x05"  # a msgpack array of four whose first item is 5: _Header5's start
+_FORMAT6 = b"\x94\x06"  # format 6 has format 5's header
 
 
 class Record:
     """A record's events and receipts, each as the JSON bytes the one-row-per-event layout
-    stored. A format 3 to 5 record's receipts are expanded from its events when first read
-    (most reads want events only)."""
+    stored. A format 3 to 6 record's receipts are expanded from its events when first read
+    (most reads want events only); a format 6 record's step rows are rebuilt as events
+    when it is read, and as JSON only when its bytes are wanted (`decoded` needs none)."""
 
-    __slots__ = ("_compact", "_receipts", "events")
+    __slots__ = ("_compact", "_events", "_receipts", "_steps")
 
-    def __init__(self, events: list[bytes], receipts: list[bytes], compact: bool = False) -> None:
-        self.events, self._receipts, self._compact = events, receipts, compact
+    def __init__(self, events: list[bytes] | None, receipts: list[bytes], compact: bool = False,
+                 steps: _Steps | None = None) -> None:
+        self._events, self._receipts, self._compact, self._steps = events, receipts, compact, steps
+
+    @property
+    def events(self) -> list[bytes]:
+        if self._events is None:
+            assert self._steps is not None  # a record without rows has its JSON
+            self._events = self._steps.json()
+        return self._events
+
+    @property
+    def step_rows(self) -> int:
+        """How many of its operations are stored as step rows (format 6)."""
+        return 0 if self._steps is None else len(self._steps.rows)
+
+    def decoded(self) -> list[Event]:
+        """The events (decode_event's, for the ones stored as JSON)."""
+        if self._steps is None:
+            return [decode_event(e) for e in self.events]
+        return self._steps.decoded()
 
     @property
     def receipts(self) -> list[bytes]:
         if self._compact:
-            expanded = expand_receipts(self._receipts, self.events)
+            expanded = (expand_receipts(self._receipts, self.events) if self._steps is None
+                        else self._steps.receipts(self._receipts))
             if isinstance(expanded, str):  # its CRCs held: a writer's fault, not a flipped byte
                 raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"a record's receipts do not fit its events: "
                                                                f"{expanded} (run `kvledger verify`)")
@@ -97,7 +123,8 @@ class Record:
 
     @property
     def stored_receipts(self) -> list[bytes]:
-        """The receipts in the record's own form (format 3: compact, until first expanded)."""
+        """The receipts in the record's own form (format 3: compact, until first expanded;
+        format 6: its operations' that are no step row)."""
         return self._receipts
 
     def ids(self) -> tuple[set[str], set[str]] | None:
@@ -214,7 +241,7 @@ class Damage(msgspec.Struct, frozen=True):
     events: list[bytes] = []
 
 
-def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int = FORMAT) -> bytes:
+def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int = EVENTS_FORMAT) -> bytes:
     """A record of `fmt` (2 to 5) with the receipts in its stored form (3 to 5: compact_receipt)."""
     crc = zlib.crc32
     return pack_record(RecordParts(
@@ -493,7 +520,10 @@ def decode_record(body: bytes, where: str) -> Record:
 def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
     """The record's parts (its data as far as it inflates), with what is wrong with its
     compressed stream (None: nothing), or the damage that leaves no list to check."""
-    if body[:2] == _FORMAT5:
+    if body[:1] == b"\x94" and body[1:2] not in (b"\x05", b"\x06") and body[1:2] < b"\x80":
+        # the header of format 5 and later, of a format this code does not know
+        return Damage(None, f"record format {body[1]}, this kvledger reads {', '.join(map(str, FORMATS))}")
+    if body[:2] == _FORMAT5 or body[:2] == _FORMAT6:
         try:
             h5 = _decode5(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -527,12 +557,14 @@ def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
 
 
 def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
-    """The record's events and receipts (a format 3 to 5 record's receipts rebuilt now
+    """The record's events and receipts (a format 3 to 6 record's receipts rebuilt now
     unless not `eager`), or the damage found."""
     found = _parts(body)
     if isinstance(found, Damage):
         return found
     h, problem = found
+    if h.format == 6:
+        return _audit6(h, problem, eager)
     data = h.data
     if problem is None and len(data) == sum(h.event_lengths) + sum(h.receipt_lengths):
         # Every slice is whole: cut and check them in bulk (a replay reads every event
@@ -560,6 +592,123 @@ def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
     if problem or at != len(data):
         return Damage(None, problem or f"{len(data) - at} bytes after the last receipt", events)
     return _record(h.format, events, receipts, eager)
+
+
+# -- format 6: step rows among the events ------------------------------------------------
+# The frame's lists are format 5's; its "events" are items, each an event's JSON or a step
+# row (journal.steps), and after the compact receipts of the operations stored as events
+# comes the record's Context. A row is one item, one CRC: damage in it names its first event.
+
+
+class _Steps:
+    """A format 6 record's items, with its step rows rebuilt as events."""
+
+    __slots__ = ("items", "reader", "rows")
+
+    def __init__(self, items: list[bytes], rows: list[tuple[Event, Event, Event]], reader: StepReader) -> None:
+        self.items, self.rows, self.reader = items, rows, reader
+
+    def decoded(self) -> list[Event]:
+        out: list[Event] = []
+        rows = iter(self.rows)
+        for item in self.items:
+            if is_row(item):
+                out += next(rows)
+            else:
+                out.append(decode_event(item))
+        return out
+
+    def json(self, upto: int | None = None) -> list[bytes]:
+        """The events' JSON (of the first `upto` items)."""
+        out: list[bytes] = []
+        rows = iter(self.rows)
+        for item in self.items[:upto]:
+            out += map(encode_event, next(rows)) if is_row(item) else (item,)
+        return out
+
+    def receipts(self, compact: Sequence[bytes]) -> list[bytes] | str:
+        """The JSON receipts: a row's rebuilt, the others expanded from their compact
+        form over their events, in the record's order."""
+        out: list[bytes] = []
+        rows = iter(self.rows)
+        items, at, taken = self.items, 0, 0
+        try:
+            while at < len(items):
+                if is_row(items[at]):
+                    out.append(self.reader.receipt(next(rows)))  # type: ignore[arg-type]  # a row's three
+                    at += 1
+                    continue
+                if taken == len(compact):
+                    return f"event item {at} has no receipt"
+                count = _compact_decode(compact[taken]).count
+                own = items[at:at + count]
+                if count < 1 or len(own) != count or any(map(is_row, own)):
+                    return f"receipt {len(out)} claims {count} events from item {at} of {len(items)}"
+                expanded = expand_receipts(compact[taken:taken + 1], own)
+                if isinstance(expanded, str):
+                    return expanded.replace("receipt 0", f"receipt {len(out)}")
+                out += expanded
+                at += count
+                taken += 1
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return f"receipt {len(out)} is unreadable: {exc}"
+        if taken != len(compact):
+            return f"{len(compact) - taken} receipts after the last event's"
+        return out
+
+
+_ROW_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError, TypeError, OverflowError)
+
+
+def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage:
+    n = len(h.event_lengths)
+    if not h.receipt_lengths:
+        return Damage(None, "a format 6 record without its context")
+    lengths, crcs, data = h.event_lengths + h.receipt_lengths, h.event_crcs + h.receipt_crcs, h.data
+    ends = list(itertools.accumulate(lengths))
+    parts = [data[a:b] for a, b in zip([0, *ends], ends)]
+    whole = problem is None and len(data) == ends[-1]
+    if whole and list(map(zlib.crc32, parts)) == crcs:
+        ok = [True] * len(parts)
+    else:
+        ok = [len(p) == k and zlib.crc32(p) == c for p, k, c in zip(parts, lengths, crcs)]
+    reader: StepReader | None = None
+    why = problem or "its context's bytes do not match their CRC"
+    if ok[-1]:
+        try:
+            reader = StepReader(parts[-1])
+        except _ROW_ERRORS as exc:
+            why = f"its context does not decode: {exc}"
+    rows: list[tuple[Event, Event, Event]] = []
+    steps = _Steps(parts[:n], rows, reader)  # type: ignore[arg-type]  # used only once a row needs it
+    index = 0
+    for i in range(n):
+        item = parts[i]
+        if not ok[i]:
+            return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
+        if is_row(item):
+            if reader is None:
+                return Damage(index, why, steps.json(i))
+            try:
+                rows.append(reader.events(item, index))
+            except _ROW_ERRORS as exc:
+                return Damage(index, f"its step row does not rebuild: {exc}", steps.json(i))
+            index += 3
+        else:
+            index += 1
+    if not all(ok[n:-1]):
+        return Damage(None, problem or "a receipt's bytes do not match their CRC", steps.json())
+    if reader is None:
+        return Damage(None, why, steps.json())
+    if not whole:
+        return Damage(None, problem or f"{len(data) - ends[-1]} bytes after its context", steps.json())
+    compact = parts[n:-1]
+    if eager:
+        expanded = steps.receipts(compact)
+        if isinstance(expanded, str):
+            return Damage(None, f"its receipts do not fit its events: {expanded}", steps.json())
+        return Record(None, expanded, steps=steps)
+    return Record(None, compact, compact=True, steps=steps)
 
 
 def _record(fmt: int, events: list[bytes], receipts: list[bytes], eager: bool) -> Record | Damage:

@@ -44,6 +44,8 @@ from kvledger.journal.contract import (
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.records import (
+    EVENTS_FORMAT,
+    FORMAT,
     PREV_NONE,
     compact_receipt,
     encode_record,
@@ -55,6 +57,7 @@ from kvledger.journal.records import (
 )
 from kvledger.journal.records import chain as link
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
+from kvledger.journal.steps import StepWriter
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
     REVISIONS,
@@ -422,6 +425,8 @@ class SqlJournal(Journal):
         allocated: dict[str, int] = {}  # manifest digest -> position of the event that holds it
         add_body, add_receipt = bodies.append, receipts.append
         encode, replace, encode_receipt = encode_event, msgspec.structs.replace, compact_receipt
+        steps = StepWriter(last + 1, now)
+        step_row = steps.row
         position = last
         for i in indexes:
             if results[i] is not None:
@@ -429,6 +434,19 @@ class SqlJournal(Journal):
             op = ops[i]
             op_id = op.operation_id
             first = position + 1
+            if op.derived and (row := step_row(op)) is not None:  # a decode step: one row (journal.steps)
+                write = op.writes[0]
+                h = write.head
+                step_ids = tuple(e.event_id for e in write.events)
+                position += 3
+                add_body(row)
+                tails[write.handle_id] = h.stream_position
+                results[i] = Receipt(op_id, op.fingerprint, (HandleResult(
+                    write.handle_id, h.generation, h.snapshot_version, h.stream_position, h.committed_length),),
+                    step_ids, first, position, now)
+                event_ids.update(step_ids)
+                op_ids.append(op_id)
+                continue
             own: list[str] = []
             handles: list[HandleResult] = []
             for write in op.writes:
@@ -451,9 +469,13 @@ class SqlJournal(Journal):
             results[i] = receipt
         if not bodies:
             return None, manifest_rows, position
-        if len(event_ids) != len(bodies) or not taken.isdisjoint(event_ids):
+        if len(event_ids) != position - last or not taken.isdisjoint(event_ids):
             raise _reused_id(ops, op_ids, taken)
-        body = encode_record(bodies, receipts)
+        if steps.count:
+            receipts.append(steps.context())
+            body = encode_record(bodies, receipts, FORMAT)
+        else:
+            body = encode_record(bodies, receipts, EVENTS_FORMAT)
         written = event_ids.union(op_ids)
         runs = id_runs(id_keys(written) if keys is None else [keys[i] for i in written])
         streams = list(tails)
@@ -548,21 +570,24 @@ class SqlJournal(Journal):
         return [decode_event(body) for body in rows]
 
     def read_raw(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
+        return self._pages(after, limit, False)
+
+    def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
+        # decoded in the records: a step row becomes its events without JSON in between
+        return (e for _, e in self._pages(after, limit, True))
+
+    def _pages(self, after: int, limit: int | None, decoded: bool) -> Iterator[tuple[int, Any]]:
         remaining = limit
         while remaining is None or remaining > 0:
             page = READ_PAGE if remaining is None else min(READ_PAGE, remaining)
             with self._lock:
-                rows = self._read(partial(self.sql.bodies_after, after=after, limit=page))
+                rows = self._read(partial(self.sql.bodies_after, after=after, limit=page, decoded=decoded))
             yield from rows
             if len(rows) < page:
                 return
             after = rows[-1][0]
             if remaining is not None:
                 remaining -= len(rows)
-
-    def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
-        for _, body in self.read_raw(after, limit):
-            yield decode_event(body)
 
     def head(self, handle_id: str) -> HeadFacts | None:
         found = self.heads(handle_id=handle_id)

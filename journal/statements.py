@@ -31,6 +31,7 @@ from kvledger.journal.records import (
     unpack_manifest,
     unpack_prev,
 )
+from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 _json_encode = msgspec.json.Encoder().encode
@@ -406,18 +407,23 @@ class Statements(abc.ABC):
 
     RECORD_PAGE = 32  # records a read decodes at a time: bounded memory, whatever a record holds
 
-    def bodies_after(self, cur: Any, after: int, limit: int) -> list[tuple[int, bytes]]:
+    def bodies_after(self, cur: Any, after: int, limit: int, decoded: bool = False) -> list[tuple[int, Any]]:
+        """(global position, JSON body) of the events after `after`; `decoded`: the
+        events themselves (a record's step rows are rebuilt, never encoded)."""
         cur.execute(
             self.q("SELECT global_position, body FROM kvl_events WHERE global_position > ? "
                    "ORDER BY global_position LIMIT ?"),
             (after, limit),
         )
-        rows = [(stored_int(p, "a global position"), stored_bytes(b, f"the body at position {p}"))
-                for p, b in cur.fetchall()]
+        rows: list[tuple[int, Any]] = [
+            (stored_int(p, "a global position"), stored_bytes(b, f"the body at position {p}"))
+            for p, b in cur.fetchall()]
+        if decoded:
+            rows = [(p, decode_event(b)) for p, b in rows]
         if len(rows) < limit:
             start = rows[-1][0] if rows else after
             for first, record in self.records_after(cur, start):
-                events = record.events
+                events = record.decoded() if decoded else record.events
                 if first <= start:  # the record holding `start`: its events after it
                     events, first = events[start + 1 - first:], start + 1
                 rows += zip(range(first, first + len(events)), events)

@@ -1,6 +1,7 @@
 """A journal of format 3 records (commit 0823483: every receipt's fingerprint stored)
 reads the same with today's code, which writes format 4 (a decode chain's fingerprint
-derived from its events). fixtures/journal_format3 holds what that code wrote and
+derived from its events; since then format 6 stores decode steps as rows).
+fixtures/journal_format3 holds what that code wrote and
 printed: the SQLite file, its export, `replay --json`, `verify --json` and every receipt.
 
 Same revision (0006), so nothing migrates: verify is clean, replay and export print what
@@ -16,7 +17,7 @@ import json
 import pytest
 
 from kvledger.journal import open_journal
-from kvledger.journal.records import FORMAT, _compact_decode, decode_record, unpack_record
+from kvledger.journal.records import EVENTS_FORMAT, FORMAT, _compact_decode, decode_record, unpack_record
 from kvledger.journal.tables import SCHEMA_REVISION
 from kvledger.schemas.receipts import receipt_decoder
 
@@ -44,8 +45,12 @@ def derived(url: str) -> int:
                for r in decode_record(bytes(b), "t").stored_receipts)
 
 
+def step_rows(url: str) -> int:
+    return sum(decode_record(bytes(b), "t").step_rows for (b,) in sql(url, "SELECT body FROM kvl_records"))
+
+
 def test_format_3_reads_as_the_old_code_read_it(old_url, capsys, tmp_path):
-    assert FORMAT == 5 and set(formats(old_url)) == {3} and derived(old_url) == 0
+    assert FORMAT == 6 and set(formats(old_url)) == {3} and derived(old_url) == 0
     reads_as_recorded(capsys, old_url, OLD, tmp_path, RECEIPTS)
 
 
@@ -53,8 +58,8 @@ def test_appended_format_4_records_verify_beside_format_3_ones(old_url, capsys):
     code, _, err = cli(capsys, "demo", "--db", old_url, "--requests", "4", "--max-new-tokens", "4", "--seed", "5")
     assert code == 0, err
     kinds = formats(old_url)
-    assert kinds[:8] == [3] * 8 and set(kinds[8:]) == {FORMAT}
-    assert derived(old_url) > 0  # the demo's decode chains: their fingerprints rebuilt on read
+    assert kinds[:8] == [3] * 8 and set(kinds[8:]) == {EVENTS_FORMAT, FORMAT}
+    assert step_rows(old_url) > 0  # the demo's decode chains: rows, their fingerprints rebuilt on read
     code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
     assert code == 0 and json.loads(out)["ok"], err
     with open_journal(old_url) as journal:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvledger.engine import commands as c
 from kvledger.journal.records import (
-    FORMAT,
+    EVENTS_FORMAT,
     MAX_RUN,
     Damage,
     _Header,
@@ -66,7 +66,7 @@ def test_zstd_records_are_smaller_than_format_1():
     events = [b'{"event_type":"output_emit","payload":{"output_index":%d,"token_id":%d}}' % (i, i * 7919 % 50000)
               for i in range(2000)]
     new, old = encode_record(events, []), _format1(events, [])
-    assert unpack_record(new).format == FORMAT == 5
+    assert unpack_record(new).format == EVENTS_FORMAT == 5
     assert len(new) < len(old)
 
 
@@ -228,7 +228,7 @@ def test_format_4_rebuilds_each_receipt_byte_for_byte(tmp_path):
     stored = []
     marks = []
     for body in bodies:
-        assert unpack_record(body).format == FORMAT == 5
+        assert unpack_record(body).format == EVENTS_FORMAT == 5  # txn ids like D1: no step rows
         marks += [_compact_decode(r).fingerprint is None for r in decode_record(body, "t").stored_receipts]
         record = decode_record(body, "t")
         stored += record.receipts

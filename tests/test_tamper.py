@@ -21,6 +21,7 @@ from kvledger.journal.records import (  # the layout under test
     unpack_prev,
     unpack_record,
 )
+from kvledger.journal.steps import is_row
 from kvledger.replay import verify_journal
 
 from stored_rows import cli, sql
@@ -54,21 +55,42 @@ def with_body(db_url: str, last: int, body: bytes) -> list[int | None]:
         sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=bytes(before), p=last)
 
 
-def edit_event(body: bytes, index: int, *, rechecksum: bool) -> bytes:
-    """The record with one byte of its event `index` changed (a digit or letter turned
-    into another one, so the JSON still parses), its CRCs kept or recomputed."""
+def edit_event(body: bytes, index: int, *, rechecksum: bool) -> tuple[bytes, int]:
+    """The record with one byte of its event `index` changed, its CRCs kept or
+    recomputed, and the event a reader names: in an event stored as JSON a digit or
+    letter turned into another one (the JSON still parses), named itself; in a step row
+    (record format 6, three events in one item) a byte of its row digest, named by the
+    row's first event."""
     h = unpack_record(body)
     assert h.format >= 2  # zstd
     data = bytearray(h.data)
-    start = sum(h.event_lengths[:index])
-    event = data[start:start + h.event_lengths[index]]
-    at = max(i for i, c in enumerate(event) if chr(c).isalnum())  # the last value byte
-    data[start + at] = ord("1") if event[at] != ord("1") else ord("2")
+    item, first = _item_of(h, index)
+    start = sum(h.event_lengths[:item])
+    stored = data[start:start + h.event_lengths[item]]
+    if is_row(bytes(stored)):
+        at = stored.index(b"\xc4\x20") + 2  # msgpack bin 8 of 32 bytes: the digest
+        data[start + at] ^= 0x01
+    else:
+        first = index
+        at = max(i for i, c in enumerate(stored) if chr(c).isalnum())  # the last value byte
+        data[start + at] = ord("1") if stored[at] != ord("1") else ord("2")
     crcs = h.event_crcs
     if rechecksum:
         crcs = [zlib.crc32(data[sum(h.event_lengths[:i]):sum(h.event_lengths[:i + 1])])
                 for i in range(len(h.event_lengths))]
-    return pack_record(msgspec.structs.replace(h, event_crcs=crcs, data=bytes(data)))
+    return pack_record(msgspec.structs.replace(h, event_crcs=crcs, data=bytes(data))), first
+
+
+def _item_of(h, index: int) -> tuple[int, int]:
+    """The item that holds the record's event `index`, and that item's first event."""
+    at = 0
+    for item in range(len(h.event_lengths)):
+        start = sum(h.event_lengths[:item])
+        width = 3 if h.format >= 6 and is_row(h.data[start:start + h.event_lengths[item]]) else 1
+        if index < at + width:
+            return item, at
+        at += width
+    raise IndexError(index)
 
 
 def test_the_demo_journal_verifies_clean_and_its_chain_links_every_record(demo):
@@ -101,13 +123,16 @@ def test_an_edited_byte_in_any_event_is_named(demo):
     """Every event of the journal: one byte of its bytes changed inside its record (the
     CRCs left as committed) is TAMPERED at exactly that event's position, first."""
     db_url, records = demo
-    named = 0
+    named = rows = 0
     for last, first, body in records:
         for i in range(last - first + 1):
-            found = with_body(db_url, last, edit_event(body, i, rechecksum=False))
-            assert found and found[0] == first + i, (first + i, found)
+            edited, named_at = edit_event(body, i, rechecksum=False)
+            found = with_body(db_url, last, edited)
+            assert found and found[0] == first + named_at, (first + i, found)
             named += 1
+            rows += named_at != i
     assert named == records[-1][0]
+    assert rows  # the demo's decode steps are step rows: each of their events was edited too
     assert tampered(db_url) == []  # every edit was restored
 
 
@@ -116,7 +141,7 @@ def test_a_record_rewritten_with_fresh_checksums_breaks_the_chain(demo):
     TAMPERED from its first event on, and the records after it are not blamed."""
     db_url, records = demo
     for last, first, body in records:
-        assert with_body(db_url, last, edit_event(body, last - first, rechecksum=True)) == [first]
+        assert with_body(db_url, last, edit_event(body, last - first, rechecksum=True)[0]) == [first]
 
 
 @pytest.mark.parametrize("stride", [193])  # prime: flips move through every field; 97 cost CI ~25 s more
@@ -188,12 +213,12 @@ def test_an_edited_indexed_column_names_the_record(demo):
 def test_verify_exits_1_and_names_the_edited_event(demo, capsys):
     db_url, records = demo
     last, first, body = records[len(records) // 2]
-    sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=edit_event(body, 1, rechecksum=False),
-        p=last)
+    edited, named = edit_event(body, 1, rechecksum=False)
+    sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=edited, p=last)
     code, out, err = cli(capsys, "verify", "--db", db_url, "--json")
     assert code == 1, err
     report = json.loads(out)
-    assert [f["global_position"] for f in report["findings"] if f["code"] == "TAMPERED"][0] == first + 1
+    assert [f["global_position"] for f in report["findings"] if f["code"] == "TAMPERED"][0] == first + named
 
 
 def test_a_manifest_is_stored_as_a_reference_to_its_allocation_and_an_edited_one_is_named(demo):
