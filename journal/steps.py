@@ -26,8 +26,6 @@ position, the commit time, the id prefixes, each stream's envelope and cache ABI
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 
 from kvledger.journal.contract import Operation
@@ -39,9 +37,9 @@ from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 # is not a row: the writer stores such events as JSON (a new row layout would be a format).
 VERSIONS = (2, 1, 3)
 _V_PUBLISH, _V_EMIT, _V_START = VERSIONS
-_HEX32 = re.compile("[0-9a-f]{32}").fullmatch
 _U64 = 1 << 64
 _MASK, _HALF = _U64 - 1, 1 << 63
+_GAPS = (1, 1, 1)  # the event ids' counters after the operation's, as the decode lane draws them
 _PUBLISH, _EMIT, _START = DECODE_CHAIN
 
 
@@ -89,6 +87,7 @@ class Context(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 _encode = msgspec.msgpack.Encoder().encode
+_json = msgspec.json.Encoder().encode
 _decode_step = msgspec.msgpack.Decoder(Step).decode
 _decode_context = msgspec.msgpack.Decoder(Context).decode
 
@@ -106,6 +105,7 @@ class StepWriter:
         self.prefixes: dict[str, int] = {}
         self.streams: dict[tuple[str, str, int, str, bytes], int] = {}
         self.count = 0
+        self._abis: dict[str, bytes] = {}
         self._last = (0, 0, 0, 0, 0, 0, 0)  # sequence, mono, wall, op, publish txn, start txn, call
 
     def row(self, op: Operation) -> bytes | None:
@@ -118,53 +118,47 @@ class StepWriter:
         p, o, s = w.events
         if type(p) is not _PUBLISH or type(o) is not _EMIT or type(s) is not _START:
             return None
-        pp, op_, sp, head = p.payload, o.payload, s.payload, w.head
-        pos, seq, mono, wall, v, c = (p.stream_position, p.local_sequence, p.monotonic_ns, p.observed_wall_time,
-                                      pp.base_snapshot_version, pp.committed_length)
-        token = op_.token_id
-        # Every value the rebuild derives must be what the events hold, with its type: a
-        # True where an int was, or 2.0 where 2 was, encodes to other JSON.
+        pp, op_, sp, head, call = p.payload, o.payload, s.payload, w.head, s.payload.call
+        pos, seq, mono, wall, gen = p.stream_position, p.local_sequence, p.monotonic_ns, p.observed_wall_time, \
+            p.handle_generation
+        v, c, token, op_id = pp.base_snapshot_version, pp.committed_length, op_.token_id, op.operation_id
+        # What the row stores is msgpack ints (never a bool or a float, which would
+        # encode otherwise), in range; the counters are parsed below.
         if (type(pos) is not int or type(seq) is not int or type(mono) is not int or type(wall) is not int
-                or not 0 <= seq < _U64 or not 0 <= mono < _U64 or not 0 <= wall < _U64
-                or type(v) is not int or type(c) is not int or type(token) is not int
+                or type(gen) is not int or type(v) is not int or type(c) is not int or type(token) is not int
                 or type(pp.accepted_count) is not int or type(pp.layers_complete) is not int
                 or type(pp.workspace_bytes) is not int or type(op_.output_index) is not int
-                or (p.schema_version, o.schema_version, s.schema_version) != VERSIONS
-                or p.caused_by_event_id is not None or o.caused_by_event_id is not None
-                or s.caused_by_event_id is not None
-                or not (p.operation_id == o.operation_id == s.operation_id == op.operation_id)
-                or not (w.handle_id == p.stream_id == o.stream_id == s.stream_id)
-                or not (p.request_id == o.request_id == s.request_id)
-                or not (p.handle_generation == o.handle_generation == s.handle_generation)
-                or not (p.source_instance == o.source_instance == s.source_instance)
-                or o.stream_position != pos + 1 or s.stream_position != pos + 2
-                or o.local_sequence != seq + 1 or s.local_sequence != seq + 2
-                or o.monotonic_ns != mono or s.monotonic_ns != mono
-                or o.observed_wall_time != wall or s.observed_wall_time != wall
-                or type(pp.result_snapshot_version) is not int or pp.result_snapshot_version != v + 1
-                or pp.logits_ready is not True
-                or type(op_.snapshot_version) is not int or op_.snapshot_version != v + 1
-                or sp.kind != "decode" or type(sp.base_snapshot_version) is not int
-                or sp.base_snapshot_version != v + 1
-                or type(sp.interval_start) is not int or sp.interval_start != c
-                or type(sp.interval_count) is not int or sp.interval_count != 1
-                or type(sp.mask_key_extent) is not int or sp.mask_key_extent != c + 1
-                or type(sp.token_ids) is not tuple or len(sp.token_ids) != 1 or type(sp.token_ids[0]) is not int
-                or sp.token_ids[0] != token
-                or type(sp.cache_positions) is not tuple or len(sp.cache_positions) != 1
-                or type(sp.cache_positions[0]) is not int or sp.cache_positions[0] != c
-                or head.generation != p.handle_generation or head.snapshot_version != v + 1
-                or head.stream_position != pos + 2 or head.committed_length != c):
+                or not 0 <= seq < _U64 or not 0 <= mono < _U64 or not 0 <= wall < _U64
+                or (counter := _counter(op_id)) is None):
             return None
-        ids = self._ids(op.operation_id, p.event_id, o.event_id, s.event_id)
+        prefix, n = op_id[:16], counter
+        # Everything else the rebuild derives, as JSON both ways: equal JSON is what a
+        # reader must get back (1 and True, or 2 and 2.0, are equal but encode apart).
+        # Event ids follow the operation's (the service's decode lane draws them so).
+        sid, rid, src = p.stream_id, p.request_id, p.source_instance
+        if _json((o.stream_id, s.stream_id, w.handle_id, o.request_id, s.request_id, o.handle_generation,
+                  s.handle_generation, o.source_instance, s.source_instance, p.operation_id, o.operation_id,
+                  s.operation_id, p.caused_by_event_id, o.caused_by_event_id, s.caused_by_event_id,
+                  p.schema_version, o.schema_version, s.schema_version, o.stream_position, s.stream_position,
+                  o.local_sequence, s.local_sequence, o.monotonic_ns, s.monotonic_ns, o.observed_wall_time,
+                  s.observed_wall_time, p.event_id, o.event_id, s.event_id, pp.result_snapshot_version,
+                  pp.logits_ready, op_.snapshot_version, sp.kind, sp.base_snapshot_version, sp.interval_start,
+                  sp.interval_count, sp.token_ids, sp.cache_positions, sp.mask_key_extent, head.generation,
+                  head.snapshot_version, head.stream_position, head.committed_length)) != _json((
+                sid, sid, sid, rid, rid, gen, gen, src, src, op_id, op_id, op_id, None, None, None,
+                *VERSIONS, pos + 1, pos + 2, seq + 1, seq + 2, mono, mono, wall, wall, f"{prefix}{n + 1:016x}",
+                f"{prefix}{n + 2:016x}", f"{prefix}{n + 3:016x}", v + 1, True, v + 1, "decode", v + 1, c, 1,
+                (token,), (c,), c + 1, gen, v + 1, pos + 2, c)):
+            return None
         ptxn, stxn = self._id(pp.txn_id), self._id(sp.txn_id)
-        digest = _raw(pp.rows_sha256) if pp.rows_sha256 is not None else None
-        abi = _raw(sp.cache_abi_sha256)
-        if ids is None or ptxn is None or stxn is None or abi is None or (digest is None) != (pp.rows_sha256 is None):
+        digest = None if pp.rows_sha256 is None else _raw(pp.rows_sha256)
+        abi = self._abis.get(sp.cache_abi_sha256) or _raw(sp.cache_abi_sha256)
+        if ptxn is None or stxn is None or abi is None or (digest is None) != (pp.rows_sha256 is None):
             return None
-        call = sp.call
+        self._abis[sp.cache_abi_sha256] = abi
         last = self._last
         ccount = last[6]
+        call_row = None
         if call is not None:
             cid = self._id(call.call_id)
             if (cid is None or type(call.index) is not int or type(call.size) is not int
@@ -172,24 +166,23 @@ class StepWriter:
                     or type(call.threads) is not int):
                 return None
             ccount = cid[1]
-            call_row: Call | None = Call(cid[0], _delta(cid[1], last[6]), call.index, call.size, call.new_pad,
-                                         call.key_extent, call.threads)
-        else:
-            call_row = None
-        dmono = _delta(mono, last[1])
+            call_row = Call(cid[0], ((ccount - last[6] + _HALF) & _MASK) - _HALF, call.index, call.size,
+                            call.new_pad, call.key_extent, call.threads)
+        # differences modulo 2**64 as signed 64-bit ints (what a reader adds back, modulo 2**64)
+        dmono = ((mono - last[1] + _HALF) & _MASK) - _HALF
         try:
-            # types the JSON encoder would refuse raise here too, so such an operation
-            # fails as it would have
+            # an int msgpack cannot hold raises here: stored as events, as it would have
             row = _encode(Step(
-                self._stream(p.stream_id, p.request_id, p.handle_generation, p.source_instance, abi),
-                pos, _delta(seq, last[0] + 3), dmono, _delta(_delta(wall, last[2]), dmono), ids[0],
-                _delta(ids[1], last[3]), (_delta(ids[2], ids[1]), _delta(ids[3], ids[2]), _delta(ids[4], ids[3])),
-                (ptxn[0], _delta(ptxn[1], last[4])), (stxn[0], _delta(stxn[1], last[5])),
+                self._stream(sid, rid, gen, src, abi), pos, ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono,
+                ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF, self._prefix(prefix),
+                ((n - last[3] + _HALF) & _MASK) - _HALF, _GAPS,
+                (ptxn[0], ((ptxn[1] - last[4] + _HALF) & _MASK) - _HALF),
+                (stxn[0], ((stxn[1] - last[5] + _HALF) & _MASK) - _HALF),
                 v, c, pp.accepted_count, pp.layers_complete, pp.workspace_bytes, digest, op_.output_index, token,
                 call_row))
-        except (TypeError, OverflowError, msgspec.EncodeError):
+        except OverflowError:
             return None
-        self._last = (seq, mono, wall, ids[1], ptxn[1], stxn[1], ccount)
+        self._last = (seq, mono, wall, n, ptxn[1], stxn[1], ccount)
         self.count += 1
         return row
 
@@ -205,27 +198,25 @@ class StepWriter:
 
     def _id(self, value: str) -> tuple[int, int] | None:
         """(prefix index, counter) of an id of 32 lowercase hex digits (engine.ids'), or None."""
-        if type(value) is not str or _HEX32(value) is None:
-            return None
-        return self._prefix(value[:16]), int(value[16:], 16)
-
-    def _ids(self, op_id: str, *event_ids: str) -> tuple[int, int, int, int, int] | None:
-        """The prefix the operation's and its events' ids share, and their counters."""
-        if type(op_id) is not str or _HEX32(op_id) is None:
-            return None
-        prefix = op_id[:16]
-        counters = [int(op_id[16:], 16)]
-        for e in event_ids:
-            if type(e) is not str or e[:16] != prefix or _HEX32(e) is None:
-                return None
-            counters.append(int(e[16:], 16))
-        return (self._prefix(prefix), *counters)  # type: ignore[return-value]  # four counters, above
+        n = _counter(value)
+        return None if n is None else (self._prefix(value[:16]), n)
 
     def _stream(self, *key: str | int | bytes) -> int:
         n = self.streams.get(key)  # type: ignore[arg-type]  # the five fields of Context.streams
         if n is None:
             n = self.streams[key] = len(self.streams)  # type: ignore[index]  # as above
         return n
+
+
+def _counter(value: object) -> int | None:
+    """The counter (last 16 digits) of an id of 32 lowercase hex digits, or None."""
+    if type(value) is not str or len(value) != 32:
+        return None
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        return None
+    return int.from_bytes(raw[8:]) if raw.hex() == value else None  # fromhex takes capitals and spaces
 
 
 def _raw(digest: object) -> bytes | None:
@@ -307,9 +298,3 @@ class StepReader:
                           p.payload.committed_length),),
             (p.event_id, o.event_id, s.event_id), p.global_position, s.global_position,
             self.context.committed_wall_ns))
-
-
-def _delta(value: int, previous: int) -> int:
-    """value - previous modulo 2**64, as a signed 64-bit int: what msgpack stores in at
-    most 9 bytes (a reader adds it back modulo 2**64), small when the two are close."""
-    return ((value - previous + _HALF) & _MASK) - _HALF

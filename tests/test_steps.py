@@ -45,7 +45,7 @@ OFF = {
     "emit.token_id": lambda t: t + 1,
     "start.interval_start": lambda t: t + 1,
     "start.mask_key_extent": lambda m: float(m),
-    "start.token_ids": lambda ts: list(ts),
+    "start.token_ids": lambda ts: ts + ts,
     "start.cache_positions": lambda ps: (ps[0], ps[0] + 1),
     "start.kind": lambda _: "chunk",
     "start.cache_abi_sha256": lambda _: "c7" * 33,
