@@ -24,6 +24,7 @@ from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
+from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -357,7 +358,7 @@ class CommandService(BatchSurface):
         derived = (publish.operation_id is None and emit.operation_id is None and start.operation_id is None
                    and emit.base_generation is None and emit.base_snapshot_version is None
                    and start.base_generation is None and start.base_snapshot_version is None)
-        op = Operation(operation_id, cmd.fingerprint(), (write,), derived=derived)
+        op = Operation(operation_id, cmd.fingerprint(), (write,), derived=derived, stamped=_STAMPED)
         return Plan(cmd, op, {h: after}, list(events))
 
     @staticmethod
@@ -398,6 +399,9 @@ class CommandService(BatchSurface):
 
 _DECODE_CLASSES = DECODE_CHAIN  # the order schemas.decode_fingerprint reads them back in
 _DECODE_VERSIONS = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in _DECODE_CLASSES)
+# A step row rebuilds its events at journal.steps.VERSIONS: at any other, they are stored
+# as events, checked as any other operation's.
+_STAMPED = _DECODE_VERSIONS == STEP_VERSIONS
 
 
 def _decodable(event: ev.Event) -> None:

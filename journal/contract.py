@@ -66,6 +66,12 @@ class Operation(msgspec.Struct, frozen=True, gc=False):
     # The fingerprint is schemas.decode_fingerprint's of the operation's three events (a
     # decode chain's own form): a record marks it derived instead of storing it.
     derived: bool = False
+    # The events are a decode step as the service's decode lane stamps them
+    # (engine.decode_step): their positions, sequence numbers, clocks and versions follow
+    # from one another by construction, so a record stores them as a step row without
+    # checking those relations again (journal.steps). In-process code only: nothing that
+    # reads outside input builds an Operation.
+    stamped: bool = False
 
 
 class Rejection(msgspec.Struct, frozen=True, gc=False):

@@ -132,11 +132,19 @@ class StepWriter:
                 or (counter := _counter(op_id)) is None):
             return None
         prefix, n = op_id[:16], counter
+        sid, rid, src = p.stream_id, p.request_id, p.source_instance
+        if op.stamped:
+            # The service's decode lane stamped these events: every relation below holds
+            # by construction (tests/test_steps.py holds the lane to it), except what it
+            # takes from the caller as given and what another thread may interleave.
+            if (type(sp.token_ids[0]) is not int or type(sp.cache_positions[0]) is not int
+                    or p.event_id != f"{prefix}{n + 1:016x}" or o.event_id != f"{prefix}{n + 2:016x}"
+                    or s.event_id != f"{prefix}{n + 3:016x}"):
+                return None
         # Everything else the rebuild derives, as JSON both ways: equal JSON is what a
         # reader must get back (1 and True, or 2 and 2.0, are equal but encode apart).
         # Event ids follow the operation's (the service's decode lane draws them so).
-        sid, rid, src = p.stream_id, p.request_id, p.source_instance
-        if _json((o.stream_id, s.stream_id, w.handle_id, o.request_id, s.request_id, o.handle_generation,
+        elif _json((o.stream_id, s.stream_id, w.handle_id, o.request_id, s.request_id, o.handle_generation,
                   s.handle_generation, o.source_instance, s.source_instance, p.operation_id, o.operation_id,
                   s.operation_id, p.caused_by_event_id, o.caused_by_event_id, s.caused_by_event_id,
                   p.schema_version, o.schema_version, s.schema_version, o.stream_position, s.stream_position,
@@ -197,15 +205,27 @@ class StepWriter:
         return n
 
     def _id(self, value: str) -> tuple[int, int] | None:
-        """(prefix index, counter) of an id of 32 lowercase hex digits (engine.ids'), or None."""
-        n = _counter(value)
-        return None if n is None else (self._prefix(value[:16]), n)
+        """(prefix index, counter) of an id of 32 lowercase hex digits (engine.ids'), or
+        None. A txn id is parsed twice (its append's start, then its publication a step
+        later) and a call's once a row: the ids parsed last are kept."""
+        n = _parsed.get(value) if type(value) is str else None
+        if n is None:
+            n = _counter(value)
+            if n is None:
+                return None
+            if len(_parsed) > 1 << 16:  # a cache, not a registry
+                _parsed.clear()
+            _parsed[value] = n
+        return self._prefix(value[:16]), n
 
     def _stream(self, *key: str | int | bytes) -> int:
         n = self.streams.get(key)  # type: ignore[arg-type]  # the five fields of Context.streams
         if n is None:
             n = self.streams[key] = len(self.streams)  # type: ignore[index]  # as above
         return n
+
+
+_parsed: dict[str, int] = {}  # id -> its counter (StepWriter._id)
 
 
 def _counter(value: object) -> int | None:

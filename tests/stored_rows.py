@@ -9,15 +9,19 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+import msgspec
 import pytest
 from sqlalchemy import text
 
 from kvledger import migrations
 from kvledger.cli import main
 from kvledger.journal import make_engine, open_journal, parse_url
+from kvledger.journal.contract import Operation
+from kvledger.journal.steps import StepReader, StepWriter
 from kvledger.journal.tables import JOURNAL_TABLES as TABLES
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import import_jsonl
+from kvledger.schemas.codec import encode_event
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -123,3 +127,26 @@ def one_coded_line(err: str, code: str | None = None) -> str:
     if code is not None:
         assert head == code, err
     return lines[0]
+
+
+def assert_row_rebuilds(op: Operation) -> None:
+    """A stamped decode step (the service's lane) is a row that rebuilds its events byte
+    for byte. Its ids are put in engine.ids' form first (a seeded test draws uuid4s)."""
+    prefix = "0123456789abcdef"
+    w = op.writes[0]
+    events = [msgspec.structs.replace(e, event_id=f"{prefix}{k + 2:016x}", operation_id=f"{prefix}{1:016x}")
+              for k, e in enumerate(w.events)]
+    p, o, s = events
+    call = s.payload.call
+    events = [
+        msgspec.structs.replace(p, payload=msgspec.structs.replace(p.payload, txn_id=f"{prefix}{100:016x}")), o,
+        msgspec.structs.replace(s, payload=msgspec.structs.replace(s.payload, txn_id=f"{prefix}{101:016x}", call=(
+            call and msgspec.structs.replace(call, call_id=f"{prefix}{102:016x}"))))]
+    op = msgspec.structs.replace(op, operation_id=f"{prefix}{1:016x}",
+                                 writes=(msgspec.structs.replace(w, events=tuple(events)),))
+    writer = StepWriter(1, 0)
+    row = writer.row(op)
+    assert row is not None
+    rebuilt = StepReader(writer.context()).events(row, 0)
+    assert [encode_event(e) for e in rebuilt] == [
+        encode_event(msgspec.structs.replace(e, global_position=1 + k)) for k, e in enumerate(events)]

@@ -24,6 +24,7 @@ from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.events import ForwardCall
 
 from lifecycle_helpers import allocate, emit
+from stored_rows import assert_row_rebuilds
 
 H = "h-decode"
 DIGEST = "ab" * 32
@@ -84,7 +85,13 @@ def _plan(journal, fast: bool, s: HandleState, chain: c.Chain):
     # for it, and readers rebuild it from the events (schemas.decode_fingerprint).
     if plan.op.derived:
         assert decode_chain_fingerprint(*plan.events) == plan.op.fingerprint, chain
-    return (plan.events, plan.states, msgspec.structs.replace(plan.op, derived=False), service.local_sequence)
+    # The lane marks its events stamped: a record stores them as a step row on the word
+    # that their relations hold, which the row's rebuild checks here.
+    assert fast or not plan.op.stamped  # only the lane stamps
+    if plan.op.stamped and plan.op.derived:
+        assert_row_rebuilds(plan.op)
+    plain = msgspec.structs.replace(plan.op, derived=False, stamped=False)
+    return (plan.events, plan.states, plain, service.local_sequence)
 
 
 def test_the_plain_chain_takes_the_fast_path_and_equals_the_general_one(journal, states):

@@ -202,3 +202,4 @@ def test_a_lockstep_journal_reads_back_what_was_stamped(db_url, layers):
         assert not isinstance(audited, Damage)
         receipts += audited.receipts
     assert receipts == [receipt_encoder.encode(r) for r in returned]
+
