@@ -291,10 +291,11 @@ def replay_rate(url: str, tokens: int) -> float:
     from kvledger.replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS, WindowSpec
     from kvledger.replay.projector import Projector
     from kvledger.replay.report import build
+    from kvledger.replay.sources import fold_items
 
     with open_or_create_journal(url) as j:
         t0 = time.perf_counter()
-        build(Projector().feed(j.read_all()),
+        build(Projector().feed(fold_items(j)),
               WindowSpec(slo_ttft_ns=int(DEFAULT_SLO_TTFT_MS * 1e6), slo_tbt_ns=int(DEFAULT_SLO_TBT_MS * 1e6)))
         return tokens / (time.perf_counter() - t0)
 

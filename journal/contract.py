@@ -11,12 +11,15 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
+
+if TYPE_CHECKING:
+    from kvledger.journal.steps import StepValues  # it imports this module
 
 
 # gc=False on the write path's structs: see kvledger.engine.commands._Command.
@@ -184,6 +187,11 @@ class Journal(abc.ABC):
     @abc.abstractmethod
     def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
         """Events with global_position > after, in global order."""
+
+    def read_fold(self, after: int = 0) -> Iterator[Event | StepValues]:
+        """read_all for a projector: a backend that stores decode steps as rows (record
+        format 6) may give such a step as its StepValues in place of its three events."""
+        return self.read_all(after)
 
     @abc.abstractmethod
     def read_raw(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import zstandard
 
-from kvledger.journal.steps import StepReader, is_row
+from kvledger.journal.steps import StepReader, StepValues, is_row
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
@@ -109,6 +109,12 @@ class Record:
         if self._steps is None:
             return [decode_event(e) for e in self.events]
         return self._steps.decoded()
+
+    def folded(self) -> list[Event | StepValues]:
+        """The events, each step row as its StepValues (what a projector folds at once)."""
+        if self._steps is None:
+            return [decode_event(e) for e in self.events]
+        return self._steps.decoded(fold=True)
 
     @property
     def receipts(self) -> list[bytes]:
@@ -605,17 +611,19 @@ class _Steps:
 
     __slots__ = ("items", "reader", "rows")
 
-    def __init__(self, items: list[bytes], rows: list[tuple[Event, Event, Event]], reader: StepReader) -> None:
+    def __init__(self, items: list[bytes], rows: list[StepValues], reader: StepReader) -> None:
         self.items, self.rows, self.reader = items, rows, reader
 
-    def decoded(self) -> list[Event]:
-        out: list[Event] = []
+    def decoded(self, fold: bool = False) -> list[Any]:
+        out: list[Any] = []
         rows = iter(self.rows)
         for item in self.items:
-            if is_row(item):
-                out += next(rows)
-            else:
+            if not is_row(item):
                 out.append(decode_event(item))
+            elif fold:
+                out.append(next(rows))
+            else:
+                out += next(rows).events()
         return out
 
     def json(self, upto: int | None = None) -> list[bytes]:
@@ -623,7 +631,7 @@ class _Steps:
         out: list[bytes] = []
         rows = iter(self.rows)
         for item in self.items[:upto]:
-            out += map(encode_event, next(rows)) if is_row(item) else (item,)
+            out += [encode_event(e) for e in next(rows).events()] if is_row(item) else [item]
         return out
 
     def receipts(self, compact: Sequence[bytes]) -> list[bytes] | str:
@@ -635,7 +643,7 @@ class _Steps:
         try:
             while at < len(items):
                 if is_row(items[at]):
-                    out.append(self.reader.receipt(next(rows)))  # type: ignore[arg-type]  # a row's three
+                    out.append(self.reader.receipt(next(rows).events()))
                     at += 1
                     continue
                 if taken == len(compact):
@@ -679,7 +687,7 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage
             reader = StepReader(parts[-1])
         except _ROW_ERRORS as exc:
             why = f"its context does not decode: {exc}"
-    rows: list[tuple[Event, Event, Event]] = []
+    rows: list[StepValues] = []
     steps = _Steps(parts[:n], rows, reader)  # type: ignore[arg-type]  # used only once a row needs it
     index = 0
     for i in range(n):
@@ -690,7 +698,7 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage
             if reader is None:
                 return Damage(index, why, steps.json(i))
             try:
-                rows.append(reader.events(item, index))
+                rows.append(reader.values(item, index))
             except _ROW_ERRORS as exc:
                 return Damage(index, f"its step row does not rebuild: {exc}", steps.json(i))
             index += 3

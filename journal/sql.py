@@ -57,7 +57,7 @@ from kvledger.journal.records import (
 )
 from kvledger.journal.records import chain as link
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
-from kvledger.journal.steps import StepWriter
+from kvledger.journal.steps import StepValues, StepWriter
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
     REVISIONS,
@@ -570,18 +570,21 @@ class SqlJournal(Journal):
         return [decode_event(body) for body in rows]
 
     def read_raw(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
-        return self._pages(after, limit, False)
+        return self._pages(after, limit)
 
     def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
         # decoded in the records: a step row becomes its events without JSON in between
-        return (e for _, e in self._pages(after, limit, True))
+        return (e for _, e in self._pages(after, limit, "events"))
 
-    def _pages(self, after: int, limit: int | None, decoded: bool) -> Iterator[tuple[int, Any]]:
+    def read_fold(self, after: int = 0) -> Iterator[Event | StepValues]:
+        return (e for _, e in self._pages(after, None, "fold"))
+
+    def _pages(self, after: int, limit: int | None, mode: str = "json") -> Iterator[tuple[int, Any]]:
         remaining = limit
         while remaining is None or remaining > 0:
             page = READ_PAGE if remaining is None else min(READ_PAGE, remaining)
             with self._lock:
-                rows = self._read(partial(self.sql.bodies_after, after=after, limit=page, decoded=decoded))
+                rows = self._read(partial(self.sql.bodies_after, after=after, limit=page, mode=mode))
             yield from rows
             if len(rows) < page:
                 return

@@ -31,6 +31,7 @@ from kvledger.journal.records import (
     unpack_manifest,
     unpack_prev,
 )
+from kvledger.journal.steps import StepValues
 from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
@@ -407,9 +408,11 @@ class Statements(abc.ABC):
 
     RECORD_PAGE = 32  # records a read decodes at a time: bounded memory, whatever a record holds
 
-    def bodies_after(self, cur: Any, after: int, limit: int, decoded: bool = False) -> list[tuple[int, Any]]:
-        """(global position, JSON body) of the events after `after`; `decoded`: the
-        events themselves (a record's step rows are rebuilt, never encoded)."""
+    def bodies_after(self, cur: Any, after: int, limit: int, mode: str = "json") -> list[tuple[int, Any]]:
+        """(global position, JSON body) of the events after `after`, at most `limit`.
+        `mode` "events": the events themselves (a record's step rows rebuilt, never
+        encoded); "fold": the same with each step row whole, as its StepValues, at its
+        last position (a page may then cover more positions than `limit`)."""
         cur.execute(
             self.q("SELECT global_position, body FROM kvl_events WHERE global_position > ? "
                    "ORDER BY global_position LIMIT ?"),
@@ -418,15 +421,18 @@ class Statements(abc.ABC):
         rows: list[tuple[int, Any]] = [
             (stored_int(p, "a global position"), stored_bytes(b, f"the body at position {p}"))
             for p, b in cur.fetchall()]
-        if decoded:
+        if mode != "json":
             rows = [(p, decode_event(b)) for p, b in rows]
         if len(rows) < limit:
             start = rows[-1][0] if rows else after
             for first, record in self.records_after(cur, start):
-                events = record.decoded() if decoded else record.events
-                if first <= start:  # the record holding `start`: its events after it
-                    events, first = events[start + 1 - first:], start + 1
-                rows += zip(range(first, first + len(events)), events)
+                if mode == "fold":
+                    rows += _positioned(first, record.folded(), start)
+                else:
+                    events = record.decoded() if mode == "events" else record.events
+                    if first <= start:  # the record holding `start`: its events after it
+                        events, first = events[start + 1 - first:], start + 1
+                    rows += zip(range(first, first + len(events)), events)
                 if len(rows) >= limit:
                     break
         return rows[:limit]
@@ -649,3 +655,22 @@ _receipt_first_decode = msgspec.json.Decoder(_ReceiptFirst).decode
 
 def _receipt_first(body: bytes) -> int:
     return _receipt_first_decode(body).first_global_position
+
+
+def _positioned(first: int, items: list[Any], after: int) -> list[tuple[int, Any]]:
+    """A record's folded items from its position `first` on, those past `after`: a step
+    row at its last position, or as its events when `after` falls inside it."""
+    out: list[tuple[int, Any]] = []
+    p = first
+    for item in items:
+        if type(item) is StepValues:
+            if p > after:
+                out.append((p + 2, item))
+            elif p + 2 > after:
+                out += [(q, e) for q, e in zip(range(p, p + 3), item.events()) if q > after]
+            p += 3
+        else:
+            if p > after:
+                out.append((p, item))
+            p += 1
+    return out

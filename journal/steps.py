@@ -26,11 +26,15 @@ position, the commit time, the id prefixes, each stream's envelope and cache ABI
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from kvledger.journal.contract import Operation
 from kvledger.schemas import events as ev
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN, decode_chain_fingerprint
+from kvledger.schemas.events import INT64_MAX, Count, Id
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
 # The schema versions a row rebuilds its events at. A later version of any of the three
@@ -41,16 +45,20 @@ _U64 = 1 << 64
 _MASK, _HALF = _U64 - 1, 1 << 63
 _GAPS = (1, 1, 1)  # the event ids' counters after the operation's, as the decode lane draws them
 _PUBLISH, _EMIT, _START = DECODE_CHAIN
+# What the rows store is read back within the events' own bounds: a forged row fails here,
+# as a forged JSON event fails decode_event, never as a value no event could hold.
+Positive = Annotated[int, Meta(gt=0, le=INT64_MAX)]
+Sha256 = Annotated[bytes, Meta(min_length=32, max_length=32)]
 
 
 class Call(msgspec.Struct, array_like=True, frozen=True, gc=False):
     prefix: int  # of call_id, in Context.prefixes
     counter: int  # call_id's counter less the previous row's (the batch's rows share one call)
-    index: int
-    size: int
-    new_pad: int
-    key_extent: int
-    threads: int
+    index: Count
+    size: Positive
+    new_pad: Positive
+    key_extent: Positive
+    threads: Count
 
 
 class Step(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -58,7 +66,7 @@ class Step(msgspec.Struct, array_like=True, frozen=True, gc=False):
     row's from zero): consecutive steps of one writer differ by small, repeating numbers."""
 
     stream: int  # index in Context.streams
-    position: int  # the publication's stream position; the emit's and the start's follow
+    position: Count  # the publication's stream position; the emit's and the start's follow
     sequence: int  # local_sequence less the previous row's plus three
     mono: int  # monotonic_ns less the previous row's
     wall: int  # observed_wall_time less the previous row's, less `mono`: the clocks' drift
@@ -67,23 +75,23 @@ class Step(msgspec.Struct, array_like=True, frozen=True, gc=False):
     gaps: tuple[int, int, int]  # event ids' counters: publish - op, emit - publish, start - emit
     publish_txn: tuple[int, int]  # prefix, counter less the previous row's
     start_txn: tuple[int, int]
-    snapshot: int  # the publication's base snapshot version
-    committed: int  # committed length after it: the start's interval begins there
-    accepted: int
-    layers: int
-    workspace: int
-    digest: bytes | None  # rows_sha256, its 32 bytes
-    output: int  # output_index
-    token: int
+    snapshot: Count  # the publication's base snapshot version
+    committed: Count  # committed length after it: the start's interval begins there
+    accepted: Count
+    layers: Count
+    workspace: Count
+    digest: Sha256 | None  # rows_sha256, its 32 bytes
+    output: Count  # output_index
+    token: Count
     call: Call | None
 
 
 class Context(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    first_position: int  # the record's first event's global position
-    committed_wall_ns: int
+    first_position: Count  # the record's first event's global position
+    committed_wall_ns: Count
     prefixes: list[str]
     # stream_id, request_id, handle_generation, source_instance, cache ABI (32 bytes)
-    streams: list[tuple[str, str, int, str, bytes]]
+    streams: list[tuple[Id, Id, Count, Id, Sha256]]
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -250,6 +258,78 @@ def _raw(digest: object) -> bytes | None:
     return raw if raw.hex() == digest else None
 
 
+class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A row read back: what a fold needs of a decode step without its three events
+    (replay.projector folds these at once), and `events()` for the rest."""
+
+    global_position: int  # the publication's; the emit and the start follow
+    stream_id: str
+    request_id: str
+    handle_generation: int
+    source_instance: str
+    cache_abi_sha256: str
+    stream_position: int  # the publication's
+    local_sequence: int
+    monotonic_ns: int
+    observed_wall_time: int
+    prefix: str  # of the operation's and the events' ids
+    op: int  # the operation id's counter
+    gaps: tuple[int, int, int]
+    publish_txn: str
+    start_txn: str
+    snapshot: int  # base snapshot version
+    committed: int
+    accepted: int
+    layers: int
+    workspace: int
+    digest: bytes | None
+    output: int
+    token: int
+    call: tuple[str, int, Call] | None  # call id prefix, counter, the row's call
+
+    @property
+    def event_id(self) -> str:
+        """The last event's id (the append_start's): where a fold of the step ends."""
+        n = (self.op + self.gaps[0] + self.gaps[1] + self.gaps[2]) & _MASK
+        return f"{self.prefix}{n:016x}"
+
+    def events(self) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
+        prefix, op, gaps = self.prefix, self.op, self.gaps
+        e1 = (op + gaps[0]) & _MASK
+        e2 = (e1 + gaps[1]) & _MASK
+        e3 = (e2 + gaps[2]) & _MASK
+        g, pos, seq, v, c, token = (self.global_position, self.stream_position, self.local_sequence, self.snapshot,
+                                    self.committed, self.token)
+        stream_id, request_id, generation, source, mono, wall = (
+            self.stream_id, self.request_id, self.handle_generation, self.source_instance, self.monotonic_ns,
+            self.observed_wall_time)
+        operation_id = f"{prefix}{op:016x}"
+        call = None
+        if self.call is not None:
+            cp, cn, k = self.call
+            call = ev.ForwardCall(f"{cp}{cn:016x}", k.index, k.size, k.new_pad, k.key_extent, k.threads)
+        digest = self.digest
+        publish = _PUBLISH(
+            event_id=f"{prefix}{e1:016x}", global_position=g, stream_id=stream_id, stream_position=pos,
+            schema_version=_V_PUBLISH, request_id=request_id, handle_generation=generation, operation_id=operation_id,
+            source_instance=source, local_sequence=seq, monotonic_ns=mono, observed_wall_time=wall,
+            payload=ev.AppendPublish(self.publish_txn, v, v + 1, c, self.accepted, self.layers, True, self.workspace,
+                                     None if digest is None else digest.hex()))
+        v += 1
+        emit = _EMIT(
+            event_id=f"{prefix}{e2:016x}", global_position=g + 1, stream_id=stream_id, stream_position=pos + 1,
+            schema_version=_V_EMIT, request_id=request_id, handle_generation=generation, operation_id=operation_id,
+            source_instance=source, local_sequence=seq + 1, monotonic_ns=mono, observed_wall_time=wall,
+            payload=ev.OutputEmit(self.output, token, v))
+        start = _START(
+            event_id=f"{prefix}{e3:016x}", global_position=g + 2, stream_id=stream_id, stream_position=pos + 2,
+            schema_version=_V_START, request_id=request_id, handle_generation=generation, operation_id=operation_id,
+            source_instance=source, local_sequence=seq + 2, monotonic_ns=mono, observed_wall_time=wall,
+            payload=ev.AppendStart(self.start_txn, "decode", v, c, 1, (token,), (c,), c + 1, self.cache_abi_sha256,
+                                   call))
+        return publish, emit, start
+
+
 class StepReader:
     """Rebuilds a record's rows in order (each row's differences are from the one before)."""
 
@@ -262,52 +342,29 @@ class StepReader:
         """The three events of `row`, whose publication is the record's event `at`
         (counted from 0). Raises ValueError or msgspec's errors for a row that does not
         rebuild."""
+        return self.values(row, at).events()
+
+    def values(self, row: bytes, at: int) -> StepValues:
+        """The values of `row` (see events), its differences resolved."""
         # Every replay of a decode step comes through here: no helper calls, no dicts.
         x = _decode_step(row)
         ctx, last, prefixes = self.context, self._last, self.context.prefixes
         stream_id, request_id, generation, source, _ = ctx.streams[x.stream]
-        abi = self._abis[x.stream]
-        prefix = prefixes[x.prefix]
         seq = (last[0] + 3 + x.sequence) & _MASK
         mono = (last[1] + x.mono) & _MASK
         wall = (last[2] + x.mono + x.wall) & _MASK
         op = (last[3] + x.op) & _MASK
-        gaps = x.gaps
-        e1 = (op + gaps[0]) & _MASK
-        e2 = (e1 + gaps[1]) & _MASK
-        e3 = (e2 + gaps[2]) & _MASK
         ptxn, stxn = (last[4] + x.publish_txn[1]) & _MASK, (last[5] + x.start_txn[1]) & _MASK
-        v, c, pos, token = x.snapshot, x.committed, x.position, x.token
         ccount = last[6]
-        call = None
-        if x.call is not None:
-            k = x.call
-            ccount = (ccount + k.counter) & _MASK
-            call = ev.ForwardCall(f"{prefixes[k.prefix]}{ccount:016x}", k.index, k.size, k.new_pad, k.key_extent,
-                                  k.threads)
-        operation_id = f"{prefix}{op:016x}"
-        g = ctx.first_position + at
-        digest = x.digest
-        publish = _PUBLISH(
-            event_id=f"{prefix}{e1:016x}", global_position=g, stream_id=stream_id, stream_position=pos,
-            schema_version=_V_PUBLISH, request_id=request_id, handle_generation=generation, operation_id=operation_id,
-            source_instance=source, local_sequence=seq, monotonic_ns=mono, observed_wall_time=wall,
-            payload=ev.AppendPublish(f"{prefixes[x.publish_txn[0]]}{ptxn:016x}", v, v + 1, c, x.accepted, x.layers,
-                                     True, x.workspace, None if digest is None else digest.hex()))
-        v += 1
-        emit = _EMIT(
-            event_id=f"{prefix}{e2:016x}", global_position=g + 1, stream_id=stream_id, stream_position=pos + 1,
-            schema_version=_V_EMIT, request_id=request_id, handle_generation=generation, operation_id=operation_id,
-            source_instance=source, local_sequence=seq + 1, monotonic_ns=mono, observed_wall_time=wall,
-            payload=ev.OutputEmit(x.output, token, v))
-        start = _START(
-            event_id=f"{prefix}{e3:016x}", global_position=g + 2, stream_id=stream_id, stream_position=pos + 2,
-            schema_version=_V_START, request_id=request_id, handle_generation=generation, operation_id=operation_id,
-            source_instance=source, local_sequence=seq + 2, monotonic_ns=mono, observed_wall_time=wall,
-            payload=ev.AppendStart(f"{prefixes[x.start_txn[0]]}{stxn:016x}", "decode", v, c, 1, (token,), (c,),
-                                   c + 1, abi, call))
+        call = x.call
+        if call is not None:
+            ccount = (ccount + call.counter) & _MASK
         self._last = (seq, mono, wall, op, ptxn, stxn, ccount)
-        return publish, emit, start
+        return StepValues(
+            ctx.first_position + at, stream_id, request_id, generation, source, self._abis[x.stream], x.position,
+            seq, mono, wall, prefixes[x.prefix], op, x.gaps, f"{prefixes[x.publish_txn[0]]}{ptxn:016x}",
+            f"{prefixes[x.start_txn[0]]}{stxn:016x}", x.snapshot, x.committed, x.accepted, x.layers, x.workspace,
+            x.digest, x.output, x.token, None if call is None else (prefixes[call.prefix], ccount, call))
 
     def receipt(self, events: tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]) -> bytes:
         """The JSON receipt of a step's operation, as the writer returned it."""

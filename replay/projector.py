@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import msgspec
+from msgspec.structs import replace as _replace
 
 from kvledger.engine.evolve import APPLY
-from kvledger.engine.state import HandleState
+from kvledger.engine.state import HandleState, OpenTxn
+from kvledger.journal.steps import StepValues
 from kvledger.replay.kv_blocks import KvBlocks, KvBlockState
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
 from kvledger.schemas import events as ev
@@ -114,13 +116,15 @@ class Projector:
     def apply(self, e: ev.Event) -> None:
         self.feed((e,))
 
-    def feed(self, events: Iterable[ev.Event]) -> Projector:
+    def feed(self, events: Iterable[ev.Event | StepValues]) -> Projector:
         """Apply events in global order. One loop with its state in locals: this is the
-        per-event cost of every replay, so nothing here is a call it does not need."""
+        per-event cost of every replay, so nothing here is a call it does not need. A
+        decode step read back whole (journal.steps.StepValues) is applied at once when
+        its handle is in the plain state for it, as its three events otherwise."""
         handles, ls, hooks, trajectory = self.handles, self.ledger, _HOOKS, self.trajectory
         apply = APPLY  # engine.evolve.evolve's dispatch, without its call frame
         position = self.position
-        applied = None
+        applied: Any = None
         try:
             for e in events:
                 pos = e.global_position
@@ -131,6 +135,14 @@ class Projector:
                         "(run `kvledger verify`)",
                     )
                 cls = e.__class__
+                if cls is StepValues:
+                    if trajectory is None and self._step(e):  # type: ignore[arg-type]  # the class, checked
+                        position, applied = pos + 2, e
+                        continue
+                    self.position, self.last_event_id = position, applied and applied.event_id
+                    self.feed(e.events())  # type: ignore[union-attr]  # the class, checked above
+                    position, applied = self.position, None
+                    continue
                 if cls in _KV:  # an engine's block pool: its own fold, no handle, no ledger clock
                     self.kv.apply(e)  # type: ignore[arg-type]  # _KV holds exactly those classes
                     position, applied = pos, e
@@ -154,19 +166,56 @@ class Projector:
                     ) from None
                 handles[sid] = new
                 position, applied = pos, e
-                hook = hooks.get(cls)
+                hook = hooks.get(cls)  # type: ignore[arg-type]  # a StepValues went on above
                 if hook is None:
                     ls.workspace = 0  # workspace is event-local
                 else:
                     hook(self, old, new, e)
                 if trajectory is not None:
-                    trajectory.append(LedgerPoint(pos, t, e.event_type, sid, ls.values()))
+                    trajectory.append(LedgerPoint(pos, t, e.event_type, sid,  # type: ignore[union-attr]  # as above
+                                                  ls.values()))
         finally:
             # Whatever was applied is applied: a failure names the position it reached.
             if applied is not None:
                 self.position = position
                 self.last_event_id = applied.event_id
         return self
+
+    def _step(self, x: StepValues) -> bool:
+        """A decode step's three events applied at once: the state, side tables and
+        ledger each event would leave, in one change (tests/test_replay_steps.py compares
+        the two over whole journals). False, with nothing changed: the handle is not in
+        the state that step needs (no single open append with its txn, a verify append,
+        not owned by the ledger yet), and the caller applies its events one by one."""
+        sid = x.stream_id
+        old = self.handles.get(sid)
+        ls = self.ledger
+        if old is None or sid not in ls.owners:
+            return False
+        txns = old.open_txns
+        if len(txns) != 1:
+            return False
+        txn = txns[0]
+        if txn.txn_id != x.publish_txn or txn.kind == "verify":
+            return False
+        t = x.monotonic_ns
+        ls.advance(t)  # the three events share one time
+        v, c, token = x.snapshot + 1, x.committed, x.token
+        new = _replace(old, stream_position=x.stream_position + 2, snapshot_version=v, committed_length=c,
+                       logits_ready=False, open_txns=(OpenTxn(x.start_txn, "decode", v, c, 1, (token,)),),
+                       outputs=old.outputs + (token,), output_ns=old.output_ns + (t,))
+        self.handles[sid] = new
+        # _on_publish's work and ledger, then the emit's and the start's zero workspace
+        work = self.work.get(sid)
+        if work is None:
+            work = self.work[sid] = Work()
+        start, n = txn.interval_start, txn.interval_count
+        work.rows += n
+        work.pairs += n * start + n * (n + 1) // 2
+        work.publishes += 1
+        ls.resize(sid, new, x.global_position, x.workspace)
+        ls.workspace = 0
+        return True
 
     # -- hooks: the event types that change a side table ---------------------------
 

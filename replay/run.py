@@ -8,10 +8,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvledger.journal.contract import Journal
+from kvledger.journal.steps import StepValues
 from kvledger.replay.metrics import WindowSpec
 from kvledger.replay.projector import Projector, collector_paused
 from kvledger.replay.report import Report, build
-from kvledger.replay.sources import journal_events, jsonl_events
+from kvledger.replay.sources import fold_items, jsonl_events
 from kvledger.schemas import events as ev
 from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -21,24 +22,23 @@ CHECKPOINT = "replay"  # default checkpoint name in kvl_checkpoints
 Progress = Callable[[int], None]  # called with the number of events applied so far
 
 
-def project(events: Iterable[ev.Event], *, projector: Projector | None = None,
+def project(events: Iterable[ev.Event | StepValues], *, projector: Projector | None = None,
             trajectory: bool = False, progress: Progress | None = None) -> Projector:
     """Fold events (in global order) into a projector, new or resumed."""
     p = projector if projector is not None else Projector(trajectory=trajectory)
     with collector_paused():
         if progress is None:
             return p.feed(events)
-        batch: list[ev.Event] = []
-        n = 0
+        batch: list[ev.Event | StepValues] = []
+        base = p.position  # a decode step may come whole: count positions, not items
         for e in events:
             batch.append(e)
             if len(batch) == 4096:
                 p.feed(batch)
-                n += len(batch)
                 batch.clear()
-                progress(n)
+                progress(p.position - base)
         p.feed(batch)
-        progress(n + len(batch))
+        progress(p.position - base)
     return p
 
 
@@ -69,7 +69,7 @@ def replay_journal(journal: Journal, window: WindowSpec, *, at: int | None = Non
                    trajectory: bool = False, progress: Progress | None = None,
                    block_bytes: int | None = None) -> Report:
     """Replay a journal database: positions 1..at, or all of it."""
-    p = project(journal_events(journal, 0, _limit(at)), trajectory=trajectory, progress=progress)
+    p = project(fold_items(journal, 0, _limit(at)), trajectory=trajectory, progress=progress)
     _check_at(p, at)
     return build(p, window, block_bytes=block_bytes)
 
@@ -98,7 +98,7 @@ def replay_incremental(journal: Journal, window: WindowSpec, *, name: str = CHEC
     checkpoint. Returns the report and the position it resumed from (0: from scratch)."""
     p = resume(journal, name)
     start = p.position
-    project(journal_events(journal, start), projector=p, progress=progress)
+    project(fold_items(journal, start), projector=p, progress=progress)
     if p.position != start or start == 0:
         journal.save_checkpoint(name, p.position, p.dump())
     return build(p, window, block_bytes=block_bytes), start

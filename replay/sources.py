@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from kvledger.journal.contract import Journal
+from kvledger.journal.steps import StepValues
 from kvledger.schemas import events as ev
 from kvledger.schemas.codec import MAX_EVENT_BYTES, decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -66,9 +67,35 @@ def jsonl_events(path: str | Path, limit: int | None = None) -> Iterator[ev.Even
             raise KvLedgerError(exc.code, f"{path}:{lineno}: {exc.message}") from None
 
 
+# decode_event's codes: the failure a stored event's position is added to
+_DECODING = {ErrorCode.MALFORMED_EVENT, ErrorCode.UNKNOWN_EVENT_TYPE, ErrorCode.UNKNOWN_SCHEMA_VERSION,
+             ErrorCode.FIELD_TOO_LARGE}
+
+
 def journal_events(journal: Journal, after: int = 0, limit: int | None = None) -> Iterator[ev.Event]:
+    """The journal's events after `after` (at most `limit`), in global order."""
+    return _named(journal.read_all(after, limit), journal, after, limit)
+
+
+def fold_items(journal: Journal, after: int = 0, limit: int | None = None) -> Iterator[ev.Event | StepValues]:
+    """journal_events for a projector: a decode step may come whole (Journal.read_fold)."""
+    if limit is not None:
+        return journal_events(journal, after, limit)
+    return _named(journal.read_fold(after), journal, after, limit)
+
+
+def _named(items: Iterator[Any], journal: Journal, after: int, limit: int | None) -> Iterator[Any]:
+    """`items`, and for an event that does not decode, an error that names its position."""
+    try:
+        yield from items
+        return
+    except KvLedgerError as exc:
+        if exc.code not in _DECODING:
+            raise
+    # Find it as stored bytes (a failure is rare; this reads from `after` again).
     for position, body in journal.read_raw(after, limit):
         try:
-            yield decode_event(body)
+            decode_event(body)
         except KvLedgerError as exc:
             raise KvLedgerError(exc.code, f"stored event at position {position}: {exc.message}") from None
+    raise AssertionError("an event did not decode, and then did")  # pragma: no cover - the same bytes
