@@ -208,10 +208,13 @@ class LedgerAccumulator:
             if delta > 0:
                 if committed * b_token > self._max:
                     self._max = committed * b_token
+                # _raised, inlined: a growing decode raises both at nearly every publish
                 if self.logical > self.peak_logical:
-                    self._raised("logical", self.logical, position)
+                    self.peak_logical = self.logical
+                    self.peak_at["logical"] = position
                 if self.materialized > self.peak_materialized:
-                    self._raised("materialized", self.materialized, position)
+                    self.peak_materialized = self.materialized
+                    self.peak_at["materialized"] = position
             elif before * b_token == self._max:
                 self._max_stale = True
         self.workspace = workspace
