@@ -1,8 +1,11 @@
-"""A journal of format 3 records (commit 0823483: every receipt's fingerprint stored)
-reads the same with today's code, which writes format 4 (a decode chain's fingerprint
-derived from its events; since then format 6 stores decode steps as rows).
-fixtures/journal_format3 holds what that code wrote and
-printed: the SQLite file, its export, `replay --json`, `verify --json` and every receipt.
+"""Journals written by earlier record formats read the same with today's code, which
+writes record format 6 (decode steps as rows, docs/COMPACT.md step 12) and format 5 for
+a record with no step. Each fixture holds what its code wrote and printed: the SQLite
+file, its export, `replay --json`, `verify --json` and every receipt.
+
+- fixtures/journal_format3 (commit 0823483): format 3, every receipt's fingerprint stored;
+- fixtures/journal_format5 (commit 09b1099): format 5, a decode chain's fingerprint
+  derived from its events and the record's lists inside its zstd frame.
 
 Same revision (0006), so nothing migrates: verify is clean, replay and export print what
 the old code printed, every old receipt is found by its operation id (what makes a
@@ -23,15 +26,24 @@ from kvledger.schemas.receipts import receipt_decoder
 
 from stored_rows import FIXTURES, cli, old_journal, reads_as_recorded, sql
 
-OLD = FIXTURES / "journal_format3"
 TABLES = ("kvl_heads", "kvl_manifests", "kvl_checkpoints", "kvl_records", "kvl_record_ids")
-RECEIPTS = [receipt_decoder.decode(line) for line in (OLD / "receipts.jsonl").read_bytes().splitlines()]
+# fixture, the record format its code wrote, the receipts it stored without a fingerprint
+OLD = {"format3": (FIXTURES / "journal_format3", 3, 0), "format5": (FIXTURES / "journal_format5", 5, 18)}
+
+
+@pytest.fixture(params=["format3", "format5"])
+def old(request) -> tuple:
+    return OLD[request.param]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def old_url(request, tmp_path) -> str:
+def old_url(request, tmp_path, old) -> str:
     """A writable copy of the fixture on the parametrized backend."""
-    return old_journal(request, tmp_path, OLD, SCHEMA_REVISION, TABLES)
+    return old_journal(request, tmp_path, old[0], SCHEMA_REVISION, TABLES)
+
+
+def receipts(fixture):
+    return [receipt_decoder.decode(line) for line in (fixture / "receipts.jsonl").read_bytes().splitlines()]
 
 
 def formats(url: str) -> list[int]:
@@ -49,20 +61,23 @@ def step_rows(url: str) -> int:
     return sum(decode_record(bytes(b), "t").step_rows for (b,) in sql(url, "SELECT body FROM kvl_records"))
 
 
-def test_format_3_reads_as_the_old_code_read_it(old_url, capsys, tmp_path):
-    assert FORMAT == 6 and set(formats(old_url)) == {3} and derived(old_url) == 0
-    reads_as_recorded(capsys, old_url, OLD, tmp_path, RECEIPTS)
+def test_an_old_format_reads_as_the_old_code_read_it(old, old_url, capsys, tmp_path):
+    fixture, fmt, marks = old
+    assert FORMAT == 6 and set(formats(old_url)) == {fmt} and derived(old_url) == marks
+    reads_as_recorded(capsys, old_url, fixture, tmp_path, receipts(fixture))
 
 
-def test_appended_format_4_records_verify_beside_format_3_ones(old_url, capsys):
+def test_appended_records_verify_beside_old_ones(old, old_url, capsys):
+    fixture, fmt, _ = old
     code, _, err = cli(capsys, "demo", "--db", old_url, "--requests", "4", "--max-new-tokens", "4", "--seed", "5")
     assert code == 0, err
     kinds = formats(old_url)
-    assert kinds[:8] == [3] * 8 and set(kinds[8:]) == {EVENTS_FORMAT, FORMAT}
+    assert kinds[:8] == [fmt] * 8 and set(kinds[8:]) == {EVENTS_FORMAT, FORMAT}
     assert step_rows(old_url) > 0  # the demo's decode chains: rows, their fingerprints rebuilt on read
     code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
     assert code == 0 and json.loads(out)["ok"], err
     with open_journal(old_url) as journal:
-        assert [journal.receipt(r.operation_id) for r in RECEIPTS] == RECEIPTS
+        old_receipts = receipts(fixture)
+        assert [journal.receipt(r.operation_id) for r in old_receipts] == old_receipts
         new = [r for r in journal.read_receipts() if r.first_global_position > 149]
         assert new and all(len(r.fingerprint) == 64 for r in new)
