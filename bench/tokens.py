@@ -41,10 +41,11 @@ NOTES = {
                                    "the commit's fsync 10-16, the bench's own commands ~20); the fsync "
                                    "alone caps one writer here near 67,000 tokens/s",
     "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is",
-    "journal_bytes_per_token_L32": "records of JSON bodies compressed ~12.6x by zstd (two random digests "
-                                   "a token do not compress), plus lookup rows, empty pre-0003 tables "
-                                   "and page slack",
-    "replay_tokens_per_s": "read + inflate + decode + project; three JSON events per token",
+    "journal_bytes_per_token_L32": "record format 6: a decode step is one row (~60 bytes, 32 of them its "
+                                   "random row digest); plus the heads, empty pre-0003 tables and page "
+                                   "slack",
+    "replay_tokens_per_s": "read + inflate + rebuild each decode step from its row + fold it whole "
+                           "(Projector._step); pure Python per step",
     "journal_gc_us_per_token": "the cyclic garbage collector's time during the timed decode steps of the "
                                "SQLite service-alone run, per token: commands, operations and receipts are "
                                "untracked (gc=False) since step 9",
