@@ -141,8 +141,23 @@ class Record:
     def streams(self) -> list[str] | None:
         """The streams its events name, in the order they first name them (None: an event
         that does not decode)."""
+        if self._steps is not None:  # a step row names its stream without its events' JSON
+            try:
+                return list(dict.fromkeys(x.stream_id for x in self._steps.decoded(fold=True)))
+            except KvLedgerError:
+                return None
         keys = self._keys()
         return None if keys is None else list(dict.fromkeys(k.stream_id for k in keys))
+
+    def stream_events(self, stream_id: str) -> list[Event]:
+        """Its events of one stream, in order."""
+        if self._steps is None:
+            return [decode_event(e) for e in self.events if _event_keys(e).stream_id == stream_id]
+        out: list[Event] = []
+        for x in self._steps.decoded(fold=True):
+            if x.stream_id == stream_id:
+                out += x.events() if type(x) is StepValues else (x,)
+        return out
 
     def _keys(self) -> list[_EventKeys] | None:
         try:

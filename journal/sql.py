@@ -66,7 +66,7 @@ from kvledger.journal.tables import (
     too_new,
 )
 from kvledger.journal.url import parse_url, redact
-from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.codec import encode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import CURRENT_VERSION, Event, RequestAllocate
 from kvledger.schemas.receipts import (
@@ -566,8 +566,7 @@ class SqlJournal(Journal):
 
     def read_stream(self, handle_id: str, after: int = 0) -> list[Event]:
         with self._lock:
-            rows = self._read(lambda cur: self.sql.stream_bodies(cur, handle_id, after))
-        return [decode_event(body) for body in rows]
+            return self._read(lambda cur: self.sql.stream_events(cur, handle_id, after))
 
     def read_raw(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
         return self._pages(after, limit)

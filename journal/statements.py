@@ -34,6 +34,7 @@ from kvledger.journal.records import (
 from kvledger.journal.steps import StepValues
 from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.events import Event
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -362,15 +363,15 @@ class Statements(abc.ABC):
                     "(SELECT max(global_position) FROM kvl_events), 0)")
         return stored_int(cur.fetchone()[0], "the last global position")
 
-    def stream_bodies(self, cur: Any, handle_id: str, after: int) -> list[bytes]:
+    def stream_events(self, cur: Any, handle_id: str, after: int) -> list[Event]:
         cur.execute(
             self.q("SELECT body FROM kvl_events WHERE stream_id = ? AND stream_position > ? "
                    "ORDER BY stream_position"),
             (handle_id, after),
         )
-        bodies = [stored_bytes(r[0], f"a body of stream {handle_id}") for r in cur.fetchall()]
+        events = [decode_event(stored_bytes(r[0], f"a body of stream {handle_id}")) for r in cur.fetchall()]
         pointer = self.last_records(cur, [handle_id]).get(handle_id, PREV_INDEXED)
-        chained: list[list[bytes]] = []  # newest record first
+        chained: list[list[Event]] = []  # newest record first
         while pointer > 0:  # back along the chain, until the records hold nothing after `after`
             cur.execute(self.q("SELECT body, stream_prev FROM kvl_records WHERE last_position = ?"), (pointer,))
             row = cur.fetchone()
@@ -382,9 +383,9 @@ class Statements(abc.ABC):
                     or handle_id not in streams:
                 raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} breaks at the "
                                     f"record {where} (run `kvledger verify`)")
-            own = [(w.stream_position, e) for e in record.events if (w := _where(e)).stream_id == handle_id]
-            chained.append([e for p, e in own if p > after])
-            earlier = prev[streams.index(handle_id)] if own[0][0] > after + 1 else PREV_NONE
+            own = record.stream_events(handle_id)
+            chained.append([e for e in own if e.stream_position > after])
+            earlier = prev[streams.index(handle_id)] if own[0].stream_position > after + 1 else PREV_NONE
             if earlier >= pointer:  # a chain only goes back: a damaged pointer must not loop the read
                 raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} points from the "
                                     f"record {where} to {earlier}, not back (run `kvledger verify`)")
@@ -398,13 +399,12 @@ class Statements(abc.ABC):
             )
             for last, body in cur.fetchall():
                 where = f"ending at position {last}"
-                for e in decode_record(stored_bytes(body, f"the record {where}"), where).events:
-                    w = _where(e)  # the record holds other streams' events too (and a shared key's)
-                    if w.stream_id == handle_id and w.stream_position > after:
-                        bodies.append(e)
+                # the record holds other streams' events too (and a shared key's)
+                events += [e for e in decode_record(stored_bytes(body, f"the record {where}"), where)
+                           .stream_events(handle_id) if e.stream_position > after]
         for found in reversed(chained):
-            bodies += found
-        return bodies
+            events += found
+        return events
 
     RECORD_PAGE = 32  # records a read decodes at a time: bounded memory, whatever a record holds
 
@@ -636,14 +636,6 @@ class _ReceiptKey(msgspec.Struct):
 
 
 _receipt_key = msgspec.json.Decoder(_ReceiptKey).decode
-
-
-class _Where(msgspec.Struct):
-    stream_id: str
-    stream_position: int
-
-
-_where = msgspec.json.Decoder(_Where).decode
 
 
 class _ReceiptFirst(msgspec.Struct):

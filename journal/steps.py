@@ -8,15 +8,17 @@ the snapshot versions are the base plus one, the start's interval is the committ
 and the emitted token. Formats 1 to 5 stored the three JSON bodies (about 1.9 KB, 140
 bytes once compressed with their neighbours) and a compact receipt; format 6 stores a
 `Step` row: the values that are not fixed, with ids as counters under a prefix and
-clocks as differences from the step before, so zstd keeps ~35 bytes a step, most of
-them the row digest.
+clocks as differences from the step before, so a record of 64 steps keeps ~60 bytes a
+step, 32 of them the row digest.
 
 Readers rebuild the three events as the structs `decode_event` would give, and their
 JSON with the same encoder, so `read_all`, `export` and `verify` see the bytes format 5
 stored (tests/test_steps.py holds that over generated chains); the receipt comes back
 through schemas.decode_fingerprint as in format 4. The writer turns an operation into a
 row only when every relation the rebuild assumes holds, with exact types, and stores the
-others as before (`StepWriter.row` returns None).
+others as before (`StepWriter.row` returns None); for the service's own decode lane
+(Operation.stamped) the relations hold by construction and only what the lane takes
+from its caller is checked (tests/test_decode_step.py rebuilds every such row).
 
 A row is one item of the record with one CRC, in place of three events' and a receipt's:
 a damaged row is named by its first event. The record's shared values (its first global
@@ -292,6 +294,11 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
         """The last event's id (the append_start's): where a fold of the step ends."""
         n = (self.op + self.gaps[0] + self.gaps[1] + self.gaps[2]) & _MASK
         return f"{self.prefix}{n:016x}"
+
+    @property
+    def first_event_id(self) -> str:
+        """The publication's id: the event at `global_position`."""
+        return f"{self.prefix}{(self.op + self.gaps[0]) & _MASK:016x}"
 
     def events(self) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
         prefix, op, gaps = self.prefix, self.op, self.gaps

@@ -131,15 +131,16 @@ class Projector:
                 if pos != position + 1:
                     raise KvLedgerError(
                         ErrorCode.CORRUPT_JOURNAL,
-                        f"event {e.event_id} is at global position {pos}, expected {position + 1} "
-                        "(run `kvledger verify`)",
+                        f"event {getattr(e, 'first_event_id', e.event_id)} is at global position {pos}, "
+                        f"expected {position + 1} (run `kvledger verify`)",
                     )
                 cls = e.__class__
                 if cls is StepValues:
                     if trajectory is None and self._step(e):  # type: ignore[arg-type]  # the class, checked
                         position, applied = pos + 2, e
                         continue
-                    self.position, self.last_event_id = position, applied and applied.event_id
+                    if applied is not None:  # what this call applied so far, before the events go in
+                        self.position, self.last_event_id = position, applied.event_id
                     self.feed(e.events())  # type: ignore[union-attr]  # the class, checked above
                     position, applied = self.position, None
                     continue
