@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import zstandard
 
-from kvledger.journal.steps import StepReader, StepValues, is_row
+from kvledger.journal.steps import StepReader, StepValues, is_row, lower_hex
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
@@ -113,7 +113,7 @@ class Record:
     def folded(self) -> list[Event | StepValues]:
         """The events, each step row as its StepValues (what a projector folds at once)."""
         if self._steps is None:
-            return [decode_event(e) for e in self.events]
+            return list(self.decoded())  # a copy: list[Event] is not list[Event | StepValues] to mypy
         return self._steps.decoded(fold=True)
 
     @property
@@ -202,12 +202,8 @@ def compact_receipt(r: Receipt, derived: bool = False) -> bytes:
     fp: str | bytes | None = r.fingerprint
     if derived:
         fp = None
-    elif len(r.fingerprint) == 64:
-        try:
-            raw = bytes.fromhex(r.fingerprint)
-            fp = raw if raw.hex() == r.fingerprint else fp  # only a lowercase hex one reads back the same
-        except ValueError:
-            pass
+    elif (raw := lower_hex(r.fingerprint, 32)) is not None:  # only a lowercase hex one reads back the same
+        fp = raw
     heads = [x for h in r.handles for x in (h.generation, h.snapshot_version, h.committed_length)]
     return _encode(_Compact(len(r.event_ids), fp, r.committed_wall_ns, heads))
 
@@ -590,8 +586,7 @@ def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
     if problem is None and len(data) == sum(h.event_lengths) + sum(h.receipt_lengths):
         # Every slice is whole: cut and check them in bulk (a replay reads every event
         # through here); the loop below names what fails.
-        ends = list(itertools.accumulate(h.event_lengths + h.receipt_lengths))
-        parts = [data[a:b] for a, b in zip([0, *ends], ends)]
+        parts = _cut(data, h.event_lengths + h.receipt_lengths)
         if list(map(zlib.crc32, parts)) == h.event_crcs + h.receipt_crcs:
             cut = len(h.event_lengths)
             return _record(h.format, parts[:cut], parts[cut:], eager)
@@ -613,6 +608,12 @@ def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
     if problem or at != len(data):
         return Damage(None, problem or f"{len(data) - at} bytes after the last receipt", events)
     return _record(h.format, events, receipts, eager)
+
+
+def _cut(data: bytes, lengths: list[int]) -> list[bytes]:
+    """`data` cut into consecutive slices of `lengths` (short or empty where it ends early)."""
+    ends = list(itertools.accumulate(lengths))
+    return [data[a:b] for a, b in zip([0, *ends], ends)]
 
 
 # -- format 6: step rows among the events ------------------------------------------------
@@ -688,9 +689,8 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage
     if not h.receipt_lengths:
         return Damage(None, "a format 6 record without its context")
     lengths, crcs, data = h.event_lengths + h.receipt_lengths, h.event_crcs + h.receipt_crcs, h.data
-    ends = list(itertools.accumulate(lengths))
-    parts = [data[a:b] for a, b in zip([0, *ends], ends)]
-    whole = problem is None and len(data) == ends[-1]
+    parts, total = _cut(data, lengths), sum(lengths)
+    whole = problem is None and len(data) == total
     if whole and list(map(zlib.crc32, parts)) == crcs:
         ok = [True] * len(parts)
     else:
@@ -724,7 +724,7 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage
     if reader is None:
         return Damage(None, why, steps.json())
     if not whole:
-        return Damage(None, problem or f"{len(data) - ends[-1]} bytes after its context", steps.json())
+        return Damage(None, problem or f"{len(data) - total} bytes after its context", steps.json())
     compact = parts[n:-1]
     if eager:
         expanded = steps.receipts(compact)

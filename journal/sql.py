@@ -434,34 +434,28 @@ class SqlJournal(Journal):
             op = ops[i]
             op_id = op.operation_id
             first = position + 1
-            if op.derived and (row := step_row(op)) is not None:  # a decode step: one row (journal.steps)
-                write = op.writes[0]
-                h = write.head
-                step_ids = tuple(e.event_id for e in write.events)
-                position += 3
-                add_body(row)
-                tails[write.handle_id] = h.stream_position
-                results[i] = Receipt(op_id, op.fingerprint, (HandleResult(
-                    write.handle_id, h.generation, h.snapshot_version, h.stream_position, h.committed_length),),
-                    step_ids, first, position, now)
-                event_ids.update(step_ids)
-                op_ids.append(op_id)
-                continue
             own: list[str] = []
             handles: list[HandleResult] = []
+            row = step_row(op) if op.derived else None  # a decode step: one row (journal.steps)
+            if row is not None:
+                add_body(row)
+                own += [ev.event_id for ev in op.writes[0].events]
+                position += 3
             for write in op.writes:
-                for ev in write.events:
-                    position += 1
-                    add_body(encode(replace(ev, global_position=position)))
-                    own.append(ev.event_id)
-                    if op.manifests and isinstance(ev.payload, RequestAllocate):
-                        allocated[ev.payload.manifest_sha256] = position
+                if row is None:
+                    for ev in write.events:
+                        position += 1
+                        add_body(encode(replace(ev, global_position=position)))
+                        own.append(ev.event_id)
+                        if op.manifests and isinstance(ev.payload, RequestAllocate):
+                            allocated[ev.payload.manifest_sha256] = position
                 h = write.head
                 tails[write.handle_id] = h.stream_position
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
                                             h.stream_position, h.committed_length))
             receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(own), first, position, now)
-            add_receipt(encode_receipt(receipt, op.derived))
+            if row is None:  # a row's receipt is rebuilt from it
+                add_receipt(encode_receipt(receipt, op.derived))
             event_ids.update(own)
             op_ids.append(op_id)
             for sha, manifest in op.manifests:  # where its allocation holds it, or itself

@@ -169,8 +169,8 @@ class StepWriter:
                 (token,), (c,), c + 1, gen, v + 1, pos + 2, c)):
             return None
         ptxn, stxn = self._id(pp.txn_id), self._id(sp.txn_id)
-        digest = None if pp.rows_sha256 is None else _raw(pp.rows_sha256)
-        abi = self._abis.get(sp.cache_abi_sha256) or _raw(sp.cache_abi_sha256)
+        digest = None if pp.rows_sha256 is None else lower_hex(pp.rows_sha256, 32)
+        abi = self._abis.get(sp.cache_abi_sha256) or lower_hex(sp.cache_abi_sha256, 32)
         if ptxn is None or stxn is None or abi is None or (digest is None) != (pp.rows_sha256 is None):
             return None
         self._abis[sp.cache_abi_sha256] = abi
@@ -240,24 +240,20 @@ _parsed: dict[str, int] = {}  # id -> its counter (StepWriter._id)
 
 def _counter(value: object) -> int | None:
     """The counter (last 16 digits) of an id of 32 lowercase hex digits, or None."""
-    if type(value) is not str or len(value) != 32:
+    raw = lower_hex(value, 16)
+    return None if raw is None else int.from_bytes(raw[8:])
+
+
+def lower_hex(value: object, size: int) -> bytes | None:
+    """The `size` bytes that `value` spells in lowercase hex (what reads back as the same
+    string: bytes.fromhex also takes capitals and spaces), or None."""
+    if type(value) is not str or len(value) != 2 * size:
         return None
     try:
         raw = bytes.fromhex(value)
     except ValueError:
         return None
-    return int.from_bytes(raw[8:]) if raw.hex() == value else None  # fromhex takes capitals and spaces
-
-
-def _raw(digest: object) -> bytes | None:
-    """The 32 bytes of a lowercase hex SHA-256, or None."""
-    if type(digest) is not str or len(digest) != 64:
-        return None
-    try:
-        raw = bytes.fromhex(digest)
-    except ValueError:
-        return None
-    return raw if raw.hex() == digest else None
+    return raw if raw.hex() == value else None
 
 
 class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
