@@ -32,6 +32,31 @@ def _base_is(step: c.Publish | c.EmitOutput | c.BeginAppend, generation: int, sn
 def decode_step(s: HandleState, chain: c.Chain, monotonic_ns: int) -> tuple[Payloads, HandleState] | None:
     """The payloads of the chain's three events and the state they leave (its stream
     position three further), or None when the general path must decide."""
+    after = decode_after(s, chain, monotonic_ns)
+    return None if after is None else (decode_payloads(s, chain, after), after)
+
+
+def decode_payloads(s: HandleState, chain: c.Chain, after: HandleState) -> Payloads:
+    """The payloads of the three events of a chain decode_after accepted, leaving `after`."""
+    publish, emit, start = chain.steps
+    assert type(publish) is c.Publish and type(emit) is c.EmitOutput and type(start) is c.BeginAppend
+    txn = s.open_txns[0]
+    v, t, token = s.snapshot_version, after.committed_length, emit.token_id
+    return (
+        ev.AppendPublish(txn_id=txn.txn_id, base_snapshot_version=v, result_snapshot_version=v + 1,
+                         committed_length=t, accepted_count=txn.interval_count,
+                         layers_complete=s.num_layers, logits_ready=True,
+                         workspace_bytes=publish.workspace_bytes, rows_sha256=publish.rows_sha256),
+        ev.OutputEmit(output_index=len(s.outputs), token_id=token, snapshot_version=v + 1),
+        ev.AppendStart(txn_id=start.txn_id, kind="decode", base_snapshot_version=v + 1, interval_start=t,
+                       interval_count=1, token_ids=start.token_ids, cache_positions=start.cache_positions,
+                       mask_key_extent=t + 1, cache_abi_sha256=start.cache_abi_sha256, call=start.call),
+    )
+
+
+def decode_after(s: HandleState, chain: c.Chain, monotonic_ns: int) -> HandleState | None:
+    """The state the chain leaves when it is the plain case, or None (decode_step's
+    decision without its events: the service's lane builds a step's values instead)."""
     steps = chain.steps
     if len(steps) != 3 or s.lifecycle != "ACTIVE" or len(s.open_txns) != 1:
         return None
@@ -58,19 +83,8 @@ def decode_step(s: HandleState, chain: c.Chain, monotonic_ns: int) -> tuple[Payl
             or start.txn_id in s.aborted_txn_ids
             or not publish.handle_id == emit.handle_id == start.handle_id == chain.handle_id):
         return None
-    payloads = (
-        ev.AppendPublish(txn_id=txn.txn_id, base_snapshot_version=v, result_snapshot_version=v + 1,
-                         committed_length=committed, accepted_count=txn.interval_count,
-                         layers_complete=s.num_layers, logits_ready=True,
-                         workspace_bytes=publish.workspace_bytes, rows_sha256=publish.rows_sha256),
-        ev.OutputEmit(output_index=outputs, token_id=token, snapshot_version=v + 1),
-        ev.AppendStart(txn_id=start.txn_id, kind="decode", base_snapshot_version=v + 1, interval_start=t,
-                       interval_count=1, token_ids=start.token_ids, cache_positions=start.cache_positions,
-                       mask_key_extent=t + 1, cache_abi_sha256=start.cache_abi_sha256, call=start.call),
-    )
-    after = replace(
+    return replace(
         s, stream_position=s.stream_position + 3, snapshot_version=v + 1, committed_length=committed,
         logits_ready=False, outputs=s.outputs + (token,), output_ns=s.output_ns + (monotonic_ns,),
         open_txns=(OpenTxn(start.txn_id, "decode", v + 1, t, 1, start.token_ids),),
     )
-    return payloads, after

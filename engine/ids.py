@@ -41,6 +41,15 @@ def new_id() -> str:
     return _next()
 
 
+def new_counted() -> tuple[str, int] | None:
+    """A new id as its prefix and counter (the id is f"{prefix}{counter:016x}"), drawn as
+    new_id draws it; None while ids are seeded (they have no counter). A decode step
+    stored as a row keeps its ids' counters (journal.steps), not their text."""
+    if _next is not _unique:
+        return None
+    return _prefix, next(_counter)
+
+
 @contextlib.contextmanager
 def seeded(seed: str) -> Iterator[None]:
     """Within the block, ids come from a generator seeded by `seed` (uuid4 format)."""

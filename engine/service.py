@@ -18,13 +18,14 @@ import msgspec
 
 from kvledger.engine import commands as c
 from kvledger.engine.decide import Draft, decide
-from kvledger.engine.decode_step import decode_step
+from kvledger.engine.decode_step import decode_after, decode_payloads
 from kvledger.engine.evolve import evolve, fold
-from kvledger.engine.ids import new_id
+from kvledger.engine.ids import new_counted, new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
 from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
+from kvledger.journal.steps import StepValues, counter_of, row_parts
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -68,7 +69,18 @@ class Plan:
     cmd: c.Command  # as decided: bound, with its operation id
     op: Operation
     states: dict[str, HandleState]
-    events: list[ev.Event]
+    stamped: list[ev.Event]  # its events; empty when op.step holds them as values
+
+    @property
+    def events(self) -> list[ev.Event]:
+        return list(self.op.step.events()) if self.op.step is not None else self.stamped
+
+    def wrote(self, r: Receipt) -> bool:
+        """`r` is this plan's commit, not an earlier one's receipt answered to a retry of
+        its operation id (event ids are unique: the first tells them apart)."""
+        if self.op.step is not None:
+            return r.event_ids[:1] == (self.op.step.first_event_id,)
+        return r.event_ids == tuple([e.event_id for e in self.stamped])
 
 
 class BatchSurface(ABC):
@@ -121,6 +133,10 @@ class CommandService(BatchSurface):
     # engine.decode_step decides the worker's plain decode chain in one call; off, every
     # command takes the general path (tests compare the two, and it bisects a doubt).
     fast_decode: bool = True
+    # The decode lane hands the journal a step's values (journal.steps.StepValues, what a
+    # record stores) instead of three event structs; off, it stamps the events (tests
+    # compare the two: the journal's bytes are the same).
+    step_values: bool = True
 
     # -- state -------------------------------------------------------------------
 
@@ -241,7 +257,7 @@ class CommandService(BatchSurface):
                 continue
             if isinstance(out, Receipt):
                 results[i] = out
-                if out.event_ids == tuple([e.event_id for e in plan.events]):
+                if plan.wrote(out):
                     self.states.update(plan.states)
                     for hook in self.on_commit:
                         hook(out, plan.events)
@@ -329,28 +345,16 @@ class CommandService(BatchSurface):
     def _plan_decode(self, cmd: c.Chain, operation_id: str | None, s: HandleState) -> Plan | None:
         """_plan for a plain decode chain (engine.decode_step), or None. No operation id:
         a new one, taken only once the chain decides here (ids are drawn in the general
-        path's order, so a seeded run is the same either way)."""
+        path's order, so a seeded run is the same either way). The operation carries the
+        step's values (Operation.step: what a record stores of it, built without three
+        event structs) when its ids are engine.ids' own and its digest and call are in a
+        row's form; else its three events."""
         mono = self.clock.monotonic_ns()
-        decided = decode_step(s, cmd, mono)
-        if decided is None:
+        after = decode_after(s, cmd, mono)
+        if after is None:
             return None
-        if operation_id is None:
-            operation_id = new_id()
-            cmd = msgspec.structs.replace(cmd, operation_id=operation_id)
-        payloads, after = decided
-        wall = self.clock.wall_ns()
-        h, position, seq = s.handle_id, s.stream_position, self.local_sequence
-        self.local_sequence = seq + 3
-        envelope = dict(stream_id=h, request_id=s.request_id, handle_generation=s.generation,
-                        operation_id=operation_id, source_instance=self.source_instance,
-                        monotonic_ns=mono, observed_wall_time=wall)
-        events: tuple[ev.Event, ...] = tuple(
-            cls(event_id=new_id(), stream_position=position + i, schema_version=version,
-                local_sequence=seq + i, payload=p, **envelope)
-            for i, (cls, version, p) in enumerate(zip(_DECODE_CLASSES, _DECODE_VERSIONS, payloads), 1))
-        write = StreamWrite(h, _guard(s), _head(after), events)
         publish, emit, start = cmd.steps
-        assert type(emit) is c.EmitOutput and type(start) is c.BeginAppend  # what decode_step accepted
+        assert type(emit) is c.EmitOutput and type(start) is c.BeginAppend  # what decode_after accepted
         # The chain's own form (the worker's): its fingerprint is a function of its events
         # (schemas.decode_fingerprint rebuilds it on read), and the journal stores a mark
         # for it instead of 32 bytes. Computed here from the command as before, which is
@@ -358,8 +362,61 @@ class CommandService(BatchSurface):
         derived = (publish.operation_id is None and emit.operation_id is None and start.operation_id is None
                    and emit.base_generation is None and emit.base_snapshot_version is None
                    and start.base_generation is None and start.base_snapshot_version is None)
-        op = Operation(operation_id, cmd.fingerprint(), (write,), derived=derived, stamped=_STAMPED)
+        lane = derived and _STAMPED and self.step_values
+        first = None
+        if operation_id is None:
+            first = new_counted() if lane else None
+            operation_id = new_id() if first is None else f"{first[0]}{first[1]:016x}"
+            cmd = msgspec.structs.replace(cmd, operation_id=operation_id)
+        elif lane and (n := counter_of(operation_id)) is not None:
+            first = (operation_id[:16], n)
+        wall = self.clock.wall_ns()
+        h, position, seq = s.handle_id, s.stream_position, self.local_sequence
+        self.local_sequence = seq + 3
+        write = StreamWrite(h, _guard(s), _head(after), ())
+        fingerprint = cmd.fingerprint()
+        drawn = _drawn() if first is not None else None
+        if drawn is None:
+            ids = [new_id(), new_id(), new_id()]
+        else:
+            assert first is not None  # drawn only then
+            values = self._step_values(s, after, cmd, first, drawn, mono, wall)
+            if values is not None:
+                op = Operation(operation_id, fingerprint, (write,), derived=True, stamped=True, step=values)
+                return Plan(cmd, op, {h: after}, [])
+            ids = [f"{prefix}{n:016x}" for prefix, n in drawn]
+        payloads = decode_payloads(s, cmd, after)
+        envelope = dict(stream_id=h, request_id=s.request_id, handle_generation=s.generation,
+                        operation_id=operation_id, source_instance=self.source_instance,
+                        monotonic_ns=mono, observed_wall_time=wall)
+        events: tuple[ev.Event, ...] = tuple(
+            cls(event_id=event_id, stream_position=position + i, schema_version=version,
+                local_sequence=seq + i, payload=p, **envelope)
+            for i, (cls, version, p, event_id) in enumerate(zip(_DECODE_CLASSES, _DECODE_VERSIONS, payloads, ids), 1))
+        op = Operation(operation_id, fingerprint, (msgspec.structs.replace(write, events=events),),
+                       derived=derived, stamped=_STAMPED)
         return Plan(cmd, op, {h: after}, list(events))
+
+    def _step_values(self, s: HandleState, after: HandleState, cmd: c.Chain, first: tuple[str, int],
+                     drawn: list[tuple[str, int]], mono: int, wall: int) -> StepValues | None:
+        """The values of the decode step `cmd` (decode_after accepted it, leaving `after`)
+        with the operation id `first` and the event ids `drawn`; None when they are not
+        what a row stores (ids under two prefixes, a digest or call id not in engine.ids'
+        form): its events are stamped instead."""
+        prefix, n = first
+        (p1, n1), (p2, n2), (p3, n3) = drawn
+        publish, emit, start = cmd.steps
+        assert type(publish) is c.Publish and type(start) is c.BeginAppend  # what decode_after accepted
+        parts = row_parts(publish.rows_sha256, start.call)
+        if p1 != prefix or p2 != prefix or p3 != prefix or parts is None:
+            return None
+        digest, counted = parts
+        txn, seq = s.open_txns[0], self.local_sequence - 3
+        return StepValues(
+            0, s.handle_id, s.request_id, s.generation, self.source_instance, s.cache_abi_sha256,
+            s.stream_position + 1, seq + 1, mono, wall, prefix, n, (n1 - n, n2 - n1, n3 - n2), txn.txn_id,
+            start.txn_id, s.snapshot_version, after.committed_length, txn.interval_count, s.num_layers,
+            publish.workspace_bytes, digest, len(s.outputs), after.outputs[-1], counted)
 
     @staticmethod
     def _steps(cmd: c.Command) -> tuple[c.Command, ...]:
@@ -402,6 +459,16 @@ _DECODE_VERSIONS = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in _DECODE_C
 # A step row rebuilds its events at journal.steps.VERSIONS: at any other, they are stored
 # as events, checked as any other operation's.
 _STAMPED = _DECODE_VERSIONS == STEP_VERSIONS
+
+
+def _drawn() -> list[tuple[str, int]] | None:
+    """Three new ids as (prefix, counter), in new_id's order; None while ids are seeded."""
+    first = new_counted()
+    if first is None:
+        return None
+    second, third = new_counted(), new_counted()
+    assert second is not None and third is not None  # one thread seeds ids, for a fixture
+    return [first, second, third]
 
 
 def _decodable(event: ev.Event) -> None:

@@ -75,6 +75,23 @@ class Operation(msgspec.Struct, frozen=True, gc=False):
     # checking those relations again (journal.steps). In-process code only: nothing that
     # reads outside input builds an Operation.
     stamped: bool = False
+    # The service's decode lane gives a stamped, derived decode step as its values (what a
+    # record stores of it) instead of three event structs: the one write's `events` is
+    # then empty, and `step.events()` builds them for whoever needs them.
+    step: StepValues | None = None
+
+    def event_ids(self) -> list[str]:
+        """The ids of the events the operation writes, in order."""
+        if self.step is not None:
+            return self.step.event_ids()
+        return [e.event_id for w in self.writes for e in w.events]
+
+    def event_count(self) -> int:
+        return 3 if self.step is not None else sum(len(w.events) for w in self.writes)
+
+    def write_events(self, w: StreamWrite) -> tuple[Event, ...]:
+        """The events of one of its writes, built from `step` if it has one."""
+        return self.step.events() if self.step is not None else w.events
 
 
 class Rejection(msgspec.Struct, frozen=True, gc=False):

@@ -455,6 +455,12 @@ def id_keys(ids: Iterable[str]) -> list[int]:
     return out
 
 
+def counted_keys(prefix: str, counters: Iterable[int]) -> list[int]:
+    """id_keys of the ids f"{prefix}{n:016x}" (engine.ids' form), from their counters."""
+    high, top = _stem(prefix), 1 << 63
+    return [k - (top << 1) if (k := high | (n & _LOW)) >= top else k for n in counters]
+
+
 def id_key(value: str) -> int:
     return id_keys((value,))[0]
 

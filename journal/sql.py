@@ -48,6 +48,7 @@ from kvledger.journal.records import (
     FORMAT,
     PREV_NONE,
     compact_receipt,
+    counted_keys,
     encode_record,
     id_keys,
     id_runs,
@@ -57,6 +58,7 @@ from kvledger.journal.records import (
 )
 from kvledger.journal.records import chain as link
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
+from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
 from kvledger.journal.steps import StepValues, StepWriter
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
@@ -67,6 +69,7 @@ from kvledger.journal.tables import (
 )
 from kvledger.journal.url import parse_url, redact
 from kvledger.schemas.codec import encode_event
+from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import CURRENT_VERSION, Event, RequestAllocate
 from kvledger.schemas.receipts import (
@@ -304,7 +307,7 @@ class SqlJournal(Journal):
         record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain, set(), prevs)
         assert record is not None  # every operation writes an event
         fault("before_update")
-        event_ids = [e.event_id for op in ops for e in op.writes[0].events]
+        event_ids = [e for op in ops for e in op.event_ids()]
         if self.sql.append_if(updates, record, list(op_ids), event_ids, last):
             self._predicted, self._predicted_chain, self._misses = position, record[2], 0
             self._remember()
@@ -319,9 +322,15 @@ class SqlJournal(Journal):
         # One pass per step, no per-event helper calls: this loop is the Python cost a
         # publication pays on top of the database's (see docs/PERFORMANCE.md).
         op_ids = list({op.operation_id: None for op in ops})
-        event_ids = [e.event_id for op in ops for w in op.writes for e in w.events]
-        ids = op_ids + event_ids
-        keys = dict(zip(ids, id_keys(ids)))  # computed once: the lookup's and the record's
+        event_ids: list[str] = []
+        keys: dict[str, int] = {}  # computed once: the lookup's and the record's
+        for op in ops:
+            own = op.event_ids()
+            event_ids += own
+            if (x := op.step) is not None:  # its ids' keys from their counters, not their text
+                keys.update(zip((op.operation_id, *own), counted_keys(x.prefix, x.counters())))
+        rest = [i for i in op_ids + event_ids if i not in keys]
+        keys.update(zip(rest, id_keys(rest)))
         last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, keys.values())
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         first_in_batch: dict[str, int] = {}
@@ -342,7 +351,7 @@ class SqlJournal(Journal):
         prevs = self._prevs(cur, ops, pending, results)
         # Where the record will end if every pending operation is written: guarded updates
         # point their heads at it, and insert_record then rewrites only the other heads.
-        predicted = last + sum(len(w.events) for i in pending for w in ops[i].writes)
+        predicted = last + sum(ops[i].event_count() for i in pending)
         fault("before_update")
         for round_ in _rounds(ops, _chains(ops, pending)):
             for i, rejection in self._apply_round(cur, ops, round_, predicted).items():
@@ -439,11 +448,11 @@ class SqlJournal(Journal):
             row = step_row(op) if op.derived else None  # a decode step: one row (journal.steps)
             if row is not None:
                 add_body(row)
-                own += [ev.event_id for ev in op.writes[0].events]
+                own += op.event_ids()
                 position += 3
             for write in op.writes:
                 if row is None:
-                    for ev in write.events:
+                    for ev in op.write_events(write):
                         position += 1
                         add_body(encode(replace(ev, global_position=position)))
                         own.append(ev.event_id)
@@ -797,6 +806,10 @@ def _rounds(ops: Sequence[Operation], units: list[list[int]]) -> Iterator[list[l
         yield current
 
 
+# Operation.step rebuilds its events at steps.VERSIONS: the current versions, or no step.
+_STEP_VERSIONS_CURRENT = tuple(CURRENT_VERSION[cls.event_type] for cls in DECODE_CHAIN) == STEP_VERSIONS
+
+
 def _validate(op: Operation) -> None:
     def bad(msg: str) -> KvLedgerError:
         return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"operation {op.operation_id}: {msg}")
@@ -809,9 +822,20 @@ def _validate(op: Operation) -> None:
         if handle in seen:
             raise bad(f"writes {handle} twice")
         seen.add(handle)
+        position = w.expected.stream_position if w.expected else 0
+        if op.step is not None:  # the decode lane's values: three events at its versions
+            x = op.step
+            if len(op.writes) != 1 or w.events or not _STEP_VERSIONS_CURRENT:
+                raise bad("a decode step's values are its one write's events")
+            if x.stream_id != handle or x.stream_position != position + 1:
+                raise bad(f"its decode step is not at {handle}:{position + 1}")
+            if x.global_position != 0:
+                raise bad("global_position is assigned by the journal")
+            if w.head.stream_position != position + 3:
+                raise bad(f"head of {handle} does not end at its last event")
+            continue
         if not w.events:
             raise bad(f"write to {handle} has no events")
-        position = w.expected.stream_position if w.expected else 0
         for ev in w.events:
             position += 1
             if ev.stream_id != handle or ev.stream_position != position:
@@ -834,7 +858,7 @@ def _reused_id(ops: Sequence[Operation], written: list[str], taken: set[str]) ->
         if op.operation_id not in new:
             continue
         new.discard(op.operation_id)  # a repeat in the batch is a retry of the first
-        for e in (e.event_id for w in op.writes for e in w.events):
+        for e in op.event_ids():
             if e in taken or e in seen:
                 return KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, f"operation {op.operation_id}: event id {e} "
                                      f"is {'already in the journal' if e in taken else 'written twice'}")

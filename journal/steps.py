@@ -122,6 +122,8 @@ class StepWriter:
         """The row of a derived decode chain, or None: it is stored as events."""
         if not op.derived or len(op.writes) != 1 or op.checks or op.manifests:
             return None
+        if op.step is not None:  # the lane's values: what it took from its caller is checked below
+            return self.values_row(op.step)
         w = op.writes[0]
         if len(w.events) != 3:
             return None
@@ -133,13 +135,11 @@ class StepWriter:
             p.handle_generation
         v, c, token, op_id = pp.base_snapshot_version, pp.committed_length, op_.token_id, op.operation_id
         # What the row stores is msgpack ints (never a bool or a float, which would
-        # encode otherwise), in range; the counters are parsed below.
+        # encode otherwise); values_row checks the rest.
         if (type(pos) is not int or type(seq) is not int or type(mono) is not int or type(wall) is not int
-                or type(gen) is not int or type(v) is not int or type(c) is not int or type(token) is not int
+                or type(gen) is not int or type(v) is not int or type(c) is not int
                 or type(pp.accepted_count) is not int or type(pp.layers_complete) is not int
-                or type(pp.workspace_bytes) is not int or type(op_.output_index) is not int
-                or not 0 <= seq < _U64 or not 0 <= mono < _U64 or not 0 <= wall < _U64
-                or (counter := _counter(op_id)) is None):
+                or type(op_.output_index) is not int or (counter := counter_of(op_id)) is None):
             return None
         prefix, n = op_id[:16], counter
         sid, rid, src = p.stream_id, p.request_id, p.source_instance
@@ -168,35 +168,51 @@ class StepWriter:
                 f"{prefix}{n + 2:016x}", f"{prefix}{n + 3:016x}", v + 1, True, v + 1, "decode", v + 1, c, 1,
                 (token,), (c,), c + 1, gen, v + 1, pos + 2, c)):
             return None
-        ptxn, stxn = self._id(pp.txn_id), self._id(sp.txn_id)
-        digest = None if pp.rows_sha256 is None else lower_hex(pp.rows_sha256, 32)
-        abi = self._abis.get(sp.cache_abi_sha256) or lower_hex(sp.cache_abi_sha256, 32)
-        if ptxn is None or stxn is None or abi is None or (digest is None) != (pp.rows_sha256 is None):
+        parts = row_parts(pp.rows_sha256, call)
+        if parts is None:
             return None
-        self._abis[sp.cache_abi_sha256] = abi
+        digest, counted = parts
+        return self.values_row(StepValues(
+            0, sid, rid, gen, src, sp.cache_abi_sha256, pos, seq, mono, wall, prefix, n, _GAPS, pp.txn_id,
+            sp.txn_id, v, c, pp.accepted_count, pp.layers_complete, pp.workspace_bytes, digest,
+            op_.output_index, token, counted))
+
+    def values_row(self, x: StepValues) -> bytes | None:
+        """The row of a decode step's values, or None. Checked here: what a caller gives
+        the decode lane (the token, the workspace, the call's numbers, the ids' form) and
+        the clocks' range; the rest the lane derived."""
+        seq, mono, wall, call = x.local_sequence, x.monotonic_ns, x.observed_wall_time, x.call
+        if (type(x.token) is not int or type(x.workspace) is not int or not 0 <= seq < _U64
+                or not 0 <= mono < _U64 or not 0 <= wall < _U64):
+            return None
+        ptxn, stxn = self._id(x.publish_txn), self._id(x.start_txn)
+        abi = self._abis.get(x.cache_abi_sha256) or lower_hex(x.cache_abi_sha256, 32)
+        if ptxn is None or stxn is None or abi is None:
+            return None
+        self._abis[x.cache_abi_sha256] = abi
         last = self._last
         ccount = last[6]
         call_row = None
         if call is not None:
-            cid = self._id(call.call_id)
-            if (cid is None or type(call.index) is not int or type(call.size) is not int
-                    or type(call.new_pad) is not int or type(call.key_extent) is not int
-                    or type(call.threads) is not int):
+            cp, ccount, k = call
+            if (type(k.index) is not int or type(k.size) is not int or type(k.new_pad) is not int
+                    or type(k.key_extent) is not int or type(k.threads) is not int):
                 return None
-            ccount = cid[1]
-            call_row = Call(cid[0], ((ccount - last[6] + _HALF) & _MASK) - _HALF, call.index, call.size,
-                            call.new_pad, call.key_extent, call.threads)
+            call_row = Call(self._prefix(cp), ((ccount - last[6] + _HALF) & _MASK) - _HALF, k.index, k.size,
+                            k.new_pad, k.key_extent, k.threads)
+        n = x.op
         # differences modulo 2**64 as signed 64-bit ints (what a reader adds back, modulo 2**64)
         dmono = ((mono - last[1] + _HALF) & _MASK) - _HALF
         try:
             # an int msgpack cannot hold raises here: stored as events, as it would have
             row = _encode(Step(
-                self._stream(sid, rid, gen, src, abi), pos, ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono,
-                ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF, self._prefix(prefix),
-                ((n - last[3] + _HALF) & _MASK) - _HALF, _GAPS,
+                self._stream(x.stream_id, x.request_id, x.handle_generation, x.source_instance, abi),
+                x.stream_position, ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono,
+                ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF, self._prefix(x.prefix),
+                ((n - last[3] + _HALF) & _MASK) - _HALF, x.gaps,
                 (ptxn[0], ((ptxn[1] - last[4] + _HALF) & _MASK) - _HALF),
                 (stxn[0], ((stxn[1] - last[5] + _HALF) & _MASK) - _HALF),
-                v, c, pp.accepted_count, pp.layers_complete, pp.workspace_bytes, digest, op_.output_index, token,
+                x.snapshot, x.committed, x.accepted, x.layers, x.workspace, x.digest, x.output, x.token,
                 call_row))
         except OverflowError:
             return None
@@ -220,7 +236,7 @@ class StepWriter:
         later) and a call's once a row: the ids parsed last are kept."""
         n = _parsed.get(value) if type(value) is str else None
         if n is None:
-            n = _counter(value)
+            n = counter_of(value)
             if n is None:
                 return None
             if len(_parsed) > 1 << 16:  # a cache, not a registry
@@ -238,7 +254,24 @@ class StepWriter:
 _parsed: dict[str, int] = {}  # id -> its counter (StepWriter._id)
 
 
-def _counter(value: object) -> int | None:
+def row_parts(rows_sha256: str | None, call: ev.ForwardCall | None
+              ) -> tuple[bytes | None, tuple[str, int, Call] | None] | None:
+    """A publication's digest and its next append's call as StepValues holds them, or None
+    when either is not in the form a row stores (lowercase hex; engine.ids' call ids)."""
+    digest = None if rows_sha256 is None else lower_hex(rows_sha256, 32)
+    if (digest is None) != (rows_sha256 is None):
+        return None
+    if call is None:
+        return digest, None
+    n = counter_of(call.call_id)
+    if n is None:
+        return None
+    # The Call's prefix and counter are a record's: values_row puts them in.
+    return digest, (call.call_id[:16], n, Call(0, 0, call.index, call.size, call.new_pad, call.key_extent,
+                                               call.threads))
+
+
+def counter_of(value: object) -> int | None:
     """The counter (last 16 digits) of an id of 32 lowercase hex digits, or None."""
     raw = lower_hex(value, 16)
     return None if raw is None else int.from_bytes(raw[8:])
@@ -260,7 +293,7 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A row read back: what a fold needs of a decode step without its three events
     (replay.projector folds these at once), and `events()` for the rest."""
 
-    global_position: int  # the publication's; the emit and the start follow
+    global_position: int  # the publication's, the emit and the start follow; 0: not committed yet
     stream_id: str
     request_id: str
     handle_generation: int
@@ -291,41 +324,49 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
         n = (self.op + self.gaps[0] + self.gaps[1] + self.gaps[2]) & _MASK
         return f"{self.prefix}{n:016x}"
 
+    def counters(self) -> tuple[int, int, int, int]:
+        """The counters of the operation's id and of its three events' ids, under `prefix`."""
+        n, gaps = self.op, self.gaps
+        e1 = (n + gaps[0]) & _MASK
+        e2 = (e1 + gaps[1]) & _MASK
+        return n, e1, e2, (e2 + gaps[2]) & _MASK
+
+    def event_ids(self) -> list[str]:
+        prefix, (_, e1, e2, e3) = self.prefix, self.counters()
+        return [f"{prefix}{e1:016x}", f"{prefix}{e2:016x}", f"{prefix}{e3:016x}"]
+
     @property
     def first_event_id(self) -> str:
         """The publication's id: the event at `global_position`."""
         return f"{self.prefix}{(self.op + self.gaps[0]) & _MASK:016x}"
 
     def events(self) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
-        prefix, op, gaps = self.prefix, self.op, self.gaps
-        e1 = (op + gaps[0]) & _MASK
-        e2 = (e1 + gaps[1]) & _MASK
-        e3 = (e2 + gaps[2]) & _MASK
+        i1, i2, i3 = self.event_ids()
         g, pos, seq, v, c, token = (self.global_position, self.stream_position, self.local_sequence, self.snapshot,
                                     self.committed, self.token)
         stream_id, request_id, generation, source, mono, wall = (
             self.stream_id, self.request_id, self.handle_generation, self.source_instance, self.monotonic_ns,
             self.observed_wall_time)
-        operation_id = f"{prefix}{op:016x}"
+        operation_id = f"{self.prefix}{self.op:016x}"
         call = None
         if self.call is not None:
             cp, cn, k = self.call
             call = ev.ForwardCall(f"{cp}{cn:016x}", k.index, k.size, k.new_pad, k.key_extent, k.threads)
         digest = self.digest
         publish = _PUBLISH(
-            event_id=f"{prefix}{e1:016x}", global_position=g, stream_id=stream_id, stream_position=pos,
+            event_id=i1, global_position=g, stream_id=stream_id, stream_position=pos,
             schema_version=_V_PUBLISH, request_id=request_id, handle_generation=generation, operation_id=operation_id,
             source_instance=source, local_sequence=seq, monotonic_ns=mono, observed_wall_time=wall,
             payload=ev.AppendPublish(self.publish_txn, v, v + 1, c, self.accepted, self.layers, True, self.workspace,
                                      None if digest is None else digest.hex()))
         v += 1
         emit = _EMIT(
-            event_id=f"{prefix}{e2:016x}", global_position=g + 1, stream_id=stream_id, stream_position=pos + 1,
+            event_id=i2, global_position=g and g + 1, stream_id=stream_id, stream_position=pos + 1,
             schema_version=_V_EMIT, request_id=request_id, handle_generation=generation, operation_id=operation_id,
             source_instance=source, local_sequence=seq + 1, monotonic_ns=mono, observed_wall_time=wall,
             payload=ev.OutputEmit(self.output, token, v))
         start = _START(
-            event_id=f"{prefix}{e3:016x}", global_position=g + 2, stream_id=stream_id, stream_position=pos + 2,
+            event_id=i3, global_position=g and g + 2, stream_id=stream_id, stream_position=pos + 2,
             schema_version=_V_START, request_id=request_id, handle_generation=generation, operation_id=operation_id,
             source_instance=source, local_sequence=seq + 2, monotonic_ns=mono, observed_wall_time=wall,
             payload=ev.AppendStart(self.start_txn, "decode", v, c, 1, (token,), (c,), c + 1, self.cache_abi_sha256,

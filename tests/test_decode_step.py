@@ -242,3 +242,63 @@ def test_relative_chains_the_fast_lane_declines_decide_as_the_general_path_does(
     codes = [r[0] for r in runs[0][0] if isinstance(r[0], str) and r[0].isupper()]
     # the wrong index and the unknown handle are refused; the bad token id too, if validated
     assert len(codes) == 2 + strict
+
+
+def _fresh(backend: str, tmp_path, request, name: str) -> str:
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path}/{name}.db"
+    return request.getfixturevalue("pg_admin").create()
+
+
+def test_the_lane_hands_the_journal_a_steps_values_and_the_journal_is_the_same(backend, tmp_path, request,
+                                                                              monkeypatch):
+    """The decode lane gives the journal a step's values (Operation.step) instead of its
+    three events when ids are engine.ids' own (not seeded): the same commands with the
+    values on and off write the same tables row for row, return the same receipts, and
+    show on_commit hooks the same events. Digests and model calls vary, so every field a
+    row stores is exercised; and the values are really taken (counted below)."""
+    import itertools
+    import time
+    import types
+
+    from kvledger.engine import ids
+    from kvledger.journal import sql as journal_sql
+
+    from stored_rows import dump
+
+    clock = types.SimpleNamespace(time_ns=lambda: 1_790_000_000_000_000_000, monotonic=time.monotonic,
+                                  sleep=time.sleep)
+    monkeypatch.setattr(journal_sql, "time", clock)  # the commit time a record and its receipts keep
+    runs = []
+    for values in (True, False):
+        monkeypatch.setattr(ids, "_prefix", "5eed0000000000aa")
+        monkeypatch.setattr(ids, "_counter", itertools.count(1 << 40))
+        url = _fresh(backend, tmp_path, request, f"values-{values}")
+        with open_or_create_journal(url) as journal:
+            ledger = Ledger(journal)
+            service = ledger.service = CommandService(journal, clock=ManualClock().at(3.0), step_values=values)
+            hooked: list = []
+            service.on_commit.append(lambda r, events, hooked=hooked: hooked.append((r, list(events))))
+            taken: list[bool] = []
+            journal.append = lambda ops, taken=taken, append=journal.append: (  # type: ignore[method-assign]  # watch
+                taken.extend(op.step is not None for op in ops), append(ops))[1]
+            allocate(ledger, H, capacity=40)
+            s = ledger.state(H)
+            ledger.begin_append(H, txn_id=ids.new_id(), kind="prefill", base=(s.generation, s.snapshot_version),
+                                start=0, token_ids=s.prompt)
+            for i in range(24):
+                s = ledger.state(H)
+                chain = _plain(s, 5 + 3 * i)
+                publish, emit_, start = chain.steps
+                at = start.interval_start
+                start = msgspec.structs.replace(start, txn_id=ids.new_id(), call=(
+                    ForwardCall(ids.new_id(), i, 4, 8, at + 1, 2) if i % 3 == 1 else None))
+                publish = msgspec.structs.replace(publish, rows_sha256=None if i % 3 == 0 else f"{i:064x}")
+                service.clock.at(3.0 + i / 7)
+                [r] = service.execute_many([c.Relative(msgspec.structs.replace(chain, steps=(publish, emit_, start)))])
+                assert not isinstance(r, Exception), r
+            runs.append((dump(url), hooked, list(journal.read_all()), sum(taken)))
+    (tables, hooked, events, with_values), (tables_off, hooked_off, events_off, without) = runs
+    assert with_values == 24 and without == 0  # the first publishes the prefill, in the same form
+    assert tables == tables_off and hooked == hooked_off and events == events_off
+    assert len(events) == 2 + 24 * 3

@@ -185,7 +185,7 @@ def test_a_lockstep_journal_reads_back_what_was_stamped(db_url, layers):
             run.step()
         expected = {}
         for op, r in zip(stamped, returned):
-            events = [e for w in op.writes for e in w.events]
+            events = [e for w in op.writes for e in op.write_events(w)]
             for k, e in enumerate(events):
                 expected[r.first_global_position + k] = encode_event(
                     msgspec.structs.replace(e, global_position=r.first_global_position + k))
