@@ -249,7 +249,9 @@ def serve(fd_in: int, fd_out: int) -> None:
     service = CommandService(journal, source_instance=hello.source_instance)
     committed: dict[str, list[Event]] = {}
     refused: list[c.Command | c.Relative] = []  # as decided, in the order of the refusals
-    service.on_commit.append(lambda receipt, events: committed.__setitem__(receipt.operation_id, events))
+    # Only a request that asks for its events sets the hook: a decode step's events are
+    # built for it (Operation.step holds their values), which is not free.
+    keep: list[CommitHook] = [lambda receipt, events: committed.__setitem__(receipt.operation_id, events)]
     service.on_reject.append(lambda cmd, exc: refused.append(cmd))
     send(fd_out, encode(_Reply()))
     with journal:
@@ -258,6 +260,7 @@ def serve(fd_in: int, fd_out: int) -> None:
             refused.clear()
             try:
                 request = decode(frame)
+                service.on_commit = keep if request.events else []
                 results = service.execute_many(request.commands)
             except KvLedgerError as exc:
                 reply = _Reply(failure=(exc.code.value, exc.message))
