@@ -50,7 +50,7 @@ class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
 
     def fingerprint(self) -> str:
         # The whole command minus the key itself: a retry must ask for the same thing.
-        return digest(msgspec.structs.replace(self, operation_id=None))
+        return digest(self if self.operation_id is None else msgspec.structs.replace(self, operation_id=None))
 
 
 class Allocate(_Command, frozen=True):

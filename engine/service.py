@@ -363,6 +363,7 @@ class CommandService(BatchSurface):
                    and emit.base_generation is None and emit.base_snapshot_version is None
                    and start.base_generation is None and start.base_snapshot_version is None)
         lane = derived and _STAMPED and self.step_values
+        fingerprint = cmd.fingerprint()
         first = None
         if operation_id is None:
             first = new_counted() if lane else None
@@ -374,7 +375,6 @@ class CommandService(BatchSurface):
         h, position, seq = s.handle_id, s.stream_position, self.local_sequence
         self.local_sequence = seq + 3
         write = StreamWrite(h, _guard(s), _head(after), ())
-        fingerprint = cmd.fingerprint()
         drawn = _drawn() if first is not None else None
         if drawn is None:
             ids = [new_id(), new_id(), new_id()]
