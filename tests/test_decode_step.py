@@ -302,3 +302,27 @@ def test_the_lane_hands_the_journal_a_steps_values_and_the_journal_is_the_same(b
     assert with_values == 24 and without == 0  # the first publishes the prefill, in the same form
     assert tables == tables_off and hooked == hooked_off and events == events_off
     assert len(events) == 2 + 24 * 3
+
+
+_ids = st.text(min_size=1, max_size=12)  # quotes, backslashes, controls, any unicode: all escaped alike
+_ints = st.integers(min_value=0, max_value=2**63 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(h=_ids, txn=_ids, nxt=_ids, abi=_ids, g=_ints, v=_ints, ws=_ints, out=_ints, token=_ints,
+       at=st.integers(min_value=0, max_value=2**62), rows=st.none() | _ids,
+       call=st.none() | st.builds(ForwardCall, _ids, _ints, _ints, _ints, _ints, _ints))
+def test_a_steps_fingerprint_from_its_values_is_the_chains(h, txn, nxt, abi, g, v, ws, out, token, at, rows, call):
+    """schemas.decode_fingerprint.step_fingerprint spells out a decode chain's canonical
+    JSON: it equals Chain.fingerprint() of the bound chain for any ids and numbers."""
+    from kvledger.schemas.decode_fingerprint import step_fingerprint
+
+    chain = c.Chain(handle_id=h, steps=(
+        c.Publish(handle_id=h, txn_id=txn, base_generation=g, base_snapshot_version=v, rows_sha256=rows,
+                  workspace_bytes=ws),
+        c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None, output_index=out,
+                     token_id=token),
+        c.BeginAppend(handle_id=h, txn_id=nxt, kind="decode", base_generation=None, base_snapshot_version=None,
+                      interval_start=at, interval_count=1, token_ids=(token,), cache_positions=(at,),
+                      mask_key_extent=at + 1, cache_abi_sha256=abi, call=call)))
+    assert step_fingerprint(h, txn, g, v, ws, rows, out, token, nxt, at, abi, call) == chain.fingerprint()
