@@ -2,9 +2,10 @@
 how fast a journal of decoded tokens replays (the compact-journal goals).
 
 - Service alone, no model: 64 handles decode in lockstep, one commit per step. Each
-  token is one engine Chain, as the worker writes it: the publication with every cache
-  layer's row digest (random bytes, 32 layers), the output it chose, and the start of
-  the next append. Durable SQLite (WAL, synchronous=FULL) and PostgreSQL (fsync on).
+  token is one decode step: the publication with every cache layer's row digest (random
+  bytes, 32 layers), the output it chose, and the start of the next append, sent as a
+  batch's columns (engine.commands.DecodeSteps; `Lockstep(chains=True)` sends each as a
+  Relative Chain instead). Durable SQLite (WAL, synchronous=FULL) and PostgreSQL (fsync on).
 - The worker's ceiling: a near-free model (vocab 64, hidden 16, 2 layers, 2/1 heads,
   head_dim 8) serving 64 requests of 32 prompt tokens for 32 greedy tokens, journal on
   (the better writer) against off.
@@ -35,11 +36,11 @@ GOALS = {
     "replay_tokens_per_s": (">=", 500_000),
 }
 NOTES = {
-    "journal_tokens_per_s_sqlite": "command service alone: decide + stamp + encode + statements + "
-                                   "commit of 64 decode chains per transaction, 32 layers; Python-bound "
-                                   "(step 9, us a token: deciding 20-40, the record 14-24, statements ~8, "
-                                   "the commit's fsync 10-16, the bench's own commands ~20); the fsync "
-                                   "alone caps one writer here near 67,000 tokens/s",
+    "journal_tokens_per_s_sqlite": "command service alone: decide + encode + statements + commit of 64 "
+                                   "decode steps (DecodeSteps columns) per transaction, 32 layers; "
+                                   "Python-bound (step 14, us a token: the bench's own ~5, deciding ~8, "
+                                   "the record ~10, other statements and keys ~10, the commit's fsync ~6); "
+                                   "the fsync alone caps one writer here near 67,000 tokens/s",
     "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is",
     "journal_bytes_per_token_L32": "record format 6: a decode step is one row (~60 bytes, 32 of them its "
                                    "random row digest); plus the heads, empty pre-0003 tables and page "
@@ -85,10 +86,10 @@ class Lockstep:
     decode chain per handle (publish the running append, emit its token, start the
     next) and commits them in one transaction."""
 
-    def __init__(self, service: Any, layers: int, steps: int, tag: str) -> None:
+    def __init__(self, service: Any, layers: int, steps: int, tag: str, chains: bool = False) -> None:
         from kvledger.engine import commands as c
 
-        self.c, self.service, self.layers = c, service, layers
+        self.c, self.service, self.layers, self.chains = c, service, layers, chains
         self.handles = [f"{tag}-{os.urandom(6).hex()}-{i:03d}" for i in range(BATCH)]
         self.txn = {h: "" for h in self.handles}
         self.pos = dict.fromkeys(self.handles, 0)  # start of the running append
@@ -126,6 +127,34 @@ class Lockstep:
             cache_abi_sha256=self.abi)
 
     def step(self) -> None:
+        """One decode step a handle, as the worker sends them: columns (c.DecodeSteps), or
+        Relative chains with `chains` set."""
+        if self.chains:
+            return self._step_chains()
+        layers = self.layers
+        handles = self.handles
+        txns, rows, outputs, tokens, nxt, positions = [], [], [], [], [], []
+        for h in handles:
+            start, n = self.pos[h], self.count[h]
+            self.d = (self.d + layers) % (len(self.digests) - layers)
+            rows.append(self.combine(self.digests[self.d:self.d + layers]))
+            token = (start + n) % 50_000
+            txns.append(self.txn[h])
+            outputs.append(self.outputs[h])
+            tokens.append(token)
+            self.outputs[h] += 1
+            self.pos[h] = at = start + n
+            self.count[h] = 1
+            self.txn[h] = txn = next(self.ids)
+            nxt.append(txn)
+            positions.append(at)
+        steps = self.c.DecodeSteps(tuple(handles), tuple(txns), tuple(rows), tuple(outputs), tuple(tokens),
+                                   tuple(nxt), tuple(positions), (self.abi,) * len(handles))
+        for r in self.service.execute_steps(steps):
+            if isinstance(r, Exception):
+                raise r
+
+    def _step_chains(self) -> None:
         c, chains, layers = self.c, [], self.layers
         for h in self.handles:
             start, n = self.pos[h], self.count[h]

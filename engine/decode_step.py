@@ -57,34 +57,57 @@ def decode_payloads(s: HandleState, chain: c.Chain, after: HandleState) -> Paylo
 def decode_after(s: HandleState, chain: c.Chain, monotonic_ns: int) -> HandleState | None:
     """The state the chain leaves when it is the plain case, or None (decode_step's
     decision without its events: the service's lane builds a step's values instead)."""
+    steps = decode_shape(chain)
+    if steps is None:
+        return None
+    publish, emit, start = steps
+    g, v = s.generation, s.snapshot_version
+    # The first step names its base (the service binds a Relative chain before this);
+    # a later one may leave it to the chain, which is then the state after the publish.
+    if (publish.base_generation != g or publish.base_snapshot_version != v
+            or not _base_is(emit, g, v + 1) or not _base_is(start, g, v + 1)):
+        return None
+    return plain_after(s, publish.txn_id, emit.output_index, emit.token_id, start.txn_id, start.interval_start,
+                       start.cache_abi_sha256, monotonic_ns)
+
+
+def decode_shape(chain: c.Chain) -> tuple[c.Publish, c.EmitOutput, c.BeginAppend] | None:
+    """The chain's steps when it is a decode step whatever its bases: publish (no layers
+    named, not a verify's), emit a token, start one row that processes that token, all
+    on the chain's handle; else None."""
     steps = chain.steps
-    if len(steps) != 3 or s.lifecycle != "ACTIVE" or len(s.open_txns) != 1:
+    if len(steps) != 3:
         return None
     publish, emit, start = steps
     if type(publish) is not c.Publish or type(emit) is not c.EmitOutput or type(start) is not c.BeginAppend:
         return None
-    txn = s.open_txns[0]
-    g, v = s.generation, s.snapshot_version
-    committed = txn.interval_start + txn.interval_count
-    outputs = len(s.outputs)
-    t, token = committed, emit.token_id
-    # The first step names its base (the service binds a Relative chain before this);
-    # a later one may leave it to the chain, which is then the state after the publish.
-    if (publish.base_generation != g or publish.base_snapshot_version != v or publish.txn_id != txn.txn_id
-            or publish.layers is not None or publish.accepted_count is not None
-            or txn.kind == "verify" or txn.kind == "repair" or txn.base_snapshot_version != v
-            # the publication leaves logits ready only when its rows reach the last token
-            or committed != len(s.prompt) + outputs
-            or not _base_is(emit, g, v + 1) or emit.output_index != outputs
-            or not _base_is(start, g, v + 1) or start.kind != "decode"
-            or start.cache_abi_sha256 != s.cache_abi_sha256
-            or start.interval_start != t or start.interval_count != 1 or start.token_ids != (token,)
-            or start.cache_positions != (t,) or start.mask_key_extent != t + 1 or t + 1 > s.reserved_capacity
-            or start.txn_id in s.aborted_txn_ids
+    at = start.interval_start
+    if (publish.layers is not None or publish.accepted_count is not None or start.kind != "decode"
+            or start.interval_count != 1 or start.token_ids != (emit.token_id,) or start.cache_positions != (at,)
+            or start.mask_key_extent != at + 1
             or not publish.handle_id == emit.handle_id == start.handle_id == chain.handle_id):
         return None
+    return publish, emit, start
+
+
+def plain_after(s: HandleState, txn_id: str, output_index: int, token: int, next_txn_id: str, at: int,
+                cache_abi_sha256: str, monotonic_ns: int) -> HandleState | None:
+    """The state a plain decode step leaves, or None: publish the running append `txn_id`,
+    emit `token` as output `output_index`, start `next_txn_id` at position `at` (a
+    chain's own fields checked, what decode_after and the service's column lane share)."""
+    if s.lifecycle != "ACTIVE" or len(s.open_txns) != 1:
+        return None
+    txn = s.open_txns[0]
+    v = s.snapshot_version
+    t = txn.interval_start + txn.interval_count
+    if (txn_id != txn.txn_id or txn.kind == "verify" or txn.kind == "repair" or txn.base_snapshot_version != v
+            # the publication leaves logits ready only when its rows reach the last token
+            or t != len(s.prompt) + len(s.outputs) or output_index != len(s.outputs) or at != t
+            or cache_abi_sha256 != s.cache_abi_sha256 or t + 1 > s.reserved_capacity
+            or next_txn_id in s.aborted_txn_ids):
+        return None
     return replace(
-        s, stream_position=s.stream_position + 3, snapshot_version=v + 1, committed_length=committed,
+        s, stream_position=s.stream_position + 3, snapshot_version=v + 1, committed_length=t,
         logits_ready=False, outputs=s.outputs + (token,), output_ns=s.output_ns + (monotonic_ns,),
-        open_txns=(OpenTxn(start.txn_id, "decode", v + 1, t, 1, start.token_ids),),
+        open_txns=(OpenTxn(next_txn_id, "decode", v + 1, t, 1, (token,)),),
     )

@@ -12,20 +12,22 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Self, overload
+from functools import partial
+from typing import TYPE_CHECKING, Self
 
 import msgspec
 
 from kvledger.engine import commands as c
 from kvledger.engine.decide import Draft, decide
+from kvledger.engine.decode_lane import Values, chain_values, columns_values, plan_step
 from kvledger.engine.decode_step import decode_after, decode_payloads
 from kvledger.engine.evolve import evolve, fold
-from kvledger.engine.ids import new_counted, new_id
+from kvledger.engine.heads import guard, head
+from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import Check, Guard, HeadFacts, Journal, Operation, Rejection, StreamWrite
+from kvledger.journal.contract import Check, Journal, Operation, Rejection, StreamWrite
 from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
-from kvledger.journal.steps import StepValues, counter_of, row_parts
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -66,14 +68,31 @@ class ManualClock:
 
 @dataclass
 class Plan:
-    cmd: c.Command  # as decided: bound, with its operation id
+    # As decided: bound, with its operation id. None for a step of the decode lane, whose
+    # bound chain is built by command() only if a retry or a refusal hook needs it.
+    cmd: c.Command | None
     op: Operation
     states: dict[str, HandleState]
     stamped: list[ev.Event]  # its events; empty when op.step holds them as values
+    chain: c.Chain | Callable[[], c.Chain] | None = None  # the lane's step as its caller gave it
 
     @property
     def events(self) -> list[ev.Event]:
         return list(self.op.step.events()) if self.op.step is not None else self.stamped
+
+    def command(self) -> c.Command:
+        if self.cmd is None:
+            chain = self.chain() if callable(self.chain) else self.chain
+            base = self.op.writes[0].expected
+            assert chain is not None and base is not None  # the lane keeps its chain, and writes an existing handle
+            publish = msgspec.structs.replace(chain.steps[0], base_generation=base.generation,
+                                              base_snapshot_version=base.snapshot_version)
+            self.cmd = msgspec.structs.replace(chain, steps=(publish, *chain.steps[1:]),
+                                               operation_id=self.op.operation_id)
+        return self.cmd
+
+    def handles(self) -> tuple[str, ...]:
+        return (self.op.writes[0].handle_id,) if self.cmd is None else c.handles_of(self.cmd)
 
     def wrote(self, r: Receipt) -> bool:
         """`r` is this plan's commit, not an earlier one's receipt answered to a retry of
@@ -109,6 +128,15 @@ class BatchSurface(ABC):
         append). It names concrete bases from then on, so a retry after contention is
         still fenced like any other command."""
         return self.submit_many(cmds, defer=False)()
+
+    def submit_steps(self, steps: c.DecodeSteps, *,
+                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """submit_many of the steps' chains (c.DecodeSteps), one result a step: sent as
+        chains here; this process's service decides plain steps from the columns."""
+        return self.submit_many([steps.chain(i) for i in range(len(steps))], defer=defer)
+
+    def execute_steps(self, steps: c.DecodeSteps) -> list[Receipt | KvLedgerError]:
+        return self.submit_steps(steps, defer=False)()
 
     def __enter__(self) -> Self:
         return self
@@ -164,9 +192,44 @@ class CommandService(BatchSurface):
         compute meanwhile (the worker runs its next model call), but must call it before
         using this service again. Nothing is acknowledged, and no state or hook sees the
         batch, before it returns."""
-        cmds = list(cmds)
-        results: list[Receipt | KvLedgerError | None] = [None] * len(cmds)
-        planned = self._decide(cmds, results, range(len(cmds)))
+        given: list[c.Command | c.Relative | None] = list(cmds)
+        results: list[Receipt | KvLedgerError | None] = [None] * len(given)
+        return self._commit(given, results, self._decide(given, results, range(len(given))), defer)
+
+    def submit_steps(self, steps: c.DecodeSteps, *,
+                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """submit_many of the steps' chains, one result a step. A plain step is planned by
+        the decode lane straight from the columns (engine.decode_lane), with no command
+        struct; any other takes the general path as `steps.chain(i)`, so every refusal
+        is the chain's. The steps are decided at one clock reading."""
+        n = len(steps)
+        if not all(len(col) == n for col in (steps.txn_ids, steps.rows_sha256, steps.output_indexes, steps.tokens,
+                                              steps.next_txn_ids, steps.positions, steps.cache_abi_sha256,
+                                              steps.workspace_bytes or steps.txn_ids, steps.calls or steps.txn_ids)):
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "decode steps: columns of unequal length")
+        if not self._lane or len(set(steps.handle_ids)) != n:
+            return self.submit_many([steps.chain(i) for i in range(n)], defer=defer)
+        cmds: list[c.Command | c.Relative | None] = [None] * n  # a step's chain, built only if needed
+        results: list[Receipt | KvLedgerError | None] = [None] * n
+        planned: list[tuple[int, Plan]] = []
+        mono, wall = self.clock.monotonic_ns(), self.clock.wall_ns()
+        for i in range(n):
+            h = steps.handle_ids[i]
+            s = self.states.get(h) or self.state(h)
+            plan = None if s is None else self._lane_plan(s, columns_values(steps, i), None, mono, wall)
+            if plan is None:
+                cmds[i] = steps.chain(i)
+                planned += self._decide(cmds, results, (i,))
+            else:
+                plan.chain = partial(steps.chain_of, i)
+                planned.append((i, plan))
+        return self._commit(cmds, results, planned, defer)
+
+    def _commit(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
+                planned: list[tuple[int, Plan]], defer: bool) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """Append the planned operations (deferred or not); the function that waits for
+        them, decides again what contention refused, and returns the results. A step of
+        the decode lane is bound in `cmds` only when a retry or a hook needs it."""
         first = None
         if planned:
             ops = [p.op for _, p in planned]
@@ -175,13 +238,25 @@ class CommandService(BatchSurface):
             else:
                 outcomes = self.journal.append(ops)
                 first = lambda: outcomes  # noqa: E731 - the already-known outcome as the wait function
+        plans = dict(planned)
+
+        def command(i: int) -> c.Command | c.Relative:
+            plan = plans.get(i)
+            if plan is not None and plan.cmd is None:  # the lane's: bound as the general path binds it
+                cmds[i] = plan.command()
+            found = cmds[i]
+            assert found is not None  # submit_steps leaves a slot empty only for a plan
+            return found
 
         def wait() -> list[Receipt | KvLedgerError]:
             pending = self._settle(results, planned, first()) if first is not None else []
             for _ in range(MAX_ATTEMPTS - 1):
                 if not pending:
                     break
+                for i, _ in pending:
+                    command(i)
                 again = self._decide(cmds, results, [i for i, _ in pending])
+                plans.update(again)
                 if not again:
                     pending = []
                     break
@@ -190,15 +265,15 @@ class CommandService(BatchSurface):
                 results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{p.op.operation_id}: gave up after "
                                                                  f"{MAX_ATTEMPTS} contended attempts")
             if self.on_reject:
-                for cmd, r in zip(cmds, results):
+                for i, r in enumerate(results):
                     if isinstance(r, KvLedgerError):
                         for hook in self.on_reject:
-                            hook(cmd, r)
+                            hook(command(i), r)
             return results  # type: ignore[return-value]  # the loops above fill every slot
 
         return wait
 
-    def _decide(self, cmds: list[c.Command | c.Relative], results: list[Receipt | KvLedgerError | None],
+    def _decide(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
                 todo: Sequence[int]) -> list[tuple[int, Plan]]:
         """Build, key and plan the commands at `todo` in order, each against the states
         the earlier ones leave; a refused one gets its result now."""
@@ -207,6 +282,7 @@ class CommandService(BatchSurface):
         fast, strict = self.fast_decode, self.strict
         for i in todo:
             cmd = cmds[i]
+            assert cmd is not None  # what is to be decided was filled in (_commit)
             if strict:
                 try:
                     cmd = cmds[i] = c.validate(cmd)
@@ -221,7 +297,8 @@ class CommandService(BatchSurface):
                     except KvLedgerError as exc:
                         results[i] = exc
                         continue
-                cmds[i] = plan.cmd
+                if plan.cmd is not None:  # else the lane's step: bound by _commit if needed
+                    cmds[i] = plan.cmd
                 local.update(plan.states)
                 planned.append((i, plan))
                 continue
@@ -250,7 +327,7 @@ class CommandService(BatchSurface):
         # a later successor could carry the same version numbers (the ABA shape).
         broken: set[str] = set()
         for (i, plan), out in zip(planned, outcomes):
-            if broken and not broken.isdisjoint(touched := c.handles_of(plan.cmd)):
+            if broken and not broken.isdisjoint(touched := plan.handles()):
                 broken.update(touched)
                 results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{plan.op.operation_id}: an "
                                            "earlier command of this batch on the same handle was refused")
@@ -265,10 +342,10 @@ class CommandService(BatchSurface):
                     for h in plan.states:
                         self.state(h, refresh=True)
             elif out.code == ErrorCode.CONFLICT:
-                broken.update(c.handles_of(plan.cmd))
+                broken.update(plan.handles())
                 results[i] = KvLedgerError(ErrorCode.CONFLICT, out.message)
             else:  # the head moved under us: re-read and decide again
-                touched = c.handles_of(plan.cmd)
+                touched = plan.handles()
                 broken.update(touched)
                 for h in touched:
                     self.state(h, refresh=True)
@@ -312,10 +389,10 @@ class CommandService(BatchSurface):
                 events.append(event)
                 by_handle.setdefault(d.handle_id, []).append(event)
         writes = tuple(
-            StreamWrite(h, _guard(before[h]), _head(written[h]), tuple(evs))
+            StreamWrite(h, guard(before[h]), head(written[h]), tuple(evs))
             for h, evs in by_handle.items()
         )
-        checks = tuple(Check(h, _guard(s)) for h, s in before.items()
+        checks = tuple(Check(h, guard(s)) for h, s in before.items()
                        if h not in by_handle and s is not None)
         manifests: tuple[tuple[str, bytes], ...] = ()
         if isinstance(cmd, c.Allocate):
@@ -325,10 +402,24 @@ class CommandService(BatchSurface):
         op = Operation(operation_id, cmd.fingerprint(), writes, checks, manifests)
         return Plan(cmd, op, written, events)
 
+    @property
+    def _lane(self) -> bool:
+        """Plain decode steps go to the journal as values (engine.decode_lane)."""
+        return self.step_values and _STAMPED and not self.strict
+
+    def _lane_plan(self, s: HandleState, x: Values, operation_id: str | None, mono: int, wall: int) -> Plan | None:
+        planned = plan_step(s, x, operation_id, self.local_sequence, self.source_instance, mono, wall)
+        if planned is None:
+            return None
+        op, after = planned
+        self.local_sequence += 3
+        return Plan(None, op, {s.handle_id: after}, [])
+
     def _relative_decode(self, chain: c.Command, local: Mapping[str, HandleState | None]) -> Plan | None:
         """A Relative decode chain bound and planned in one go, as bind_current binds a
-        chain (its first step, a publish, takes the handle's base) with a new operation id,
-        then _plan_decode; None: the general path decides it (and gives any refusal)."""
+        chain (its first step, a publish, takes the handle's base): by the decode lane, or
+        with a new operation id by _plan_decode; None: the general path decides it (and
+        gives any refusal)."""
         if type(chain) is not c.Chain or chain.operation_id is not None:
             return None
         steps = chain.steps
@@ -338,6 +429,11 @@ class CommandService(BatchSurface):
         s = local[h] if h in local else self.state(h)
         if s is None:
             return None
+        if self._lane and (x := chain_values(chain)) is not None:
+            plan = self._lane_plan(s, x, None, self.clock.monotonic_ns(), self.clock.wall_ns())
+            if plan is not None:
+                plan.chain = chain
+                return plan
         replace = msgspec.structs.replace
         publish = replace(steps[0], base_generation=s.generation, base_snapshot_version=s.snapshot_version)
         return self._plan_decode(replace(chain, steps=(publish, steps[1], steps[2])), None, s)
@@ -345,10 +441,16 @@ class CommandService(BatchSurface):
     def _plan_decode(self, cmd: c.Chain, operation_id: str | None, s: HandleState) -> Plan | None:
         """_plan for a plain decode chain (engine.decode_step), or None. No operation id:
         a new one, taken only once the chain decides here (ids are drawn in the general
-        path's order, so a seeded run is the same either way). The operation carries the
-        step's values (Operation.step: what a record stores of it, built without three
-        event structs) when its ids are engine.ids' own and its digest and call are in a
-        row's form; else its three events."""
+        path's order, so a seeded run is the same either way). A chain that names its
+        operation id (a retry of a Relative one) may still go by the decode lane."""
+        publish = cmd.steps[0] if cmd.steps else None
+        if (operation_id is not None and self._lane and type(publish) is c.Publish
+                and publish.base_generation == s.generation and publish.base_snapshot_version == s.snapshot_version
+                and (x := chain_values(cmd)) is not None
+                and (plan := self._lane_plan(s, x, operation_id, self.clock.monotonic_ns(),
+                                             self.clock.wall_ns())) is not None):
+            plan.cmd = cmd
+            return plan
         mono = self.clock.monotonic_ns()
         after = decode_after(s, cmd, mono)
         if after is None:
@@ -357,66 +459,28 @@ class CommandService(BatchSurface):
         assert type(emit) is c.EmitOutput and type(start) is c.BeginAppend  # what decode_after accepted
         # The chain's own form (the worker's): its fingerprint is a function of its events
         # (schemas.decode_fingerprint rebuilds it on read), and the journal stores a mark
-        # for it instead of 32 bytes. Computed here from the command as before, which is
-        # cheaper (4.8 against 7.8 us); tests/test_decode_step.py holds the two equal.
+        # for it instead of 32 bytes. tests/test_decode_step.py holds the two equal.
         derived = (publish.operation_id is None and emit.operation_id is None and start.operation_id is None
                    and emit.base_generation is None and emit.base_snapshot_version is None
                    and start.base_generation is None and start.base_snapshot_version is None)
-        lane = derived and _STAMPED and self.step_values
         fingerprint = cmd.fingerprint()
-        first = None
         if operation_id is None:
-            first = new_counted() if lane else None
-            operation_id = new_id() if first is None else f"{first[0]}{first[1]:016x}"
+            operation_id = new_id()
             cmd = msgspec.structs.replace(cmd, operation_id=operation_id)
-        elif lane and (n := counter_of(operation_id)) is not None:
-            first = (operation_id[:16], n)
         wall = self.clock.wall_ns()
         h, position, seq = s.handle_id, s.stream_position, self.local_sequence
         self.local_sequence = seq + 3
-        write = StreamWrite(h, _guard(s), _head(after), ())
-        drawn = _drawn() if first is not None else None
-        if drawn is None:
-            ids = [new_id(), new_id(), new_id()]
-        else:
-            assert first is not None  # drawn only then
-            values = self._step_values(s, after, cmd, first, drawn, mono, wall)
-            if values is not None:
-                op = Operation(operation_id, fingerprint, (write,), derived=True, stamped=True, step=values)
-                return Plan(cmd, op, {h: after}, [])
-            ids = [f"{prefix}{n:016x}" for prefix, n in drawn]
-        payloads = decode_payloads(s, cmd, after)
         envelope = dict(stream_id=h, request_id=s.request_id, handle_generation=s.generation,
                         operation_id=operation_id, source_instance=self.source_instance,
                         monotonic_ns=mono, observed_wall_time=wall)
         events: tuple[ev.Event, ...] = tuple(
-            cls(event_id=event_id, stream_position=position + i, schema_version=version,
+            cls(event_id=new_id(), stream_position=position + i, schema_version=version,
                 local_sequence=seq + i, payload=p, **envelope)
-            for i, (cls, version, p, event_id) in enumerate(zip(_DECODE_CLASSES, _DECODE_VERSIONS, payloads, ids), 1))
-        op = Operation(operation_id, fingerprint, (msgspec.structs.replace(write, events=events),),
+            for i, (cls, version, p) in enumerate(zip(_DECODE_CLASSES, _DECODE_VERSIONS,
+                                                      decode_payloads(s, cmd, after)), 1))
+        op = Operation(operation_id, fingerprint, (StreamWrite(h, guard(s), head(after), events),),
                        derived=derived, stamped=_STAMPED)
         return Plan(cmd, op, {h: after}, list(events))
-
-    def _step_values(self, s: HandleState, after: HandleState, cmd: c.Chain, first: tuple[str, int],
-                     drawn: list[tuple[str, int]], mono: int, wall: int) -> StepValues | None:
-        """The values of the decode step `cmd` (decode_after accepted it, leaving `after`)
-        with the operation id `first` and the event ids `drawn`; None when they are not
-        what a row stores (ids under two prefixes, a digest or call id not in engine.ids'
-        form): its events are stamped instead."""
-        prefix, n = first
-        (p1, n1), (p2, n2), (p3, n3) = drawn
-        publish, emit, start = cmd.steps
-        assert type(publish) is c.Publish and type(start) is c.BeginAppend  # what decode_after accepted
-        parts = row_parts(publish.rows_sha256, start.call)
-        if p1 != prefix or p2 != prefix or p3 != prefix or parts is None:
-            return None
-        digest, counted = parts
-        txn, seq = s.open_txns[0], self.local_sequence - 3
-        return StepValues(
-            0, s.handle_id, s.request_id, s.generation, self.source_instance, s.cache_abi_sha256,
-            s.stream_position + 1, seq + 1, mono, wall, prefix, n, (n1 - n, n2 - n1, n3 - n2), txn.txn_id,
-            start.txn_id, s.snapshot_version, after.committed_length, txn.interval_count, s.num_layers,
-            publish.workspace_bytes, digest, len(s.outputs), after.outputs[-1], counted)
 
     @staticmethod
     def _steps(cmd: c.Command) -> tuple[c.Command, ...]:
@@ -461,16 +525,6 @@ _DECODE_VERSIONS = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in _DECODE_C
 _STAMPED = _DECODE_VERSIONS == STEP_VERSIONS
 
 
-def _drawn() -> list[tuple[str, int]] | None:
-    """Three new ids as (prefix, counter), in new_id's order; None while ids are seeded."""
-    first = new_counted()
-    if first is None:
-        return None
-    second, third = new_counted(), new_counted()
-    assert second is not None and third is not None  # one thread seeds ids, for a fixture
-    return [first, second, third]
-
-
 def _decodable(event: ev.Event) -> None:
     """Refuse an event the journal's own decoder would refuse when read back. Commands are
     checked field by field (commands.validate); this also covers what decide derives from
@@ -483,19 +537,6 @@ def _decodable(event: ev.Event) -> None:
     except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
                             f"its {event.event_type} event cannot be encoded: {exc}") from None
-
-
-@overload
-def _guard(s: HandleState) -> Guard: ...
-@overload
-def _guard(s: HandleState | None) -> Guard | None: ...
-def _guard(s: HandleState | None) -> Guard | None:
-    return None if s is None else Guard(s.generation, s.snapshot_version, s.stream_position)
-
-
-def _head(s: HandleState) -> HeadFacts:
-    return HeadFacts(s.request_id, s.generation, s.snapshot_version, s.stream_position,
-                     s.committed_length, s.lifecycle, s.prefix_identity_sha256, s.cache_abi_sha256)
 
 
 if TYPE_CHECKING:

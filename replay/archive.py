@@ -20,7 +20,7 @@ from typing import BinaryIO
 import msgspec
 
 from kvledger.engine.evolve import evolve
-from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
+from kvledger.engine.heads import head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import HeadFacts, ImportTables, Journal
 from kvledger.replay.kv_blocks import kv_head, kv_head_facts

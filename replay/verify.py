@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from kvledger.engine.evolve import cut, evolve
-from kvledger.engine.service import _head as head_facts  # the head row exactly as the service writes it
+from kvledger.engine.heads import head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import HeadFacts, Journal, StoredDamage, StoredEvent, StoredReceipt
 from kvledger.replay.kv_blocks import kv_head_facts

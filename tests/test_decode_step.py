@@ -23,6 +23,7 @@ from kvledger.schemas.decode_fingerprint import decode_chain_fingerprint
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.events import ForwardCall
 
+from lane_helpers import fixed_commit_time, fresh_url, same_ids
 from lifecycle_helpers import allocate, emit
 from stored_rows import assert_row_rebuilds
 
@@ -244,12 +245,6 @@ def test_relative_chains_the_fast_lane_declines_decide_as_the_general_path_does(
     assert len(codes) == 2 + strict
 
 
-def _fresh(backend: str, tmp_path, request, name: str) -> str:
-    if backend == "sqlite":
-        return f"sqlite:///{tmp_path}/{name}.db"
-    return request.getfixturevalue("pg_admin").create()
-
-
 def test_the_lane_hands_the_journal_a_steps_values_and_the_journal_is_the_same(backend, tmp_path, request,
                                                                               monkeypatch):
     """The decode lane gives the journal a step's values (Operation.step) instead of its
@@ -257,23 +252,15 @@ def test_the_lane_hands_the_journal_a_steps_values_and_the_journal_is_the_same(b
     values on and off write the same tables row for row, return the same receipts, and
     show on_commit hooks the same events. Digests and model calls vary, so every field a
     row stores is exercised; and the values are really taken (counted below)."""
-    import itertools
-    import time
-    import types
-
     from kvledger.engine import ids
-    from kvledger.journal import sql as journal_sql
 
     from stored_rows import dump
 
-    clock = types.SimpleNamespace(time_ns=lambda: 1_790_000_000_000_000_000, monotonic=time.monotonic,
-                                  sleep=time.sleep)
-    monkeypatch.setattr(journal_sql, "time", clock)  # the commit time a record and its receipts keep
+    fixed_commit_time(monkeypatch)
     runs = []
     for values in (True, False):
-        monkeypatch.setattr(ids, "_prefix", "5eed0000000000aa")
-        monkeypatch.setattr(ids, "_counter", itertools.count(1 << 40))
-        url = _fresh(backend, tmp_path, request, f"values-{values}")
+        same_ids(monkeypatch)
+        url = fresh_url(backend, tmp_path, request, f"values-{values}")
         with open_or_create_journal(url) as journal:
             ledger = Ledger(journal)
             service = ledger.service = CommandService(journal, clock=ManualClock().at(3.0), step_values=values)

@@ -1,0 +1,95 @@
+"""The decode lane: a worker's plain decode step planned from its values.
+
+A decode step (publish the running append, emit the token its logits chose, start the
+append that processes that token) is most of what a serving journal writes. In the form
+a worker sends it (a Relative chain whose later steps leave their bases to the chain,
+no step with an operation id of its own, or the same as columns: c.DecodeSteps), every
+field of its three events and its fingerprint follows from a handful of values and the
+handle's state. This module plans such a step from those values: the state it leaves
+(engine.decode_step.plain_after), its ids, its fingerprint
+(schemas.decode_fingerprint.step_fingerprint) and the values a record stores of it
+(journal.steps.StepValues), handed to the journal as Operation.step with no event structs.
+
+Anything it does not plan (another form, seeded ids, a digest or id not in a row's form)
+returns None, and the caller takes the path that stamps events, which gives every
+refusal its exact code and message. tests/test_decode_step.py holds the two paths to
+the same journal, row for row.
+"""
+
+from __future__ import annotations
+
+from kvledger.engine import commands as c
+from kvledger.engine.decode_step import decode_shape, plain_after
+from kvledger.engine.heads import guard, head
+from kvledger.engine.ids import new_counted
+from kvledger.engine.state import HandleState
+from kvledger.journal.contract import Operation, StreamWrite
+from kvledger.journal.steps import StepValues, counter_of, row_parts
+from kvledger.schemas.decode_fingerprint import step_fingerprint
+from kvledger.schemas.events import ForwardCall
+
+# handle_id, txn_id, rows_sha256, workspace_bytes, output_index, token, next_txn_id,
+# position (where the next append starts), cache ABI, the next append's model call
+Values = tuple[str, str, str | None, int, int, int, str, int, str, ForwardCall | None]
+
+
+def chain_values(chain: c.Chain) -> Values | None:
+    """The values of a chain in the lane's form, or None. Neither the publication's base
+    nor the chain's operation id is looked at: a Relative chain has neither (its base is
+    the handle's), and the caller of a bound one checks them."""
+    steps = decode_shape(chain)
+    if steps is None:
+        return None
+    publish, emit, start = steps
+    if (publish.operation_id is not None or emit.operation_id is not None or start.operation_id is not None
+            or emit.base_generation is not None or emit.base_snapshot_version is not None
+            or start.base_generation is not None or start.base_snapshot_version is not None):
+        return None
+    return (chain.handle_id, publish.txn_id, publish.rows_sha256, publish.workspace_bytes, emit.output_index,
+            emit.token_id, start.txn_id, start.interval_start, start.cache_abi_sha256, start.call)
+
+
+def columns_values(steps: c.DecodeSteps, i: int) -> Values:
+    return (steps.handle_ids[i], steps.txn_ids[i], steps.rows_sha256[i],
+            0 if steps.workspace_bytes is None else steps.workspace_bytes[i], steps.output_indexes[i],
+            steps.tokens[i], steps.next_txn_ids[i], steps.positions[i], steps.cache_abi_sha256[i],
+            None if steps.calls is None else steps.calls[i])
+
+
+def plan_step(s: HandleState, x: Values, operation_id: str | None, local_sequence: int, source_instance: str,
+              mono: int, wall: int) -> tuple[Operation, HandleState] | None:
+    """The operation of the decode step `x` on the handle in state `s` (its events'
+    local sequence numbers follow `local_sequence`) and the state it leaves, or None.
+    Ids are drawn only once everything else holds: a new operation id unless one is
+    given (it must be of engine.ids' form), then the three events'."""
+    h, txn_id, rows, workspace, output_index, token, next_txn, at, abi, call = x
+    if type(token) is not int or type(workspace) is not int:  # what the row and fingerprint encode as given
+        return None
+    after = plain_after(s, txn_id, output_index, token, next_txn, at, abi, mono)
+    parts = row_parts(rows, call)
+    if after is None or parts is None:
+        return None
+    if operation_id is None:
+        drawn = new_counted()
+        if drawn is None:  # seeded ids have no counters
+            return None
+        prefix, n = drawn
+    else:
+        counted = counter_of(operation_id)
+        if counted is None:
+            return None
+        prefix, n = operation_id[:16], counted
+    e1, e2, e3 = new_counted(), new_counted(), new_counted()
+    if e1 is None or e2 is None or e3 is None or not e1[0] == e2[0] == e3[0] == prefix:
+        return None  # seeded, a forked child's new prefix, or another writer's operation id
+    g, v = s.generation, s.snapshot_version
+    digest, counted_call = parts
+    values = StepValues(
+        0, h, s.request_id, g, source_instance, abi, s.stream_position + 1, local_sequence + 1, mono, wall,
+        prefix, n, (e1[1] - n, e2[1] - e1[1], e3[1] - e2[1]), txn_id, next_txn, v, at, s.open_txns[0].interval_count,
+        s.num_layers, workspace, digest, len(s.outputs), token, counted_call)
+    op = Operation(operation_id or f"{prefix}{n:016x}",
+                   step_fingerprint(h, txn_id, g, v, workspace, rows, len(s.outputs), token, next_txn, at, abi, call),
+                   (StreamWrite(h, guard(s), head(after), ()),), derived=True, stamped=True,
+                   step=values)
+    return op, after

@@ -1,0 +1,208 @@
+"""Decode steps given as columns (c.DecodeSteps, CommandService.submit_steps) against the
+same steps given as Relative chains, on both backends: the same journal row for row, the
+same results and hook calls, for plain steps, for steps the lane declines (each refused
+or accepted as its chain is), and for steps refused by another writer's commit (decided
+again as their bound chains, as the chains are)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvledger.engine import commands as c
+from kvledger.engine import ids
+from kvledger.engine.service import CommandService, ManualClock
+from kvledger.migrations.storage import open_or_create_journal
+from kvledger.schemas.errors import KvLedgerError
+from kvledger.schemas.events import ForwardCall
+
+from lane_helpers import fixed_commit_time, fresh_url, same_ids
+from lifecycle_helpers import make_manifest
+from stored_rows import dump
+
+HANDLES = [f"lane-{i}" for i in range(5)]
+PROMPT = (3, 1, 4, 1)
+
+
+class Runner:
+    """HANDLES decoding in lockstep; what each step sends, built as the worker would."""
+
+    def __init__(self, service: CommandService) -> None:
+        self.service = service
+        self.txn = {h: ids.new_id() for h in HANDLES}
+        self.outputs = dict.fromkeys(HANDLES, 0)
+        self.at = dict.fromkeys(HANDLES, len(PROMPT))  # where the next append starts
+        cmds: list[c.Command | c.Relative] = [
+            c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT), reserved_capacity=40)
+            for h in HANDLES]
+        cmds += [c.Relative(c.BeginAppend(
+            handle_id=h, txn_id=self.txn[h], kind="prefill", base_generation=None, base_snapshot_version=None,
+            interval_start=0, interval_count=len(PROMPT), token_ids=PROMPT, cache_positions=(0, 1, 2, 3),
+            mask_key_extent=len(PROMPT), cache_abi_sha256="")) for h in HANDLES]
+        assert not any(isinstance(r, Exception) for r in service.execute_many(cmds))
+        self.abi = service.state(HANDLES[0]).cache_abi_sha256
+
+    def steps(self, k: int, off: Callable[[int, dict], None] | None = None) -> c.DecodeSteps:
+        """Step k of every handle; `off(i, row)` may change row i's values first."""
+        cols: dict[str, list] = {n: [] for n in ("handle_ids", "txn_ids", "rows_sha256", "output_indexes", "tokens",
+                                                  "next_txn_ids", "positions", "cache_abi_sha256",
+                                                  "workspace_bytes", "calls")}
+        for i, h in enumerate(HANDLES):
+            row = dict(handle_ids=h, txn_ids=self.txn[h], rows_sha256=None if (i + k) % 3 == 0 else f"{k:02x}" * 32,
+                       output_indexes=self.outputs[h], tokens=7 * k + i, next_txn_ids=ids.new_id(),
+                       positions=self.at[h], cache_abi_sha256=self.abi, workspace_bytes=64 * i,
+                       calls=ForwardCall(ids.new_id(), i, 5, 2, self.at[h] + 1, 1) if (i + k) % 2 else None)
+            if off is not None:
+                off(i, row)
+            for n, v in row.items():
+                cols[n].append(v)
+        return c.DecodeSteps(**{n: tuple(v) for n, v in cols.items()})
+
+    def advance(self, steps: c.DecodeSteps, results: list) -> None:
+        for i, r in enumerate(results):
+            if not isinstance(r, Exception):
+                h = steps.handle_ids[i]
+                self.txn[h], self.outputs[h], self.at[h] = steps.next_txn_ids[i], self.outputs[h] + 1, self.at[h] + 1
+
+
+def _send(service: CommandService, steps: c.DecodeSteps, columns: bool) -> list:
+    if columns:
+        return service.execute_steps(steps)
+    return service.execute_many([steps.chain(i) for i in range(len(steps))])
+
+
+def _outcome(r: object) -> object:
+    return (r.code, r.message) if isinstance(r, KvLedgerError) else r
+
+
+def _both(backend, tmp_path, request, monkeypatch, body: Callable[..., list]) -> dict[bool, tuple]:
+    """`body(journal, service, runner, columns)` run twice, sending columns and chains:
+    each run's tables, hook calls, results, steps given as values and events."""
+    return {columns: _run(backend, tmp_path, request, monkeypatch, columns, body) for columns in (True, False)}
+
+
+def _run(backend, tmp_path, request, monkeypatch, columns: bool, body: Callable[..., list]) -> tuple:
+    same_ids(monkeypatch)
+    url = fresh_url(backend, tmp_path, request, f"columns-{columns}")
+    with open_or_create_journal(url) as journal:
+        service = CommandService(journal, clock=ManualClock().at(5.0))
+        hooked: list = []
+        service.on_commit.append(lambda r, events: hooked.append(("commit", r, list(events))))
+        service.on_reject.append(lambda cmd, exc: hooked.append(("reject", cmd, exc.code)))
+        lanes: list[bool] = []
+        append = journal.append
+        journal.append = lambda ops: (lanes.extend(op.step is not None for op in ops), append(ops))[1]  # type: ignore[method-assign]  # watch
+        deferred = journal.append_deferred
+        journal.append_deferred = lambda ops: (lanes.extend(op.step is not None for op in ops), deferred(ops))[1]  # type: ignore[method-assign]  # watch
+        out = body(journal, service, Runner(service), columns)
+        return dump(url), hooked, [_outcome(r) for r in out], sum(lanes), list(journal.read_all())
+
+
+@pytest.fixture(autouse=True)
+def _commit_time(monkeypatch):
+    fixed_commit_time(monkeypatch)
+
+
+def test_plain_steps_as_columns_write_what_their_chains_write(backend, tmp_path, request, monkeypatch):
+    def body(journal, service, runner, columns):
+        out = []
+        for k in range(8):
+            steps = runner.steps(k)
+            service.clock.at(5.0 + k)
+            results = _send(service, steps, columns)
+            assert not any(isinstance(r, Exception) for r in results), results
+            runner.advance(steps, results)
+            out += results
+        return out
+
+    runs = _both(backend, tmp_path, request, monkeypatch, body)
+    assert runs[True][3] == 8 * len(HANDLES)  # every step went to the journal as values
+    assert runs[True] == runs[False]
+    assert len(runs[True][4]) == 2 * len(HANDLES) + 8 * 3 * len(HANDLES)  # allocations, prefill starts, steps
+
+
+OFF = {
+    "wrong_output_index": lambda row: row.update(output_indexes=row["output_indexes"] + 1),
+    "wrong_txn": lambda row: row.update(txn_ids=ids.new_id()),
+    "unknown_handle": lambda row: row.update(handle_ids="nobody"),
+    "wrong_position": lambda row: row.update(positions=row["positions"] + 2),
+    "other_abi": lambda row: row.update(cache_abi_sha256="e" * 64),
+    "call_id_not_engine_form": lambda row: row.update(calls=ForwardCall("call-7", 0, 5, 2, 9, 1)),
+    "txn_id_not_engine_form": lambda row: row.update(next_txn_ids="txn-next"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(OFF))
+def test_a_step_the_lane_declines_is_decided_as_its_chain(backend, tmp_path, request, monkeypatch, shape):
+    """One step of a batch off the lane's form: it is refused (or stored as events)
+    exactly as its chain is, and the batch's other steps commit beside it."""
+    def body(journal, service, runner, columns):
+        out = []
+        for k in range(3):
+            steps = runner.steps(k, lambda i, row, k=k: OFF[shape](row) if i == 2 and k == 1 else None)
+            results = _send(service, steps, columns)
+            runner.advance(steps, results)
+            out += results
+        return out
+
+    runs = _both(backend, tmp_path, request, monkeypatch, body)
+    assert runs[True] == runs[False]
+    outcomes = runs[True][2]
+    refused = [o for o in outcomes if isinstance(o, tuple)]
+    if shape == "call_id_not_engine_form":
+        assert not refused and runs[True][3] == 3 * len(HANDLES) - 1  # accepted, its events stamped
+    elif shape == "txn_id_not_engine_form":  # the lane takes it; the journal's row writer stores its events
+        assert not refused and runs[True][3] == 3 * len(HANDLES)
+    else:
+        assert len(refused) >= 1 and all(not isinstance(o, tuple) for o in outcomes[:len(HANDLES)])
+
+
+def test_a_step_another_writer_overtook_is_decided_again_as_its_bound_chain(backend, tmp_path, request,
+                                                                          monkeypatch):
+    """A second service commits a step on one handle behind the first one's back; the
+    first one's batch is refused for that handle at the journal's guard, and decided
+    again against the new head as the chain it bound (refused: it named the old base),
+    while the other handles commit: the same as with chains, hook calls included."""
+    def body(journal, service, runner, columns):
+        other = CommandService(journal, clock=ManualClock().at(9.0))
+        first = runner.steps(0)
+        out = _send(service, first, columns)
+        runner.advance(first, out)
+        h = HANDLES[1]
+        s = other.state(h)
+        t = s.open_txns[0]
+        at = t.interval_start + t.interval_count
+        [r] = other.execute_many([c.Relative(c.Chain(handle_id=h, steps=(
+            c.Publish(handle_id=h, txn_id=t.txn_id, base_generation=None, base_snapshot_version=None),
+            c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None,
+                         output_index=len(s.outputs), token_id=99),
+            c.BeginAppend(handle_id=h, txn_id=ids.new_id(), kind="decode", base_generation=None,
+                          base_snapshot_version=None, interval_start=at, interval_count=1, token_ids=(99,),
+                          cache_positions=(at,), mask_key_extent=at + 1, cache_abi_sha256=s.cache_abi_sha256))))])
+        assert not isinstance(r, Exception)
+        second = runner.steps(1)
+        results = _send(service, second, columns)
+        assert [isinstance(x, Exception) for x in results] == [i == 1 for i in range(len(HANDLES))]
+        return out + results
+
+    runs = _both(backend, tmp_path, request, monkeypatch, body)
+    assert runs[True] == runs[False]
+    rejected = [(cmd, code) for kind, cmd, code in runs[True][1] if kind == "reject"]
+    assert [code.value for _, code in rejected] == ["STALE_BASE"]
+    assert all(type(cmd) is c.Chain and cmd.operation_id is not None for cmd, _ in rejected)  # as bound
+
+
+def test_columns_of_unequal_length_are_refused_before_anything_is_written(db_url):
+    with open_or_create_journal(db_url) as journal:
+        service = CommandService(journal)
+        runner = Runner(service)
+        steps = runner.steps(0)
+        before = journal.last_position()
+        import msgspec
+
+        short = msgspec.structs.replace(steps, tokens=steps.tokens[:-1])
+        with pytest.raises(KvLedgerError) as raised:
+            service.execute_steps(short)
+        assert raised.value.code.value == "INVALID_ARGUMENT" and "unequal" in raised.value.message
+        assert journal.last_position() == before
