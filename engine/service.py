@@ -78,7 +78,10 @@ class Plan:
 
     @property
     def events(self) -> list[ev.Event]:
-        return list(self.op.step.events()) if self.op.step is not None else self.stamped
+        """Its events; a lane step's are built here, once (for hooks and strict checks)."""
+        if self.op.step is not None and not self.stamped:
+            self.stamped = list(self.op.step.events())
+        return self.stamped
 
     def command(self) -> c.Command:
         if self.cmd is None:
