@@ -38,15 +38,20 @@ def chain_values(chain: c.Chain) -> Values | None:
     nor the chain's operation id is looked at: a Relative chain has neither (its base is
     the handle's), and the caller of a bound one checks them."""
     steps = decode_shape(chain)
-    if steps is None:
+    if steps is None or not own_form(*steps):
         return None
     publish, emit, start = steps
-    if (publish.operation_id is not None or emit.operation_id is not None or start.operation_id is not None
-            or emit.base_generation is not None or emit.base_snapshot_version is not None
-            or start.base_generation is not None or start.base_snapshot_version is not None):
-        return None
     return (chain.handle_id, publish.txn_id, publish.rows_sha256, publish.workspace_bytes, emit.output_index,
             emit.token_id, start.txn_id, start.interval_start, start.cache_abi_sha256, start.call)
+
+
+def own_form(publish: c.Publish, emit: c.EmitOutput, start: c.BeginAppend) -> bool:
+    """A decode step in the worker's own form: no step with an operation id of its own,
+    the later two leaving their bases to the chain. Its fingerprint is then a function of
+    its events (schemas.decode_fingerprint), and a record marks it derived."""
+    return (publish.operation_id is None and emit.operation_id is None and start.operation_id is None
+            and emit.base_generation is None and emit.base_snapshot_version is None
+            and start.base_generation is None and start.base_snapshot_version is None)
 
 
 def columns_values(steps: c.DecodeSteps, i: int) -> Values:

@@ -19,7 +19,7 @@ import msgspec
 
 from kvledger.engine import commands as c
 from kvledger.engine.decide import Draft, decide
-from kvledger.engine.decode_lane import Values, chain_values, columns_values, plan_step
+from kvledger.engine.decode_lane import Values, chain_values, columns_values, own_form, plan_step
 from kvledger.engine.decode_step import decode_after, decode_payloads
 from kvledger.engine.evolve import evolve, fold
 from kvledger.engine.heads import guard, head
@@ -88,9 +88,7 @@ class Plan:
             chain = self.chain() if callable(self.chain) else self.chain
             base = self.op.writes[0].expected
             assert chain is not None and base is not None  # the lane keeps its chain, and writes an existing handle
-            publish = msgspec.structs.replace(chain.steps[0], base_generation=base.generation,
-                                              base_snapshot_version=base.snapshot_version)
-            self.cmd = msgspec.structs.replace(chain, steps=(publish, *chain.steps[1:]),
+            self.cmd = msgspec.structs.replace(_bound(chain, base.generation, base.snapshot_version),
                                                operation_id=self.op.operation_id)
         return self.cmd
 
@@ -206,9 +204,9 @@ class CommandService(BatchSurface):
         struct; any other takes the general path as `steps.chain(i)`, so every refusal
         is the chain's. The steps are decided at one clock reading."""
         n = len(steps)
-        if not all(len(col) == n for col in (steps.txn_ids, steps.rows_sha256, steps.output_indexes, steps.tokens,
-                                              steps.next_txn_ids, steps.positions, steps.cache_abi_sha256,
-                                              steps.workspace_bytes or steps.txn_ids, steps.calls or steps.txn_ids)):
+        columns = [steps.txn_ids, steps.rows_sha256, steps.output_indexes, steps.tokens, steps.next_txn_ids,
+                   steps.positions, steps.cache_abi_sha256, steps.workspace_bytes, steps.calls]
+        if any(col is not None and len(col) != n for col in columns):
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "decode steps: columns of unequal length")
         if not self._lane or len(set(steps.handle_ids)) != n:
             return self.submit_many([steps.chain(i) for i in range(n)], defer=defer)
@@ -217,8 +215,7 @@ class CommandService(BatchSurface):
         planned: list[tuple[int, Plan]] = []
         mono, wall = self.clock.monotonic_ns(), self.clock.wall_ns()
         for i in range(n):
-            h = steps.handle_ids[i]
-            s = self.states.get(h) or self.state(h)
+            s = self.state(steps.handle_ids[i])
             plan = None if s is None else self._lane_plan(s, columns_values(steps, i), None, mono, wall)
             if plan is None:
                 cmds[i] = steps.chain(i)
@@ -437,9 +434,7 @@ class CommandService(BatchSurface):
             if plan is not None:
                 plan.chain = chain
                 return plan
-        replace = msgspec.structs.replace
-        publish = replace(steps[0], base_generation=s.generation, base_snapshot_version=s.snapshot_version)
-        return self._plan_decode(replace(chain, steps=(publish, steps[1], steps[2])), None, s)
+        return self._plan_decode(_bound(chain, s.generation, s.snapshot_version), None, s)
 
     def _plan_decode(self, cmd: c.Chain, operation_id: str | None, s: HandleState) -> Plan | None:
         """_plan for a plain decode chain (engine.decode_step), or None. No operation id:
@@ -459,13 +454,11 @@ class CommandService(BatchSurface):
         if after is None:
             return None
         publish, emit, start = cmd.steps
-        assert type(emit) is c.EmitOutput and type(start) is c.BeginAppend  # what decode_after accepted
+        assert type(publish) is c.Publish and type(emit) is c.EmitOutput and type(start) is c.BeginAppend  # as accepted
         # The chain's own form (the worker's): its fingerprint is a function of its events
         # (schemas.decode_fingerprint rebuilds it on read), and the journal stores a mark
         # for it instead of 32 bytes. tests/test_decode_step.py holds the two equal.
-        derived = (publish.operation_id is None and emit.operation_id is None and start.operation_id is None
-                   and emit.base_generation is None and emit.base_snapshot_version is None
-                   and start.base_generation is None and start.base_snapshot_version is None)
+        derived = own_form(publish, emit, start)
         fingerprint = cmd.fingerprint()
         if operation_id is None:
             operation_id = new_id()
@@ -526,6 +519,14 @@ _DECODE_VERSIONS = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in _DECODE_C
 # A step row rebuilds its events at journal.steps.VERSIONS: at any other, they are stored
 # as events, checked as any other operation's.
 _STAMPED = _DECODE_VERSIONS == STEP_VERSIONS
+
+
+def _bound(chain: c.Chain, generation: int, snapshot_version: int) -> c.Chain:
+    """A Relative decode chain bound as bind_current binds a chain: its first step, the
+    publish, takes the base (whatever base it carried); the later ones follow from it."""
+    first, *rest = chain.steps
+    publish = msgspec.structs.replace(first, base_generation=generation, base_snapshot_version=snapshot_version)
+    return msgspec.structs.replace(chain, steps=(publish, *rest))
 
 
 def _decodable(event: ev.Event) -> None:

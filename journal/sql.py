@@ -307,7 +307,7 @@ class SqlJournal(Journal):
         record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain, set(), prevs)
         assert record is not None  # every operation writes an event
         fault("before_update")
-        event_ids = [e for op in ops for e in op.event_ids()]
+        event_ids = [e for r in results if isinstance(r, Receipt) for e in r.event_ids]  # _rows made each
         if self.sql.append_if(updates, record, list(op_ids), event_ids, last):
             self._predicted, self._predicted_chain, self._misses = position, record[2], 0
             self._remember()
@@ -324,8 +324,8 @@ class SqlJournal(Journal):
         op_ids = list({op.operation_id: None for op in ops})
         event_ids: list[str] = []
         keys: dict[str, int] = {}  # computed once: the lookup's and the record's
-        for op in ops:
-            own = op.event_ids()
+        owned = [op.event_ids() for op in ops]  # and each operation's ids, for _rows too
+        for op, own in zip(ops, owned):
             event_ids += own
             if (x := op.step) is not None:  # its ids' keys from their counters, not their text
                 keys.update(zip((op.operation_id, *own), counted_keys(x.prefix, x.counters())))
@@ -357,7 +357,8 @@ class SqlJournal(Journal):
             for i, rejection in self._apply_round(cur, ops, round_, predicted).items():
                 results[i] = rejection
         fault("after_update")
-        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys)
+        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys,
+                                                            owned)
         self._committed_chain = chain if record is None else record[2]
         if len(first_in_batch) + len(stored) < len(ops):
             for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
@@ -414,6 +415,7 @@ class SqlJournal(Journal):
     def _rows(
         self, ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None],
         last: int, chain: bytes, taken: set[str], prevs: dict[str, int], keys: dict[str, int] | None = None,
+        owned: list[list[str]] | None = None,
     ) -> tuple[RecordRow | None, dict[str, bytes], int]:
         """The record (linked to `chain`) and the manifest rows of the operations at
         `indexes` not yet decided in `results`, at global positions after `last`; fills
@@ -422,7 +424,7 @@ class SqlJournal(Journal):
         not in it is new: PREV_NONE). An event id in
         `taken` (already stored) or written twice is CONSTRAINT_VIOLATION: nothing of
         the batch may commit (the caller's transaction rolls back). `keys`: the ids'
-        keys, if known (records.id_keys)."""
+        keys, if known (records.id_keys); `owned`: each operation's event ids, if known."""
         self._uncommitted = {}  # a refused earlier attempt (the fast path) committed nothing
         now = time.time_ns()
         bodies: list[bytes] = []
@@ -448,7 +450,7 @@ class SqlJournal(Journal):
             row = step_row(op) if op.derived else None  # a decode step: one row (journal.steps)
             if row is not None:
                 add_body(row)
-                own += op.event_ids()
+                own += op.event_ids() if owned is None else owned[i]
                 position += 3
             for write in op.writes:
                 if row is None:
