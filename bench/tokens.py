@@ -18,16 +18,14 @@ how fast a journal of decoded tokens replays (the compact-journal goals).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
 from typing import Any
 
-from bench import Context, best_rate
+from bench import Context, at_threads, best_rate
 
 GOALS = {
     "journal_tokens_per_s_sqlite": (">=", 100_000),
@@ -44,8 +42,8 @@ NOTES = {
                                    "the record ~10, other statements and keys ~10, the commit's fsync ~6); "
                                    "the fsync alone caps one writer here near 67,000 tokens/s",
     "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is; each side "
-                              "in its best set-up of torch threads (default or 1) and, on, writer (thread or "
-                              "process): ceiling_setup_on / _off",
+                              "in its best set-up of torch's pool (whole, or less a core) and, on, writer (thread "
+                              "or process): ceiling_setup_on / _off",
     "journal_bytes_per_token_L32": "record format 6: a decode step is one row (~60 bytes, 32 of them its "
                                    "random row digest); plus the heads, empty pre-0003 tables and page "
                                    "slack",
@@ -177,23 +175,6 @@ class Lockstep:
             nxt = self._start(h, "decode", (token,))
             chains.append(c.Relative(c.Chain(handle_id=h, steps=(publish, emit, nxt))))
         self._do(chains)
-
-
-CEILING_THREADS = (None, 1)  # torch's default, and one thread
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to `n` (None: as they are) within the block."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class GcClock:
@@ -383,21 +364,26 @@ def run(ctx: Context) -> dict[str, Any]:
             f"postgres {out['journal_tokens_per_s_postgres']} tok/s")
 
     g = ctx.size(smoke=4, quick=32, full=32)
-    # Each side in its best set-up: torch's default threads (all cores: the worker then
-    # commits before each model call), or one thread (a core left to the journal's
-    # writer: the worker overlaps the commit with the model call); on, the thread or the
-    # process writer.
+    # Each side in its best set-up: torch's whole pool (the worker then commits before each
+    # model call), or the pool less a core (left to the journal's writer: the worker
+    # overlaps the commit with the model call), placed as the decode bench places them;
+    # on, the thread or the process writer.
+    import torch
+
+    from kvledger.worker.serving import leave_a_core
+
+    full = torch.get_num_threads()
+    pools = sorted({full, at_threads(full, leave_a_core)}, reverse=True)
     on: list[float] = []
     off: list[float] = []
     chosen: dict[str, list[str]] = {"on": [], "off": []}
     for _ in range(repeats):  # interleaved: the same noise for both
         offs, ons = {}, {}
-        for threads in CEILING_THREADS:
-            with torch_threads(threads):
-                offs[f"torch threads: {threads or 'default'}"] = _worker_run(None, 2, g, None)[0]
-                for w in ("thread", "process"):
-                    ons[f"torch threads: {threads or 'default'}, {w} writer"] = _worker_run(
-                        ctx.sqlite_journal_url("ceiling"), 2, g, w)[0]
+        for n in pools:
+            offs[f"torch threads: {n}"] = at_threads(n, _worker_run, None, 2, g, None)[0]
+            for w in ("thread", "process"):
+                ons[f"torch threads: {n}, {w} writer"] = at_threads(
+                    n, _worker_run, ctx.sqlite_journal_url("ceiling"), 2, g, w)[0]
         for side, rates, runs in (("off", offs, off), ("on", ons, on)):
             best = max(rates, key=rates.__getitem__)
             runs.append(rates[best])
