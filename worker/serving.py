@@ -14,7 +14,7 @@ is emitted in the same commit as the publication whose logits chose it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -111,6 +111,17 @@ Err = Callable[[Exception], None]  # why it was refused
 Entry = tuple[c.Command | c.Relative, Ok | None, Err | None]
 
 
+@dataclass
+class _Inflight:
+    done: Callable[[], set[str]]  # Worker._submit's: waits, applies, names the refused handles
+    ran: list[Ran]  # the calls it started
+
+
+def _command(e: Entry | _Chain) -> c.Command:
+    cmd = e.first if isinstance(e, _Chain) else e[0]
+    return cmd.command if isinstance(cmd, c.Relative) else cmd
+
+
 class InjectedFault(RuntimeError):
     """The forward call failed because a request asked for it (RequestSpec.fault_after)."""
 
@@ -152,7 +163,7 @@ class Worker:
     def __init__(self, model: Transformer, *, service: CommandPort | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
                  capacity: int = 512, device: str = "cpu", pipeline: bool | None = None,
-                 retries: int = 1) -> None:
+                 retries: int = 1, lookahead: bool | None = None) -> None:
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         require_context(self.cfg, capacity)  # before the store's preallocation
@@ -193,22 +204,71 @@ class Worker:
         self.on_applied: Callable[[Receipt], None] | None = None
         self._adopted: list[tuple[Live, HandleState]] = []  # taken over after a crash (adopt)
         self._chains: dict[str, _Chain] = {}  # open chains of this iteration, by handle
+        # run() builds each iteration's batch while the last one's commit is still in
+        # flight (see _iterate); `lookahead` False waits for it first. Only an overlapped
+        # commit is ever in flight, so the default follows `pipeline`.
+        self.lookahead = self.pipeline if lookahead is None else lookahead
+        self._inflight: _Inflight | None = None
 
     # -- public --------------------------------------------------------------------
     def submit(self, spec: RequestSpec) -> None:
         self.pending.append(spec)
 
     def run(self, on_step: Callable[[Worker], None] | None = None, max_steps: int = 100_000) -> dict[str, list[int]]:
-        while (self.pending or self.ran or self._adopted or self.failed
-               or any(lv.done is None for lv in self.live.values())) \
-                and self.step_no < max_steps:
-            self.step()
-            if on_step:
-                on_step(self)
+        """Iterate until every request is done. With `lookahead`, an iteration's commit
+        may still be in flight when on_step sees the worker; it is settled before run
+        returns."""
+        try:
+            while (self.pending or self.ran or self._adopted or self.failed
+                   or any(lv.done is None for lv in self.live.values())) \
+                    and self.step_no < max_steps:
+                self._iterate(self.lookahead)
+                if on_step:
+                    on_step(self)
+        finally:
+            self._settle()
         return {h: lv.outputs for h, lv in self.live.items()}
 
     # -- one iteration -------------------------------------------------------------
     def step(self) -> None:
+        """One whole iteration: its commit is durable and applied when this returns."""
+        self._iterate(lookahead=False)
+
+    def _iterate(self, lookahead: bool) -> None:
+        """Build the batch from what the last calls produced, commit it and run the calls
+        it starts. An in-flight commit (the last iteration's, with `lookahead`) is
+        settled after the build and before the send: the build overlaps the writer's
+        work instead of following it, and nothing is sent on an unsettled result."""
+        held = self._hold() if self._inflight is not None else None
+        batch, calls = self._build()
+        if held is not None:
+            self._settle(held, batch, calls)
+        # Pipelined: this iteration's calls run while the commit that starts them (and
+        # publishes the previous ones) becomes durable. Nothing they stage is published
+        # before a later commit, which is only sent after this one returned; a refused
+        # start's rows are dropped once it is settled. A fork or truncate commits before
+        # running.
+        overlap = self.pipeline and not self._structural
+        done = self._submit(batch, overlap)
+        if not overlap:
+            done()
+        try:
+            ran = self._run_calls(calls)
+        except BaseException:
+            if overlap:
+                done()  # even if the model call failed: the commit is waited for, never left open
+            raise
+        for p, _ in self.failed:
+            if p.txn:
+                self.store.discard(p.handle)  # what the failed call staged is never published
+        self._structural = False
+        self.step_no += 1
+        self.ran = ran
+        self._inflight = _Inflight(done, ran)
+        if not (overlap and lookahead):
+            self._settle()
+
+    def _build(self) -> tuple[list[Entry | _Chain], list[tuple[str, list[Planned]]]]:
         batch: list[Entry | _Chain] = []
         nxt: list[Planned] = []
         self._chains = {}
@@ -236,45 +296,80 @@ class Worker:
                                                    threads=threads))
                 if entry is not None:
                     batch.append(entry)
-        # Pipelined: this iteration's calls run while the commit that starts them (and
-        # publishes the previous ones) becomes durable. Nothing they stage is published
-        # before a later commit, which is only sent after this one returned; a refused
-        # start's rows are dropped below. A fork or truncate commits before running.
-        overlap = self.pipeline and not self._structural
-        done = self._submit(batch, overlap)
-        if not overlap:
-            done()
-        try:
-            ran = self._run_calls(calls)
-        finally:
-            if overlap:
-                done()  # even if the model call failed: the commit is waited for, never left open
-        for r in ran:
+        return batch, calls
+
+    def _hold(self) -> dict[str, tuple[list[int], int]]:
+        """What a build may change of each running request that a refusal of the
+        in-flight commit would have kept: its outputs (the list, which a build appends
+        to or replaces, and its length)."""
+        return {h: (lv.outputs, len(lv.outputs)) for h, lv in self.live.items() if lv.done is None}
+
+    def _settle(self, held: dict[str, tuple[list[int], int]] | None = None,
+                batch: list[Entry | _Chain] | None = None,
+                calls: Sequence[tuple[str, list[Planned]]] = ()) -> None:
+        """Wait for the in-flight commit and apply it. A refused command fails its
+        handle: its start's rows are discarded and it runs no more. A batch built
+        meanwhile (`batch`, from `held`) then loses every entry on that handle (and on
+        a fork's children built from it), its planned appends run as placeholders, and
+        its outputs are what they were before that build and it ends "failed": what
+        the worker would have done had it waited."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        hit = inflight.done()
+        for r in inflight.ran:
             if not r.planned.txn:
                 self.store.discard(r.planned.handle)
-        for p, _ in self.failed:
-            if p.txn:
-                self.store.discard(p.handle)  # what the failed call staged is never published
-        self.ran = [r for r in ran if r.planned.txn]
-        self._structural = False
-        self.step_no += 1
+        if batch is None:
+            self.ran = [r for r in self.ran if r.planned.txn]
+            return
+        if not hit:
+            return
+        assert held is not None
+        for h in hit.intersection(held):
+            outputs, n = held[h]
+            del outputs[n:]
+            self.live[h].outputs, self.live[h].done = outputs, "failed"
+        gone = set(hit)
+        for e in batch:
+            cmd = _command(e)
+            if isinstance(cmd, c.Fork) and cmd.parent_handle_id in hit:
+                for k in cmd.child_handle_ids:
+                    self.live[k].done, self.live[k].outputs = "failed", []
+                    gone.add(k)
+        batch[:] = [e for e in batch if gone.isdisjoint(c.handles_of(_command(e)))]
+        for _, members in calls:
+            for p in members:
+                if p.handle in gone:
+                    p.txn = ""
 
-    def _submit(self, batch: list[Entry | _Chain], overlap: bool) -> Callable[[], None]:
+    def _submit(self, batch: list[Entry | _Chain], overlap: bool) -> Callable[[], set[str]]:
         """Decide and write the iteration's commands now (and commit them, unless
         `overlap`). The returned function waits until their commit is durable, then
-        applies each result (store effects, errors)."""
+        applies each result (store effects, errors) once, and returns the handles of
+        the refused commands."""
         entries = [e.entry() if isinstance(e, _Chain) else e for e in batch]
+        hit: set[str] | None = None
         if self.service is None:  # journaling off: the same loop, nothing durable
-            def done_off() -> None:
-                for _, ok, _ in entries:
-                    if ok:
-                        ok(None)
+            def done_off() -> set[str]:
+                nonlocal hit
+                if hit is None:
+                    hit = set()
+                    for _, ok, _ in entries:
+                        if ok:
+                            ok(None)
+                return hit
             return done_off
         wait = self.service.submit_many([e[0] for e in entries], defer=overlap)
 
-        def done() -> None:
-            for (_, ok, err), r in zip(entries, wait()):
+        def done() -> set[str]:
+            nonlocal hit
+            if hit is not None:
+                return hit
+            hit = set()
+            for (cmd, ok, err), r in zip(entries, wait()):
                 if isinstance(r, Exception):
+                    hit.update(c.handles_of(_command((cmd, ok, err))))
                     if err:
                         err(r)
                     else:
@@ -285,6 +380,7 @@ class Worker:
                         ok(r)
                     if self.on_applied is not None:
                         self.on_applied(r)
+            return hit
         return done
 
     # -- what the last calls produced ----------------------------------------------
@@ -375,7 +471,7 @@ class Worker:
             self._structural = True
             new_len = max(len(spec.prompt), self._length(lv) - spec.truncate_rows)
             keep = new_len - len(spec.prompt) + 1  # the output at new_len stays as the frontier
-            del lv.outputs[keep:]
+            lv.outputs = lv.outputs[:keep]  # a new list: Worker._hold keeps the old one
             batch.append(self._simple(lv, c.Truncate(handle_id=lv.handle, base_generation=0,
                                                      base_snapshot_version=0, new_length=new_len),
                                       ok=lambda r: self.store.truncate(lv.handle, new_len)))
