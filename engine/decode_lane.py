@@ -18,6 +18,8 @@ the same journal, row for row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvledger.engine import commands as c
 from kvledger.engine.decode_step import decode_shape, plain_after
 from kvledger.engine.heads import guard, head
@@ -52,6 +54,31 @@ def own_form(publish: c.Publish, emit: c.EmitOutput, start: c.BeginAppend) -> bo
     return (publish.operation_id is None and emit.operation_id is None and start.operation_id is None
             and emit.base_generation is None and emit.base_snapshot_version is None
             and start.base_generation is None and start.base_snapshot_version is None)
+
+
+def split_steps(cmds: Sequence[c.Command | c.Relative]) -> tuple[c.DecodeSteps, list[int]] | None:
+    """The batch's Relative decode chains in the lane's form whose handle no other
+    command of the batch acts on, as columns (step j is `cmds[at[j]]`, exactly:
+    `steps.chain(j) == cmds[at[j]]` up to the publication's base, which a Relative
+    chain leaves to the state), with their positions `at`; None if there are none."""
+    acts: dict[str, int] = {}
+    found: list[tuple[int, Values]] = []
+    for i, cmd in enumerate(cmds):
+        inner = cmd.command if isinstance(cmd, c.Relative) else cmd
+        for handle in c.handles_of(inner):
+            acts[handle] = acts.get(handle, 0) + 1
+        if type(cmd) is c.Relative and type(inner) is c.Chain and inner.operation_id is None:
+            x = chain_values(inner)
+            if x is not None:
+                found.append((i, x))
+    picked = [(i, x) for i, x in found if acts[x[0]] == 1]
+    if not picked:
+        return None
+    h, txn, rows, workspace, output_index, token, next_txn, at, abi, call = zip(*(x for _, x in picked))
+    return (c.DecodeSteps(handle_ids=h, txn_ids=txn, rows_sha256=rows, output_indexes=output_index, tokens=token,
+                          next_txn_ids=next_txn, positions=at, cache_abi_sha256=abi, workspace_bytes=workspace,
+                          calls=call),
+            [i for i, _ in picked])
 
 
 def columns_values(steps: c.DecodeSteps, i: int) -> Values:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvledger.engine import commands as c
+from kvledger.engine.decode_lane import split_steps
 from kvledger.engine.evolve import fold
 from kvledger.engine.port import CommandPort, CommitHook, RejectHook
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
@@ -67,6 +68,9 @@ class _Request(msgspec.Struct, frozen=True, array_like=True):
     commands: list[c.Command | c.Relative]
     events: bool  # send each receipt's events back (on_commit hooks are listening)
     rejected: bool  # send each refused command back as decided (on_reject hooks)
+    # The batch's plain decode chains as columns (engine.decode_lane.split_steps), decided
+    # before `commands`; results and replies list the steps' first.
+    steps: c.DecodeSteps | None = None
 
 
 class _Reply(msgspec.Struct, frozen=True, array_like=True):
@@ -143,8 +147,19 @@ class RemoteService(BatchSurface):
                                 "(engine.commands.Command or Relative), not callables")
         if self._proc is None:
             raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{self.display_url}: service closed")
+        # Plain decode chains travel as columns: smaller frames, and the writer decides
+        # them without command structs. `order[j]` is where the reply's j-th result goes.
+        split = split_steps(cmds)
+        if split is None:
+            request, order = _Request(cmds, bool(self.on_commit), bool(self.on_reject)), None
+        else:
+            steps, at = split
+            chained = set(at)
+            rest = [i for i in range(len(cmds)) if i not in chained]
+            request = _Request([cmds[i] for i in rest], bool(self.on_commit), bool(self.on_reject), steps)
+            order = at + rest
         try:
-            send(self._out, self._encode(_Request(cmds, bool(self.on_commit), bool(self.on_reject))))
+            send(self._out, self._encode(request))
         except OSError as exc:
             raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE,
                                 f"{self.display_url}: the journal writer process is gone ({exc})") from None
@@ -155,13 +170,19 @@ class RemoteService(BatchSurface):
             if results is None:
                 self._pending = None
                 reply = self._answer()
-                results = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
-                for i, r in enumerate(results):
+                got = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
+                # in the batch's order, commits before refusals, as the service here calls them
+                at = list(range(len(got))) if order is None else _inverse(order)
+                results = [got[j] for j in at]
+                for j in at:
+                    r = got[j]
                     if isinstance(r, Receipt):
                         for on_commit in self.on_commit:
-                            on_commit(r, reply.events[i] if reply.events else [])
-                    else:
-                        cmd = (reply.rejected[i] if reply.rejected else None) or cmds[i]
+                            on_commit(r, reply.events[j] if reply.events else [])
+                for i, j in enumerate(at):
+                    r = got[j]
+                    if not isinstance(r, Receipt):
+                        cmd = (reply.rejected[j] if reply.rejected else None) or cmds[i]
                         for on_reject in self.on_reject:
                             on_reject(cmd, r)
             return results
@@ -187,6 +208,14 @@ class RemoteService(BatchSurface):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _inverse(order: list[int]) -> list[int]:
+    """at[i] = j where order[j] = i: the reply's j-th result answers the batch's i-th command."""
+    at = [0] * len(order)
+    for j, i in enumerate(order):
+        at[i] = j
+    return at
 
 
 def _error(e: tuple[str, str] | None) -> KvLedgerError:
@@ -261,7 +290,10 @@ def serve(fd_in: int, fd_out: int) -> None:
             try:
                 request = decode(frame)
                 service.on_commit = keep if request.events else []
-                results = service.execute_many(request.commands)
+                if request.steps is None:
+                    results = service.execute_many(request.commands)
+                else:
+                    results = service.submit_batch(request.steps, request.commands, defer=False)()
             except KvLedgerError as exc:
                 reply = _Reply(failure=(exc.code.value, exc.message))
             except msgspec.ValidationError as exc:

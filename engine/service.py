@@ -132,9 +132,15 @@ class BatchSurface(ABC):
 
     def submit_steps(self, steps: c.DecodeSteps, *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
-        """submit_many of the steps' chains (c.DecodeSteps), one result a step: sent as
+        """submit_many of the steps' chains (c.DecodeSteps), one result a step."""
+        return self.submit_batch(steps, (), defer=defer)
+
+    def submit_batch(self, steps: c.DecodeSteps, cmds: Sequence[c.Command | c.Relative], *,
+                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """submit_many of the steps' chains followed by `cmds`, in one commit; results
+        are positional over both. No command may act on a step's handle. Sent as
         chains here; this process's service decides plain steps from the columns."""
-        return self.submit_many([steps.chain(i) for i in range(len(steps))], defer=defer)
+        return self.submit_many([*(steps.chain(i) for i in range(len(steps))), *cmds], defer=defer)
 
     def execute_steps(self, steps: c.DecodeSteps) -> list[Receipt | KvLedgerError]:
         return self.submit_steps(steps, defer=False)()
@@ -197,33 +203,36 @@ class CommandService(BatchSurface):
         results: list[Receipt | KvLedgerError | None] = [None] * len(given)
         return self._commit(given, results, self._decide(given, results, range(len(given))), defer)
 
-    def submit_steps(self, steps: c.DecodeSteps, *,
+    def submit_batch(self, steps: c.DecodeSteps, cmds: Sequence[c.Command | c.Relative], *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
-        """submit_many of the steps' chains, one result a step. A plain step is planned by
-        the decode lane straight from the columns (engine.decode_lane), with no command
-        struct; any other takes the general path as `steps.chain(i)`, so every refusal
-        is the chain's. The steps are decided at one clock reading."""
+        """submit_many of the steps' chains followed by `cmds`, one commit, results
+        positional over both. A plain step is planned by the decode lane straight from
+        the columns (engine.decode_lane), with no command struct; any other takes the
+        general path as `steps.chain(i)`, so every refusal is the chain's. The steps are
+        decided at one clock reading. No command may act on a step's handle (the
+        steps, decided first, would not be what it is decided against)."""
         n = len(steps)
         columns = [steps.txn_ids, steps.rows_sha256, steps.output_indexes, steps.tokens, steps.next_txn_ids,
                    steps.positions, steps.cache_abi_sha256, steps.workspace_bytes, steps.calls]
         if any(col is not None and len(col) != n for col in columns):
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "decode steps: columns of unequal length")
         if not self._lane or len(set(steps.handle_ids)) != n:
-            return self.submit_many([steps.chain(i) for i in range(n)], defer=defer)
-        cmds: list[c.Command | c.Relative | None] = [None] * n  # a step's chain, built only if needed
-        results: list[Receipt | KvLedgerError | None] = [None] * n
+            return self.submit_many([*(steps.chain(i) for i in range(n)), *cmds], defer=defer)
+        given: list[c.Command | c.Relative | None] = [None] * n + list(cmds)  # a step's chain only if needed
+        results: list[Receipt | KvLedgerError | None] = [None] * len(given)
         planned: list[tuple[int, Plan]] = []
         mono, wall = self.clock.monotonic_ns(), self.clock.wall_ns()
         for i in range(n):
             s = self.state(steps.handle_ids[i])
             plan = None if s is None else self._lane_plan(s, columns_values(steps, i), None, mono, wall)
             if plan is None:
-                cmds[i] = steps.chain(i)
-                planned += self._decide(cmds, results, (i,))
+                given[i] = steps.chain(i)
+                planned += self._decide(given, results, (i,))
             else:
                 plan.chain = partial(steps.chain_of, i)
                 planned.append((i, plan))
-        return self._commit(cmds, results, planned, defer)
+        planned += self._decide(given, results, range(n, len(given)))
+        return self._commit(given, results, planned, defer)
 
     def _commit(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
                 planned: list[tuple[int, Plan]], defer: bool) -> Callable[[], list[Receipt | KvLedgerError]]:
@@ -245,7 +254,7 @@ class CommandService(BatchSurface):
             if plan is not None and plan.cmd is None:  # the lane's: bound as the general path binds it
                 cmds[i] = plan.command()
             found = cmds[i]
-            assert found is not None  # submit_steps leaves a slot empty only for a plan
+            assert found is not None  # submit_batch leaves a slot empty only for a plan
             return found
 
         def wait() -> list[Receipt | KvLedgerError]:

@@ -160,3 +160,72 @@ def test_the_database_url_never_reaches_the_command_line(db_url):
             assert db_url not in args and "sqlite" not in args and "postgres" not in args
         finally:
             remote.close()
+
+
+def _decoding(h: str, abi: str) -> list:
+    """A prefill, its publication, the first output and the start of the decode that
+    processes it: the handle then has a running decode append `{h}-d0` at row 4."""
+    start = c.BeginAppend(handle_id=h, txn_id=f"{h}-p", kind="prefill", base_generation=None,
+                          base_snapshot_version=None, interval_start=0, interval_count=4,
+                          token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3), mask_key_extent=4,
+                          cache_abi_sha256=abi)
+    publish = c.Publish(handle_id=h, txn_id=f"{h}-p", base_generation=None, base_snapshot_version=None)
+    emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None, output_index=0, token_id=9)
+    return [c.Relative(x) for x in (start, publish, emit, _begin(h, "d0", 4, 9, abi))]
+
+
+def _begin(h: str, txn: str, at: int, token: int, abi: str) -> c.BeginAppend:
+    return c.BeginAppend(handle_id=h, txn_id=f"{h}-{txn}", kind="decode", base_generation=None,
+                         base_snapshot_version=None, interval_start=at, interval_count=1, token_ids=(token,),
+                         cache_positions=(at,), mask_key_extent=at + 1, cache_abi_sha256=abi)
+
+
+def _step(h: str, txn: str, abi: str, token: int = 7) -> c.Relative:
+    """The decode chain a worker sends: publish `txn`, emit output 1, start the next."""
+    publish = c.Publish(handle_id=h, txn_id=f"{h}-{txn}", base_generation=None, base_snapshot_version=None,
+                        rows_sha256="ab" * 32)
+    emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None, output_index=1,
+                        token_id=token)
+    return c.Relative(c.Chain(handle_id=h, steps=(publish, emit, _begin(h, "d1", 5, token, abi))))
+
+
+def test_decode_chains_cross_the_pipe_as_columns_with_the_same_results(db_url, tmp_path):
+    """A worker's batch: plain decode chains on four handles, one of them with a finish
+    after it (so it stays a command), one naming an append that is not running (refused
+    at the writer, as its chain), and an allocation between them. The chains that may
+    travel as columns do; results, hooks and states are those of the service here on a
+    journal of its own."""
+    from kvledger.engine.decode_lane import split_steps
+    from kvledger.schemas.manifest import cache_abi_sha256
+
+    abi = cache_abi_sha256(make_manifest(request_id="A"))
+    handles = ("A", "B", "C", "D")
+    batch = [_step("A", "d0", abi), _step("B", "d0", abi), c.Allocate(
+        handle_id="E", manifest=make_manifest(request_id="E"), reserved_capacity=8), _step("C", "d0", abi),
+        c.Relative(c.Finish(handle_id="C", base_generation=None)), _step("D", "nope", abi, token=3)]
+    split = split_steps(batch)
+    assert split is not None and split[1] == [0, 1, 5] and split[0].handle_ids == ("A", "B", "D")
+    assert [split[0].chain(j) for j in range(3)] == [batch[i] for i in split[1]]
+    seen: dict[str, list] = {}
+    for name, url in (("remote", db_url), ("here", f"sqlite:///{tmp_path}/here.db")):
+        with open_or_create_journal(url) as j:
+            service = command_service(j, writer="process" if name == "remote" else "thread", source_instance="t")
+            try:
+                hooks: list = []
+                service.on_commit.append(lambda r, evs, hooks=hooks: hooks.append([e.event_type for e in evs]))
+                service.on_reject.append(lambda cmd, exc, hooks=hooks: hooks.append((type(cmd).__name__, exc.code)))
+                setup = [_allocate(h) for h in handles]
+                for h in handles:
+                    setup += _decoding(h, abi)
+                assert all(isinstance(r, Receipt) for r in service.execute_many(setup))
+                hooks.clear()
+                results = service.submit_many(batch)()
+                seen[name] = [[r.code if isinstance(r, KvLedgerError) else type(r).__name__ for r in results], hooks,
+                              [(service.state(h).outputs, service.state(h).lifecycle) for h in handles]]
+            finally:
+                service.close()
+    assert seen["remote"] == seen["here"]
+    codes, hooks, states = seen["remote"]
+    assert codes[:5] == ["Receipt"] * 5 and codes[5] is ErrorCode.TXN_NOT_OPEN
+    assert states[0] == ((9, 7), "ACTIVE") and states[2] == ((9, 7), "FINISHED") and states[3][0] == (9,)
+    assert hooks[-1] == ("Chain", ErrorCode.TXN_NOT_OPEN)
