@@ -17,7 +17,7 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from kvledger.engine import commands as c
-from kvledger.engine.state import HandleState, OpenTxn
+from kvledger.engine.state import HandleState, OpenTxn, appended
 from kvledger.schemas import events as ev
 
 Payloads = tuple[ev.AppendPublish, ev.OutputEmit, ev.AppendStart]
@@ -108,6 +108,6 @@ def plain_after(s: HandleState, txn_id: str, output_index: int, token: int, next
         return None
     return replace(
         s, stream_position=s.stream_position + 3, snapshot_version=v + 1, committed_length=t,
-        logits_ready=False, outputs=s.outputs + (token,), output_ns=s.output_ns + (monotonic_ns,),
+        logits_ready=False, outputs=appended(s.outputs, (token,)), output_ns=appended(s.output_ns, (monotonic_ns,)),
         open_txns=(OpenTxn(next_txn_id, "decode", v + 1, t, 1, (token,)),),
     )

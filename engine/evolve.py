@@ -11,7 +11,7 @@ from typing import Any, TypedDict
 
 from msgspec.structs import replace
 
-from kvledger.engine.state import HandleState, OpenTxn
+from kvledger.engine.state import HandleState, OpenTxn, appended
 from kvledger.schemas import events as ev
 
 
@@ -108,8 +108,8 @@ def _publish(state: HandleState, e: ev.AppendPublishEvent) -> HandleState:
         return replace(
             state, stream_position=e.stream_position, snapshot_version=p.result_snapshot_version,
             committed_length=p.committed_length, logits_ready=p.logits_ready, open_txns=rest,
-            outputs=state.outputs + accepted,
-            output_ns=state.output_ns + (e.monotonic_ns,) * len(accepted),
+            outputs=appended(state.outputs, accepted),
+            output_ns=appended(state.output_ns, (e.monotonic_ns,) * len(accepted)),
         )
     return replace(
         state, stream_position=e.stream_position, snapshot_version=p.result_snapshot_version,
@@ -125,8 +125,8 @@ def _failure(state: HandleState, e: ev.FailureEvent) -> HandleState:
 
 def _emit(state: HandleState, e: ev.OutputEmitEvent) -> HandleState:
     return replace(state, stream_position=e.stream_position,
-                   outputs=state.outputs + (e.payload.token_id,),
-                   output_ns=state.output_ns + (e.monotonic_ns,), logits_ready=False)
+                   outputs=appended(state.outputs, (e.payload.token_id,)),
+                   output_ns=appended(state.output_ns, (e.monotonic_ns,)), logits_ready=False)
 
 
 def _truncate(state: HandleState, e: ev.TruncateEvent) -> HandleState:

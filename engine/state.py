@@ -2,11 +2,92 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator, Sequence
+from itertools import islice
+from typing import Any, Literal, overload
 
 import msgspec
 
 Lifecycle = Literal["ACTIVE", "FINISHED", "CANCELLED", "RELEASED"]
+
+
+class Appended(Sequence[int]):
+    """An immutable sequence of ints that shares its storage with the version it grew
+    from: the first `n` items of an append-only list. A handle's outputs and their times
+    grow by one a decode step, and a tuple would copy all of them each time, which at
+    4,096 outputs costs more than the rest of the step (docs/COMPACT.md). Equal to (and
+    hashed as) the tuple of its items, and encoded as one (`enc_hook`); a decoded state
+    holds plain tuples, which `appended` turns into one of these on the next append."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list[int], n: int) -> None:
+        self._items, self._n = items, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        if isinstance(i, slice):
+            return tuple(self._items[:self._n][i])
+        n = self._n
+        if not -n <= i < n:
+            raise IndexError("index out of range")
+        return self._items[i + n if i < 0 else i]
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self._items, self._n)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Appended):
+            return self._n == other._n and (self._items is other._items or tuple(self) == tuple(other))
+        if isinstance(other, tuple):
+            return self._n == len(other) and tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other: Sequence[int]) -> tuple[int, ...]:
+        return (*self, *other)
+
+    def __radd__(self, other: Sequence[int]) -> tuple[int, ...]:
+        return (*other, *self)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (tuple, (tuple(self),))
+
+
+def appended(seq: Sequence[int], items: tuple[int, ...]) -> tuple[int, ...]:
+    """`seq` followed by `items`, sharing storage when it can: an Appended, typed as the
+    tuple it stands for (the state's fields keep their declared, decodable type). The
+    storage only ever grows at its end, so every version sees a fixed prefix. A version
+    that was grown already (a decision not committed, decided again), or that another
+    thread grew at the same time (the length after the append tells), gets a copy."""
+    if type(seq) is Appended:
+        store, n = seq._items, seq._n
+    else:  # a tuple (a decoded state, a cut): copied once, shared from then on
+        store, n = list(seq), len(seq)
+    k = n + len(items)
+    if len(store) == n:
+        store.extend(items)
+        if len(store) == k:
+            return Appended(store, k)  # type: ignore[return-value]  # a tuple to every reader
+    return Appended([*store[:n], *items], k)  # type: ignore[return-value]  # as above
+
+
+def enc_hook(obj: object) -> object:
+    """For an encoder that may meet a handle state: its Appended fields as tuples."""
+    if isinstance(obj, Appended):
+        return tuple(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 class OpenTxn(msgspec.Struct, frozen=True, gc=False):
@@ -26,7 +107,7 @@ class HandleState(msgspec.Struct, frozen=True, gc=False):
     stream_position: int
     lifecycle: Lifecycle
     prompt: tuple[int, ...]
-    outputs: tuple[int, ...]  # emitted outputs, O = len(outputs)
+    outputs: tuple[int, ...]  # emitted outputs, O = len(outputs); an Appended once grown
     committed_length: int  # K_c: rows every cache layer holds
     logits_ready: bool  # the newest publication's logits may still produce an output
     num_layers: int
@@ -52,7 +133,7 @@ class HandleState(msgspec.Struct, frozen=True, gc=False):
         return len(self.prompt) + len(self.outputs)
 
     def logical_tokens(self, start: int, stop: int) -> tuple[int, ...]:
-        return (self.prompt + self.outputs)[start:stop]
+        return (*self.prompt, *self.outputs)[start:stop]
 
     def open_txn(self, txn_id: str) -> OpenTxn | None:
         for t in self.open_txns:

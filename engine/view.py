@@ -70,6 +70,6 @@ def view_of(s: HandleState) -> ServiceStateView:
         logical_payload_bytes=logical,
         next_ordinary_append_bytes=s.b_token if phase == "DECODE_FRONTIER_READY" else 0,
         terminal_retained_logical_payload_bytes=logical if phase == "FINISHED_RETAINED" else 0,
-        arrival_time=s.arrival_ns, output_times=s.output_ns, finish_time=s.finish_ns,
+        arrival_time=s.arrival_ns, output_times=tuple(s.output_ns), finish_time=s.finish_ns,
         release_time=s.release_ns,
     )

@@ -22,7 +22,7 @@ import msgspec
 from msgspec.structs import replace as _replace
 
 from kvledger.engine.evolve import APPLY
-from kvledger.engine.state import HandleState, OpenTxn
+from kvledger.engine.state import HandleState, OpenTxn, appended, enc_hook
 from kvledger.journal.steps import StepValues
 from kvledger.replay.kv_blocks import KvBlocks, KvBlockState
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
@@ -58,7 +58,7 @@ class ProjectionState(msgspec.Struct, kw_only=True):
 
 
 FORMAT = f"{MEANING}:{sha256_hex(canonical_json(msgspec.json.schema(ProjectionState)))[:16]}"
-_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)  # a state's grown outputs as tuples
 _decoder = msgspec.msgpack.Decoder(ProjectionState)
 
 
@@ -204,7 +204,7 @@ class Projector:
         v, c, token = x.snapshot + 1, x.committed, x.token
         new = _replace(old, stream_position=x.stream_position + 2, snapshot_version=v, committed_length=c,
                        logits_ready=False, open_txns=(OpenTxn(x.start_txn, "decode", v, c, 1, (token,)),),
-                       outputs=old.outputs + (token,), output_ns=old.output_ns + (t,))
+                       outputs=appended(old.outputs, (token,)), output_ns=appended(old.output_ns, (t,)))
         self.handles[sid] = new
         # _on_publish's work and ledger, then the emit's and the start's zero workspace
         work = self.work.get(sid)

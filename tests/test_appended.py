@@ -1,0 +1,121 @@
+"""A handle's outputs grow without copying: engine.state.Appended and `appended`.
+
+Each version must read, compare, hash, pickle and encode as the tuple it stands for,
+whatever order versions are grown in (a decision that is refused and decided again
+grows an older version a second time), and a fold or a decision over a long sequence
+must share one storage instead of copying it every step."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.engine.state import Appended, appended, enc_hook
+
+# A history: each step grows version `parent` (an index into the versions so far, 0 being
+# the start) by some items.
+steps = st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(-3, 3), max_size=3).map(tuple)),
+                 max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.lists(st.integers(-3, 3), max_size=4).map(tuple), history=steps)
+def test_every_version_is_the_tuple_it_stands_for(start, history):
+    versions: list = [start]
+    model: list[tuple[int, ...]] = [start]
+    for parent, items in history:
+        i = parent % len(versions)
+        versions.append(appended(versions[i], items))
+        model.append(model[i] + items)
+    for v, m in zip(versions, model):
+        assert len(v) == len(m) and tuple(v) == m and list(v) == list(m)
+        assert v == m and m == v and hash(v) == hash(m)
+        assert v[:2] == m[:2] and v[1:-1] == m[1:-1] and v[::-1] == m[::-1]
+        if m:
+            assert v[-1] == m[-1] and v[0] == m[0]
+        assert (5, *m) == (5,) + v and v + (5,) == (*m, 5)
+        assert repr(v) == repr(m) and bool(v) == bool(m)
+        assert pickle.loads(pickle.dumps(v)) == m
+        assert msgspec.msgpack.encode(v, enc_hook=enc_hook) == msgspec.msgpack.encode(m)
+    for a, ma in zip(versions, model):  # versions compare with each other as their tuples do
+        for b, mb in zip(versions[-5:], model[-5:]):
+            assert (a == b) == (ma == mb)
+
+
+def test_out_of_range_reads_fail_as_a_tuples_do():
+    v = appended((1, 2), (3,))
+    for i in (3, -4):
+        try:
+            v[i]
+        except IndexError:
+            pass
+        else:
+            raise AssertionError(f"index {i} read past the version")
+    assert appended(v, (4,))[3] == 4 and len(v) == 3  # the older version does not see it
+
+
+def test_a_straight_line_of_appends_shares_one_storage():
+    v = appended((), (0,))
+    first = v
+    for i in range(1, 1000):
+        v = appended(v, (i,))
+    assert isinstance(v, Appended) and v._items is first._items and tuple(v) == tuple(range(1000))
+    again = appended(first, (7,))  # the first version grown once more: a copy, the others unchanged
+    assert again._items is not first._items and tuple(again) == (0, 7) and v[1] == 1
+
+
+def test_two_threads_growing_one_version_each_get_their_own():
+    base = appended((), (0,))
+    got: dict[int, tuple[int, ...]] = {}
+    barrier = threading.Barrier(8)
+
+    def grow(k: int) -> None:
+        barrier.wait()
+        v = base
+        for _ in range(200):
+            v = appended(v, (k,))
+        got[k] = tuple(v)
+
+    threads = [threading.Thread(target=grow, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {k: (0,) + (k,) * 200 for k in range(8)}
+    assert tuple(base) == (0,)
+
+
+def test_a_long_fold_and_a_long_decision_share_their_outputs(tmp_path):
+    """Projector._step and the decode lane each keep one storage a handle over a long
+    run: the states of the last steps are views of the same list."""
+    from kvledger.engine.service import CommandService
+    from kvledger.migrations.storage import open_or_create_journal
+    from kvledger.replay.projector import Projector
+    from kvledger.replay.sources import fold_items
+
+    from bench.tokens import Lockstep
+
+    with open_or_create_journal(f"sqlite:///{tmp_path}/long.db") as j:
+        service = CommandService(j)
+        group = Lockstep(service, 2, 300, "long")
+        decided = []
+        for _ in range(300):
+            group.step()
+            decided.append(service.states[group.handles[0]])
+        p = Projector()
+        folded = []
+        for item in fold_items(j):
+            p.feed((item,))
+            s = p.handles.get(group.handles[0])
+            if s is not None and len(s.outputs) >= 250:
+                folded.append(s)
+    for states in (decided[-50:], folded):
+        assert len(states) >= 50
+        assert len({id(s.outputs._items) for s in states}) == 1
+        assert len({id(s.output_ns._items) for s in states}) == 1
+    assert tuple(decided[-1].outputs) == tuple(p.handles[group.handles[0]].outputs)
+    assert len(decided[-1].outputs) == 300
