@@ -14,7 +14,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.engine.state import Appended, appended, enc_hook
+from kvledger.engine.state import SHARED_FROM, Appended, appended, enc_hook
 
 # A history: each step grows version `parent` (an index into the versions so far, 0 being
 # the start) by some items.
@@ -23,8 +23,12 @@ steps = st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(-3, 3), max_
 
 
 @settings(max_examples=300, deadline=None)
-@given(start=st.lists(st.integers(-3, 3), max_size=4).map(tuple), history=steps)
-def test_every_version_is_the_tuple_it_stands_for(start, history):
+@given(long=st.booleans(), start=st.lists(st.integers(-3, 3), max_size=4).map(tuple), history=steps)
+def test_every_version_is_the_tuple_it_stands_for(long, start, history):
+    """From a short start (tuples, copied) or one just below SHARED_FROM (shared views
+    after the first appends), and across the switch from one to the other."""
+    if long:
+        start = (9,) * (SHARED_FROM - 2) + start
     versions: list = [start]
     model: list[tuple[int, ...]] = [start]
     for parent, items in history:
@@ -47,29 +51,34 @@ def test_every_version_is_the_tuple_it_stands_for(start, history):
 
 
 def test_out_of_range_reads_fail_as_a_tuples_do():
-    v = appended((1, 2), (3,))
-    for i in (3, -4):
+    n = SHARED_FROM + 1
+    v = appended(tuple(range(n - 1)), (3,))
+    assert isinstance(v, Appended) and len(v) == n
+    for i in (n, -n - 1):
         try:
             v[i]
         except IndexError:
             pass
         else:
             raise AssertionError(f"index {i} read past the version")
-    assert appended(v, (4,))[3] == 4 and len(v) == 3  # the older version does not see it
+    assert appended(v, (4,))[n] == 4 and len(v) == n  # the older version does not see it
 
 
 def test_a_straight_line_of_appends_shares_one_storage():
-    v = appended((), (0,))
-    first = v
-    for i in range(1, 1000):
+    short = appended((), (0,))
+    assert type(short) is tuple  # below SHARED_FROM a tuple is copied
+    start = tuple(range(SHARED_FROM))
+    v = first = appended(start, (-1,))
+    for i in range(1000):
         v = appended(v, (i,))
-    assert isinstance(v, Appended) and v._items is first._items and tuple(v) == tuple(range(1000))
+    assert isinstance(v, Appended) and v._items is first._items
+    assert tuple(v) == (*start, -1, *range(1000))
     again = appended(first, (7,))  # the first version grown once more: a copy, the others unchanged
-    assert again._items is not first._items and tuple(again) == (0, 7) and v[1] == 1
+    assert again._items is not first._items and tuple(again) == (*start, -1, 7) and v[SHARED_FROM + 1] == 0
 
 
-def test_two_threads_growing_one_version_each_get_their_own():
-    base = appended((), (0,))
+def test_threads_growing_one_version_each_get_their_own():
+    base = appended((0,) * SHARED_FROM, (0,))
     got: dict[int, tuple[int, ...]] = {}
     barrier = threading.Barrier(8)
 
@@ -85,8 +94,8 @@ def test_two_threads_growing_one_version_each_get_their_own():
         t.start()
     for t in threads:
         t.join()
-    assert got == {k: (0,) + (k,) * 200 for k in range(8)}
-    assert tuple(base) == (0,)
+    assert got == {k: (0,) * (SHARED_FROM + 1) + (k,) * 200 for k in range(8)}
+    assert tuple(base) == (0,) * (SHARED_FROM + 1)
 
 
 def test_a_long_fold_and_a_long_decision_share_their_outputs(tmp_path):
