@@ -17,7 +17,7 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from kvledger.engine import commands as c
-from kvledger.engine.state import HandleState, OpenTxn, appended
+from kvledger.engine.state import HandleState, OpenTxn, grown
 from kvledger.schemas import events as ev
 
 Payloads = tuple[ev.AppendPublish, ev.OutputEmit, ev.AppendStart]
@@ -106,8 +106,9 @@ def plain_after(s: HandleState, txn_id: str, output_index: int, token: int, next
             or cache_abi_sha256 != s.cache_abi_sha256 or t + 1 > s.reserved_capacity
             or next_txn_id in s.aborted_txn_ids):
         return None
+    outputs, output_ns = grown(s.outputs, s.output_ns, (token,), (monotonic_ns,))
     return replace(
         s, stream_position=s.stream_position + 3, snapshot_version=v + 1, committed_length=t,
-        logits_ready=False, outputs=appended(s.outputs, (token,)), output_ns=appended(s.output_ns, (monotonic_ns,)),
+        logits_ready=False, outputs=outputs, output_ns=output_ns,
         open_txns=(OpenTxn(next_txn_id, "decode", v + 1, t, 1, (token,)),),
     )

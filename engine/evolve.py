@@ -11,7 +11,7 @@ from typing import Any, TypedDict
 
 from msgspec.structs import replace
 
-from kvledger.engine.state import HandleState, OpenTxn, appended
+from kvledger.engine.state import HandleState, OpenTxn, grown
 from kvledger.schemas import events as ev
 
 
@@ -105,11 +105,11 @@ def _publish(state: HandleState, e: ev.AppendPublishEvent) -> HandleState:
     assert txn is not None, f"publish of {p.txn_id} that is not open"
     if txn.kind == "verify":  # accepted drafts become outputs as their rows commit
         accepted = txn.token_ids[: p.accepted_count]
+        outputs, output_ns = grown(state.outputs, state.output_ns, accepted, (e.monotonic_ns,) * len(accepted))
         return replace(
             state, stream_position=e.stream_position, snapshot_version=p.result_snapshot_version,
             committed_length=p.committed_length, logits_ready=p.logits_ready, open_txns=rest,
-            outputs=appended(state.outputs, accepted),
-            output_ns=appended(state.output_ns, (e.monotonic_ns,) * len(accepted)),
+            outputs=outputs, output_ns=output_ns,
         )
     return replace(
         state, stream_position=e.stream_position, snapshot_version=p.result_snapshot_version,
@@ -124,9 +124,9 @@ def _failure(state: HandleState, e: ev.FailureEvent) -> HandleState:
 
 
 def _emit(state: HandleState, e: ev.OutputEmitEvent) -> HandleState:
-    return replace(state, stream_position=e.stream_position,
-                   outputs=appended(state.outputs, (e.payload.token_id,)),
-                   output_ns=appended(state.output_ns, (e.monotonic_ns,)), logits_ready=False)
+    outputs, output_ns = grown(state.outputs, state.output_ns, (e.payload.token_id,), (e.monotonic_ns,))
+    return replace(state, stream_position=e.stream_position, outputs=outputs, output_ns=output_ns,
+                   logits_ready=False)
 
 
 def _truncate(state: HandleState, e: ev.TruncateEvent) -> HandleState:

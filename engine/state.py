@@ -90,6 +90,15 @@ def appended(seq: Sequence[int], items: tuple[int, ...]) -> tuple[int, ...]:
     return Appended([*store[:n], *items], k)  # type: ignore[return-value]  # as above
 
 
+def grown(outputs: tuple[int, ...], output_ns: tuple[int, ...], tokens: tuple[int, ...],
+          times: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A handle's outputs and their times, each followed by the new ones (`appended`,
+    with the short case decided once for both: this is on every decode step)."""
+    if type(outputs) is tuple and type(output_ns) is tuple and len(outputs) < SHARED_FROM:
+        return outputs + tokens, output_ns + times
+    return appended(outputs, tokens), appended(output_ns, times)
+
+
 def enc_hook(obj: object) -> object:
     """For an encoder that may meet a handle state: its Appended fields as tuples."""
     if isinstance(obj, Appended):

@@ -22,7 +22,7 @@ import msgspec
 from msgspec.structs import replace as _replace
 
 from kvledger.engine.evolve import APPLY
-from kvledger.engine.state import HandleState, OpenTxn, appended, enc_hook
+from kvledger.engine.state import HandleState, OpenTxn, enc_hook, grown
 from kvledger.journal.steps import StepValues
 from kvledger.replay.kv_blocks import KvBlocks, KvBlockState
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
@@ -202,9 +202,10 @@ class Projector:
         t = x.monotonic_ns
         ls.advance(t)  # the three events share one time
         v, c, token = x.snapshot + 1, x.committed, x.token
+        outputs, output_ns = grown(old.outputs, old.output_ns, (token,), (t,))
         new = _replace(old, stream_position=x.stream_position + 2, snapshot_version=v, committed_length=c,
                        logits_ready=False, open_txns=(OpenTxn(x.start_txn, "decode", v, c, 1, (token,)),),
-                       outputs=appended(old.outputs, (token,)), output_ns=appended(old.output_ns, (t,)))
+                       outputs=outputs, output_ns=output_ns)
         self.handles[sid] = new
         # _on_publish's work and ledger, then the emit's and the start's zero workspace
         work = self.work.get(sid)

@@ -128,3 +128,25 @@ def test_a_long_fold_and_a_long_decision_share_their_outputs(tmp_path):
         assert len({id(s.output_ns._items) for s in states}) == 1
     assert tuple(decided[-1].outputs) == tuple(p.handles[group.handles[0]].outputs)
     assert len(decided[-1].outputs) == 300
+
+
+def test_outputs_and_their_times_grow_together():
+    """`grown` (every append site's): tuples while short, shared views from SHARED_FROM
+    on, equal to the tuples all along; a cut (a slice: a tuple again) grows on."""
+    from kvledger.engine.state import grown
+
+    outputs, times = (), ()
+    model: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    kept = []
+    for i in range(300):
+        outputs, times = grown(outputs, times, (i % 7,), (10 * i,))
+        model = (model[0] + (i % 7,), model[1] + (10 * i,))
+        assert (outputs, times) == model
+        assert type(outputs) is (tuple if i < SHARED_FROM else Appended)
+        kept.append((outputs, times))
+    assert len({id(o._items) for o, _ in kept[SHARED_FROM:]}) == 1
+    assert len({id(t._items) for _, t in kept[SHARED_FROM:]}) == 1
+    cut = (outputs[:200], times[:200])
+    outputs, times = grown(*cut, (1, 2), (3, 4))
+    assert (outputs, times) == (model[0][:200] + (1, 2), model[1][:200] + (3, 4))
+    assert all(tuple(o) == model[0][:len(o)] for o, _ in kept)  # the older versions are untouched
