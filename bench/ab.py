@@ -1,4 +1,4 @@
-"""Two commits' write paths at once: `python -m bench.ab REV_A REV_B [--pairs N] [--replay] [--json]`.
+"""Two commits' write paths at once: `python -m bench.ab REV_A REV_B [--pairs N] [--replay | --ceiling] [--json]`.
 
 This VM's speed moves up to 2x between runs seconds apart, so a rate measured now and
 another measured a minute later compare the machine as much as the code. Here both
@@ -50,6 +50,22 @@ tokens = sum(chain_rate(url, 32, 59, 1)[1] for _ in range(4))
 print(statistics.median(1e6 / replay_rate(url, tokens) for _ in range(int(sys.argv[3]))))
 """
 
+# --ceiling: the worker's ceiling instead (bench.tokens: the near-free model at batch 64,
+# one torch thread, journal off then on through a writer process). It needs both cores,
+# so the two sides take turns instead of running at once. Prints off's rate over on's:
+# what the journal costs the run, as a factor (its inverse is journal_ceiling_vs_off).
+CHILD_CEILING = """
+import sys, tempfile
+import kvledger
+assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
+sys.path.insert(0, sys.argv[2])
+from bench import at_threads
+from bench.tokens import _worker_run
+off = at_threads(1, _worker_run, None, 2, 32, None)[0]
+on = at_threads(1, _worker_run, f"sqlite:///{tempfile.mkdtemp()}/ab.db", 2, 32, "process")[0]
+print(off / on)
+"""
+
 
 def unpack(rev: str, into: Path) -> Path:
     """The commit's tree laid out as the installed package; returns the PYTHONPATH entry."""
@@ -70,10 +86,12 @@ def unpack(rev: str, into: Path) -> Path:
     return pkg
 
 
-def side(pkg: Path, cpu: int, groups: int, child: str = CHILD) -> subprocess.Popen[str]:
+def side(pkg: Path, cpu: int | None, groups: int, child: str = CHILD) -> subprocess.Popen[str]:
+    """A child measuring with `pkg`'s code, on CPU `cpu` (None: on any)."""
     env = {**os.environ, "PYTHONPATH": str(pkg)}
-    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", child, str(pkg), str(ROOT),
-                             str(groups)], env=env, stdout=subprocess.PIPE, text=True,
+    pin = [] if cpu is None else ["taskset", "-c", str(cpu)]
+    return subprocess.Popen([*pin, sys.executable, "-c", child, str(pkg), str(ROOT), str(groups)], env=env,
+                            stdout=subprocess.PIPE, text=True,
                             cwd=pkg.parent)  # not this checkout: its kvledger/ would shadow the package
 
 
@@ -85,21 +103,30 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=6,
                         help="groups of 40 steps a side a pair (--replay: replays of its journal)")
     parser.add_argument("--replay", action="store_true", help="time the replay path, not the write path")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="the worker's ceiling (off rate / on rate, process writer), sides in turn")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a, b = unpack(args.a, Path(tmp) / "a"), unpack(args.b, Path(tmp) / "b")
         pairs = []
         for i in range(args.pairs):
-            child = CHILD_REPLAY if args.replay else CHILD
-            procs = side(a, i % 2, args.groups, child), side(b, 1 - i % 2, args.groups, child)
-            us = [float(p.communicate()[0]) for p in procs]
+            if args.ceiling:  # in turn, A first in even pairs
+                first, second = (a, b) if i % 2 == 0 else (b, a)
+                got = {pkg: float(side(pkg, None, 0, CHILD_CEILING).communicate()[0]) for pkg in (first, second)}
+                us = [got[a], got[b]]
+            else:
+                child = CHILD_REPLAY if args.replay else CHILD
+                procs = side(a, i % 2, args.groups, child), side(b, 1 - i % 2, args.groups, child)
+                us = [float(p.communicate()[0]) for p in procs]
             pairs.append(us)
             if not args.json:
-                print(f"pair {i + 1}: A {us[0]:.1f} us/token (cpu {i % 2}), B {us[1]:.1f} (cpu {1 - i % 2}), "
-                      f"A/B {us[0] / us[1]:.2f}", file=sys.stderr)
+                unit = "x off's time" if args.ceiling else "us/token"
+                print(f"pair {i + 1}: A {us[0]:.2f} {unit}, B {us[1]:.2f}, A/B {us[0] / us[1]:.2f}", file=sys.stderr)
     ratios = sorted(x / y for x, y in pairs)
-    result = {"a": args.a, "b": args.b, "pairs_us_per_token": [[round(x, 1), round(y, 1)] for x, y in pairs],
+    result = {"a": args.a, "b": args.b,
+              "pairs_off_over_on" if args.ceiling else "pairs_us_per_token": [[round(x, 2), round(y, 2)]
+                                                                               for x, y in pairs],
               "median_a_over_b": round(statistics.median(ratios), 3),
               "min": round(ratios[0], 3), "max": round(ratios[-1], 3)}
     print(json.dumps(result) if args.json else
