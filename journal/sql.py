@@ -21,7 +21,8 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from functools import partial
 from typing import Any
 
@@ -133,6 +134,36 @@ def open_journal(raw_url: str) -> SqlJournal:
     return SqlJournal(url)
 
 
+class _ConnectionLock:
+    """The lock of the journal's one connection: reentrant, as the journal's own methods
+    nest. Between append_deferred and its wait the connection is mid-COMMIT on the
+    committer thread while the caller's thread still holds this lock, so an entry by that
+    thread (a worker's on_step reading the journal while its next batch is built) first
+    waits for the COMMIT to finish; it never shares the connection with it. Other
+    threads wait for the release, as with any lock."""
+
+    __slots__ = ("_lock", "committing")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.committing: Future[Any] | None = None  # the deferred COMMIT in flight, if any
+
+    def acquire(self) -> None:
+        self._lock.acquire()
+        committing = self.committing
+        if committing is not None:
+            wait_for((committing,))  # its outcome is the deferred wait's to report
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 class SqlJournal(Journal):
     def __init__(self, url: URL) -> None:
         self.url = url
@@ -145,7 +176,7 @@ class SqlJournal(Journal):
             from kvledger.journal.postgres import PostgresStatements as backend
         self._proxy = None
         self._pid = os.getpid()
-        self._lock = threading.RLock()
+        self._lock = _ConnectionLock()
         self._committer: ThreadPoolExecutor | None = None  # append_deferred's COMMIT thread
         # The single-statement append (see _append_speculative): the last global position
         # this connection committed, and a back-off after mispredictions.
@@ -248,7 +279,7 @@ class SqlJournal(Journal):
         if self._committer is None:
             self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit",
                                                  initializer=writers.place)
-        committed = self._committer.submit(self.sql.end, cur, True)
+        committed = self._lock.committing = self._committer.submit(self.sql.end, cur, True)
         waited = False
 
         def wait() -> list[Receipt | Rejection]:
@@ -264,6 +295,7 @@ class SqlJournal(Journal):
                     self.conn.execute("ROLLBACK")
                 raise self._driver_error(exc) from None
             finally:
+                self._lock.committing = None
                 self._lock.release()
             try:
                 fault("after_commit")

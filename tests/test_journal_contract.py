@@ -266,6 +266,34 @@ def test_deferred_append_acknowledges_only_what_it_committed(journal, db_url):
     assert isinstance(p2, Receipt) and p2.first_global_position == 4
 
 
+def test_the_appending_thread_reads_only_after_its_deferred_commit(journal, monkeypatch):
+    """Between append_deferred and its wait, the thread that appended may read the
+    journal (a worker's on_step does, while its next batch is built). Where the COMMIT
+    runs on a committer thread (SQLite), that read waits for it rather than share the
+    connection mid-COMMIT: it returns only after the commit, and sees what committed."""
+    import threading
+    import time
+
+    journal.append([allocate_op("h1")])
+    committed = threading.Event()
+    if journal.sql.deferred_commit:
+        end = journal.sql.end
+
+        def slow_end(cur, commit):  # the real COMMIT, a little later
+            time.sleep(0.2)
+            end(cur, commit)
+            committed.set()
+
+        monkeypatch.setattr(journal.sql, "end", slow_end)
+    wait = journal.append_deferred([publish_op("h1", guard_of(journal.head("h1")), "p1"), allocate_op("h2")])
+    read = [e.event_type for e in journal.read_all()]
+    last = journal.last_position()
+    assert committed.is_set() or not journal.sql.deferred_commit
+    assert read == ["request_allocate", "append_publish", "request_allocate"] and last == 3
+    assert all(isinstance(r, Receipt) for r in wait())
+    journal.append([publish_op("h2", guard_of(journal.head("h2")), "p2")])  # free again
+
+
 def _own_ids(n: int) -> list[str]:
     from kvledger.engine.ids import new_id
 
