@@ -63,9 +63,6 @@ def test_demo_telemetry_reconciles_with_its_journal(db_url, tmp_path, one_thread
     """With torch's whole pool, and with one thread, where the worker overlaps each
     commit with the model call and builds its next batch before applying the last
     (Worker.lookahead): receipts reach the observers an iteration later."""
-    from kvledger.worker import placement
-    from kvledger.worker.serving import use_threads
-
     if one_thread and placement.usable_cpus() < 2:
         pytest.skip("one usable CPU: a one-thread pool leaves no core to overlap with")
     path = tmp_path / "telemetry.jsonl"
@@ -73,11 +70,12 @@ def test_demo_telemetry_reconciles_with_its_journal(db_url, tmp_path, one_thread
     with open_or_create_journal(db_url) as journal:
         telemetry = Telemetry(path)
         port = telemetry.serve(0)
-        use_threads(1 if one_thread else threads)
+        # the pool alone, not use_threads: no thread is moved (placement is process state)
+        torch.set_num_threads(1 if one_thread else threads)
         try:
             result = run_demo(journal, requests=6, max_new_tokens=3, seed=1, telemetry=telemetry)
         finally:
-            use_threads(threads)
+            torch.set_num_threads(threads)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             served = resp.read()
         telemetry.close()
