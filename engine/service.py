@@ -217,7 +217,7 @@ class CommandService(BatchSurface):
         if any(col is not None and len(col) != n for col in columns):
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "decode steps: columns of unequal length")
         if not self._lane or len(set(steps.handle_ids)) != n:
-            return self.submit_many([*(steps.chain(i) for i in range(n)), *cmds], defer=defer)
+            return super().submit_batch(steps, cmds, defer=defer)  # as chains
         given: list[c.Command | c.Relative | None] = [None] * n + list(cmds)  # a step's chain only if needed
         results: list[Receipt | KvLedgerError | None] = [None] * len(given)
         planned: list[tuple[int, Plan]] = []

@@ -161,7 +161,7 @@ class _ConnectionLock:
         self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        self.release()
 
 
 class SqlJournal(Journal):

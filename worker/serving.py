@@ -349,27 +349,20 @@ class Worker:
         applies each result (store effects, errors) once, and returns the handles of
         the refused commands."""
         entries = [e.entry() if isinstance(e, _Chain) else e for e in batch]
+        # journaling off: the same loop, nothing durable, every command as if committed
+        wait = None if self.service is None else self.service.submit_many([e[0] for e in entries], defer=overlap)
         hit: set[str] | None = None
-        if self.service is None:  # journaling off: the same loop, nothing durable
-            def done_off() -> set[str]:
-                nonlocal hit
-                if hit is None:
-                    hit = set()
-                    for _, ok, _ in entries:
-                        if ok:
-                            ok(None)
-                return hit
-            return done_off
-        wait = self.service.submit_many([e[0] for e in entries], defer=overlap)
 
         def done() -> set[str]:
             nonlocal hit
             if hit is not None:
                 return hit
             hit = set()
-            for (cmd, ok, err), r in zip(entries, wait()):
+            results: Sequence[Receipt | Exception | None] = [None] * len(entries) if wait is None else wait()
+            for entry, r in zip(entries, results):
+                _, ok, err = entry
                 if isinstance(r, Exception):
-                    hit.update(c.handles_of(_command((cmd, ok, err))))
+                    hit.update(c.handles_of(_command(entry)))
                     if err:
                         err(r)
                     else:
@@ -378,7 +371,7 @@ class Worker:
                 else:
                     if ok:
                         ok(r)
-                    if self.on_applied is not None:
+                    if r is not None and self.on_applied is not None:
                         self.on_applied(r)
             return hit
         return done
