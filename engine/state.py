@@ -17,7 +17,7 @@ class Appended(Sequence[int]):
     grow by one a decode step, and a tuple would copy all of them each time, which at
     4,096 outputs costs more than the rest of the step (docs/COMPACT.md). Equal to (and
     hashed as) the tuple of its items, and encoded as one (`enc_hook`); a decoded state
-    holds plain tuples, which `appended` turns into one of these on the next append."""
+    holds plain tuples, which `grown` turns into one of these once they reach SHARED_FROM."""
 
     __slots__ = ("_items", "_n")
 
