@@ -98,9 +98,10 @@ def _allocate(states: States, cmd: c.Allocate) -> list[Draft]:
     validate_manifest(m)
     if cmd.reserved_capacity < 0 or not cmd.copy_tiers or cmd.allocator_bytes_per_copy < 0:
         raise reject(E.INVALID_ARGUMENT, "reserved_capacity, copy_tiers and allocator bytes must be declared")
+    abi = cache_abi_sha256(m)
     return [Draft(cmd.handle_id, ev.RequestAllocateEvent, ev.RequestAllocate(
-        manifest=m, manifest_sha256=manifest_sha256(m), cache_abi_sha256=cache_abi_sha256(m),
-        prefix_identity_sha256=prefix_identity_sha256(m), b_token=b_token(m.cache_schema),
+        manifest=m, manifest_sha256=manifest_sha256(m), cache_abi_sha256=abi,
+        prefix_identity_sha256=prefix_identity_sha256(m, abi), b_token=b_token(m.cache_schema),
         reserved_capacity=cmd.reserved_capacity, copy_tiers=cmd.copy_tiers,
         allocator_bytes_per_copy=cmd.allocator_bytes_per_copy))]
 

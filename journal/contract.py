@@ -220,6 +220,12 @@ class Journal(abc.ABC):
     @abc.abstractmethod
     def heads(self, *, prefix_identity_sha256: str | None = None) -> dict[str, HeadFacts]: ...
 
+    def existing(self, handle_ids: Sequence[str]) -> set[str]:
+        """Which of `handle_ids` have a stream (every stream has a head). A backend may
+        answer in one read; the command service asks before it allocates handles it has
+        not seen, rather than reading each one's stream."""
+        return {h for h in handle_ids if self.head(h) is not None}
+
     @abc.abstractmethod
     def receipt(self, operation_id: str) -> Receipt | None: ...
 

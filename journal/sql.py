@@ -639,6 +639,11 @@ class SqlJournal(Journal):
             rows = self._read(lambda cur: self.sql.heads(cur, prefix_identity_sha256, handle_id))
         return {row[0]: HeadFacts(*row[1:]) for row in rows}
 
+    def existing(self, handle_ids: Sequence[str]) -> set[str]:
+        handles = list(handle_ids)
+        with self._lock:
+            return set(self._read(lambda cur: self.sql.last_records(cur, handles)))
+
     def receipt(self, operation_id: str) -> Receipt | None:
         with self._lock:
             found = self._read(lambda cur: self.sql.fetch_receipts(cur, [operation_id]))

@@ -9,12 +9,15 @@ adds the exact input but never the request id, so identical prompts can share a 
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
 
 from kvledger.schemas.canonical import digest
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+_SHA256_HEX = re.compile("[0-9a-f]{64}")  # lowercase only: what reads back as the same string
 
 MANIFEST_SCHEMA_VERSION = 1
 EMPTY_SHA256 = digest(None)  # digest of "null": the declared absence of side data / salt
@@ -157,11 +160,12 @@ def cache_abi_sha256(m: Manifest) -> str:
     )
 
 
-def prefix_identity_sha256(m: Manifest) -> str:
+def prefix_identity_sha256(m: Manifest, abi: str | None = None) -> str:
+    """`abi`: the manifest's cache_abi_sha256, if the caller has it already."""
     inp = m.input_identity
     return digest(
         {
-            "cache_abi_sha256": cache_abi_sha256(m),
+            "cache_abi_sha256": abi or cache_abi_sha256(m),
             "prompt_token_ids_sha256": inp.prompt_token_ids_sha256,
             "input_side_data_sha256": inp.input_side_data_sha256,
             "cache_isolation_salt_sha256": inp.cache_isolation_salt_sha256,
@@ -188,7 +192,7 @@ def validate_manifest(m: Manifest) -> None:
         raise KvLedgerError(ErrorCode.DIGEST_MISMATCH, "prompt_token_ids_sha256 does not match the prompt")
     if not inp.prompt_token_ids:
         raise bad("empty prompt")
-    if any(t < 0 for t in inp.prompt_token_ids):
+    if min(inp.prompt_token_ids) < 0:
         raise bad("negative token id in prompt")
     for name in ("num_cache_layers", "kv_heads_per_rank", "head_dim"):
         if getattr(cs, name) <= 0:
@@ -211,5 +215,5 @@ def validate_manifest(m: Manifest) -> None:
         inp.input_side_data_sha256,
         inp.cache_isolation_salt_sha256,
     ):
-        if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+        if _SHA256_HEX.fullmatch(h) is None:
             raise bad(f"not a lowercase SHA-256 hex digest: {h!r}")

@@ -159,6 +159,14 @@ def test_creating_an_existing_handle_is_rejected(journal):
     assert snapshot_of(journal) == before
 
 
+def test_existing_names_exactly_the_handles_with_a_stream(journal):
+    journal.append([allocate_op(f"h{i}") for i in range(3)])
+    asked = ["h0", "nope", "h2", "h0", "'; DROP TABLE kvl_heads; --", "h1x"]
+    assert journal.existing(asked) == {"h0", "h2"}
+    assert journal.existing([]) == set() and journal.existing(["h1"]) == {"h1"}
+    assert set(journal.heads()) == {"h0", "h1", "h2"}
+
+
 def test_malformed_operations_are_refused_before_writing(journal):
     journal.append([allocate_op("h1")])
     base = guard_of(journal.head("h1"))

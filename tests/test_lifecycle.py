@@ -316,6 +316,39 @@ def test_relative_commands_take_the_state_their_batch_leaves_and_stay_fenced(led
     assert ledger.state("R", refresh=True).committed_length == 2
 
 
+def test_a_batch_of_allocations_reads_once_and_decides_each_against_the_journal(ledger, db_url, monkeypatch):
+    """The service asks the journal once which handles of a batch's allocations exist,
+    and reads no stream for those that do not. One that another writer created is
+    refused as if its stream had been read (HANDLE_EXISTS), and a later command of the
+    batch on it is decided against that stream, as before; the others commit."""
+    from kvledger.engine import commands as c
+
+    from factories import make_manifest
+
+    with Ledger.open(db_url, clock=ManualClock()) as other:
+        allocate(other, "X")
+    service, journal = ledger.service, ledger.journal
+    reads: list[str] = []
+    real = journal.read_stream
+    monkeypatch.setattr(journal, "read_stream", lambda h, after=0: reads.append(h) or real(h, after))
+    s = ledger.state("X", refresh=True)
+    reads.clear()
+    start = c.BeginAppend(handle_id="X", txn_id="p", kind="prefill", base_generation=None,
+                          base_snapshot_version=None, interval_start=0, interval_count=2, token_ids=s.prompt[:2],
+                          cache_positions=(0, 1), mask_key_extent=2, cache_abi_sha256=s.cache_abi_sha256)
+    service.states.pop("X")  # as a service that has not seen it
+    results = service.execute_many(
+        [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h), reserved_capacity=8) for h in ("A", "X", "B")]
+        + [c.Relative(start)])
+    assert reads == ["X"]  # the one that exists; none for A and B
+    a, x, b, started = results
+    assert isinstance(x, KvLedgerError) and x.code is ErrorCode.HANDLE_EXISTS
+    assert not isinstance(a, KvLedgerError) and not isinstance(b, KvLedgerError), results
+    assert not isinstance(started, KvLedgerError), started
+    assert ledger.state("X").open_txn("p") is not None
+    assert ledger.state("A").stream_position == 1 == ledger.state("B").stream_position
+
+
 def test_a_publish_gives_its_layers_or_their_combined_digest(ledger):
     """The worker's compact publish (layers=None with rows_sha256) stores the same digest
     as naming every layer with its own; naming both, or a malformed digest, is refused."""
