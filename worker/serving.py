@@ -449,7 +449,12 @@ class Worker:
         if (eos is not None and token == eos) or len(lv.outputs) >= spec.max_new_tokens:
             reason: Literal["eos", "max_tokens"] = "eos" if token == eos else "max_tokens"
             lv.done = reason
-            batch.append(self._simple(lv, c.Finish(handle_id=lv.handle, base_generation=None, reason=reason)))
+            finish = c.Finish(handle_id=lv.handle, base_generation=None, reason=reason)
+            if chain is not None:  # ends the chain: one operation fewer, the same events
+                chain.add(finish)
+                self._chains.pop(lv.handle)
+            else:
+                batch.append(self._simple(lv, finish))
             if spec.repair:
                 nxt.append(Planned(lv.handle, _txn(), "repair", self._length(lv), (token,)))
             else:
