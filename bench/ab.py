@@ -1,4 +1,5 @@
-"""Two commits' write paths at once: `python -m bench.ab REV_A REV_B [--pairs N] [--replay | --ceiling] [--json]`.
+"""Two commits' write paths at once:
+`python -m bench.ab REV_A REV_B [--pairs N] [--replay | --ceiling | --writer] [--json]`.
 
 This VM's speed moves up to 2x between runs seconds apart, so a rate measured now and
 another measured a minute later compare the machine as much as the code. Here both
@@ -66,6 +67,45 @@ on = at_threads(1, _worker_run, f"sqlite:///{tempfile.mkdtemp()}/ab.db", 2, 32, 
 print(off / on)
 """
 
+# --writer: what the journal's writer spends on one whole generation of the ceiling's
+# worker (the near-free model at batch 64, one torch thread, an in-process service with
+# each iteration's submit and commit timed, nothing overlapped); prints the ms of the
+# whole generation, of its first iteration (allocations and prefill starts) and of its
+# last (finishes and releases), medians of three runs. Sides in turn, as --ceiling.
+CHILD_WRITER = """
+import statistics, sys, tempfile, time
+import kvledger
+assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
+sys.path.insert(0, sys.argv[2])
+import torch
+torch.set_num_threads(1)
+import kvledger.engine.service as sv
+from bench.decode import bench_prompts, serving_worker
+from bench.tokens import BATCH, NEAR_FREE
+from kvledger.migrations.storage import open_or_create_journal
+from kvledger.worker.loading import load_model
+from kvledger.worker.model import ModelConfig
+spent = []
+submit = sv.CommandService.submit_many
+def timed(self, cmds, *, defer=True):
+    t = time.perf_counter()
+    results = submit(self, cmds, defer=defer)()
+    spent.append((time.perf_counter() - t) * 1e3)
+    return lambda: results
+sv.CommandService.submit_many = timed
+model, artifact = load_model(config=ModelConfig(**NEAR_FREE))
+prompts = bench_prompts(BATCH, NEAR_FREE["vocab_size"])
+runs = []
+for _ in range(3):
+    spent.clear()
+    with open_or_create_journal(f"sqlite:///{tempfile.mkdtemp()}/ab.db") as j:
+        w = serving_worker(model, artifact, prompts, 32, sv.CommandService(j))
+        w.pipeline = w.lookahead = False
+        w.run()
+    runs.append((sum(spent), spent[0], spent[-1]))
+print(*(statistics.median(r[i] for r in runs) for i in range(3)))
+"""
+
 
 def unpack(rev: str, into: Path) -> Path:
     """The commit's tree laid out as the installed package; returns the PYTHONPATH entry."""
@@ -105,32 +145,46 @@ def main() -> None:
     parser.add_argument("--replay", action="store_true", help="time the replay path, not the write path")
     parser.add_argument("--ceiling", action="store_true",
                         help="the worker's ceiling (off rate / on rate, process writer), sides in turn")
+    parser.add_argument("--writer", action="store_true",
+                        help="the writer's ms over one generation of the ceiling's worker (whole, first and "
+                             "last iteration), sides in turn")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a, b = unpack(args.a, Path(tmp) / "a"), unpack(args.b, Path(tmp) / "b")
-        pairs = []
+        pairs: list[list[float]] = []
+        parts: list[tuple[list[float], list[float]]] = []  # --writer: first and last iteration, each side
         for i in range(args.pairs):
-            if args.ceiling:  # in turn, A first in even pairs
+            if args.ceiling or args.writer:  # in turn, A first in even pairs
                 first, second = (a, b) if i % 2 == 0 else (b, a)
-                got = {pkg: float(side(pkg, None, 0, CHILD_CEILING).communicate()[0]) for pkg in (first, second)}
-                us = [got[a], got[b]]
+                child = CHILD_WRITER if args.writer else CHILD_CEILING
+                got = {pkg: [float(x) for x in side(pkg, None, 0, child).communicate()[0].split()]
+                       for pkg in (first, second)}
+                us = [got[a][0], got[b][0]]
+                if args.writer:
+                    parts.append(([round(x, 2) for x in got[a][1:]], [round(x, 2) for x in got[b][1:]]))
             else:
                 child = CHILD_REPLAY if args.replay else CHILD
                 procs = side(a, i % 2, args.groups, child), side(b, 1 - i % 2, args.groups, child)
                 us = [float(p.communicate()[0]) for p in procs]
             pairs.append(us)
             if not args.json:
-                unit = "x off's time" if args.ceiling else "us/token"
-                print(f"pair {i + 1}: A {us[0]:.2f} {unit}, B {us[1]:.2f}, A/B {us[0] / us[1]:.2f}", file=sys.stderr)
+                unit = "x off's time" if args.ceiling else "ms" if args.writer else "us/token"
+                more = f" (first, last: A {parts[-1][0]}, B {parts[-1][1]})" if args.writer else ""
+                print(f"pair {i + 1}: A {us[0]:.2f} {unit}, B {us[1]:.2f}, A/B {us[0] / us[1]:.2f}{more}",
+                      file=sys.stderr)
     ratios = sorted(x / y for x, y in pairs)
-    result = {"a": args.a, "b": args.b,
-              "pairs_off_over_on" if args.ceiling else "pairs_us_per_token": [[round(x, 2), round(y, 2)]
-                                                                               for x, y in pairs],
+    unit = "pairs_off_over_on" if args.ceiling else "pairs_writer_ms" if args.writer else "pairs_us_per_token"
+    result: dict[str, object] = {"a": args.a, "b": args.b, unit: [[round(x, 2), round(y, 2)] for x, y in pairs],
               "median_a_over_b": round(statistics.median(ratios), 3),
               "min": round(ratios[0], 3), "max": round(ratios[-1], 3)}
+    if parts:
+        result["median_first_last_ms"] = {
+            side: [round(statistics.median(p[k][j] for p in parts), 2) for j in range(2)]
+            for k, side in enumerate(("a", "b"))}
     print(json.dumps(result) if args.json else
-          f"median A/B {result['median_a_over_b']} (from {result['min']} to {result['max']})")
+          f"median A/B {result['median_a_over_b']} (from {result['min']} to {result['max']})"
+          + (f"; first and last iteration, ms: {result['median_first_last_ms']}" if parts else ""))
 
 
 if __name__ == "__main__":
