@@ -287,14 +287,16 @@ class CommandService(BatchSurface):
         """Build, key and plan the commands at `todo` in order, each against the states
         the earlier ones leave; a refused one gets its result now."""
         local: dict[str, HandleState | None] = {}
+        planned: list[tuple[int, Plan]] = []
+        fast, strict = self.fast_decode, self.strict
         # Handles to allocate that this service has not seen: one read for all of them
         # instead of a stream read each (the guarded write still refuses one that appears).
-        new = [h for i in todo if type(cmd := cmds[i]) is c.Allocate and (h := cmd.handle_id) not in self.states]
+        # Not for commands from outside, which are checked one by one below first.
+        new = [] if strict else [h for i in todo if type(cmd := cmds[i]) is c.Allocate
+                                 and type(h := cmd.handle_id) is str and h not in self.states]
         if len(new) > 1:
             found = self.journal.existing(new)
             local.update((h, None) for h in new if h not in found)
-        planned: list[tuple[int, Plan]] = []
-        fast, strict = self.fast_decode, self.strict
         for i in todo:
             cmd = cmds[i]
             assert cmd is not None  # what is to be decided was filled in (_commit)

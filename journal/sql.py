@@ -385,9 +385,26 @@ class SqlJournal(Journal):
         # point their heads at it, and insert_record then rewrites only the other heads.
         predicted = last + sum(ops[i].event_count() for i in pending)
         fault("before_update")
+        # The heads refused operations would have left. An operation whose base is one was
+        # decided on a state that never existed: it is refused unapplied, even where another
+        # writer's head carries the same numbers (ABA: a handle created twice starts at
+        # the same head), and its own heads join them.
+        phantoms: dict[str, Guard] = {}
         for round_ in _rounds(ops, _chains(ops, pending)):
-            for i, rejection in self._apply_round(cur, ops, round_, predicted).items():
+            rejected: dict[int, Rejection] = {}
+            live = round_
+            if phantoms:
+                live = []
+                for unit in round_:
+                    if (handle := _phantom_base(ops[unit[0]], phantoms)) is None:
+                        live.append(unit)
+                    else:
+                        rejected.update((i, _refused_after(ops[i], handle)) for i in unit)
+            if live:
+                rejected.update(self._apply_round(cur, ops, live, predicted))
+            for i, rejection in rejected.items():
                 results[i] = rejection
+                phantoms.update((w.handle_id, _guard_of(w.head)) for w in ops[i].writes)
         fault("after_update")
         record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys,
                                                             owned)
@@ -790,6 +807,27 @@ class _StoredVersion(msgspec.Struct):
 
 
 _stored_version = msgspec.json.Decoder(_StoredVersion)
+
+
+def _guard_of(h: HeadFacts) -> Guard:
+    return Guard(h.generation, h.snapshot_version, h.stream_position)
+
+
+def _phantom_base(op: Operation, phantoms: dict[str, Guard]) -> str | None:
+    """The handle whose base `op` names is a head that a refused operation of its batch
+    would have left, if any."""
+    for w in op.writes:
+        if w.expected is not None and phantoms.get(w.handle_id) == w.expected:
+            return w.handle_id
+    for c in op.checks:
+        if phantoms.get(c.handle_id) == c.expected:
+            return c.handle_id
+    return None
+
+
+def _refused_after(op: Operation, handle: str) -> Rejection:
+    return Rejection(operation_id=op.operation_id, code=ErrorCode.STALE_BASE.value, handle_id=handle,
+                     message=f"an earlier operation on {handle} in this batch was refused")
 
 
 def _chains(ops: Sequence[Operation], indexes: list[int]) -> list[list[int]]:

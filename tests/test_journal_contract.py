@@ -136,6 +136,28 @@ def test_multi_stream_operation_is_all_or_nothing(journal):
     assert isinstance(r[0], Rejection) and isinstance(r[1], Receipt)
 
 
+def test_an_operation_decided_on_a_refused_one_is_refused_even_where_the_head_looks_the_same(journal):
+    """ABA: an operation of a batch whose base is the head an earlier, refused operation
+    of the batch would have left was decided on a state that never existed. It is
+    refused even when another writer's head carries the same version numbers (an
+    allocation of the same handle: generation 0, snapshot 0, position 1), and so is what
+    was decided on it in turn; an operation on the real head still commits."""
+    journal.append([allocate_op("X", op_id="theirs"), allocate_op("Y")])
+    phantom = Guard(0, 0, 1)  # what "mine" would have left, and what "theirs" did
+    assert guard_of(journal.head("X")) == phantom
+    before = snapshot_of(journal)
+    mine, dep = allocate_op("X", op_id="mine"), publish_op("X", phantom, "dep")
+    dep2 = publish_op("X", Guard(0, 1, 2), "dep2")  # decided on dep's head
+    real = publish_op("Y", guard_of(journal.head("Y")), "real")
+    r = journal.append([mine, real, dep, allocate_op("Z"), dep2])
+    assert [type(x).__name__ for x in r] == ["Rejection", "Receipt", "Rejection", "Receipt", "Rejection"], r
+    assert r[0].code == ErrorCode.HANDLE_EXISTS
+    assert r[2].code == ErrorCode.STALE_BASE and r[4].code == ErrorCode.STALE_BASE
+    assert journal.head("X") == before[1]["X"] and [e.stream_position for e in journal.read_stream("X")] == [1]
+    assert journal.receipt("dep") is None and journal.receipt("dep2") is None
+    assert journal.head("Y").snapshot_version == 1 and journal.head("Z") is not None
+
+
 def test_check_guards_a_parent_without_writing_it(journal):
     journal.append([allocate_op("parent")])
     pg = guard_of(journal.head("parent"))

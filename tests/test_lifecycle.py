@@ -317,26 +317,29 @@ def test_relative_commands_take_the_state_their_batch_leaves_and_stay_fenced(led
 
 
 def test_a_batch_of_allocations_reads_once_and_decides_each_against_the_journal(ledger, db_url, monkeypatch):
-    """The service asks the journal once which handles of a batch's allocations exist,
-    and reads no stream for those that do not. One that another writer created is
-    refused as if its stream had been read (HANDLE_EXISTS), and a later command of the
-    batch on it is decided against that stream, as before; the others commit."""
+    """A worker's service (commands built valid, not strict) asks the journal once which
+    handles of a batch's allocations exist, and reads no stream for those that do not.
+    One that another writer created is refused as if its stream had been read
+    (HANDLE_EXISTS), and a later command of the batch on it is decided against that
+    stream, as before; the others commit."""
     from kvledger.engine import commands as c
+    from kvledger.engine.service import CommandService
 
     from factories import make_manifest
 
     with Ledger.open(db_url, clock=ManualClock()) as other:
         allocate(other, "X")
-    service, journal = ledger.service, ledger.journal
+    journal = ledger.journal
+    service = CommandService(journal, clock=ManualClock())
     reads: list[str] = []
     real = journal.read_stream
     monkeypatch.setattr(journal, "read_stream", lambda h, after=0: reads.append(h) or real(h, after))
     s = ledger.state("X", refresh=True)
     reads.clear()
+    assert not service.strict and "X" not in service.states
     start = c.BeginAppend(handle_id="X", txn_id="p", kind="prefill", base_generation=None,
                           base_snapshot_version=None, interval_start=0, interval_count=2, token_ids=s.prompt[:2],
                           cache_positions=(0, 1), mask_key_extent=2, cache_abi_sha256=s.cache_abi_sha256)
-    service.states.pop("X")  # as a service that has not seen it
     results = service.execute_many(
         [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h), reserved_capacity=8) for h in ("A", "X", "B")]
         + [c.Relative(start)])
@@ -345,8 +348,36 @@ def test_a_batch_of_allocations_reads_once_and_decides_each_against_the_journal(
     assert isinstance(x, KvLedgerError) and x.code is ErrorCode.HANDLE_EXISTS
     assert not isinstance(a, KvLedgerError) and not isinstance(b, KvLedgerError), results
     assert not isinstance(started, KvLedgerError), started
-    assert ledger.state("X").open_txn("p") is not None
-    assert ledger.state("A").stream_position == 1 == ledger.state("B").stream_position
+    assert service.state("X").open_txn("p") is not None
+    assert service.state("A").stream_position == 1 == service.state("B").stream_position
+
+
+def test_a_handle_created_by_another_writer_after_the_read_takes_none_of_the_batch(ledger, db_url, monkeypatch):
+    """The race the batched read leaves open: another writer creates X after the service
+    found it absent. The allocation is refused by the guarded write, and the start the
+    service decided on it, whose base equals the other writer's head (a new handle's
+    head is always generation 0, snapshot 0, position 1), is refused too: nothing
+    reported refused is written, and X's stream is the other writer's alone."""
+    from kvledger.engine import commands as c
+    from kvledger.engine.service import CommandService
+
+    from factories import make_manifest
+
+    with Ledger.open(db_url, clock=ManualClock()) as other:
+        allocate(other, "X")
+        theirs = other.journal.read_stream("X")
+    service = CommandService(ledger.journal, clock=ManualClock())
+    monkeypatch.setattr(ledger.journal, "existing", lambda handles: set())  # read before X was created
+    start = c.BeginAppend(handle_id="X", txn_id="p", kind="prefill", base_generation=None,
+                          base_snapshot_version=None, interval_start=0, interval_count=2, token_ids=(11, 22),
+                          cache_positions=(0, 1), mask_key_extent=2, cache_abi_sha256="")
+    cmds = [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h), reserved_capacity=8) for h in ("X", "A")]
+    x, a, started = service.execute_many([*cmds, c.Relative(start)])
+    assert isinstance(x, KvLedgerError) and x.code is ErrorCode.HANDLE_EXISTS
+    assert not isinstance(a, KvLedgerError)
+    assert isinstance(started, KvLedgerError) and started.code is ErrorCode.STALE_BASE
+    assert ledger.journal.read_stream("X") == theirs
+    assert ledger.journal.head("X").stream_position == 1
 
 
 def test_a_publish_gives_its_layers_or_their_combined_digest(ledger):
