@@ -367,11 +367,20 @@ class SqlJournal(Journal):
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         first_in_batch: dict[str, int] = {}
         pending: list[int] = []
+        # The heads that operations of this batch would have left but will not: a later
+        # operation whose base is one was decided on a state that never existed, and is
+        # refused unapplied, even where the head it finds carries the same numbers (ABA: a
+        # handle created twice starts at the same head; a conflicting retry names the
+        # head its original left). Refused operations add theirs below. (A repeat inside
+        # the batch needs none: what follows it on its first's head follows the first.)
+        phantoms: dict[str, Guard] = {}
         for i, op in enumerate(ops):
             op_id = op.operation_id
             if op_id in stored:
                 fingerprint, body = stored[op_id]
                 results[i] = _stored_receipt(op, fingerprint, body)
+                if isinstance(results[i], Rejection):
+                    phantoms.update((w.handle_id, _guard_of(w.head)) for w in op.writes)
             elif op_id in first_in_batch:
                 continue  # resolved against the first occurrence after the rounds
             else:
@@ -385,11 +394,6 @@ class SqlJournal(Journal):
         # point their heads at it, and insert_record then rewrites only the other heads.
         predicted = last + sum(ops[i].event_count() for i in pending)
         fault("before_update")
-        # The heads refused operations would have left. An operation whose base is one was
-        # decided on a state that never existed: it is refused unapplied, even where another
-        # writer's head carries the same numbers (ABA: a handle created twice starts at
-        # the same head), and its own heads join them.
-        phantoms: dict[str, Guard] = {}
         for round_ in _rounds(ops, _chains(ops, pending)):
             rejected: dict[int, Rejection] = {}
             live = round_

@@ -158,6 +158,26 @@ def test_an_operation_decided_on_a_refused_one_is_refused_even_where_the_head_lo
     assert journal.head("Y").snapshot_version == 1 and journal.head("Z") is not None
 
 
+def test_an_operation_decided_on_a_conflicting_retry_is_refused(journal):
+    """The same ABA through a retry: an operation id committed before, sent again with
+    another fingerprint (CONFLICT), names as its head the one its original left; what the
+    batch decided on it is refused. A same-fingerprint retry is answered, not refused,
+    and what follows a repeat inside a batch follows its first occurrence."""
+    journal.append([allocate_op("X")])
+    journal.append([publish_op("X", Guard(0, 0, 1), "p1")])
+    before = snapshot_of(journal)
+    r = journal.append([publish_op("X", Guard(0, 0, 1), "p1", fingerprint="other"),
+                        publish_op("X", Guard(0, 1, 2), "p2")])
+    assert [x.code for x in r] == [ErrorCode.CONFLICT, ErrorCode.STALE_BASE], r
+    assert snapshot_of(journal) == before and journal.receipt("p2") is None
+    journal.append([allocate_op("Z")])
+    r = journal.append([publish_op("Z", Guard(0, 0, 1), "z1"), publish_op("Z", Guard(0, 0, 1), "z1"),
+                        publish_op("Z", Guard(0, 1, 2), "z2")])
+    assert r[0] == r[1] and isinstance(r[2], Receipt) and guard_of(journal.head("Z")) == Guard(0, 2, 3)
+    [again] = journal.append([publish_op("X", Guard(0, 0, 1), "p1")])
+    assert again == journal.receipt("p1")
+
+
 def test_check_guards_a_parent_without_writing_it(journal):
     journal.append([allocate_op("parent")])
     pg = guard_of(journal.head("parent"))
