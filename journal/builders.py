@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 from typing import Protocol, TypeVar
 
-from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
+from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite, guard_of  # noqa: F401 - guard_of re-exported for the tests
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.manifest import (
@@ -118,6 +118,3 @@ def publish_op(handle: str, base: Guard, op_id: str, fingerprint: str | None = N
                             (e,)),),
     )
 
-
-def guard_of(facts: HeadFacts) -> Guard:
-    return Guard(facts.generation, facts.snapshot_version, facts.stream_position)

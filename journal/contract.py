@@ -46,6 +46,11 @@ class HeadFacts(msgspec.Struct, frozen=True, gc=False):
     cache_abi_sha256: str
 
 
+def guard_of(facts: HeadFacts) -> Guard:
+    """The guard a write decided against this head names."""
+    return Guard(facts.generation, facts.snapshot_version, facts.stream_position)
+
+
 class StreamWrite(msgspec.Struct, frozen=True, gc=False):
     handle_id: str
     expected: Guard | None  # None: the stream must not exist yet

@@ -41,6 +41,7 @@ from kvledger.journal.contract import (
     Rejection,
     Snapshot,
     StreamWrite,
+    guard_of,
 )
 from kvledger.journal.driver_errors import is_driver_error, translate
 from kvledger.journal.faults import fault
@@ -380,7 +381,7 @@ class SqlJournal(Journal):
                 fingerprint, body = stored[op_id]
                 results[i] = _stored_receipt(op, fingerprint, body)
                 if isinstance(results[i], Rejection):
-                    phantoms.update((w.handle_id, _guard_of(w.head)) for w in op.writes)
+                    _leaves_phantoms(op, phantoms)
             elif op_id in first_in_batch:
                 continue  # resolved against the first occurrence after the rounds
             else:
@@ -408,7 +409,7 @@ class SqlJournal(Journal):
                 rejected.update(self._apply_round(cur, ops, live, predicted))
             for i, rejection in rejected.items():
                 results[i] = rejection
-                phantoms.update((w.handle_id, _guard_of(w.head)) for w in ops[i].writes)
+                _leaves_phantoms(ops[i], phantoms)
         fault("after_update")
         record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys,
                                                             owned)
@@ -598,17 +599,15 @@ class SqlJournal(Journal):
                     handle = w.handle_id
                 else:
                     code, handle = ErrorCode.STALE_BASE, failed_checks[0].handle_id
-                for n, i in enumerate(unit):
-                    rejected[i] = Rejection(
-                        operation_id=ops[i].operation_id,
-                        code=code.value,
-                        handle_id=handle,
-                        message=(
-                            f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
-                            else f"head of {handle} moved past the expected base" if n == 0
-                            else f"an earlier operation on {handle} in this batch was refused"
-                        ),
-                    )
+                rejected[unit[0]] = Rejection(
+                    operation_id=op.operation_id,
+                    code=code.value,
+                    handle_id=handle,
+                    message=(f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
+                             else f"head of {handle} moved past the expected base"),
+                )
+                # the rest of a chain (only guarded writes chain: STALE_BASE after its first)
+                rejected.update((i, _refused_after(ops[i], handle)) for i in unit[1:])
             if not partial:
                 break
             self.sql.rollback_to_savepoint(cur)
@@ -813,8 +812,9 @@ class _StoredVersion(msgspec.Struct):
 _stored_version = msgspec.json.Decoder(_StoredVersion)
 
 
-def _guard_of(h: HeadFacts) -> Guard:
-    return Guard(h.generation, h.snapshot_version, h.stream_position)
+def _leaves_phantoms(op: Operation, phantoms: dict[str, Guard]) -> None:
+    """`op` is not applied: the heads it would have left are phantoms (see _append)."""
+    phantoms.update((w.handle_id, guard_of(w.head)) for w in op.writes)
 
 
 def _phantom_base(op: Operation, phantoms: dict[str, Guard]) -> str | None:
@@ -853,8 +853,7 @@ def _chains(ops: Sequence[Operation], indexes: list[int]) -> list[list[int]]:
             else:
                 unit = [i]
                 units.append(unit)
-            h = w.head
-            tail[w.handle_id] = (unit, Guard(h.generation, h.snapshot_version, h.stream_position))
+            tail[w.handle_id] = (unit, guard_of(w.head))
             continue
         units.append([i])
         for handle in [w.handle_id for w in op.writes] + [c.handle_id for c in op.checks]:
