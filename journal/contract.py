@@ -19,7 +19,7 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
 
 if TYPE_CHECKING:
-    from kvledger.journal.steps import StepValues  # it imports this module
+    from kvledger.journal.steps import FoldItem, StepValues  # it imports this module
 
 
 # gc=False on the write path's structs: see kvledger.engine.commands._Command.
@@ -210,9 +210,10 @@ class Journal(abc.ABC):
     def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
         """Events with global_position > after, in global order."""
 
-    def read_fold(self, after: int = 0) -> Iterator[Event | StepValues]:
+    def read_fold(self, after: int = 0) -> Iterator[FoldItem]:
         """read_all for a projector: a backend that stores decode steps as rows (record
-        format 6) may give such a step as its StepValues in place of its three events."""
+        format 6) may give such a step as its StepValues in place of its three events,
+        or consecutive steps of a record as one StepRun."""
         return self.read_all(after)
 
     @abc.abstractmethod

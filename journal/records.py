@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import zstandard
 
-from kvledger.journal.steps import StepReader, StepValues, is_row, lower_hex
+from kvledger.journal.steps import ROW_ERRORS, BadRow, StepReader, StepRun, StepValues, is_row, lower_hex
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
@@ -102,7 +102,7 @@ class Record:
     @property
     def step_rows(self) -> int:
         """How many of its operations are stored as step rows (format 6)."""
-        return 0 if self._steps is None else len(self._steps.rows)
+        return 0 if self._steps is None else sum(run.count for run in self._steps.runs)
 
     def decoded(self) -> list[Event]:
         """The events (decode_event's, for the ones stored as JSON)."""
@@ -110,11 +110,11 @@ class Record:
             return [decode_event(e) for e in self.events]
         return self._steps.decoded()
 
-    def folded(self) -> list[Event | StepValues]:
-        """The events, each step row as its StepValues (what a projector folds at once)."""
+    def folded(self) -> list[Event | StepRun]:
+        """The events, each run of step rows as its StepRun (what a projector folds at once)."""
         if self._steps is None:
-            return list(self.decoded())  # a copy: list[Event] is not list[Event | StepValues] to mypy
-        return self._steps.decoded(fold=True)
+            return list(self.decoded())  # a copy: list[Event] is not list[Event | StepRun] to mypy
+        return self._steps.folded()
 
     @property
     def receipts(self) -> list[bytes]:
@@ -629,14 +629,20 @@ def _cut(data: bytes, lengths: list[int]) -> list[bytes]:
 
 
 class _Steps:
-    """A format 6 record's items, with its step rows rebuilt as events."""
+    """A format 6 record's items, with its step rows read back as runs (StepRun: the
+    rows between two JSON events)."""
 
-    __slots__ = ("items", "reader", "rows")
+    __slots__ = ("items", "reader", "runs")
 
-    def __init__(self, items: list[bytes], rows: list[StepValues], reader: StepReader) -> None:
-        self.items, self.rows, self.reader = items, rows, reader
+    def __init__(self, items: list[bytes], runs: list[StepRun], reader: StepReader) -> None:
+        self.items, self.runs, self.reader = items, runs, reader
+
+    @property
+    def rows(self) -> list[StepValues]:
+        return [x for run in self.runs for x in run.values()]
 
     def decoded(self, fold: bool = False) -> list[Any]:
+        """Its events, a step row's rebuilt; with `fold`, each step row as its StepValues."""
         out: list[Any] = []
         rows = iter(self.rows)
         for item in self.items:
@@ -646,6 +652,21 @@ class _Steps:
                 out.append(next(rows))
             else:
                 out += next(rows).events()
+        return out
+
+    def folded(self) -> list[Any]:
+        """Its events, each run of step rows as its StepRun."""
+        out: list[Any] = []
+        runs, left = iter(self.runs), 0
+        for item in self.items:
+            if not is_row(item):
+                out.append(decode_event(item))
+            elif left:
+                left -= 1
+            else:
+                run = next(runs)
+                out.append(run)
+                left = run.count - 1
         return out
 
     def json(self, upto: int | None = None) -> list[bytes]:
@@ -687,9 +708,6 @@ class _Steps:
         return out
 
 
-_ROW_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError, TypeError, OverflowError)
-
-
 def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage:
     n = len(h.event_lengths)
     if not h.receipt_lengths:
@@ -706,25 +724,30 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage
     if ok[-1]:
         try:
             reader = StepReader(parts[-1])
-        except _ROW_ERRORS as exc:
+        except ROW_ERRORS as exc:
             why = f"its context does not decode: {exc}"
-    rows: list[StepValues] = []
-    steps = _Steps(parts[:n], rows, reader)  # type: ignore[arg-type]  # used only once a row needs it
-    index = 0
-    for i in range(n):
-        item = parts[i]
+    runs: list[StepRun] = []
+    steps = _Steps(parts[:n], runs, reader)  # type: ignore[arg-type]  # used only once a row needs it
+    index = i = 0
+    while i < n:  # damage is named in item order: the first bad item's
         if not ok[i]:
             return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
-        if is_row(item):
-            if reader is None:
-                return Damage(index, why, steps.json(i))
-            try:
-                rows.append(reader.values(item, index))
-            except _ROW_ERRORS as exc:
-                return Damage(index, f"its step row does not rebuild: {exc}", steps.json(i))
-            index += 3
-        else:
-            index += 1
+        if not is_row(parts[i]):
+            index, i = index + 1, i + 1
+            continue
+        if reader is None:
+            return Damage(index, why, steps.json(i))
+        j = i + 1
+        while j < n and ok[j] and is_row(parts[j]):
+            j += 1
+        try:
+            runs.append(reader.run(parts[i:j], index))
+        except BadRow as bad:
+            if bad.values:
+                runs.append(StepRun(0, len(bad.values), None, "", bad.values))
+            return Damage(index + 3 * bad.offset, f"its step row does not rebuild: {bad.error}",
+                          steps.json(i + bad.offset))
+        index, i = index + 3 * (j - i), j
     if not all(ok[n:-1]):
         return Damage(None, problem or "a receipt's bytes do not match their CRC", steps.json())
     if reader is None:

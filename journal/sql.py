@@ -61,7 +61,7 @@ from kvledger.journal.records import (
 from kvledger.journal.records import chain as link
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
 from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
-from kvledger.journal.steps import StepValues, StepWriter
+from kvledger.journal.steps import FoldItem, StepWriter
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
     REVISIONS,
@@ -632,7 +632,7 @@ class SqlJournal(Journal):
         # decoded in the records: a step row becomes its events without JSON in between
         return (e for _, e in self._pages(after, limit, "events"))
 
-    def read_fold(self, after: int = 0) -> Iterator[Event | StepValues]:
+    def read_fold(self, after: int = 0) -> Iterator[FoldItem]:
         return (e for _, e in self._pages(after, None, "fold"))
 
     def _pages(self, after: int, limit: int | None, mode: str = "json") -> Iterator[tuple[int, Any]]:

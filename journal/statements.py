@@ -31,7 +31,7 @@ from kvledger.journal.records import (
     unpack_manifest,
     unpack_prev,
 )
-from kvledger.journal.steps import StepValues
+from kvledger.journal.steps import StepRun, StepValues
 from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
@@ -411,8 +411,8 @@ class Statements(abc.ABC):
     def bodies_after(self, cur: Any, after: int, limit: int, mode: str = "json") -> list[tuple[int, Any]]:
         """(global position, JSON body) of the events after `after`, at most `limit`.
         `mode` "events": the events themselves (a record's step rows rebuilt, never
-        encoded); "fold": the same with each step row whole, as its StepValues, at its
-        last position (a page may then cover more positions than `limit`)."""
+        encoded); "fold": the same with each run of a record's step rows whole, as its
+        StepRun, at its last position (a page may then cover more positions than `limit`)."""
         cur.execute(
             self.q("SELECT global_position, body FROM kvl_events WHERE global_position > ? "
                    "ORDER BY global_position LIMIT ?"),
@@ -650,12 +650,20 @@ def _receipt_first(body: bytes) -> int:
 
 
 def _positioned(first: int, items: list[Any], after: int) -> list[tuple[int, Any]]:
-    """A record's folded items from its position `first` on, those past `after`: a step
-    row at its last position, or as its events when `after` falls inside it."""
+    """A record's folded items from its position `first` on, those past `after`: a run of
+    step rows at its last position, its steps one by one when `after` falls inside it
+    (a step at its last position, or as its events when `after` falls inside the step)."""
     out: list[tuple[int, Any]] = []
     p = first
     for item in items:
-        if type(item) is StepValues:
+        if type(item) is StepRun:
+            end = p + 3 * item.count
+            if p > after:
+                out.append((end - 1, item))
+            elif end - 1 > after:
+                out += _positioned(p, item.values(), after)
+            p = end
+        elif type(item) is StepValues:
             if p > after:
                 out.append((p + 2, item))
             elif p + 2 > after:

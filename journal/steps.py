@@ -28,9 +28,11 @@ position, the commit time, the id prefixes, each stream's envelope and cache ABI
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from kvledger.journal.contract import Operation
@@ -100,6 +102,11 @@ _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
 _decode_step = msgspec.msgpack.Decoder(Step).decode
 _decode_context = msgspec.msgpack.Decoder(Context).decode
+# A row as a tuple of Step's fields, checked as Step is: a run's rows transpose into columns.
+_ROW = tuple.__class_getitem__(tuple(f.type for f in msgspec.structs.fields(Step)))
+_decode_row = msgspec.msgpack.Decoder(_ROW).decode
+# What a row that does not rebuild raises (StepReader.values, StepReader.run).
+ROW_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError, TypeError, OverflowError)
 
 
 def is_row(item: bytes) -> bool:
@@ -419,3 +426,131 @@ class StepReader:
                           p.payload.committed_length),),
             (p.event_id, o.event_id, s.event_id), p.global_position, s.global_position,
             self.context.committed_wall_ns))
+
+    def run(self, rows: list[bytes], at: int) -> StepRun:
+        """Consecutive rows of the record, the first its event `at`, read together: their
+        columns for a fold, their values on request. Raises BadRow for the first row
+        that does not rebuild."""
+        start, ctx = self._last, self.context
+        try:
+            columns, self._last, event_id = self._columns(rows)
+        except ROW_ERRORS:
+            # Not in the columns' form (an id counter past int64, say) or damaged: row by
+            # row, which names a damaged row as a single read would.
+            values: list[StepValues] = []
+            for i, row in enumerate(rows):
+                try:
+                    values.append(self.values(row, at + 3 * i))
+                except ROW_ERRORS as exc:
+                    raise BadRow(i, values, exc) from None
+            return StepRun(ctx.first_position + at, len(rows), None, values[-1].event_id, values)
+        again = StepReader.__new__(StepReader)
+        again.context, again._abis, again._last = ctx, self._abis, start
+        return StepRun(ctx.first_position + at, len(rows), columns, event_id,
+                       lambda: [again.values(row, at + 3 * i) for i, row in enumerate(rows)])
+
+    def _columns(self, rows: list[bytes]) -> tuple[StepColumns, tuple[int, int, int, int, int, int, int], str]:
+        """What `values` gives for each row, as columns of what a fold reads, the reader's
+        state after the last row and its event id. Raises what `values` would (a value
+        out of int64, the columns' range, also raises: `run` then reads row by row)."""
+        ctx, last, n = self.context, self._last, len(rows)
+        cols = list(zip(*map(_decode_row, rows)))
+        nstreams, nprefixes = len(ctx.streams), len(ctx.prefixes)
+        (ptxn_prefix, ptxn), (stxn_prefix, stxn) = zip(*cols[8]), zip(*cols[9])
+        calls = [c for c in cols[18] if c is not None]
+        _check(cols[5], nprefixes)
+        if calls:
+            _check([c.prefix for c in calls], nprefixes)
+        a, i64 = np.array, np.int64
+        mono = _running(a(cols[3], i64), last[1])
+        ptxn_n, stxn_n = _running(a(ptxn, i64), last[4]), _running(a(stxn, i64), last[5])
+        op = (last[3] + sum(cols[6])) & _MASK
+        wall = (last[2] + sum(cols[3]) + sum(cols[4])) & _MASK
+        state = ((last[0] + 3 * n + sum(cols[2])) & _MASK, int(mono[-1]), wall, op, int(ptxn_n[-1]), int(stxn_n[-1]),
+                 (last[6] + sum(c.counter for c in calls)) & _MASK)
+        columns = StepColumns(
+            _indexes(cols[0], nstreams), a(cols[1], i64), mono, a(cols[10], i64), a(cols[11], i64),
+            a(cols[14], i64), a(cols[17], i64), _indexes(ptxn_prefix, nprefixes), ptxn_n,
+            _indexes(stxn_prefix, nprefixes), stxn_n, ctx.streams, ctx.prefixes)
+        gaps = cols[7][-1]
+        return columns, state, f"{ctx.prefixes[cols[5][-1]]}{(op + gaps[0] + gaps[1] + gaps[2]) & _MASK:016x}"
+
+
+def _check(values: Sequence[int], size: int) -> bool:
+    """Whether `values` index a list of `size` as a list index takes them (negative
+    from the end): IndexError for one out of range, as the list would raise; False
+    when one is negative."""
+    if values and (min(values) < -size or max(values) >= size):
+        raise IndexError("a row's index is out of its record's table")
+    return not values or min(values) >= 0
+
+
+def _indexes(values: Sequence[int], size: int) -> np.ndarray:
+    """`values` as indexes into a list of `size` (checked by `_check`), none negative."""
+    a = np.array(values, np.int64)
+    return a if _check(values, size) else a % size
+
+
+def _running(diffs: np.ndarray, start: int) -> np.ndarray:
+    """Values stored as differences from the one before, the first from `start`, modulo
+    2**64 (uint64 sums wrap exactly so)."""
+    return np.cumsum(diffs.view(np.uint64), dtype=np.uint64) + np.uint64(start)
+
+
+class StepColumns:
+    """A run's values that a fold reads, one array each (journal.steps.StepValues names
+    them): `stream` indexes `streams`, the txn prefixes index `prefixes`, `mono` and
+    the txn counters are uint64, the rest int64."""
+
+    __slots__ = ("stream", "position", "mono", "snapshot", "committed", "workspace", "token", "ptxn_prefix",
+                 "ptxn", "stxn_prefix", "stxn", "streams", "prefixes")
+
+    def __init__(self, stream: np.ndarray, position: np.ndarray, mono: np.ndarray, snapshot: np.ndarray,
+                 committed: np.ndarray, workspace: np.ndarray, token: np.ndarray, ptxn_prefix: np.ndarray,
+                 ptxn: np.ndarray, stxn_prefix: np.ndarray, stxn: np.ndarray,
+                 streams: list[tuple[str, str, int, str, bytes]], prefixes: list[str]) -> None:
+        self.stream, self.position, self.mono, self.snapshot, self.committed = (stream, position, mono, snapshot,
+                                                                              committed)
+        self.workspace, self.token, self.ptxn_prefix, self.ptxn = workspace, token, ptxn_prefix, ptxn
+        self.stxn_prefix, self.stxn, self.streams, self.prefixes = stxn_prefix, stxn, streams, prefixes
+
+
+class StepRun:
+    """Consecutive decode steps of one record read back together (Journal.read_fold): the
+    fold takes their `columns` at once; `values()` gives each step's StepValues. Its
+    steps are at global positions `global_position`, +3, ... (three events each)."""
+
+    __slots__ = ("global_position", "count", "columns", "event_id", "_values")
+
+    def __init__(self, global_position: int, count: int, columns: StepColumns | None, event_id: str,
+                 values: list[StepValues] | Callable[[], list[StepValues]]) -> None:
+        self.global_position, self.count, self.columns, self.event_id = global_position, count, columns, event_id
+        self._values = values
+
+    @property
+    def last_position(self) -> int:
+        return self.global_position + 3 * self.count - 1
+
+    @property
+    def first_event_id(self) -> str:
+        return self.values()[0].first_event_id
+
+    def values(self) -> list[StepValues]:
+        if callable(self._values):
+            self._values = self._values()
+        return self._values
+
+    def events(self) -> list[ev.Event]:
+        return [e for x in self.values() for e in x.events()]
+
+
+class BadRow(Exception):
+    """Row `offset` of a run does not rebuild (`error`); `values` are the rows before it."""
+
+    def __init__(self, offset: int, values: list[StepValues], error: Exception) -> None:
+        super().__init__(str(error))
+        self.offset, self.values, self.error = offset, values, error
+
+
+# What a fold reads (Journal.read_fold): events, and decode steps whole.
+FoldItem = ev.Event | StepValues | StepRun

@@ -23,9 +23,10 @@ from msgspec.structs import replace as _replace
 
 from kvledger.engine.evolve import APPLY
 from kvledger.engine.state import HandleState, OpenTxn, enc_hook, grown
-from kvledger.journal.steps import StepValues
+from kvledger.journal.steps import FoldItem, StepRun, StepValues
 from kvledger.replay.kv_blocks import KvBlocks, KvBlockState
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
+from kvledger.replay.runs import RunFold
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json, sha256_hex
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -67,7 +68,7 @@ class Projector:
     `replay.report.build`."""
 
     __slots__ = ("position", "last_event_id", "handles", "outcomes", "inherited", "work", "ledger",
-                 "trajectory", "kv")
+                 "trajectory", "kv", "runs")
 
     def __init__(self, state: ProjectionState | None = None, *, trajectory: bool = False) -> None:
         state = state if state is not None else ProjectionState()
@@ -83,6 +84,7 @@ class Projector:
         self.kv = KvBlocks(state.kv)
         # Recording a sample per event costs more than the fold itself: only on request.
         self.trajectory: list[LedgerPoint] | None = [] if trajectory else None
+        self.runs = RunFold()
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -116,12 +118,21 @@ class Projector:
     def apply(self, e: ev.Event) -> None:
         self.feed((e,))
 
-    def feed(self, events: Iterable[ev.Event | StepValues]) -> Projector:
-        """Apply events in global order. One loop with its state in locals: this is the
-        per-event cost of every replay, so nothing here is a call it does not need. A
-        decode step read back whole (journal.steps.StepValues) is applied at once when
-        its handle is in the plain state for it, as its three events otherwise."""
+    def feed(self, events: Iterable[FoldItem]) -> Projector:
+        """Apply events in global order. A decode step read back whole (journal.steps'
+        StepValues) is applied at once when its handle is in the plain state for it, as
+        its three events otherwise; a run of them (StepRun) by replay.runs."""
+        try:
+            self._feed(events)
+        finally:
+            self.runs.flush(self)  # what the runs left in arrays, into the state
+        return self
+
+    def _feed(self, events: Iterable[FoldItem]) -> None:
+        """One loop with its state in locals: this is the per-event cost of every
+        replay, so nothing here is a call it does not need."""
         handles, ls, hooks, trajectory = self.handles, self.ledger, _HOOKS, self.trajectory
+        runs, live = self.runs, self.runs.live  # handles whose state is in runs' arrays
         apply = APPLY  # engine.evolve.evolve's dispatch, without its call frame
         position = self.position
         applied: Any = None
@@ -135,13 +146,21 @@ class Projector:
                         f"expected {position + 1} (run `kvledger verify`)",
                     )
                 cls = e.__class__
+                if cls is StepRun:
+                    if applied is not None:  # what this call applied so far, before the run goes in
+                        self.position, self.last_event_id = position, applied.event_id
+                    runs.apply(self, e)  # type: ignore[arg-type]  # the class, checked
+                    position, applied = self.position, None
+                    continue
+                if live and e.stream_id in live:  # type: ignore[union-attr]  # a StepRun went on above
+                    runs.flush(self)
                 if cls is StepValues:
                     if trajectory is None and self._step(e):  # type: ignore[arg-type]  # the class, checked
                         position, applied = pos + 2, e
                         continue
                     if applied is not None:  # what this call applied so far, before the events go in
                         self.position, self.last_event_id = position, applied.event_id
-                    self.feed(e.events())  # type: ignore[union-attr]  # the class, checked above
+                    self._feed(e.events())  # type: ignore[union-attr]  # the class, checked above
                     position, applied = self.position, None
                     continue
                 if cls in _KV:  # an engine's block pool: its own fold, no handle, no ledger clock
@@ -149,13 +168,13 @@ class Projector:
                     position, applied = pos, e
                     continue
                 # The clock, inlined from LedgerAccumulator.advance.
-                t = e.monotonic_ns
+                t = e.monotonic_ns  # type: ignore[union-attr]  # a StepRun went on above
                 end = ls.end_ns
                 if end is None:
                     ls.start_ns = ls.end_ns = ls.mark_ns = t
                 elif t > end:
                     ls.end_ns = t
-                sid = e.stream_id
+                sid = e.stream_id  # type: ignore[union-attr]  # as above
                 old = handles.get(sid)
                 try:
                     new = apply[cls](old, e)
@@ -180,7 +199,6 @@ class Projector:
             if applied is not None:
                 self.position = position
                 self.last_event_id = applied.event_id
-        return self
 
     def _step(self, x: StepValues) -> bool:
         """A decode step's three events applied at once: the state, side tables and

@@ -8,12 +8,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvledger.journal.contract import Journal
-from kvledger.journal.steps import StepValues
+from kvledger.journal.steps import FoldItem
 from kvledger.replay.metrics import WindowSpec
 from kvledger.replay.projector import Projector, collector_paused
 from kvledger.replay.report import Report, build
 from kvledger.replay.sources import fold_items, jsonl_events
-from kvledger.schemas import events as ev
 from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
@@ -22,14 +21,14 @@ CHECKPOINT = "replay"  # default checkpoint name in kvl_checkpoints
 Progress = Callable[[int], None]  # called with the number of events applied so far
 
 
-def project(events: Iterable[ev.Event | StepValues], *, projector: Projector | None = None,
+def project(events: Iterable[FoldItem], *, projector: Projector | None = None,
             trajectory: bool = False, progress: Progress | None = None) -> Projector:
     """Fold events (in global order) into a projector, new or resumed."""
     p = projector if projector is not None else Projector(trajectory=trajectory)
     with collector_paused():
         if progress is None:
             return p.feed(events)
-        batch: list[ev.Event | StepValues] = []
+        batch: list[FoldItem] = []
         base = p.position  # a decode step may come whole: count positions, not items
         for e in events:
             batch.append(e)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvledger.journal.contract import Journal
-from kvledger.journal.steps import StepValues
+from kvledger.journal.steps import FoldItem
 from kvledger.schemas import events as ev
 from kvledger.schemas.codec import MAX_EVENT_BYTES, decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -77,7 +77,7 @@ def journal_events(journal: Journal, after: int = 0, limit: int | None = None) -
     return _named(journal.read_all(after, limit), journal, after, limit)
 
 
-def fold_items(journal: Journal, after: int = 0, limit: int | None = None) -> Iterator[ev.Event | StepValues]:
+def fold_items(journal: Journal, after: int = 0, limit: int | None = None) -> Iterator[FoldItem]:
     """journal_events for a projector: a decode step may come whole (Journal.read_fold)."""
     if limit is not None:
         return journal_events(journal, after, limit)

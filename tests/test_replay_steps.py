@@ -1,20 +1,23 @@
 """A decode step read back whole (record format 6's StepValues) is folded at once by the
-projector (Projector._step); the result must be what its three events give one by one.
+projector (Projector._step), and a record's consecutive steps (StepRun) together, as
+columns (replay.runs); the result must be what their three events give one by one.
 
 Over whole journals on both backends (the demo, which holds prefills, decode steps,
 finishes and releases, and 64 handles decoding in lockstep): the projection state after
 `read_fold` equals the one after `read_all`, and so does every report built from it
 (ledgers, byte-time, peaks and where they were reached, service metrics); a replay
 resumed from any position, inside a step included, ends in the same state; a projector
-that has not seen a step's handle fails the same way on both paths.
+that has not seen a step's handle fails the same way on both paths. Records that mix
+steps with other operations, name a handle twice, or carry a workspace fold the same.
 """
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvledger.journal import open_journal
-from kvledger.journal.steps import StepValues
+from kvledger.journal.steps import StepRun, StepValues
 from kvledger.replay.metrics import WindowSpec
 from kvledger.replay.projector import Projector
 from kvledger.replay.report import build, to_json
@@ -51,7 +54,7 @@ def _same(a: Projector, b: Projector) -> None:
 def test_a_fold_of_whole_steps_is_the_fold_of_their_events(journals):
     with open_journal(journals) as journal:
         items = list(journal.read_fold())
-        steps = sum(type(x) is StepValues for x in items)
+        steps = sum(x.count for x in items if type(x) is StepRun)
         assert steps >= 6 * 64  # the lockstep's steps came whole, and the demo's
         by_events = Projector().feed(journal.read_all())
         by_steps = Projector().feed(items)
@@ -61,7 +64,7 @@ def test_a_fold_of_whole_steps_is_the_fold_of_their_events(journals):
         events = iter(journal.read_all())
         for item in items[:400]:
             b.feed((item,))
-            a.feed(next(events) for _ in range(3 if type(item) is StepValues else 1))
+            a.feed(next(events) for _ in range(3 * item.count if type(item) is StepRun else 1))
             assert a.ledger.values() == b.ledger.values() and a.handles == b.handles and a.work == b.work
         # and what `kvledger replay` folds is the same
         _same(by_events, Projector().feed(fold_items(journal)))
@@ -75,9 +78,11 @@ def test_a_resumed_fold_ends_where_a_whole_one_does(journals):
         whole = Projector().feed(journal.read_all())
         events = list(journal.read_all())
         # after the first decode step, in the middle of one, and at its end
-        first_step = next(x for x in journal.read_fold() if type(x) is StepValues)
-        for cut in (first_step.global_position - 1, first_step.global_position, first_step.global_position + 1,
-                    first_step.global_position + 2, len(events) // 2, len(events) - 4):
+        run = next(x for x in journal.read_fold() if type(x) is StepRun and x.count > 2)
+        first = run.global_position
+        # before, inside and at the end of its first step, inside the run, at its end
+        for cut in (first - 1, first, first + 1, first + 2, first + 3, first + 4, run.last_position - 1,
+                    run.last_position, len(events) // 2, len(events) - 4):
             p = Projector().feed(events[:cut])
             p.feed(journal.read_fold(after=cut))
             _same(whole, p)
@@ -85,7 +90,7 @@ def test_a_resumed_fold_ends_where_a_whole_one_does(journals):
 
 def test_a_step_whose_handle_the_fold_has_not_seen_fails_as_its_event_does(journals):
     with open_journal(journals) as journal:
-        step = next(x for x in journal.read_fold() if type(x) is StepValues)
+        step = next(x for x in journal.read_fold() if type(x) is StepRun)
         after = step.global_position - 1
         fresh = [Projector(), Projector()]
         fresh[0].position = fresh[1].position = after  # as if resumed there, knowing nothing
@@ -105,5 +110,67 @@ def test_read_fold_is_read_all_with_steps_whole_from_any_position(journals):
         last = journal.last_position()
         for after in [*range(0, 40), *range(40, last + 1, 7), last]:
             expanded = [e for x in journal.read_fold(after)
-                        for e in (x.events() if type(x) is StepValues else (x,))]
+                        for e in (x.events() if type(x) in (StepRun, StepValues) else (x,))]
             assert expanded == list(journal.read_all(after)), after
+
+
+def _chain(run, h: str, workspace: int = 0, finish: bool = False, again: bool = False):
+    """Lockstep's next decode chain for `h` (bench.tokens.Lockstep._step_chains), with a
+    workspace; with `finish`, the chain that ends the request instead of starting again;
+    with `again`, one that starts its next append under the txn id it publishes."""
+    c = run.c
+    start, n, txn = run.pos[h], run.count[h], run.txn[h]
+    token = (start + n) % 50_000
+    publish = c.Publish(handle_id=h, txn_id=txn, base_generation=None, base_snapshot_version=None,
+                        rows_sha256="ab" * 32, workspace_bytes=workspace)
+    emit = c.EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None,
+                        output_index=run.outputs[h], token_id=token)
+    run.outputs[h] += 1
+    run.pos[h] = start + n
+    last = c.Finish(handle_id=h, base_generation=None) if finish else run._start(h, "decode", (token,))
+    if again:
+        last = msgspec.structs.replace(last, txn_id=txn)
+        run.txn[h] = txn
+    return c.Relative(c.Chain(handle_id=h, steps=(publish, emit, last)))
+
+
+def test_records_that_mix_steps_fold_as_their_events(db_url):
+    """Commits holding a handle's step twice (once under the txn id it publishes, so both
+    steps name the txn the handle had before), a step that ends its request and a lone
+    publication (stored as events, between step rows), and workspaces that raise their
+    peaks, tied, inside a run: folded as columns, item by item, they leave what their
+    events leave."""
+    from kvledger.engine.service import CommandService
+
+    from bench.tokens import Lockstep
+
+    with open_journal(db_url) as journal:
+        run = Lockstep(CommandService(journal), 2, 8, "mixed", chains=True)
+        run.step()
+        h = run.handles
+        lone = run.c.Publish(handle_id=h[6], txn_id=run.txn[h[6]], base_generation=None, base_snapshot_version=None,
+                             rows_sha256="cd" * 32, workspace_bytes=4_000)
+        batches = [
+            [_chain(run, h[0]), _chain(run, h[1], 7_000), _chain(run, h[0], 5_000), _chain(run, h[2], finish=True),
+             _chain(run, h[3], 100), _chain(run, h[4], 9_000), _chain(run, h[5], 9_000), run.c.Relative(lone),
+             *(_chain(run, x, 100) for x in h[7:])],
+            [_chain(run, h[1], 3_000, again=True), _chain(run, h[1]), _chain(run, h[3]), _chain(run, h[1])],
+        ]
+        for batch in batches:
+            for r in run.service.execute_many(batch):
+                assert not isinstance(r, Exception), r
+        run.handles = [x for x in h if x not in (h[2], h[6])]
+        run.step()
+        items = list(journal.read_fold())
+        runs = [x.count for x in items if type(x) is StepRun]
+        assert [64, 3, 3, 57, 4, 62] == runs[-6:]  # split by the events between them
+        by_events = Projector().feed(journal.read_all())
+        _same(by_events, Projector().feed(items))
+        assert by_events.ledger.peak_workspace == 9_000
+        assert by_events.ledger.peak_at["workspace"] == by_events.ledger.peak_at["instantaneous"]
+        a, b = Projector(), Projector()
+        events = iter(journal.read_all())
+        for item in items:
+            b.feed((item,))
+            a.feed(next(events) for _ in range(3 * item.count if type(item) is StepRun else 1))
+            assert a.ledger.values() == b.ledger.values() and a.handles == b.handles and a.work == b.work

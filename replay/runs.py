@@ -1,0 +1,246 @@
+"""Decode steps folded a run at a time (journal.steps.StepRun: a record's consecutive
+step rows, read back as columns), each handle's state brought up to date only when read.
+
+`Projector._step` folds one step into a new HandleState, Work and ledger resize: ~2 µs
+of Python a token. Here a run's steps change the ledger with array operations (the
+clock, the byte-time integrals, the totals and the peaks that the publications' resizes
+would leave one after the other), and each handle keeps in arrays only what its next
+step is checked against (its open txn, committed length) and what its Work adds up. A
+handle's HandleState, Work and ledger Owner take those results at `flush`: before any
+other item of its stream is folded, and at the end of every `Projector.feed`.
+
+A step is taken here only where `Projector._step` would take it (its handle owned, one
+open append whose txn the step publishes, not a verify), its committed length grows,
+its clock fits int64, and no earlier step of the same slice names its handle; any other
+step is folded by the projector one step at a time, after a flush of its handle's run.
+tests/test_replay_steps.py holds the result to the fold of the same journal's events.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from msgspec.structs import replace
+
+from kvledger.engine.state import OpenTxn, grown
+from kvledger.journal.steps import StepRun, counter_of
+
+if TYPE_CHECKING:
+    from kvledger.replay.projector import Projector
+
+_I64_LIMIT = np.uint64(1 << 63)
+# Per-handle arrays, by slot: the txn its next step must publish (prefix id, counter)
+# and that txn's interval; its committed length and ledger terms; its Work so far in
+# this run; the last step's values its state takes at flush.
+_ARRAYS = ("exp_prefix", "exp_counter", "exp_n", "exp_start", "committed", "b_token", "tiers", "rows", "pairs",
+           "publishes", "last_position", "last_snapshot", "last_token")
+
+
+class RunFold:
+    __slots__ = ("slot", "sids", "armed", "live", "pending", "prefix_id", "prefixes", *_ARRAYS)
+    # The arrays set by name (setattr) in __init__, declared for the type checker.
+    exp_prefix: np.ndarray
+    exp_counter: np.ndarray
+    exp_n: np.ndarray
+    exp_start: np.ndarray
+    committed: np.ndarray
+    b_token: np.ndarray
+    tiers: np.ndarray
+    rows: np.ndarray
+    pairs: np.ndarray
+    publishes: np.ndarray
+    last_position: np.ndarray
+    last_snapshot: np.ndarray
+    last_token: np.ndarray
+
+    def __init__(self) -> None:
+        self.slot: dict[str, int] = {}
+        self.sids: list[str] = []
+        self.live: set[str] = set()  # handles whose state lives in the arrays: flush before reading it
+        self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # slots, tokens, clocks a slice
+        self.prefix_id: dict[str, int] = {}
+        self.prefixes: list[str] = []
+        self.armed = np.zeros(0, bool)
+        for name in _ARRAYS:
+            setattr(self, name, np.zeros(0, np.uint64 if name == "exp_counter" else np.int64))
+
+    # -- a run ---------------------------------------------------------------------
+
+    def apply(self, p: Projector, run: StepRun) -> None:
+        """Fold `run`, its first step at p.position + 1."""
+        c = run.columns
+        if c is None or p.trajectory is not None:
+            p._feed(run.values())
+            return
+        table = np.array([self._slot_of(s[0]) for s in c.streams], np.int64)
+        slots = table[c.stream]
+        ids = np.array([self._prefix_of(x) for x in c.prefixes], np.int64)
+        ptxn_prefix, stxn_prefix = ids[c.ptxn_prefix], ids[c.stxn_prefix]
+        n, i = run.count, 0
+        while i < n:
+            s = slots[i:]
+            cold = ~self.armed[s]
+            if cold.any():
+                for u in np.unique(s[cold]).tolist():
+                    self._arm(p, u)
+            ok = (self.armed[s] & (self.exp_prefix[s] == ptxn_prefix[i:]) & (self.exp_counter[s] == c.ptxn[i:])
+                  & (c.committed[i:] > self.committed[s]) & (c.mono[i:] < _I64_LIMIT))
+            k = len(s) if ok.all() else int(np.argmin(ok))
+            if k > 1 and np.unique(s[:k]).size < k:  # a handle twice: its second step checks against the first
+                k = _first_repeat(s[:k].tolist())
+            if k:
+                self._take(p, run, i, i + k, s[:k], stxn_prefix[i:i + k])
+                i += k
+                continue
+            # Steps the projector folds one by one, up to the next one taken here (the
+            # projector flushes a handle's run before it reads that handle's state).
+            j = n if not ok.any() else i + int(np.argmax(ok))
+            p._feed(run.values()[i:j])
+            i = j
+
+    def _take(self, p: Projector, run: StepRun, a: int, b: int, s: np.ndarray, stxn_prefix: np.ndarray) -> None:
+        """Steps a..b-1 of `run`, every one taken (apply checked them), distinct handles."""
+        c, ls = run.columns, p.ledger
+        assert c is not None and ls.end_ns is not None  # apply took the run's columns; its handles are owned
+        committed, t, w = c.committed[a:b], c.mono[a:b].astype(np.int64), c.workspace[a:b]
+        first = run.global_position + 3 * a  # the publications' positions: first, first + 3, ...
+        b_token = self.b_token[s]
+        d = (committed - self.committed[s]) * b_token  # each resize's logical change, > 0
+        # The clock and the integrals: every resize integrates up to its step's clock.
+        mark = ls.mark_ns
+        ends = np.maximum.accumulate(t)
+        np.maximum(ends, ls.end_ns, out=ends)
+        dts = np.diff(ends, prepend=mark)
+        logical = np.cumsum(d)
+        logical += ls.logical
+        moved = np.flatnonzero(dts)
+        if moved.size:
+            before = (logical - d)[moved].tolist()  # the ledger each interval held: Python ints, no overflow
+            ls.logical_byte_ns += sum(map(operator.mul, before, dts[moved].tolist()))
+            end = int(ends[-1])
+            ls.physical_byte_ns += (ls.reserved + ls.allocator) * (end - mark)
+            ls.end_ns = ls.mark_ns = end
+        # Totals and peaks: logical only grows here, so its last value is its peak.
+        ls.logical = int(logical[-1])
+        if ls.logical > ls.peak_logical:
+            ls.peak_logical = ls.logical
+            ls.peak_at["logical"] = first + 3 * (b - a - 1)
+        materialized = np.cumsum(d * self.tiers[s])
+        materialized += ls.materialized
+        ls.materialized = int(materialized[-1])
+        if ls.materialized > ls.peak_materialized:
+            ls.peak_materialized = ls.materialized
+            ls.peak_at["materialized"] = first + 3 * int(np.argmax(materialized == materialized[-1]))
+        largest = int((committed * b_token).max())
+        if largest > ls._max:
+            ls._max = largest
+        peak_w = int(w.max())
+        if peak_w:  # a publication's workspace: its own peak, and the instantaneous ledger's
+            at = first + 3 * int(np.argmax(w))
+            if peak_w > ls.peak_workspace:
+                ls.peak_workspace, ls.peak_at["workspace"] = peak_w, at
+            instantaneous = ls.reserved + ls.allocator + peak_w
+            if instantaneous > ls.peak_instantaneous:
+                ls.peak_instantaneous, ls.peak_at["instantaneous"] = instantaneous, at
+        ls.workspace = 0  # the emit's and the start's
+        # Each handle: its Work (the open txn's interval), and what its next step checks.
+        n, start = self.exp_n[s], self.exp_start[s]
+        self.rows[s] += n
+        self.pairs[s] += n * start + n * (n + 1) // 2
+        self.publishes[s] += 1
+        self.committed[s] = committed
+        self.exp_n[s], self.exp_start[s] = 1, committed
+        self.exp_prefix[s], self.exp_counter[s] = stxn_prefix, c.stxn[a:b]
+        self.last_position[s], self.last_snapshot[s], self.last_token[s] = (c.position[a:b], c.snapshot[a:b],
+                                                                             c.token[a:b])
+        self.pending.append((s, c.token[a:b], t))
+        p.position = run.global_position + 3 * b - 1
+        p.last_event_id = run.event_id if b == run.count else run.values()[b - 1].event_id
+
+    # -- handles -------------------------------------------------------------------
+
+    def flush(self, p: Projector) -> None:
+        """Every handle's state, Work and Owner as its steps so far leave them."""
+        if self.pending:
+            slots = np.concatenate([x[0] for x in self.pending])
+            order = np.argsort(slots, kind="stable")  # each handle's steps together, in order
+            slots = slots[order]
+            tokens = np.concatenate([x[1] for x in self.pending])[order].tolist()
+            clocks = np.concatenate([x[2] for x in self.pending])[order].tolist()
+            cuts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(order)]
+            u = slots[cuts[:-1]]
+            columns = zip(u.tolist(), self.last_position[u].tolist(), self.last_snapshot[u].tolist(),
+                          self.committed[u].tolist(), self.exp_prefix[u].tolist(), self.exp_counter[u].tolist(),
+                          self.last_token[u].tolist(), self.rows[u].tolist(), self.pairs[u].tolist(),
+                          self.publishes[u].tolist(), cuts, cuts[1:])
+            from kvledger.replay.projector import Work  # it imports this module
+
+            handles, work, owners, names = p.handles, p.work, p.ledger.owners, self.prefixes
+            for slot, position, snapshot, committed, prefix, counter, token, rows, pairs, publishes, lo, hi in columns:
+                sid = self.sids[slot]
+                old = handles[sid]
+                outputs, output_ns = grown(old.outputs, old.output_ns, tuple(tokens[lo:hi]), tuple(clocks[lo:hi]))
+                v = snapshot + 1
+                handles[sid] = replace(
+                    old, stream_position=position + 2, snapshot_version=v, committed_length=committed,
+                    logits_ready=False, outputs=outputs, output_ns=output_ns,
+                    open_txns=(OpenTxn(f"{names[prefix]}{counter:016x}", "decode", v, committed, 1, (token,)),))
+                w = work.get(sid)
+                if w is None:
+                    w = work[sid] = Work()
+                w.rows += rows
+                w.pairs += pairs
+                w.publishes += publishes
+                owners[sid].committed = committed
+            self.pending.clear()
+        self.armed[:] = False
+        self.live.clear()
+
+    def _arm(self, p: Projector, u: int) -> None:
+        """Slot `u`'s handle, taken here from its folded state, if `_step` would take its
+        next step (an open append in engine.ids' form, owned, of a positive B_token)."""
+        sid = self.sids[u]
+        old, own = p.handles.get(sid), p.ledger.owners.get(sid)
+        if old is None or own is None or own.b_token <= 0 or len(old.open_txns) != 1:
+            return
+        txn = old.open_txns[0]
+        counter = counter_of(txn.txn_id)
+        if txn.kind == "verify" or counter is None:
+            return
+        self.armed[u] = True
+        self.live.add(sid)
+        self.exp_prefix[u], self.exp_counter[u] = self._prefix_of(txn.txn_id[:16]), counter
+        self.exp_n[u], self.exp_start[u] = txn.interval_count, txn.interval_start
+        self.committed[u], self.b_token[u], self.tiers[u] = own.committed, own.b_token, len(own.tiers)
+        self.rows[u] = self.pairs[u] = self.publishes[u] = 0
+
+    def _slot_of(self, sid: str) -> int:
+        u = self.slot.get(sid)
+        if u is None:
+            u = self.slot[sid] = len(self.sids)
+            self.sids.append(sid)
+            if u >= len(self.armed):
+                size = max(64, 2 * u)
+                self.armed = np.resize(self.armed, size)
+                self.armed[u:] = False
+                for name in _ARRAYS:
+                    setattr(self, name, np.resize(getattr(self, name), size))
+        return u
+
+    def _prefix_of(self, prefix: str) -> int:
+        n = self.prefix_id.get(prefix)
+        if n is None:
+            n = self.prefix_id[prefix] = len(self.prefixes)
+            self.prefixes.append(prefix)
+        return n
+
+
+def _first_repeat(slots: list[int]) -> int:
+    seen: set[int] = set()
+    for k, u in enumerate(slots):
+        if u in seen:
+            return k
+        seen.add(u)
+    return len(slots)
