@@ -630,12 +630,14 @@ def _cut(data: bytes, lengths: list[int]) -> list[bytes]:
 
 class _Steps:
     """A format 6 record's items, with its step rows read back as runs (StepRun: the
-    rows between two JSON events)."""
+    rows between two JSON events), each starting at its item in `starts`."""
 
-    __slots__ = ("items", "reader", "runs")
+    __slots__ = ("items", "reader", "runs", "starts")
 
-    def __init__(self, items: list[bytes], runs: list[StepRun], reader: StepReader) -> None:
-        self.items, self.runs, self.reader = items, runs, reader
+    def __init__(self, items: list[bytes], reader: StepReader) -> None:
+        self.items, self.reader = items, reader
+        self.runs: list[StepRun] = []
+        self.starts: list[int] = []
 
     @property
     def rows(self) -> list[StepValues]:
@@ -657,16 +659,12 @@ class _Steps:
     def folded(self) -> list[Any]:
         """Its events, each run of step rows as its StepRun."""
         out: list[Any] = []
-        runs, left = iter(self.runs), 0
-        for item in self.items:
-            if not is_row(item):
-                out.append(decode_event(item))
-            elif left:
-                left -= 1
-            else:
-                run = next(runs)
-                out.append(run)
-                left = run.count - 1
+        items, at = self.items, 0
+        for start, run in zip(self.starts, self.runs):
+            out += map(decode_event, items[at:start])
+            out.append(run)
+            at = start + run.count
+        out += map(decode_event, items[at:])
         return out
 
     def json(self, upto: int | None = None) -> list[bytes]:
@@ -708,6 +706,9 @@ class _Steps:
         return out
 
 
+_BRACE = ord("{")
+
+
 def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage:
     n = len(h.event_lengths)
     if not h.receipt_lengths:
@@ -726,27 +727,31 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage
             reader = StepReader(parts[-1])
         except ROW_ERRORS as exc:
             why = f"its context does not decode: {exc}"
-    runs: list[StepRun] = []
-    steps = _Steps(parts[:n], runs, reader)  # type: ignore[arg-type]  # used only once a row needs it
+    steps = _Steps(parts[:n], reader)  # type: ignore[arg-type]  # used only once a row needs it
+    firsts = bytes([p[0] if p else 0 for p in parts[:n]])  # "{": an event's JSON, anything else a row
     index = i = 0
     while i < n:  # damage is named in item order: the first bad item's
         if not ok[i]:
             return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
-        if not is_row(parts[i]):
+        if firsts[i] == _BRACE:
             index, i = index + 1, i + 1
             continue
         if reader is None:
             return Damage(index, why, steps.json(i))
-        j = i + 1
-        while j < n and ok[j] and is_row(parts[j]):
-            j += 1
+        j = firsts.find(b"{", i + 1)
+        j = n if j < 0 else j
+        if False in ok[i:j]:
+            j = ok.index(False, i, j)
         try:
-            runs.append(reader.run(parts[i:j], index))
+            run = reader.run(parts[i:j], index)
         except BadRow as bad:
             if bad.values:
-                runs.append(StepRun(0, len(bad.values), None, "", bad.values))
+                steps.starts.append(i)
+                steps.runs.append(StepRun(0, len(bad.values), None, "", bad.values))
             return Damage(index + 3 * bad.offset, f"its step row does not rebuild: {bad.error}",
                           steps.json(i + bad.offset))
+        steps.starts.append(i)
+        steps.runs.append(run)
         index, i = index + 3 * (j - i), j
     if not all(ok[n:-1]):
         return Damage(None, problem or "a receipt's bytes do not match their CRC", steps.json())

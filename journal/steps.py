@@ -385,8 +385,8 @@ class StepReader:
     """Rebuilds a record's rows in order (each row's differences are from the one before)."""
 
     def __init__(self, context: bytes) -> None:
-        self.context = ctx = _decode_context(context)  # raises msgspec's errors: the caller names the damage
-        self._abis = [s[4].hex() for s in ctx.streams]
+        self.context = _decode_context(context)  # raises msgspec's errors: the caller names the damage
+        self._abis: list[str] = []  # the streams' cache ABIs in hex, made when a row's values are
         self._last = (0, 0, 0, 0, 0, 0, 0)
 
     def events(self, row: bytes, at: int) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
@@ -401,6 +401,7 @@ class StepReader:
         x = _decode_step(row)
         ctx, last, prefixes = self.context, self._last, self.context.prefixes
         stream_id, request_id, generation, source, _ = ctx.streams[x.stream]
+        abis = self._abis or self._hex_abis()
         seq = (last[0] + 3 + x.sequence) & _MASK
         mono = (last[1] + x.mono) & _MASK
         wall = (last[2] + x.mono + x.wall) & _MASK
@@ -412,10 +413,14 @@ class StepReader:
             ccount = (ccount + call.counter) & _MASK
         self._last = (seq, mono, wall, op, ptxn, stxn, ccount)
         return StepValues(
-            ctx.first_position + at, stream_id, request_id, generation, source, self._abis[x.stream], x.position,
+            ctx.first_position + at, stream_id, request_id, generation, source, abis[x.stream], x.position,
             seq, mono, wall, prefixes[x.prefix], op, x.gaps, f"{prefixes[x.publish_txn[0]]}{ptxn:016x}",
             f"{prefixes[x.start_txn[0]]}{stxn:016x}", x.snapshot, x.committed, x.accepted, x.layers, x.workspace,
             x.digest, x.output, x.token, None if call is None else (prefixes[call.prefix], ccount, call))
+
+    def _hex_abis(self) -> list[str]:
+        self._abis = [s[4].hex() for s in self.context.streams]
+        return self._abis
 
     def receipt(self, events: tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]) -> bytes:
         """The JSON receipt of a step's operation, as the writer returned it."""
@@ -494,7 +499,9 @@ def _indexes(values: Sequence[int], size: int) -> np.ndarray:
 def _running(diffs: np.ndarray, start: int) -> np.ndarray:
     """Values stored as differences from the one before, the first from `start`, modulo
     2**64 (uint64 sums wrap exactly so)."""
-    return np.cumsum(diffs.view(np.uint64), dtype=np.uint64) + np.uint64(start)
+    values = diffs.view(np.uint64)  # in place: the caller's array is its own
+    values[0] += np.uint64(start)
+    return values.cumsum(out=values)
 
 
 class StepColumns:

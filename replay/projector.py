@@ -203,13 +203,14 @@ class Projector:
     def _step(self, x: StepValues) -> bool:
         """A decode step's three events applied at once: the state, side tables and
         ledger each event would leave, in one change (tests/test_replay_steps.py compares
-        the two over whole journals). False, with nothing changed: the handle is not in
-        the state that step needs (no single open append with its txn, a verify append,
-        not owned by the ledger yet), and the caller applies its events one by one."""
+        the two over whole journals; a handle's first publication owns its bytes here as
+        in the publication's hook, through `resize`). False, with nothing changed: the
+        handle is not in the state that step needs (unknown, no single open append with
+        its txn, a verify append), and the caller applies its events one by one."""
         sid = x.stream_id
         old = self.handles.get(sid)
         ls = self.ledger
-        if old is None or sid not in ls.owners:
+        if old is None:
             return False
         txns = old.open_txns
         if len(txns) != 1:

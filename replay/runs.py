@@ -9,10 +9,12 @@ step is checked against (its open txn, committed length) and what its Work adds 
 handle's HandleState, Work and ledger Owner take those results at `flush`: before any
 other item of its stream is folded, and at the end of every `Projector.feed`.
 
-A step is taken here only where `Projector._step` would take it (its handle owned, one
-open append whose txn the step publishes, not a verify), its committed length grows,
-its clock fits int64, and no earlier step of the same slice names its handle; any other
-step is folded by the projector one step at a time, after a flush of its handle's run.
+A step is taken here only where `Projector._step` would take it (one open append whose
+txn the step publishes, not a verify), its handle already owns ledger bytes (a first
+publication changes the physical ledger, which a run holds constant), its committed
+length grows, its clock fits int64, and no earlier step of the same slice names its
+handle; any other step is folded by the projector one step at a time, after a flush of
+its handle's run.
 tests/test_replay_steps.py holds the result to the fold of the same journal's events.
 """
 
@@ -74,7 +76,9 @@ class RunFold:
         if c is None or p.trajectory is not None:
             p._feed(run.values())
             return
-        table = np.array([self._slot_of(s[0]) for s in c.streams], np.int64)
+        get = self.slot.get
+        known = [get(s[0]) for s in c.streams]
+        table = np.array(known if None not in known else [self._slot_of(s[0]) for s in c.streams], np.int64)
         slots = table[c.stream]
         ids = np.array([self._prefix_of(x) for x in c.prefixes], np.int64)
         ptxn_prefix, stxn_prefix = ids[c.ptxn_prefix], ids[c.stxn_prefix]
@@ -83,13 +87,15 @@ class RunFold:
             s = slots[i:]
             cold = ~self.armed[s]
             if cold.any():
-                for u in np.unique(s[cold]).tolist():
+                for u in set(s[cold].tolist()):
                     self._arm(p, u)
             ok = (self.armed[s] & (self.exp_prefix[s] == ptxn_prefix[i:]) & (self.exp_counter[s] == c.ptxn[i:])
                   & (c.committed[i:] > self.committed[s]) & (c.mono[i:] < _I64_LIMIT))
             k = len(s) if ok.all() else int(np.argmin(ok))
-            if k > 1 and np.unique(s[:k]).size < k:  # a handle twice: its second step checks against the first
-                k = _first_repeat(s[:k].tolist())
+            if k > 1:
+                taken = s[:k].tolist()
+                if len(set(taken)) < k:  # a handle twice: its second step checks against the first
+                    k = _first_repeat(taken)
             if k:
                 self._take(p, run, i, i + k, s[:k], stxn_prefix[i:i + k])
                 i += k
@@ -112,7 +118,9 @@ class RunFold:
         mark = ls.mark_ns
         ends = np.maximum.accumulate(t)
         np.maximum(ends, ls.end_ns, out=ends)
-        dts = np.diff(ends, prepend=mark)
+        dts = np.empty_like(ends)
+        dts[0] = ends[0] - mark
+        np.subtract(ends[1:], ends[:-1], out=dts[1:])
         logical = np.cumsum(d)
         logical += ls.logical
         moved = np.flatnonzero(dts)
