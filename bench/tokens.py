@@ -328,21 +328,16 @@ def disk_bytes(path: str) -> dict[str, Any]:
 
 
 def replay_rate(url: str, tokens: int) -> float:
-    """Tokens/s of a full projection (ledgers, byte-time, service metrics) of the journal."""
+    """Tokens/s of a full projection (ledgers, byte-time, service metrics) of the journal,
+    as `kvledger replay` makes it (replay.run.replay_journal: the collector paused)."""
     from kvledger.migrations.storage import open_or_create_journal
     from kvledger.replay.metrics import DEFAULT_SLO_TBT_MS, DEFAULT_SLO_TTFT_MS, WindowSpec
-    from kvledger.replay.projector import Projector
-    from kvledger.replay.report import build
-    try:
-        from kvledger.replay.sources import fold_items
-    except ImportError:  # bench.ab's side of a commit before read_fold
-        def fold_items(j):  # type: ignore[misc]  # that commit's equivalent
-            return j.read_all()
+    from kvledger.replay.run import replay_journal
 
     with open_or_create_journal(url) as j:
         t0 = time.perf_counter()
-        build(Projector().feed(fold_items(j)),
-              WindowSpec(slo_ttft_ns=int(DEFAULT_SLO_TTFT_MS * 1e6), slo_tbt_ns=int(DEFAULT_SLO_TBT_MS * 1e6)))
+        replay_journal(j, WindowSpec(slo_ttft_ns=int(DEFAULT_SLO_TTFT_MS * 1e6),
+                                     slo_tbt_ns=int(DEFAULT_SLO_TBT_MS * 1e6)))
         return tokens / (time.perf_counter() - t0)
 
 
@@ -351,7 +346,7 @@ def long_ratios(url: str, steps: int) -> dict[str, Any]:
     import statistics
 
     from kvledger.engine.service import CommandService
-    from kvledger.journal.steps import StepValues
+    from kvledger.journal.steps import StepRun, StepValues
     from kvledger.migrations.storage import open_or_create_journal
     from kvledger.replay.projector import Projector
     from kvledger.replay.sources import fold_items
@@ -367,7 +362,7 @@ def long_ratios(url: str, steps: int) -> dict[str, Any]:
     # Early (15-25%: past the first steps' warm-up) and late (the last 10%), in twentieths.
     windows = ((3, 5), (18, 20))
     write = [statistics.median(times[lo * steps // 20:hi * steps // 20]) / BATCH * 1e6 for lo, hi in windows]
-    at = [i for i, x in enumerate(items) if type(x) is StepValues]  # a decode step each, in order
+    at = [i for i, x in enumerate(items) if type(x) in (StepRun, StepValues)]  # decode steps, in order
     p = Projector()
     fold = []
     done = 0
@@ -376,7 +371,7 @@ def long_ratios(url: str, steps: int) -> dict[str, Any]:
         p.feed(items[done:first])
         t0 = time.perf_counter()
         p.feed(items[first:last])
-        fold.append((time.perf_counter() - t0) / (last - first) * 1e6)
+        fold.append((time.perf_counter() - t0) / sum(getattr(x, "count", 1) for x in items[first:last]) * 1e6)
         done = last
     return {"long_steps": steps, "long_write_us_early_late": [round(x, 1) for x in write],
             "long_write_ratio": round(write[1] / write[0], 3),
