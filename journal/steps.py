@@ -29,10 +29,9 @@ position, the commit time, the id prefixes, each stream's envelope and cache ABI
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
-import numpy as np
 from msgspec import Meta
 
 from kvledger.journal.contract import Operation
@@ -40,6 +39,9 @@ from kvledger.schemas import events as ev
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN, decode_chain_fingerprint
 from kvledger.schemas.events import INT64_MAX, Count, Id
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where a run is read: the API's import loads no numpy
 
 # The schema versions a row rebuilds its events at. A later version of any of the three
 # is not a row: the writer stores such events as JSON (a new row layout would be a format).
@@ -458,6 +460,8 @@ class StepReader:
         """What `values` gives for each row, as columns of what a fold reads, the reader's
         state after the last row and its event id. Raises what `values` would (a value
         out of int64, the columns' range, also raises: `run` then reads row by row)."""
+        import numpy as np
+
         ctx, last, n = self.context, self._last, len(rows)
         cols = list(zip(*map(_decode_row, rows)))
         nstreams, nprefixes = len(ctx.streams), len(ctx.prefixes)
@@ -492,6 +496,8 @@ def _check(values: Sequence[int], size: int) -> bool:
 
 def _indexes(values: Sequence[int], size: int) -> np.ndarray:
     """`values` as indexes into a list of `size` (checked by `_check`), none negative."""
+    import numpy as np
+
     a = np.array(values, np.int64)
     return a if _check(values, size) else a % size
 
@@ -499,6 +505,8 @@ def _indexes(values: Sequence[int], size: int) -> np.ndarray:
 def _running(diffs: np.ndarray, start: int) -> np.ndarray:
     """Values stored as differences from the one before, the first from `start`, modulo
     2**64 (uint64 sums wrap exactly so)."""
+    import numpy as np
+
     values = diffs.view(np.uint64)  # in place: the caller's array is its own
     values[0] += np.uint64(start)
     return values.cumsum(out=values)
