@@ -459,7 +459,7 @@ class StepReader:
     def _columns(self, rows: list[bytes]) -> tuple[StepColumns, tuple[int, int, int, int, int, int, int], str]:
         """What `values` gives for each row, as columns of what a fold reads, the reader's
         state after the last row and its event id. Raises what `values` would (a value
-        out of int64, the columns' range, also raises: `run` then reads row by row)."""
+        out of int64, the columns' range or a clock past int64 also raises: `run` then reads row by row)."""
         import numpy as np
 
         ctx, last, n = self.context, self._last, len(rows)
@@ -472,13 +472,15 @@ class StepReader:
             _check([c.prefix for c in calls], nprefixes)
         a, i64 = np.array, np.int64
         mono = _running(a(cols[3], i64), last[1])
+        if int(mono.max()) >= _HALF:  # a clock a fold cannot hold in int64: read row by row
+            raise OverflowError("a monotonic clock past int64")
         ptxn_n, stxn_n = _running(a(ptxn, i64), last[4]), _running(a(stxn, i64), last[5])
         op = (last[3] + sum(cols[6])) & _MASK
         wall = (last[2] + sum(cols[3]) + sum(cols[4])) & _MASK
         state = ((last[0] + 3 * n + sum(cols[2])) & _MASK, int(mono[-1]), wall, op, int(ptxn_n[-1]), int(stxn_n[-1]),
                  (last[6] + sum(c.counter for c in calls)) & _MASK)
         columns = StepColumns(
-            _indexes(cols[0], nstreams), a(cols[1], i64), mono, a(cols[10], i64), a(cols[11], i64),
+            _indexes(cols[0], nstreams), a(cols[1], i64), mono.view(i64), a(cols[10], i64), a(cols[11], i64),
             a(cols[14], i64), a(cols[17], i64), _indexes(ptxn_prefix, nprefixes), ptxn_n,
             _indexes(stxn_prefix, nprefixes), stxn_n, ctx.streams, ctx.prefixes)
         gaps = cols[7][-1]
@@ -514,8 +516,8 @@ def _running(diffs: np.ndarray, start: int) -> np.ndarray:
 
 class StepColumns:
     """A run's values that a fold reads, one array each (journal.steps.StepValues names
-    them): `stream` indexes `streams`, the txn prefixes index `prefixes`, `mono` and
-    the txn counters are uint64, the rest int64."""
+    them): `stream` indexes `streams`, the txn prefixes index `prefixes`, the txn
+    counters are uint64, the rest int64 (a clock past int64 is no run's)."""
 
     __slots__ = ("stream", "position", "mono", "snapshot", "committed", "workspace", "token", "ptxn_prefix",
                  "ptxn", "stxn_prefix", "stxn", "streams", "prefixes")

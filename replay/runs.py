@@ -12,7 +12,7 @@ other item of its stream is folded, and at the end of every `Projector.feed`.
 A step is taken here only where `Projector._step` would take it (one open append whose
 txn the step publishes, not a verify), its handle already owns ledger bytes (a first
 publication changes the physical ledger, which a run holds constant), its committed
-length grows, its clock fits int64, and no earlier step of the same slice names its
+length grows, and no earlier step of the same slice names its
 handle; any other step is folded by the projector one step at a time, after a flush of
 its handle's run.
 tests/test_replay_steps.py holds the result to the fold of the same journal's events.
@@ -32,12 +32,11 @@ from kvledger.journal.steps import StepRun, counter_of
 if TYPE_CHECKING:
     from kvledger.replay.projector import Projector
 
-_I64_LIMIT = np.uint64(1 << 63)
-# Per-handle arrays, by slot: the txn its next step must publish (prefix id, counter)
-# and that txn's interval; its committed length and ledger terms; its Work so far in
-# this run; the last step's values its state takes at flush.
-_ARRAYS = ("exp_prefix", "exp_counter", "exp_n", "exp_start", "committed", "b_token", "tiers", "rows", "pairs",
-           "publishes", "last_position", "last_snapshot", "last_token")
+# Per-handle arrays, by slot: the txn its next step must publish (prefix id, counter);
+# the interval of the txn it had when armed (its first step's Work: each later step's
+# txn is the one step before it started, one row at that step's committed length); its
+# committed length and ledger terms.
+_ARRAYS = ("exp_prefix", "exp_counter", "exp_n", "exp_start", "committed", "b_token", "tiers")
 
 
 class RunFold:
@@ -50,18 +49,13 @@ class RunFold:
     committed: np.ndarray
     b_token: np.ndarray
     tiers: np.ndarray
-    rows: np.ndarray
-    pairs: np.ndarray
-    publishes: np.ndarray
-    last_position: np.ndarray
-    last_snapshot: np.ndarray
-    last_token: np.ndarray
 
     def __init__(self) -> None:
         self.slot: dict[str, int] = {}
         self.sids: list[str] = []
         self.live: set[str] = set()  # handles whose state lives in the arrays: flush before reading it
-        self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # slots, tokens, clocks a slice
+        # a taken slice's slots, tokens, clocks, committed lengths, positions, snapshot versions
+        self.pending: list[tuple[np.ndarray, ...]] = []
         self.prefix_id: dict[str, int] = {}
         self.prefixes: list[str] = []
         self.armed = np.zeros(0, bool)
@@ -90,7 +84,7 @@ class RunFold:
                 for u in set(s[cold].tolist()):
                     self._arm(p, u)
             ok = (self.armed[s] & (self.exp_prefix[s] == ptxn_prefix[i:]) & (self.exp_counter[s] == c.ptxn[i:])
-                  & (c.committed[i:] > self.committed[s]) & (c.mono[i:] < _I64_LIMIT))
+                  & (c.committed[i:] > self.committed[s]))
             k = len(s) if ok.all() else int(np.argmin(ok))
             if k > 1:
                 taken = s[:k].tolist()
@@ -110,7 +104,7 @@ class RunFold:
         """Steps a..b-1 of `run`, every one taken (apply checked them), distinct handles."""
         c, ls = run.columns, p.ledger
         assert c is not None and ls.end_ns is not None  # apply took the run's columns; its handles are owned
-        committed, t, w = c.committed[a:b], c.mono[a:b].astype(np.int64), c.workspace[a:b]
+        committed, t, w = c.committed[a:b], c.mono[a:b], c.workspace[a:b]
         first = run.global_position + 3 * a  # the publications' positions: first, first + 3, ...
         b_token = self.b_token[s]
         d = (committed - self.committed[s]) * b_token  # each resize's logical change, > 0
@@ -153,17 +147,10 @@ class RunFold:
             if instantaneous > ls.peak_instantaneous:
                 ls.peak_instantaneous, ls.peak_at["instantaneous"] = instantaneous, at
         ls.workspace = 0  # the emit's and the start's
-        # Each handle: its Work (the open txn's interval), and what its next step checks.
-        n, start = self.exp_n[s], self.exp_start[s]
-        self.rows[s] += n
-        self.pairs[s] += n * start + n * (n + 1) // 2
-        self.publishes[s] += 1
+        # Each handle: what its next step is checked against; the rest waits for flush.
         self.committed[s] = committed
-        self.exp_n[s], self.exp_start[s] = 1, committed
         self.exp_prefix[s], self.exp_counter[s] = stxn_prefix, c.stxn[a:b]
-        self.last_position[s], self.last_snapshot[s], self.last_token[s] = (c.position[a:b], c.snapshot[a:b],
-                                                                             c.token[a:b])
-        self.pending.append((s, c.token[a:b], t))
+        self.pending.append((s, c.token[a:b], t, committed, c.position[a:b], c.snapshot[a:b]))
         p.position = run.global_position + 3 * b - 1
         p.last_event_id = run.event_id if b == run.count else run.values()[b - 1].event_id
 
@@ -175,33 +162,34 @@ class RunFold:
             slots = np.concatenate([x[0] for x in self.pending])
             order = np.argsort(slots, kind="stable")  # each handle's steps together, in order
             slots = slots[order]
-            tokens = np.concatenate([x[1] for x in self.pending])[order].tolist()
-            clocks = np.concatenate([x[2] for x in self.pending])[order].tolist()
+            tokens, clocks, committed, positions, snapshots = (
+                np.concatenate([x[i] for x in self.pending])[order].tolist() for i in range(1, 6))
             cuts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(order)]
             u = slots[cuts[:-1]]
-            columns = zip(u.tolist(), self.last_position[u].tolist(), self.last_snapshot[u].tolist(),
-                          self.committed[u].tolist(), self.exp_prefix[u].tolist(), self.exp_counter[u].tolist(),
-                          self.last_token[u].tolist(), self.rows[u].tolist(), self.pairs[u].tolist(),
-                          self.publishes[u].tolist(), cuts, cuts[1:])
+            columns = zip(u.tolist(), self.exp_prefix[u].tolist(), self.exp_counter[u].tolist(),
+                          self.exp_n[u].tolist(), self.exp_start[u].tolist(), cuts, cuts[1:])
             from kvledger.replay.projector import Work  # it imports this module
 
             handles, work, owners, names = p.handles, p.work, p.ledger.owners, self.prefixes
-            for slot, position, snapshot, committed, prefix, counter, token, rows, pairs, publishes, lo, hi in columns:
-                sid = self.sids[slot]
+            for slot, prefix, counter, n, start, lo, hi in columns:
+                sid, last = self.sids[slot], hi - 1
                 old = handles[sid]
                 outputs, output_ns = grown(old.outputs, old.output_ns, tuple(tokens[lo:hi]), tuple(clocks[lo:hi]))
-                v = snapshot + 1
+                v, length = snapshots[last] + 1, committed[last]
                 handles[sid] = replace(
-                    old, stream_position=position + 2, snapshot_version=v, committed_length=committed,
+                    old, stream_position=positions[last] + 2, snapshot_version=v, committed_length=length,
                     logits_ready=False, outputs=outputs, output_ns=output_ns,
-                    open_txns=(OpenTxn(f"{names[prefix]}{counter:016x}", "decode", v, committed, 1, (token,)),))
+                    open_txns=(OpenTxn(f"{names[prefix]}{counter:016x}", "decode", v, length, 1, (tokens[last],)),))
                 w = work.get(sid)
                 if w is None:
                     w = work[sid] = Work()
-                w.rows += rows
-                w.pairs += pairs
-                w.publishes += publishes
-                owners[sid].committed = committed
+                # Row i of an append sees keys [0, i] (Projector._on_publish): the first step's
+                # txn as armed, each later one a row at the committed length before it.
+                later = hi - lo - 1
+                w.rows += n + later
+                w.pairs += n * start + n * (n + 1) // 2 + sum(committed[lo:last]) + later
+                w.publishes += hi - lo
+                owners[sid].committed = length
             self.pending.clear()
         self.armed[:] = False
         self.live.clear()
@@ -222,7 +210,6 @@ class RunFold:
         self.exp_prefix[u], self.exp_counter[u] = self._prefix_of(txn.txn_id[:16]), counter
         self.exp_n[u], self.exp_start[u] = txn.interval_count, txn.interval_start
         self.committed[u], self.b_token[u], self.tiers[u] = own.committed, own.b_token, len(own.tiers)
-        self.rows[u] = self.pairs[u] = self.publishes[u] = 0
 
     def _slot_of(self, sid: str) -> int:
         u = self.slot.get(sid)
