@@ -103,7 +103,36 @@ class Context(msgspec.Struct, array_like=True, frozen=True, gc=False):
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
 _decode_step = msgspec.msgpack.Decoder(Step).decode
-_decode_context = msgspec.msgpack.Decoder(Context).decode
+
+
+class _ContextParts(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A Context with its streams left undecoded (Raw): consecutive records of a decode
+    loop name the same streams, and decoding their 64 tables' strings again and again
+    was ~15 µs a record."""
+
+    first_position: Count
+    committed_wall_ns: Count
+    prefixes: list[str]
+    streams: msgspec.Raw
+
+
+_decode_parts = msgspec.msgpack.Decoder(_ContextParts).decode
+_decode_streams = msgspec.msgpack.Decoder(list[tuple[Id, Id, Count, Id, Sha256]]).decode
+_streams: dict[bytes, list[tuple[str, str, int, str, bytes]]] = {}  # stream tables by their bytes
+
+
+def decode_context(data: bytes) -> Context:
+    """A record's Context, as msgspec.msgpack.Decoder(Context) gives it (raising what it
+    raises); a streams table read before is shared (read-only) rather than decoded again."""
+    parts = _decode_parts(data)
+    key = bytes(parts.streams)
+    streams = _streams.get(key)
+    if streams is None:
+        streams = _decode_streams(key)
+        if len(_streams) >= 64:  # a cache, not a registry
+            _streams.clear()
+        _streams[key] = streams
+    return Context(parts.first_position, parts.committed_wall_ns, parts.prefixes, streams)
 # A row as a tuple of Step's fields, checked as Step is: a run's rows transpose into columns.
 _ROW = tuple.__class_getitem__(tuple(f.type for f in msgspec.structs.fields(Step)))
 _decode_row = msgspec.msgpack.Decoder(_ROW).decode
@@ -387,7 +416,7 @@ class StepReader:
     """Rebuilds a record's rows in order (each row's differences are from the one before)."""
 
     def __init__(self, context: bytes) -> None:
-        self.context = _decode_context(context)  # raises msgspec's errors: the caller names the damage
+        self.context = decode_context(context)  # raises msgspec's errors: the caller names the damage
         self._abis: list[str] = []  # the streams' cache ABIs in hex, made when a row's values are
         self._last = (0, 0, 0, 0, 0, 0, 0)
 

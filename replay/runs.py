@@ -40,7 +40,7 @@ _ARRAYS = ("exp_prefix", "exp_counter", "exp_n", "exp_start", "committed", "b_to
 
 
 class RunFold:
-    __slots__ = ("slot", "sids", "armed", "live", "pending", "prefix_id", "prefixes", *_ARRAYS)
+    __slots__ = ("slot", "sids", "armed", "live", "pending", "prefix_id", "prefixes", "table", *_ARRAYS)
     # The arrays set by name (setattr) in __init__, declared for the type checker.
     exp_prefix: np.ndarray
     exp_counter: np.ndarray
@@ -59,6 +59,7 @@ class RunFold:
         self.prefix_id: dict[str, int] = {}
         self.prefixes: list[str] = []
         self.armed = np.zeros(0, bool)
+        self.table: tuple[object, np.ndarray] = (None, self.armed)  # a streams table and its slots
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0, np.uint64 if name == "exp_counter" else np.int64))
 
@@ -70,9 +71,13 @@ class RunFold:
         if c is None or p.trajectory is not None:
             p._feed(run.values())
             return
-        get = self.slot.get
-        known = [get(s[0]) for s in c.streams]
-        table = np.array(known if None not in known else [self._slot_of(s[0]) for s in c.streams], np.int64)
+        if c.streams is self.table[0]:  # the last run's streams (journal.steps shares a record's table)
+            table = self.table[1]
+        else:
+            get = self.slot.get
+            known = [get(s[0]) for s in c.streams]
+            table = np.array(known if None not in known else [self._slot_of(s[0]) for s in c.streams], np.int64)
+            self.table = (c.streams, table)  # a stream's slot never changes
         slots = table[c.stream]
         ids = np.array([self._prefix_of(x) for x in c.prefixes], np.int64)
         ptxn_prefix, stxn_prefix = ids[c.ptxn_prefix], ids[c.stxn_prefix]
