@@ -39,6 +39,12 @@ if TYPE_CHECKING:
 _ARRAYS = ("exp_prefix", "exp_counter", "exp_n", "exp_start", "committed", "b_token", "tiers")
 
 
+# Bounds under which a slice's int64 arithmetic is exact (the one-step fold uses Python
+# ints): a token's bytes, copies, a handle's length, a slice's steps, the ledger totals.
+# A slice's growth is at most _SLICE * _LENGTH * _B_TOKEN * _COPIES < 2**61 bytes.
+_B_TOKEN, _COPIES, _LENGTH, _SLICE, _TOTAL = 1 << 24, 16, 1 << 24, 512, 1 << 61
+
+
 class RunFold:
     __slots__ = ("slot", "sids", "armed", "live", "pending", "prefix_id", "prefixes", "table", *_ARRAYS)
     # The arrays set by name (setattr) in __init__, declared for the type checker.
@@ -81,16 +87,19 @@ class RunFold:
         slots = table[c.stream]
         ids = np.array([self._prefix_of(x) for x in c.prefixes], np.int64)
         ptxn_prefix, stxn_prefix = ids[c.ptxn_prefix], ids[c.stxn_prefix]
-        n, i = run.count, 0
+        n, i, ls = run.count, 0, p.ledger
         while i < n:
+            if not (-_TOTAL < ls.logical < _TOTAL and -_TOTAL < ls.materialized < _TOTAL):  # sums past int64
+                p._feed(run.values()[i:])
+                return
             s = slots[i:]
             cold = ~self.armed[s]
             if cold.any():
                 for u in set(s[cold].tolist()):
                     self._arm(p, u)
             ok = (self.armed[s] & (self.exp_prefix[s] == ptxn_prefix[i:]) & (self.exp_counter[s] == c.ptxn[i:])
-                  & (c.committed[i:] > self.committed[s]))
-            k = len(s) if ok.all() else int(np.argmin(ok))
+                  & (c.committed[i:] > self.committed[s]) & (c.committed[i:] < _LENGTH))
+            k = min(len(s) if ok.all() else int(np.argmin(ok)), _SLICE)
             if k > 1:
                 taken = s[:k].tolist()
                 if len(set(taken)) < k:  # a handle twice: its second step checks against the first
@@ -204,7 +213,8 @@ class RunFold:
         next step (an open append in engine.ids' form, owned, of a positive B_token)."""
         sid = self.sids[u]
         old, own = p.handles.get(sid), p.ledger.owners.get(sid)
-        if old is None or own is None or own.b_token <= 0 or len(old.open_txns) != 1:
+        if (old is None or own is None or not 0 < own.b_token < _B_TOKEN or len(own.tiers) >= _COPIES
+                or len(old.open_txns) != 1):
             return
         txn = old.open_txns[0]
         counter = counter_of(txn.txn_id)
