@@ -531,10 +531,11 @@ def stab(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(max(a - MAX_RUN + 1, -(1 << 63)), b, a) for a, b in runs]
 
 
-def decode_record(body: bytes, where: str) -> Record:
+def decode_record(body: bytes, where: str, fold: bool = False) -> Record:
     """A stored record's events and receipts; a damaged one is CORRUPT_JOURNAL (the
-    readers' answer: `verify` names what changed)."""
-    found = audit_record(body, eager=False)
+    readers' answer: `verify` names what changed). With `fold`, its runs of step rows
+    are read as columns too (StepRun.columns), for a projector."""
+    found = audit_record(body, eager=False, fold=fold)
     if isinstance(found, Damage):
         raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL,
                             f"the record {where} is damaged: {found.message} (run `kvledger verify`)")
@@ -580,15 +581,16 @@ def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
     return RecordParts(h.format, h.event_lengths, h.event_crcs, h.receipt_lengths, h.receipt_crcs, data), problem
 
 
-def audit_record(body: bytes, eager: bool = True) -> Record | Damage:
+def audit_record(body: bytes, eager: bool = True, fold: bool = False) -> Record | Damage:
     """The record's events and receipts (a format 3 to 6 record's receipts rebuilt now
-    unless not `eager`), or the damage found."""
+    unless not `eager`; with `fold`, a format 6 record's runs as columns too), or the
+    damage found."""
     found = _parts(body)
     if isinstance(found, Damage):
         return found
     h, problem = found
     if h.format == 6:
-        return _audit6(h, problem, eager)
+        return _audit6(h, problem, eager, fold)
     data = h.data
     if problem is None and len(data) == sum(h.event_lengths) + sum(h.receipt_lengths):
         # Every slice is whole: cut and check them in bulk (a replay reads every event
@@ -710,7 +712,7 @@ class _Steps:
 _BRACE = ord("{")
 
 
-def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage:
+def _audit6(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Record | Damage:
     n = len(h.event_lengths)
     if not h.receipt_lengths:
         return Damage(None, "a format 6 record without its context")
@@ -744,7 +746,7 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool) -> Record | Damage
         if False in ok[i:j]:
             j = ok.index(False, i, j)
         try:
-            run = reader.run(parts[i:j], index)
+            run = reader.run(parts[i:j], index, fold)
         except BadRow as bad:
             if bad.values:
                 steps.starts.append(i)

@@ -425,7 +425,7 @@ class Statements(abc.ABC):
             rows = [(p, decode_event(b)) for p, b in rows]
         if len(rows) < limit:
             start = rows[-1][0] if rows else after
-            for first, record in self.records_after(cur, start):
+            for first, record in self.records_after(cur, start, mode == "fold"):
                 if mode == "fold":
                     rows += _positioned(first, record.folded(), start)
                 else:
@@ -437,9 +437,10 @@ class Statements(abc.ABC):
                     break
         return rows[:limit]
 
-    def records_after(self, cur: Any, after: int) -> Iterator[tuple[int, Record]]:
+    def records_after(self, cur: Any, after: int, fold: bool = False) -> Iterator[tuple[int, Record]]:
         """(first position, record) of each record that ends past position `after`, in
-        order; a page of records at a time (the caller stops when it has enough)."""
+        order; a page of records at a time (the caller stops when it has enough). With
+        `fold`, decoded for a projector (records.decode_record)."""
         sql = self.q("SELECT last_position, first_position, body FROM kvl_records WHERE last_position > ? "
                      "ORDER BY last_position LIMIT ?")
         while True:
@@ -447,7 +448,7 @@ class Statements(abc.ABC):
             page = cur.fetchall()
             for last, first, body in page:
                 where = f"ending at position {last}"
-                record = decode_record(stored_bytes(body, f"the record {where}"), where)
+                record = decode_record(stored_bytes(body, f"the record {where}"), where, fold)
                 yield stored_int(first, f"the first position of the record {where}"), record
                 after = last
             if len(page) < self.RECORD_PAGE:

@@ -463,27 +463,29 @@ class StepReader:
             (p.event_id, o.event_id, s.event_id), p.global_position, s.global_position,
             self.context.committed_wall_ns))
 
-    def run(self, rows: list[bytes], at: int) -> StepRun:
-        """Consecutive rows of the record, the first its event `at`, read together: their
-        columns for a fold, their values on request. Raises BadRow for the first row
-        that does not rebuild."""
+    def run(self, rows: list[bytes], at: int, columns: bool = True) -> StepRun:
+        """Consecutive rows of the record, the first its event `at`, read together: with
+        `columns`, their columns for a fold and their values on request; otherwise their
+        values now. Raises BadRow for the first row that does not rebuild."""
         start, ctx = self._last, self.context
-        try:
-            columns, self._last, event_id = self._columns(rows)
-        except ROW_ERRORS:
-            # Not in the columns' form (an id counter past int64, say) or damaged: row by
-            # row, which names a damaged row as a single read would.
-            values: list[StepValues] = []
-            for i, row in enumerate(rows):
-                try:
-                    values.append(self.values(row, at + 3 * i))
-                except ROW_ERRORS as exc:
-                    raise BadRow(i, values, exc) from None
-            return StepRun(ctx.first_position + at, len(rows), None, values[-1].event_id, values)
-        again = StepReader.__new__(StepReader)
-        again.context, again._abis, again._last = ctx, self._abis, start
-        return StepRun(ctx.first_position + at, len(rows), columns, event_id,
-                       lambda: [again.values(row, at + 3 * i) for i, row in enumerate(rows)])
+        if columns:
+            try:
+                cols, self._last, event_id = self._columns(rows)
+            except ROW_ERRORS:
+                pass  # not in the columns' form (a difference stored unsigned, say) or damaged: row by row
+            else:
+                again = StepReader.__new__(StepReader)
+                again.context, again._abis, again._last = ctx, self._abis, start
+                return StepRun(ctx.first_position + at, len(rows), cols, event_id,
+                               lambda: [again.values(row, at + 3 * i) for i, row in enumerate(rows)])
+        # Row by row, which names a damaged row as a single read would.
+        values: list[StepValues] = []
+        for i, row in enumerate(rows):
+            try:
+                values.append(self.values(row, at + 3 * i))
+            except ROW_ERRORS as exc:
+                raise BadRow(i, values, exc) from None
+        return StepRun(ctx.first_position + at, len(rows), None, values[-1].event_id, values)
 
     def _columns(self, rows: list[bytes]) -> tuple[StepColumns, tuple[int, int, int, int, int, int, int], str]:
         """What `values` gives for each row, as columns of what a fold reads, the reader's

@@ -56,6 +56,7 @@ def test_a_fold_of_whole_steps_is_the_fold_of_their_events(journals):
         items = list(journal.read_fold())
         steps = sum(x.count for x in items if type(x) is StepRun)
         assert steps >= 6 * 64  # the lockstep's steps came whole, and the demo's
+        assert all(x.columns is not None for x in items if type(x) is StepRun)  # folded as columns
         by_events = Projector().feed(journal.read_all())
         by_steps = Projector().feed(items)
         _same(by_events, by_steps)
@@ -164,6 +165,7 @@ def test_records_that_mix_steps_fold_as_their_events(db_url):
         items = list(journal.read_fold())
         runs = [x.count for x in items if type(x) is StepRun]
         assert [64, 3, 3, 57, 4, 62] == runs[-6:]  # split by the events between them
+        assert all(x.columns is not None for x in items if type(x) is StepRun)
         by_events = Projector().feed(journal.read_all())
         _same(by_events, Projector().feed(items))
         assert by_events.ledger.peak_workspace == 9_000
