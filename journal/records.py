@@ -750,7 +750,8 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Rec
         except BadRow as bad:
             if bad.values:
                 steps.starts.append(i)
-                steps.runs.append(StepRun(0, len(bad.values), None, "", bad.values))
+                steps.runs.append(StepRun(bad.values[0].global_position, len(bad.values), None,
+                                          bad.values[-1].event_id, bad.values))
             return Damage(index + 3 * bad.offset, f"its step row does not rebuild: {bad.error}",
                           steps.json(i + bad.offset))
         steps.starts.append(i)

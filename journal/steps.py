@@ -92,12 +92,15 @@ class Step(msgspec.Struct, array_like=True, frozen=True, gc=False):
     call: Call | None
 
 
+# A Context's stream: stream_id, request_id, handle_generation, source_instance, cache ABI (32 bytes)
+StreamEntry = tuple[Id, Id, Count, Id, Sha256]
+
+
 class Context(msgspec.Struct, array_like=True, frozen=True, gc=False):
     first_position: Count  # the record's first event's global position
     committed_wall_ns: Count
     prefixes: list[str]
-    # stream_id, request_id, handle_generation, source_instance, cache ABI (32 bytes)
-    streams: list[tuple[Id, Id, Count, Id, Sha256]]
+    streams: list[StreamEntry]
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -117,8 +120,8 @@ class _ContextParts(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 _decode_parts = msgspec.msgpack.Decoder(_ContextParts).decode
-_decode_streams = msgspec.msgpack.Decoder(list[tuple[Id, Id, Count, Id, Sha256]]).decode
-_streams: dict[bytes, list[tuple[str, str, int, str, bytes]]] = {}  # stream tables by their bytes
+_decode_streams = msgspec.msgpack.Decoder(list[StreamEntry]).decode
+_streams: dict[bytes, list[StreamEntry]] = {}  # stream tables by their bytes
 
 
 def decode_context(data: bytes) -> Context:
@@ -133,6 +136,8 @@ def decode_context(data: bytes) -> Context:
             _streams.clear()
         _streams[key] = streams
     return Context(parts.first_position, parts.committed_wall_ns, parts.prefixes, streams)
+
+
 # A row as a tuple of Step's fields, checked as Step is: a run's rows transpose into columns.
 _ROW = tuple.__class_getitem__(tuple(f.type for f in msgspec.structs.fields(Step)))
 _decode_row = msgspec.msgpack.Decoder(_ROW).decode
@@ -522,9 +527,12 @@ def _check(values: Sequence[int], size: int) -> bool:
     """Whether `values` index a list of `size` as a list index takes them (negative
     from the end): IndexError for one out of range, as the list would raise; False
     when one is negative."""
-    if values and (min(values) < -size or max(values) >= size):
+    if not values:
+        return True
+    low = min(values)
+    if low < -size or max(values) >= size:
         raise IndexError("a row's index is out of its record's table")
-    return not values or min(values) >= 0
+    return low >= 0
 
 
 def _indexes(values: Sequence[int], size: int) -> np.ndarray:
@@ -556,7 +564,7 @@ class StepColumns:
     def __init__(self, stream: np.ndarray, position: np.ndarray, mono: np.ndarray, snapshot: np.ndarray,
                  committed: np.ndarray, workspace: np.ndarray, token: np.ndarray, ptxn_prefix: np.ndarray,
                  ptxn: np.ndarray, stxn_prefix: np.ndarray, stxn: np.ndarray,
-                 streams: list[tuple[str, str, int, str, bytes]], prefixes: list[str]) -> None:
+                 streams: list[StreamEntry], prefixes: list[str]) -> None:
         self.stream, self.position, self.mono, self.snapshot, self.committed = (stream, position, mono, snapshot,
                                                                               committed)
         self.workspace, self.token, self.ptxn_prefix, self.ptxn = workspace, token, ptxn_prefix, ptxn

@@ -21,9 +21,15 @@ other event); instantaneous = physical + workspace.
 
 from __future__ import annotations
 
+import operator
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from kvledger.engine.state import HandleState
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PEAK_NAMES = ("logical", "materialized", "reserved", "allocator", "physical", "workspace",
               "instantaneous")
@@ -225,6 +231,55 @@ class LedgerAccumulator:
             instantaneous = self.reserved + self.allocator + workspace
             if instantaneous > self.peak_instantaneous:
                 self._raised("instantaneous", instantaneous, position)
+
+    def grow(self, first: int, committed: np.ndarray, before: np.ndarray, b_token: np.ndarray,
+             copies: np.ndarray, clocks: np.ndarray, workspace: np.ndarray) -> None:
+        """`resize` of owned handles, one a step, each growing (committed > before), at
+        positions first, first + 3, ...: the clock advanced to each step's, its ledgers,
+        integrals and peaks as the calls one after the other would leave them, then no
+        workspace (replay.runs: a record's decode steps as columns, int64 sums kept in
+        range by its bounds). The handles' Owners are the caller's to update."""
+        import numpy as np
+
+        end, mark = self.end_ns, self.mark_ns
+        assert end is not None  # its handles are owned: advance() has run
+        d = (committed - before) * b_token  # each resize's logical change
+        # The clock and the integrals: every resize integrates up to its step's clock.
+        ends = np.maximum.accumulate(clocks)
+        np.maximum(ends, end, out=ends)
+        dts = np.empty_like(ends)
+        dts[0] = ends[0] - mark
+        np.subtract(ends[1:], ends[:-1], out=dts[1:])
+        logical = np.cumsum(d)
+        logical += self.logical
+        moved = np.flatnonzero(dts)
+        if moved.size:
+            held = (logical - d)[moved].tolist()  # the ledger each interval held: Python ints, no overflow
+            self.logical_byte_ns += sum(map(operator.mul, held, dts[moved].tolist()))
+            end = int(ends[-1])
+            self.physical_byte_ns += (self.reserved + self.allocator) * (end - mark)
+            self.end_ns = self.mark_ns = end
+        # Totals and peaks: logical only grows here, so its last value is its peak.
+        self.logical = int(logical[-1])
+        if self.logical > self.peak_logical:
+            self.peak_logical = self.logical
+            self.peak_at["logical"] = first + 3 * (len(d) - 1)
+        materialized = np.cumsum(d * copies)
+        materialized += self.materialized
+        self.materialized = int(materialized[-1])
+        if self.materialized > self.peak_materialized:
+            self.peak_materialized = self.materialized
+            self.peak_at["materialized"] = first + 3 * int(np.argmax(materialized == materialized[-1]))
+        self._max = max(self._max, int((committed * b_token).max()))
+        peak_w = int(workspace.max())
+        if peak_w:  # a publication's workspace: its own peak, and the instantaneous ledger's
+            at = first + 3 * int(np.argmax(workspace))
+            if peak_w > self.peak_workspace:
+                self.peak_workspace, self.peak_at["workspace"] = peak_w, at
+            instantaneous = self.reserved + self.allocator + peak_w
+            if instantaneous > self.peak_instantaneous:
+                self.peak_instantaneous, self.peak_at["instantaneous"] = instantaneous, at
+        self.workspace = 0  # the emit's and the start's
 
     def _own(self, handle_id: str, h: HandleState, position: int) -> Owner:
         b_token = h.b_token

@@ -20,7 +20,6 @@ tests/test_replay_steps.py holds the result to the fold of the same journal's ev
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -116,51 +115,11 @@ class RunFold:
 
     def _take(self, p: Projector, run: StepRun, a: int, b: int, s: np.ndarray, stxn_prefix: np.ndarray) -> None:
         """Steps a..b-1 of `run`, every one taken (apply checked them), distinct handles."""
-        c, ls = run.columns, p.ledger
-        assert c is not None and ls.end_ns is not None  # apply took the run's columns; its handles are owned
-        committed, t, w = c.committed[a:b], c.mono[a:b], c.workspace[a:b]
-        first = run.global_position + 3 * a  # the publications' positions: first, first + 3, ...
-        b_token = self.b_token[s]
-        d = (committed - self.committed[s]) * b_token  # each resize's logical change, > 0
-        # The clock and the integrals: every resize integrates up to its step's clock.
-        mark = ls.mark_ns
-        ends = np.maximum.accumulate(t)
-        np.maximum(ends, ls.end_ns, out=ends)
-        dts = np.empty_like(ends)
-        dts[0] = ends[0] - mark
-        np.subtract(ends[1:], ends[:-1], out=dts[1:])
-        logical = np.cumsum(d)
-        logical += ls.logical
-        moved = np.flatnonzero(dts)
-        if moved.size:
-            before = (logical - d)[moved].tolist()  # the ledger each interval held: Python ints, no overflow
-            ls.logical_byte_ns += sum(map(operator.mul, before, dts[moved].tolist()))
-            end = int(ends[-1])
-            ls.physical_byte_ns += (ls.reserved + ls.allocator) * (end - mark)
-            ls.end_ns = ls.mark_ns = end
-        # Totals and peaks: logical only grows here, so its last value is its peak.
-        ls.logical = int(logical[-1])
-        if ls.logical > ls.peak_logical:
-            ls.peak_logical = ls.logical
-            ls.peak_at["logical"] = first + 3 * (b - a - 1)
-        materialized = np.cumsum(d * self.tiers[s])
-        materialized += ls.materialized
-        ls.materialized = int(materialized[-1])
-        if ls.materialized > ls.peak_materialized:
-            ls.peak_materialized = ls.materialized
-            ls.peak_at["materialized"] = first + 3 * int(np.argmax(materialized == materialized[-1]))
-        largest = int((committed * b_token).max())
-        if largest > ls._max:
-            ls._max = largest
-        peak_w = int(w.max())
-        if peak_w:  # a publication's workspace: its own peak, and the instantaneous ledger's
-            at = first + 3 * int(np.argmax(w))
-            if peak_w > ls.peak_workspace:
-                ls.peak_workspace, ls.peak_at["workspace"] = peak_w, at
-            instantaneous = ls.reserved + ls.allocator + peak_w
-            if instantaneous > ls.peak_instantaneous:
-                ls.peak_instantaneous, ls.peak_at["instantaneous"] = instantaneous, at
-        ls.workspace = 0  # the emit's and the start's
+        c = run.columns
+        assert c is not None  # apply took the run's columns
+        committed, t = c.committed[a:b], c.mono[a:b]
+        p.ledger.grow(run.global_position + 3 * a, committed, self.committed[s], self.b_token[s], self.tiers[s], t,
+                      c.workspace[a:b])
         # Each handle: what its next step is checked against; the rest waits for flush.
         self.committed[s] = committed
         self.exp_prefix[s], self.exp_counter[s] = stxn_prefix, c.stxn[a:b]
