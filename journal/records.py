@@ -40,13 +40,14 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.manifest import Manifest
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-# 6: 5, with decode steps as rows (journal.steps), written when a record holds one;
+# 7: 6, with fixed-width rows; 6: 5, with decode steps as msgpack rows (journal.steps),
+# written when a record holds one;
 # 5: 4, with the lengths and CRCs inside the zstd frame; 4: 3, and a decode chain's
 # fingerprint derived from its events; 3: zstd, compact receipts; 2: zstd, receipts as
 # JSON; 1: zlib
-FORMAT = 6
+FORMAT = 7
 EVENTS_FORMAT = 5  # what a record with no step row is written in
-FORMATS = (1, 2, 3, 4, 5, 6)
+FORMATS = (1, 2, 3, 4, 5, 6, 7)
 GENESIS = bytes(32)  # the chain before the first record
 LEVEL = 1  # zstd's level 1: its higher levels cost far more CPU for a few percent
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -78,7 +79,8 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Header).decode
 _decode5 = msgspec.msgpack.Decoder(_Header5).decode
 _FORMAT5 = b"\x94\x05"  # a msgpack array of four whose first item is 5: _Header5's start
-_FORMAT6 = b"\x94\x06"  # format 6 has format 5's header
+_FORMAT6 = b"\x94\x06"  # formats 6 and 7 have format 5's header
+_FORMAT7 = b"\x94\x07"
 
 
 class Record:
@@ -545,10 +547,10 @@ def decode_record(body: bytes, where: str, fold: bool = False) -> Record:
 def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
     """The record's parts (its data as far as it inflates), with what is wrong with its
     compressed stream (None: nothing), or the damage that leaves no list to check."""
-    if body[:1] == b"\x94" and body[1:2] not in (b"\x05", b"\x06") and body[1:2] < b"\x80":
+    if body[:1] == b"\x94" and body[1:2] not in (b"\x05", b"\x06", b"\x07") and body[1:2] < b"\x80":
         # the header of format 5 and later, of a format this code does not know
         return Damage(None, f"record format {body[1]}, this kvledger reads {', '.join(map(str, FORMATS))}")
-    if body[:2] == _FORMAT5 or body[:2] == _FORMAT6:
+    if body[:2] in (_FORMAT5, _FORMAT6, _FORMAT7):
         try:
             h5 = _decode5(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -589,7 +591,7 @@ def audit_record(body: bytes, eager: bool = True, fold: bool = False) -> Record 
     if isinstance(found, Damage):
         return found
     h, problem = found
-    if h.format == 6:
+    if h.format >= 6:
         return _audit6(h, problem, eager, fold)
     data = h.data
     if problem is None and len(data) == sum(h.event_lengths) + sum(h.receipt_lengths):
@@ -715,7 +717,7 @@ _BRACE = ord("{")
 def _audit6(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Record | Damage:
     n = len(h.event_lengths)
     if not h.receipt_lengths:
-        return Damage(None, "a format 6 record without its context")
+        return Damage(None, f"a format {h.format} record without its context")
     lengths, crcs, data = h.event_lengths + h.receipt_lengths, h.event_crcs + h.receipt_crcs, h.data
     parts, total = _cut(data, lengths), sum(lengths)
     whole = problem is None and len(data) == total
@@ -727,7 +729,7 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Rec
     why = problem or "its context's bytes do not match their CRC"
     if ok[-1]:
         try:
-            reader = StepReader(parts[-1])
+            reader = StepReader(parts[-1], fixed=h.format == 7)
         except ROW_ERRORS as exc:
             why = f"its context does not decode: {exc}"
     steps = _Steps(parts[:n], reader)  # type: ignore[arg-type]  # used only once a row needs it

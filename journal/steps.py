@@ -28,6 +28,7 @@ position, the commit time, the id prefixes, each stream's envelope and cache ABI
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated
 
@@ -106,6 +107,27 @@ class Context(msgspec.Struct, array_like=True, frozen=True, gc=False):
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
 _decode_step = msgspec.msgpack.Decoder(Step).decode
+
+# Record format 7 (docs/COMPACT.md, step 21) stores a Step as one fixed-width row: MARK,
+# thirty little-endian int64s, the digest's 32 bytes. A run of them is one buffer a fold
+# reads with numpy.frombuffer, where format 6's msgpack rows were decoded one by one (~2 µs
+# of a replayed token's ~4.5). The int64s, in this order so that a run's checks are slices:
+#   0-4    indexes: stream, prefix, publish txn prefix, start txn prefix, call prefix
+#   5-14   counts (>= 0): position, snapshot, committed, accepted, layers, workspace,
+#          output, token, call index, call threads
+#   15-17  the call's size, new_pad, key_extent (> 0 with a call)
+#   18-19  flags: a digest, a call
+#   20-29  differences (any int64): sequence, mono, wall, op, the three gaps, publish txn,
+#          start txn, call counter
+# Without a call its six columns are 0; without a digest its bytes are. zstd keeps the
+# record's 273 bytes a row to about what the msgpack row took (docs/COMPACT.md).
+MARK = 0xC1  # a byte msgpack never writes, and not an event's "{"
+_FIXED = struct.Struct("<B30q32s")
+FIXED_SIZE = _FIXED.size
+_VALUES = 30
+_NO_DIGEST = bytes(32)
+_NO_CALL = (4, 13, 14, 15, 16, 17, 29)  # the columns a step without a call stores as 0
+_NO_CALL_VALUES = (0, 0, 0, 0, 0, 0)  # its prefix, index, threads, size, new_pad, key_extent
 
 
 class _ContextParts(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -234,30 +256,32 @@ class StepWriter:
             return None
         self._abis[x.cache_abi_sha256] = abi
         last = self._last
-        ccount = last[6]
-        call_row = None
+        ccount, digest = last[6], x.digest
+        if digest is not None and len(digest) != 32:  # the row's 32 bytes would pad or cut it
+            return None
+        k, c = _NO_CALL_VALUES, 0
         if call is not None:
-            cp, ccount, k = call
-            if (type(k.index) is not int or type(k.size) is not int or type(k.new_pad) is not int
-                    or type(k.key_extent) is not int or type(k.threads) is not int):
+            cp, ccount, kc = call
+            k = (self._prefix(cp), kc.index, kc.threads, kc.size, kc.new_pad, kc.key_extent)
+            if any(type(v) is not int for v in k):
                 return None
-            call_row = Call(self._prefix(cp), ((ccount - last[6] + _HALF) & _MASK) - _HALF, k.index, k.size,
-                            k.new_pad, k.key_extent, k.threads)
+            c = ((ccount - last[6] + _HALF) & _MASK) - _HALF
         n = x.op
         # differences modulo 2**64 as signed 64-bit ints (what a reader adds back, modulo 2**64)
         dmono = ((mono - last[1] + _HALF) & _MASK) - _HALF
         try:
-            # an int msgpack cannot hold raises here: stored as events, as it would have
-            row = _encode(Step(
-                self._stream(x.stream_id, x.request_id, x.handle_generation, x.source_instance, abi),
-                x.stream_position, ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono,
-                ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF, self._prefix(x.prefix),
-                ((n - last[3] + _HALF) & _MASK) - _HALF, x.gaps,
-                (ptxn[0], ((ptxn[1] - last[4] + _HALF) & _MASK) - _HALF),
-                (stxn[0], ((stxn[1] - last[5] + _HALF) & _MASK) - _HALF),
-                x.snapshot, x.committed, x.accepted, x.layers, x.workspace, x.digest, x.output, x.token,
-                call_row))
-        except OverflowError:
+            # an int a row cannot hold (or a gaps tuple of another length) raises here:
+            # stored as events, as an int msgpack could not hold was in format 6
+            row = _FIXED.pack(
+                MARK, self._stream(x.stream_id, x.request_id, x.handle_generation, x.source_instance, abi),
+                self._prefix(x.prefix), ptxn[0], stxn[0], k[0],
+                x.stream_position, x.snapshot, x.committed, x.accepted, x.layers, x.workspace, x.output, x.token,
+                *k[1:], digest is not None, call is not None,
+                ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono,
+                ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF, ((n - last[3] + _HALF) & _MASK) - _HALF, *x.gaps,
+                ((ptxn[1] - last[4] + _HALF) & _MASK) - _HALF, ((stxn[1] - last[5] + _HALF) & _MASK) - _HALF,
+                c, _NO_DIGEST if digest is None else digest)
+        except struct.error:
             return None
         self._last = (seq, mono, wall, n, ptxn[1], stxn[1], ccount)
         self.count += 1
@@ -420,8 +444,10 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class StepReader:
     """Rebuilds a record's rows in order (each row's differences are from the one before)."""
 
-    def __init__(self, context: bytes) -> None:
+    def __init__(self, context: bytes, fixed: bool = True) -> None:
+        """`fixed`: the record's rows are format 7's fixed-width ones, else format 6's msgpack."""
         self.context = decode_context(context)  # raises msgspec's errors: the caller names the damage
+        self.fixed = fixed
         self._abis: list[str] = []  # the streams' cache ABIs in hex, made when a row's values are
         self._last = (0, 0, 0, 0, 0, 0, 0)
 
@@ -433,8 +459,7 @@ class StepReader:
 
     def values(self, row: bytes, at: int) -> StepValues:
         """The values of `row` (see events), its differences resolved."""
-        # Every replay of a decode step comes through here: no helper calls, no dicts.
-        x = _decode_step(row)
+        x = self._fixed_step(row) if self.fixed else _decode_step(row)
         ctx, last, prefixes = self.context, self._last, self.context.prefixes
         stream_id, request_id, generation, source, _ = ctx.streams[x.stream]
         abis = self._abis or self._hex_abis()
@@ -453,6 +478,26 @@ class StepReader:
             seq, mono, wall, prefixes[x.prefix], op, x.gaps, f"{prefixes[x.publish_txn[0]]}{ptxn:016x}",
             f"{prefixes[x.start_txn[0]]}{stxn:016x}", x.snapshot, x.committed, x.accepted, x.layers, x.workspace,
             x.digest, x.output, x.token, None if call is None else (prefixes[call.prefix], ccount, call))
+
+    def _fixed_step(self, row: bytes) -> Step:
+        """A format 7 row as the Step format 6 stored, checked as `_fixed_columns` checks a run."""
+        if len(row) != FIXED_SIZE or row[0] != MARK:
+            raise ValueError(f"a row of {len(row)} bytes starting {row[:1].hex()}, not format 7's")
+        t = _FIXED.unpack(row)
+        v, digest = t[1:31], t[31]
+        ctx = self.context
+        if (min(v[:20]) < 0 or v[0] >= len(ctx.streams) or max(v[1:4]) >= len(ctx.prefixes) or v[18] > 1
+                or v[19] > 1):
+            raise ValueError("a row's index, count or flag is out of its range")
+        if v[19] and (v[4] >= len(ctx.prefixes) or min(v[15:18]) < 1):
+            raise ValueError("a row's call is out of its range")
+        if not v[19] and any(v[i] for i in _NO_CALL):
+            raise ValueError("a row without a call has call values")
+        if not v[18] and digest != _NO_DIGEST:
+            raise ValueError("a row without a digest has digest bytes")
+        return Step(v[0], v[5], v[20], v[21], v[22], v[1], v[23], v[24:27], (v[2], v[27]), (v[3], v[28]), v[6],
+                    v[7], v[8], v[9], v[10], digest if v[18] else None, v[11], v[12],
+                    Call(v[4], v[29], v[13], v[15], v[16], v[17], v[14]) if v[19] else None)
 
     def _hex_abis(self) -> list[str]:
         self._abis = [s[4].hex() for s in self.context.streams]
@@ -480,7 +525,7 @@ class StepReader:
                 pass  # not in the columns' form (a difference stored unsigned, say) or damaged: row by row
             else:
                 again = StepReader.__new__(StepReader)
-                again.context, again._abis, again._last = ctx, self._abis, start
+                again.context, again.fixed, again._abis, again._last = ctx, self.fixed, self._abis, start
                 return StepRun(ctx.first_position + at, len(rows), cols, event_id,
                                lambda: [again.values(row, at + 3 * i) for i, row in enumerate(rows)])
         # Row by row, which names a damaged row as a single read would.
@@ -496,6 +541,8 @@ class StepReader:
         """What `values` gives for each row, as columns of what a fold reads, the reader's
         state after the last row and its event id. Raises what `values` would (a value
         out of int64, the columns' range or a clock past int64 also raises: `run` then reads row by row)."""
+        if self.fixed:
+            return self._fixed_columns(rows)
         import numpy as np
 
         ctx, last, n = self.context, self._last, len(rows)
@@ -521,6 +568,44 @@ class StepReader:
             _indexes(stxn_prefix, nprefixes), stxn_n, ctx.streams, ctx.prefixes)
         gaps = cols[7][-1]
         return columns, state, f"{ctx.prefixes[cols[5][-1]]}{(op + gaps[0] + gaps[1] + gaps[2]) & _MASK:016x}"
+
+
+    def _fixed_columns(self, rows: list[bytes]
+                       ) -> tuple[StepColumns, tuple[int, int, int, int, int, int, int], str]:
+        """`_columns` of format 7 rows: one buffer, the checks `_fixed_step` makes a row, as
+        array reductions (ValueError if one fails: `run` then names the row)."""
+        import numpy as np
+
+        ctx, last, n = self.context, self._last, len(rows)
+        data = b"".join(rows)
+        if len(data) != n * FIXED_SIZE or any(len(r) != FIXED_SIZE for r in rows):
+            raise ValueError("a row of another length than format 7's")
+        raw = np.frombuffer(data, np.uint8).reshape(n, FIXED_SIZE)
+        # the int64s column by column, aligned (a row's start is one byte off)
+        m = np.ascontiguousarray(raw[:, 1:1 + 8 * _VALUES]).view("<i8").T.copy()
+        nstreams, nprefixes = len(ctx.streams), len(ctx.prefixes)
+        if ((raw[:, 0] != MARK).any() or m[:20].min() < 0 or m[0].max() >= nstreams or m[1:4].max() >= nprefixes
+                or m[18:20].max() > 1):
+            raise ValueError("a row's index, count or flag is out of its range")
+        calls = m[19].astype(bool)
+        if calls.any() and (m[4, calls].max() >= nprefixes or m[15:18, calls].min() < 1):
+            raise ValueError("a row's call is out of its range")
+        if not calls.all() and m[list(_NO_CALL)][:, ~calls].any():
+            raise ValueError("a row without a call has call values")
+        digests = m[18].astype(bool)
+        if not digests.all() and raw[~digests, 1 + 8 * _VALUES:].any():
+            raise ValueError("a row without a digest has digest bytes")
+        sums = [int(x) for x in m[20:30].view(np.uint64).sum(axis=1)]  # uint64 sums wrap as the masks do
+        mono, ptxn, stxn = _running(m[21], last[1]), _running(m[27], last[4]), _running(m[28], last[5])
+        if int(mono.max()) >= _HALF:  # a clock a fold cannot hold in int64: read row by row
+            raise OverflowError("a monotonic clock past int64")
+        op = (last[3] + sums[3]) & _MASK
+        state = ((last[0] + 3 * n + sums[0]) & _MASK, int(mono[-1]), (last[2] + sums[1] + sums[2]) & _MASK, op,
+                 int(ptxn[-1]), int(stxn[-1]), (last[6] + sums[9]) & _MASK)
+        columns = StepColumns(m[0], m[5], mono.view(np.int64), m[6], m[7], m[10], m[12], m[2], ptxn, m[3], stxn,
+                              ctx.streams, ctx.prefixes)
+        gaps = int(m[24:27, -1].view(np.uint64).sum())
+        return columns, state, f"{ctx.prefixes[m[1, -1]]}{(op + gaps) & _MASK:016x}"
 
 
 def _check(values: Sequence[int], size: int) -> bool:
@@ -549,7 +634,7 @@ def _running(diffs: np.ndarray, start: int) -> np.ndarray:
     import numpy as np
 
     values = diffs.view(np.uint64)  # in place: the caller's array is its own
-    values[0] += np.uint64(start)
+    values[:1] += np.uint64(start)  # an array's sum wraps silently; a scalar's warns
     return values.cumsum(out=values)
 
 

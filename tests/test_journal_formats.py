@@ -1,11 +1,13 @@
 """Journals written by earlier record formats read the same with today's code, which
-writes record format 6 (decode steps as rows, docs/COMPACT.md step 12) and format 5 for
-a record with no step. Each fixture holds what its code wrote and printed: the SQLite
+writes record format 7 (decode steps as fixed-width rows, docs/COMPACT.md step 21) and
+format 5 for a record with no step. Each fixture holds what its code wrote and printed: the SQLite
 file, its export, `replay --json`, `verify --json` and every receipt.
 
 - fixtures/journal_format3 (commit 0823483): format 3, every receipt's fingerprint stored;
 - fixtures/journal_format5 (commit 09b1099): format 5, a decode chain's fingerprint
-  derived from its events and the record's lists inside its zstd frame.
+  derived from its events and the record's lists inside its zstd frame;
+- fixtures/journal_format6 (commit 978a13f): format 6, decode steps as msgpack rows (18
+  of them), records without a step in format 5.
 
 Same revision (0006), so nothing migrates: verify is clean, replay and export print what
 the old code printed, every old receipt is found by its operation id (what makes a
@@ -27,11 +29,14 @@ from kvledger.schemas.receipts import receipt_decoder
 from stored_rows import FIXTURES, cli, old_journal, reads_as_recorded, sql
 
 TABLES = ("kvl_heads", "kvl_manifests", "kvl_checkpoints", "kvl_records", "kvl_record_ids")
-# fixture, the record format its code wrote, the receipts it stored without a fingerprint
-OLD = {"format3": (FIXTURES / "journal_format3", 3, 0), "format5": (FIXTURES / "journal_format5", 5, 18)}
+# fixture, the record formats its code wrote (record by record), the receipts it stored
+# without a fingerprint, its step rows
+OLD = {"format3": (FIXTURES / "journal_format3", [3] * 8, 0, 0),
+       "format5": (FIXTURES / "journal_format5", [5] * 8, 18, 0),
+       "format6": (FIXTURES / "journal_format6", [5, 6, 6, 6, 6, 6, 6, 5], 0, 18)}
 
 
-@pytest.fixture(params=["format3", "format5"])
+@pytest.fixture(params=list(OLD))
 def old(request) -> tuple:
     return OLD[request.param]
 
@@ -62,18 +67,18 @@ def step_rows(url: str) -> int:
 
 
 def test_an_old_format_reads_as_the_old_code_read_it(old, old_url, capsys, tmp_path):
-    fixture, fmt, marks = old
-    assert FORMAT == 6 and set(formats(old_url)) == {fmt} and derived(old_url) == marks
+    fixture, kinds, marks, rows = old
+    assert FORMAT == 7 and formats(old_url) == kinds and derived(old_url) == marks and step_rows(old_url) == rows
     reads_as_recorded(capsys, old_url, fixture, tmp_path, receipts(fixture))
 
 
 def test_appended_records_verify_beside_old_ones(old, old_url, capsys):
-    fixture, fmt, _ = old
+    fixture, kinds, _, rows = old
     code, _, err = cli(capsys, "demo", "--db", old_url, "--requests", "4", "--max-new-tokens", "4", "--seed", "5")
     assert code == 0, err
-    kinds = formats(old_url)
-    assert kinds[:8] == [fmt] * 8 and set(kinds[8:]) == {EVENTS_FORMAT, FORMAT}
-    assert step_rows(old_url) > 0  # the demo's decode chains: rows, their fingerprints rebuilt on read
+    now = formats(old_url)
+    assert now[:8] == kinds and set(now[8:]) == {EVENTS_FORMAT, FORMAT}
+    assert step_rows(old_url) > rows  # the demo's decode chains: rows, their fingerprints rebuilt on read
     code, out, err = cli(capsys, "verify", "--json", "--db", old_url)
     assert code == 0 and json.loads(out)["ok"], err
     with open_journal(old_url) as journal:

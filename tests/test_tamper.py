@@ -21,7 +21,7 @@ from kvledger.journal.records import (  # the layout under test
     unpack_prev,
     unpack_record,
 )
-from kvledger.journal.steps import is_row
+from kvledger.journal.steps import FIXED_SIZE, MARK, is_row
 from kvledger.replay import verify_journal
 
 from stored_rows import cli, sql
@@ -59,7 +59,7 @@ def edit_event(body: bytes, index: int, *, rechecksum: bool) -> tuple[bytes, int
     """The record with one byte of its event `index` changed, its CRCs kept or
     recomputed, and the event a reader names: in an event stored as JSON a digit or
     letter turned into another one (the JSON still parses), named itself; in a step row
-    (record format 6, three events in one item) a byte of its row digest, named by the
+    (record formats 6 and 7, three events in one item) a byte of its row digest, named by the
     row's first event."""
     h = unpack_record(body)
     assert h.format >= 2  # zstd
@@ -68,7 +68,8 @@ def edit_event(body: bytes, index: int, *, rechecksum: bool) -> tuple[bytes, int
     start = sum(h.event_lengths[:item])
     stored = data[start:start + h.event_lengths[item]]
     if is_row(bytes(stored)):
-        at = stored.index(b"\xc4\x20") + 2  # msgpack bin 8 of 32 bytes: the digest
+        # the digest: a format 7 row's last 32 bytes, a format 6 row's msgpack bin 8 of 32
+        at = FIXED_SIZE - 32 if stored[0] == MARK else stored.index(b"\xc4\x20") + 2
         data[start + at] ^= 0x01
     else:
         first = index
