@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import zstandard
 
-from kvledger.journal.steps import ROW_ERRORS, BadRow, StepReader, StepRun, StepValues, is_row, lower_hex
+from kvledger.journal.steps import MARK, ROW_ERRORS, BadRow, StepReader, StepRun, StepValues, lower_hex
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
@@ -627,83 +627,98 @@ def _cut(data: bytes, lengths: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *ends], ends)]
 
 
-# -- format 6: step rows among the events ------------------------------------------------
-# The frame's lists are format 5's; its "events" are items, each an event's JSON or a step
-# row (journal.steps), and after the compact receipts of the operations stored as events
-# comes the record's Context. A row is one item, one CRC: damage in it names its first event.
+# -- formats 6 and 7: decode steps among the events -------------------------------------
+# The frame's lists are format 5's; its "events" are items, each an event's JSON, a step
+# row (format 6, journal.steps) or a block of steps (format 7, journal.blocks), and after
+# the compact receipts of the operations stored as events comes the record's Context. A
+# row is one item, one CRC: damage in it names its first event. A block is one item too;
+# when its CRC fails, its CRC column names the first damaged step.
 
 
 class _Steps:
-    """A format 6 record's items, with its step rows read back as runs (StepRun: the
-    rows between two JSON events), each starting at its item in `starts`."""
+    """A format 6 or 7 record's items, with its decode steps read back as runs (StepRun: a
+    block, or the rows between two JSON events), run k covering items starts[k] to ends[k]."""
 
-    __slots__ = ("items", "reader", "runs", "starts")
+    __slots__ = ("ends", "items", "reader", "runs", "starts")
 
     def __init__(self, items: list[bytes], reader: StepReader) -> None:
         self.items, self.reader = items, reader
         self.runs: list[StepRun] = []
         self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int, run: StepRun) -> None:
+        self.starts.append(start)
+        self.ends.append(end)
+        self.runs.append(run)
 
     @property
     def rows(self) -> list[StepValues]:
         return [x for run in self.runs for x in run.values()]
 
+    def _between(self, upto: int | None = None) -> Iterable[tuple[list[bytes], StepRun | None]]:
+        """The JSON items before each run, with the run; then the items after the last
+        (with None); all of the first `upto` items."""
+        upto = len(self.items) if upto is None else upto
+        at = 0
+        for start, end, run in zip(self.starts, self.ends, self.runs):
+            if start >= upto:
+                break
+            yield self.items[at:start], run
+            at = end
+        yield self.items[at:upto], None
+
     def decoded(self, fold: bool = False) -> list[Any]:
-        """Its events, a step row's rebuilt; with `fold`, each step row as its StepValues."""
+        """Its events, a step's rebuilt; with `fold`, each step as its StepValues."""
         out: list[Any] = []
-        rows = iter(self.rows)
-        for item in self.items:
-            if not is_row(item):
-                out.append(decode_event(item))
-            elif fold:
-                out.append(next(rows))
-            else:
-                out += next(rows).events()
+        for items, run in self._between():
+            out += map(decode_event, items)
+            if run is not None:
+                out += run.values() if fold else run.events()
         return out
 
     def folded(self) -> list[Any]:
-        """Its events, each run of step rows as its StepRun."""
+        """Its events, each run of steps as its StepRun."""
         out: list[Any] = []
-        items, at = self.items, 0
-        for start, run in zip(self.starts, self.runs):
-            out += map(decode_event, items[at:start])
-            out.append(run)
-            at = start + run.count
-        out += map(decode_event, items[at:])
+        for items, run in self._between():
+            out += map(decode_event, items)
+            if run is not None:
+                out.append(run)
         return out
 
     def json(self, upto: int | None = None) -> list[bytes]:
-        """The events' JSON (of the first `upto` items)."""
+        """The events' JSON (of the first `upto` items; a run cut short by damage gives
+        its steps before the damage)."""
         out: list[bytes] = []
-        rows = iter(self.rows)
-        for item in self.items[:upto]:
-            out += [encode_event(e) for e in next(rows).events()] if is_row(item) else [item]
+        for items, run in self._between(upto):
+            out += items
+            if run is not None:
+                out += [encode_event(e) for e in run.events()]
         return out
 
     def receipts(self, compact: Sequence[bytes]) -> list[bytes] | str:
-        """The JSON receipts: a row's rebuilt, the others expanded from their compact
+        """The JSON receipts: a step's rebuilt, the others expanded from their compact
         form over their events, in the record's order."""
         out: list[bytes] = []
-        rows = iter(self.rows)
-        items, at, taken = self.items, 0, 0
+        taken = 0
         try:
-            while at < len(items):
-                if is_row(items[at]):
-                    out.append(self.reader.receipt(next(rows).events()))
-                    at += 1
-                    continue
-                if taken == len(compact):
-                    return f"event item {at} has no receipt"
-                count = _compact_decode(compact[taken]).count
-                own = items[at:at + count]
-                if count < 1 or len(own) != count or any(map(is_row, own)):
-                    return f"receipt {len(out)} claims {count} events from item {at} of {len(items)}"
-                expanded = expand_receipts(compact[taken:taken + 1], own)
-                if isinstance(expanded, str):
-                    return expanded.replace("receipt 0", f"receipt {len(out)}")
-                out += expanded
-                at += count
-                taken += 1
+            for items, run in self._between():
+                at = 0
+                while at < len(items):
+                    if taken == len(compact):
+                        return f"event item {at} has no receipt"
+                    count = _compact_decode(compact[taken]).count
+                    own = items[at:at + count]
+                    if count < 1 or len(own) != count:
+                        return f"receipt {len(out)} claims {count} events from an item of {len(items)} between steps"
+                    expanded = expand_receipts(compact[taken:taken + 1], own)
+                    if isinstance(expanded, str):
+                        return expanded.replace("receipt 0", f"receipt {len(out)}")
+                    out += expanded
+                    at += count
+                    taken += 1
+                if run is not None:
+                    out += [self.reader.receipt(x.events()) for x in run.values()]
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return f"receipt {len(out)} is unreadable: {exc}"
         if taken != len(compact):
@@ -729,20 +744,40 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Rec
     why = problem or "its context's bytes do not match their CRC"
     if ok[-1]:
         try:
-            reader = StepReader(parts[-1], fixed=h.format == 7)
+            reader = StepReader(parts[-1])
         except ROW_ERRORS as exc:
             why = f"its context does not decode: {exc}"
     steps = _Steps(parts[:n], reader)  # type: ignore[arg-type]  # used only once a row needs it
-    firsts = bytes([p[0] if p else 0 for p in parts[:n]])  # "{": an event's JSON, anything else a row
+    firsts = bytes([p[0] if p else 0 for p in parts[:n]])  # "{": an event's JSON, MARK a block, else a row
+    blocks = h.format == 7
     index = i = 0
     while i < n:  # damage is named in item order: the first bad item's
-        if not ok[i]:
-            return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
         if firsts[i] == _BRACE:
+            if not ok[i]:
+                return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
             index, i = index + 1, i + 1
             continue
         if reader is None:
             return Damage(index, why, steps.json(i))
+        if blocks:
+            if firsts[i] != MARK:
+                return Damage(index, "a format 7 record's step item is no block", steps.json(i))
+            if not ok[i]:  # the CRC column names the step
+                exact, k = reader.damaged_block(parts[i], index)
+                if exact:
+                    steps.add(i, i + 1, _partial(exact))
+                return Damage(index + 3 * k, problem or "its bytes do not match their CRC", steps.json(i + 1))
+            try:
+                run = reader.block(parts[i], index, fold)
+            except BadRow as bad:
+                if bad.values:
+                    steps.add(i, i + 1, _partial(bad.values))
+                return Damage(index + 3 * bad.offset, f"its step does not rebuild: {bad.error}", steps.json(i + 1))
+            steps.add(i, i + 1, run)
+            index, i = index + 3 * run.count, i + 1
+            continue
+        if not ok[i]:
+            return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
         j = firsts.find(b"{", i + 1)
         j = n if j < 0 else j
         if False in ok[i:j]:
@@ -751,13 +786,10 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Rec
             run = reader.run(parts[i:j], index, fold)
         except BadRow as bad:
             if bad.values:
-                steps.starts.append(i)
-                steps.runs.append(StepRun(bad.values[0].global_position, len(bad.values), None,
-                                          bad.values[-1].event_id, bad.values))
+                steps.add(i, i + bad.offset, _partial(bad.values))
             return Damage(index + 3 * bad.offset, f"its step row does not rebuild: {bad.error}",
                           steps.json(i + bad.offset))
-        steps.starts.append(i)
-        steps.runs.append(run)
+        steps.add(i, j, run)
         index, i = index + 3 * (j - i), j
     if not all(ok[n:-1]):
         return Damage(None, problem or "a receipt's bytes do not match their CRC", steps.json())
@@ -772,6 +804,11 @@ def _audit6(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Rec
             return Damage(None, f"its receipts do not fit its events: {expanded}", steps.json())
         return Record(None, expanded, steps=steps)
     return Record(None, compact, compact=True, steps=steps)
+
+
+def _partial(values: list[StepValues]) -> StepRun:
+    """The steps of a run before its damage, which are exact."""
+    return StepRun(values[0].global_position, len(values), None, values[-1].event_id, values)
 
 
 def _record(fmt: int, events: list[bytes], receipts: list[bytes], eager: bool) -> Record | Damage:

@@ -61,7 +61,7 @@ from kvledger.journal.records import (
 from kvledger.journal.records import chain as link
 from kvledger.journal.statements import EventRow, RecordRow, Statements, T
 from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
-from kvledger.journal.steps import FoldItem, StepWriter
+from kvledger.journal.steps import FoldItem, Row, StepWriter
 from kvledger.journal.tables import (
     JOURNAL_TABLES,
     REVISIONS,
@@ -481,7 +481,7 @@ class SqlJournal(Journal):
         keys, if known (records.id_keys); `owned`: each operation's event ids, if known."""
         self._uncommitted = {}  # a refused earlier attempt (the fast path) committed nothing
         now = time.time_ns()
-        bodies: list[bytes] = []
+        bodies: list[bytes | Row] = []  # events' JSON, and decode steps' rows (StepWriter.pack)
         receipts: list[bytes] = []
         tails: dict[str, int] = {}  # each handle written, in the order its events first name it
         event_ids: set[str] = set()  # the record's: an event id is unique (an operation id may equal one)
@@ -532,9 +532,9 @@ class SqlJournal(Journal):
             raise _reused_id(ops, op_ids, taken)
         if steps.count:
             receipts.append(steps.context())
-            body = encode_record(bodies, receipts, FORMAT)
+            body = encode_record(steps.pack(bodies), receipts, FORMAT)
         else:
-            body = encode_record(bodies, receipts, EVENTS_FORMAT)
+            body = encode_record(bodies, receipts, EVENTS_FORMAT)  # type: ignore[arg-type]  # no step: all bytes
         written = event_ids.union(op_ids)
         runs = id_runs(id_keys(written) if keys is None else [keys[i] for i in written])
         streams = list(tails)

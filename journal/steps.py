@@ -34,7 +34,6 @@ the same for either.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated
 
@@ -114,27 +113,10 @@ _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
 _decode_step = msgspec.msgpack.Decoder(Step).decode
 
-# Record format 7 (docs/COMPACT.md, step 21) stores a Step as one fixed-width row: MARK,
-# thirty little-endian int64s, the digest's 32 bytes. A run of them is one buffer a fold
-# reads with numpy.frombuffer, where format 6's msgpack rows were decoded one by one (~2 µs
-# of a replayed token's ~4.5). The int64s, in this order so that a run's checks are slices:
-#   0-4    indexes: stream, prefix, publish txn prefix, start txn prefix, call prefix
-#   5-14   counts (>= 0): position, snapshot, committed, accepted, layers, workspace,
-#          output, token, call index, call threads
-#   15-17  the call's size, new_pad, key_extent (> 0 with a call)
-#   18-19  flags: a digest, a call
-#   20-29  differences (any int64): sequence, mono, wall, op, the three gaps, publish txn,
-#          start txn, call counter
-# Without a call its six columns are 0; without a digest its bytes are. zstd keeps the
-# record's 273 bytes a row to about what the msgpack row took (docs/COMPACT.md).
-MARK = 0xC1  # a byte msgpack never writes, and not an event's "{"
-_FIXED = struct.Struct("<B30q32s")
-FIXED_SIZE = _FIXED.size
-_VALUES = 30
-_NO_DIGEST = bytes(32)
-_NO_CALL = (4, 13, 14, 15, 16, 17, 29)  # the columns a step without a call stores as 0
-_NO_CALL_VALUES = (0, 0, 0, 0, 0, 0)
-_MARK = bytes([MARK])  # its prefix, index, threads, size, new_pad, key_extent
+# Record format 7 stores a record's run of steps as one block of columns (journal.blocks).
+Row = tuple[tuple[int, ...], bytes | None]  # a step's thirty values (journal.blocks' order) and its digest
+MARK = 0xC1  # a block's first byte: one msgpack never writes, and not an event's "{"
+_NO_CALL_VALUES = (0, 0, 0, 0, 0, 0)  # a step without a call: its prefix, index, threads, size, new_pad, key_extent
 
 
 class _ContextParts(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -190,7 +172,7 @@ class StepWriter:
         self._abis: dict[str, bytes] = {}
         self._last = (0, 0, 0, 0, 0, 0, 0)  # sequence, mono, wall, op, publish txn, start txn, call
 
-    def row(self, op: Operation) -> bytes | None:
+    def row(self, op: Operation) -> Row | None:
         """The row of a derived decode chain, or None: it is stored as events."""
         if not op.derived or len(op.writes) != 1 or op.checks or op.manifests:
             return None
@@ -249,10 +231,11 @@ class StepWriter:
             sp.txn_id, v, c, pp.accepted_count, pp.layers_complete, pp.workspace_bytes, digest,
             op_.output_index, token, counted))
 
-    def values_row(self, x: StepValues) -> bytes | None:
-        """The row of a decode step's values, or None. Checked here: what a caller gives
-        the decode lane (the token, the workspace, the call's numbers, the ids' form) and
-        the clocks' range; the rest the lane derived."""
+    def values_row(self, x: StepValues) -> Row | None:
+        """The row of a decode step's values (its thirty values in journal.blocks' order,
+        and its digest), or None. Checked here: what a caller gives the decode lane (the
+        token, the workspace, the call's numbers, the ids' form) and that every value is
+        an int64; the rest the lane derived."""
         seq, mono, wall, call = x.local_sequence, x.monotonic_ns, x.observed_wall_time, x.call
         if (type(x.token) is not int or type(x.workspace) is not int or not 0 <= seq < _U64
                 or not 0 <= mono < _U64 or not 0 <= wall < _U64):
@@ -263,8 +246,8 @@ class StepWriter:
             return None
         self._abis[x.cache_abi_sha256] = abi
         last = self._last
-        ccount, digest = last[6], x.digest
-        if digest is not None and len(digest) != 32:  # the row's 32 bytes would pad or cut it
+        ccount, digest, gaps = last[6], x.digest, x.gaps
+        if (digest is not None and len(digest) != 32) or len(gaps) != 3:
             return None
         k, c = _NO_CALL_VALUES, 0
         if call is not None:
@@ -276,23 +259,38 @@ class StepWriter:
         n = x.op
         # differences modulo 2**64 as signed 64-bit ints (what a reader adds back, modulo 2**64)
         dmono = ((mono - last[1] + _HALF) & _MASK) - _HALF
-        try:
-            # an int a row cannot hold (or a gaps tuple of another length) raises here:
-            # stored as events, as an int msgpack could not hold was in format 6
-            row = _FIXED.pack(
-                MARK, self._stream(x.stream_id, x.request_id, x.handle_generation, x.source_instance, abi),
-                self._prefix(x.prefix), ptxn[0], stxn[0], k[0],
-                x.stream_position, x.snapshot, x.committed, x.accepted, x.layers, x.workspace, x.output, x.token,
-                *k[1:], digest is not None, call is not None,
-                ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono,
-                ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF, ((n - last[3] + _HALF) & _MASK) - _HALF, *x.gaps,
-                ((ptxn[1] - last[4] + _HALF) & _MASK) - _HALF, ((stxn[1] - last[5] + _HALF) & _MASK) - _HALF,
-                c, _NO_DIGEST if digest is None else digest)
-        except struct.error:
+        values = (
+            self._stream(x.stream_id, x.request_id, x.handle_generation, x.source_instance, abi),
+            self._prefix(x.prefix), ptxn[0], stxn[0], k[0], x.stream_position, x.snapshot, x.committed, x.accepted,
+            x.layers, x.workspace, x.output, x.token, *k[1:], digest is not None, call is not None,
+            ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono, ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF,
+            ((n - last[3] + _HALF) & _MASK) - _HALF, *gaps,
+            ((ptxn[1] - last[4] + _HALF) & _MASK) - _HALF, ((stxn[1] - last[5] + _HALF) & _MASK) - _HALF, c)
+        # A value a block cannot hold, or a negative index or count (no reader would take
+        # it), is stored as events, as an int msgpack could not hold was in format 6.
+        if min(values[:20]) < 0 or min(values[20:]) < -_HALF or max(values) >= _HALF:
             return None
         self._last = (seq, mono, wall, n, ptxn[1], stxn[1], ccount)
         self.count += 1
-        return row
+        return values, digest
+
+    def pack(self, items: list[bytes | Row]) -> list[bytes]:
+        """A record's items with each run of rows (values_row's) as one block."""
+        from kvledger.journal.blocks import pack  # numpy: only once a record holds a step
+
+        out: list[bytes] = []
+        run: list[Row] = []
+        for item in items:
+            if isinstance(item, bytes):
+                if run:
+                    out.append(pack(run))
+                    run = []
+                out.append(item)
+            else:
+                run.append(item)
+        if run:
+            out.append(pack(run))
+        return out
 
     def context(self) -> bytes:
         return _encode(Context(self.first_position, self.committed_wall_ns, list(self.prefixes),
@@ -451,10 +449,8 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class StepReader:
     """Rebuilds a record's rows in order (each row's differences are from the one before)."""
 
-    def __init__(self, context: bytes, fixed: bool = True) -> None:
-        """`fixed`: the record's rows are format 7's fixed-width ones, else format 6's msgpack."""
+    def __init__(self, context: bytes) -> None:
         self.context = decode_context(context)  # raises msgspec's errors: the caller names the damage
-        self.fixed = fixed
         self._abis: list[str] = []  # the streams' cache ABIs in hex, made when a row's values are
         self._last = (0, 0, 0, 0, 0, 0, 0)
 
@@ -465,8 +461,10 @@ class StepReader:
         return self.values(row, at).events()
 
     def values(self, row: bytes, at: int) -> StepValues:
-        """The values of `row` (see events), its differences resolved."""
-        x = self._fixed_step(row) if self.fixed else _decode_step(row)
+        """The values of a format 6 `row` (see events), its differences resolved."""
+        return self._values(_decode_step(row), at)
+
+    def _values(self, x: Step, at: int) -> StepValues:
         ctx, last, prefixes = self.context, self._last, self.context.prefixes
         stream_id, request_id, generation, source, _ = ctx.streams[x.stream]
         abis = self._abis or self._hex_abis()
@@ -485,26 +483,6 @@ class StepReader:
             seq, mono, wall, prefixes[x.prefix], op, x.gaps, f"{prefixes[x.publish_txn[0]]}{ptxn:016x}",
             f"{prefixes[x.start_txn[0]]}{stxn:016x}", x.snapshot, x.committed, x.accepted, x.layers, x.workspace,
             x.digest, x.output, x.token, None if call is None else (prefixes[call.prefix], ccount, call))
-
-    def _fixed_step(self, row: bytes) -> Step:
-        """A format 7 row as the Step format 6 stored, checked as `_fixed_columns` checks a run."""
-        if len(row) != FIXED_SIZE or row[0] != MARK:
-            raise ValueError(f"a row of {len(row)} bytes starting {row[:1].hex()}, not format 7's")
-        t = _FIXED.unpack(row)
-        v, digest = t[1:31], t[31]
-        ctx = self.context
-        if (min(v[:20]) < 0 or v[0] >= len(ctx.streams) or max(v[1:4]) >= len(ctx.prefixes) or v[18] > 1
-                or v[19] > 1):
-            raise ValueError("a row's index, count or flag is out of its range")
-        if v[19] and (v[4] >= len(ctx.prefixes) or min(v[15:18]) < 1):
-            raise ValueError("a row's call is out of its range")
-        if not v[19] and any(v[i] for i in _NO_CALL):
-            raise ValueError("a row without a call has call values")
-        if not v[18] and digest != _NO_DIGEST:
-            raise ValueError("a row without a digest has digest bytes")
-        return Step(v[0], v[5], v[20], v[21], v[22], v[1], v[23], v[24:27], (v[2], v[27]), (v[3], v[28]), v[6],
-                    v[7], v[8], v[9], v[10], digest if v[18] else None, v[11], v[12],
-                    Call(v[4], v[29], v[13], v[15], v[16], v[17], v[14]) if v[19] else None)
 
     def _hex_abis(self) -> list[str]:
         self._abis = [s[4].hex() for s in self.context.streams]
@@ -531,8 +509,7 @@ class StepReader:
             except ROW_ERRORS:
                 pass  # not in the columns' form (a difference stored unsigned, say) or damaged: row by row
             else:
-                again = StepReader.__new__(StepReader)
-                again.context, again.fixed, again._abis, again._last = ctx, self.fixed, self._abis, start
+                again = self._at(start)
                 return StepRun(ctx.first_position + at, len(rows), cols, event_id,
                                lambda: [again.values(row, at + 3 * i) for i, row in enumerate(rows)])
         # Row by row, which names a damaged row as a single read would.
@@ -548,8 +525,6 @@ class StepReader:
         """What `values` gives for each row, as columns of what a fold reads, the reader's
         state after the last row and its event id. Raises what `values` would (a value
         out of int64, the columns' range or a clock past int64 also raises: `run` then reads row by row)."""
-        if self.fixed:
-            return self._fixed_columns(rows)
         import numpy as np
 
         ctx, last, n = self.context, self._last, len(rows)
@@ -577,50 +552,77 @@ class StepReader:
         return columns, state, f"{ctx.prefixes[cols[5][-1]]}{(op + gaps[0] + gaps[1] + gaps[2]) & _MASK:016x}"
 
 
-    def _fixed_columns(self, rows: list[bytes]
-                       ) -> tuple[StepColumns, tuple[int, int, int, int, int, int, int], str]:
-        """`_columns` of format 7 rows: one buffer, the checks `_fixed_step` makes a row, as
-        array reductions (ValueError if one fails: `run` then names the row)."""
+    def _at(self, last: tuple[int, int, int, int, int, int, int]) -> StepReader:
+        """A reader of the same record whose rows continue from `last` (a run's values
+        read later, on request)."""
+        again = StepReader.__new__(StepReader)
+        again.context, again._abis, again._last = self.context, self._abis, last
+        return again
+
+    def block(self, item: bytes, at: int, columns: bool = True) -> StepRun:
+        """A format 7 block (journal.blocks) whose first step is the record's event `at`:
+        as `run` reads rows. Raises BadRow for a block that does not parse (its first
+        step) or the first step whose values no Step could hold."""
         import numpy as np
 
-        ctx, last, n = self.context, self._last, len(rows)
-        data = b"".join(rows)
-        if set(map(len, rows)) != {FIXED_SIZE} or data[::FIXED_SIZE] != _MARK * n:
-            raise ValueError("a row of another length or mark than format 7's")
-        raw = np.frombuffer(data, np.uint8).reshape(n, FIXED_SIZE)
-        # the int64s column by column, aligned (a row's start is one byte off)
-        m = np.ascontiguousarray(raw[:, 1:1 + 8 * _VALUES]).view("<i8").T.copy()
-        # Each column's least and greatest value, checked in Python: a numpy call costs
-        # ~1-3 µs here, the checks of a whole run as many calls as this two.
-        lo, hi = m.min(axis=1).tolist(), m.max(axis=1).tolist()
-        nprefixes = len(ctx.prefixes)
-        if min(lo[:20]) < 0 or hi[0] >= len(ctx.streams) or max(hi[1:4]) >= nprefixes or max(hi[18:20]) > 1:
-            raise ValueError("a row's index, count or flag is out of its range")
-        if lo[19] == 1:  # every step has a call
-            if hi[4] >= nprefixes or min(lo[15:18]) < 1:
-                raise ValueError("a row's call is out of its range")
-        elif hi[19] == 0:  # none has
-            if any(lo[i] or hi[i] for i in _NO_CALL):
-                raise ValueError("a row without a call has call values")
-        else:  # some have: row by row
-            raise ValueError("a run of steps with and without calls")
-        if lo[18] == 0 and (hi[18] == 1 or raw[:, 1 + 8 * _VALUES:].any()):  # digests: all, or none and zeros
-            raise ValueError("a run of steps with and without digests")
+        from kvledger.journal import blocks
+
+        ctx, last = self.context, self._last
+        try:
+            m, digests = blocks.read(item)
+        except ValueError as exc:
+            raise BadRow(0, [], exc) from None
+        n = m.shape[1]
+        bad = blocks.invalid(m, digests, len(ctx.streams), len(ctx.prefixes))
+        if bad is not None:
+            raise BadRow(bad, self._block_values(m, digests, at, bad),
+                         ValueError(f"step {bad} of its block holds a value out of its range")) from None
         sums = m[20:30].view(np.uint64).sum(axis=1).tolist()  # uint64 sums wrap as the masks do
-        # the clocks and txn counters, running sums from where the last run ended
-        running = m[[21, 27, 28]].view(np.uint64)
-        running[:, 0] += np.array((last[1], last[4], last[5]), np.uint64)
-        running.cumsum(axis=1, out=running)
-        mono, ptxn, stxn = running
-        if int(mono.max()) >= _HALF:  # a clock a fold cannot hold in int64: read row by row
-            raise OverflowError("a monotonic clock past int64")
         op = (last[3] + sums[3]) & _MASK
-        state = ((last[0] + 3 * n + sums[0]) & _MASK, int(mono[-1]), (last[2] + sums[1] + sums[2]) & _MASK, op,
-                 int(ptxn[-1]), int(stxn[-1]), (last[6] + sums[9]) & _MASK)
-        columns = StepColumns(m[0], m[5], mono.view(np.int64), m[6], m[7], m[10], m[12], m[2], ptxn, m[3], stxn,
-                              ctx.streams, ctx.prefixes)
-        t = _FIXED.unpack(rows[-1])
-        return columns, state, f"{ctx.prefixes[t[2]]}{(op + t[25] + t[26] + t[27]) & _MASK:016x}"
+        g = m[24:27, -1].tolist()
+        event_id = f"{ctx.prefixes[int(m[1, -1])]}{(op + g[0] + g[1] + g[2]) & _MASK:016x}"
+        later = self._at(last)
+
+        def values() -> list[StepValues]:
+            return later._block_values(m, digests, at, n)
+
+        cols = None
+        if columns:
+            # the clocks and txn counters: running sums from where the last run ended
+            running = m[[21, 27, 28]].view(np.uint64)
+            running[:, 0] += np.array((last[1], last[4], last[5]), np.uint64)
+            running.cumsum(axis=1, out=running)
+            mono, ptxn, stxn = running
+            if int(mono.max()) < _HALF:  # else a clock a fold cannot hold in int64: no columns
+                cols = StepColumns(m[0], m[5], mono.view(np.int64), m[6], m[7], m[10], m[12], m[2], ptxn, m[3], stxn,
+                                   ctx.streams, ctx.prefixes)
+        self._last = ((last[0] + 3 * n + sums[0]) & _MASK, (last[1] + sums[1]) & _MASK,
+                      (last[2] + sums[1] + sums[2]) & _MASK, op, (last[4] + sums[7]) & _MASK,
+                      (last[5] + sums[8]) & _MASK, (last[6] + sums[9]) & _MASK)
+        return StepRun(ctx.first_position + at, n, cols, event_id, values if cols is not None else values())
+
+    def damaged_block(self, item: bytes, at: int) -> tuple[list[StepValues], int]:
+        """A block whose CRC fails: the step to name (the first whose CRC fails, or one
+        before it whose values no Step could hold) and the values of the steps before it."""
+        from kvledger.journal import blocks
+
+        k = blocks.damaged(item)
+        if k == 0:
+            return [], 0
+        m, digests = blocks.read(item)
+        bad = blocks.invalid(m[:, :k], digests[:32 * k], len(self.context.streams), len(self.context.prefixes))
+        k = k if bad is None else bad
+        return self._block_values(m, digests, at, k), k
+
+    def _block_values(self, m: np.ndarray, digests: bytes, at: int, count: int) -> list[StepValues]:
+        """The StepValues of a block's first `count` steps (`m` as blocks.read gives it)."""
+        out = []
+        for i, v in enumerate(m[:, :count].T.tolist()):
+            x = Step(v[0], v[5], v[20], v[21], v[22], v[1], v[23], (v[24], v[25], v[26]), (v[2], v[27]),
+                     (v[3], v[28]), v[6], v[7], v[8], v[9], v[10], digests[32 * i:32 * i + 32] if v[18] else None,
+                     v[11], v[12], Call(v[4], v[29], v[13], v[15], v[16], v[17], v[14]) if v[19] else None)
+            out.append(self._values(x, at + 3 * i))
+        return out
 
 
 def _check(values: Sequence[int], size: int) -> bool:

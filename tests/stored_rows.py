@@ -16,6 +16,7 @@ from sqlalchemy import text
 from kvledger import migrations
 from kvledger.cli import main
 from kvledger.journal import make_engine, open_journal, parse_url
+from kvledger.journal.blocks import pack
 from kvledger.journal.contract import Operation
 from kvledger.journal.steps import StepReader, StepWriter
 from kvledger.journal.tables import JOURNAL_TABLES as TABLES
@@ -147,6 +148,6 @@ def assert_row_rebuilds(op: Operation) -> None:
     writer = StepWriter(1, 0)
     row = writer.row(op)
     assert row is not None
-    rebuilt = StepReader(writer.context()).events(row, 0)
+    rebuilt = StepReader(writer.context()).block(pack([row]), 0, False).events()
     assert [encode_event(e) for e in rebuilt] == [
         encode_event(msgspec.structs.replace(e, global_position=1 + k)) for k, e in enumerate(events)]

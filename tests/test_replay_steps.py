@@ -192,7 +192,7 @@ def test_runs_without_columns_fold_one_by_one(journals):
 def test_a_difference_stored_unsigned_is_read_row_by_row():
     """A format 6 row may store a difference as the unsigned 64-bit number it wraps to (the
     reader adds modulo 2**64): no int64 column holds it, so the run has no columns, and
-    its values are the rows' own. (A format 7 row holds int64s only.)"""
+    its values are the rows' own. (A format 7 block holds int64s only.)"""
     import msgspec
 
     from kvledger.journal.steps import Context, Step, StepReader
@@ -201,8 +201,8 @@ def test_a_difference_stored_unsigned_is_read_row_by_row():
     rows = [msgspec.msgpack.encode(Step(0, 10 + 3 * i, 0, mono, 0, 0, 4, (1, 1, 1), (0, 3), (0, 4), 5 + i, 40 + i,
                                         1, 2, 0, None, i, 9, None))
             for i, mono in enumerate((1_000, (1 << 64) - 5))]  # the second clock is 5 ns before the first
-    run = StepReader(ctx, fixed=False).run(rows, 0)
-    one = StepReader(ctx, fixed=False)
+    run = StepReader(ctx).run(rows, 0)
+    one = StepReader(ctx)
     assert run.columns is None
     assert run.values() == [one.values(row, 3 * i) for i, row in enumerate(rows)]
     assert [x.monotonic_ns for x in run.values()] == [1_000, 995]

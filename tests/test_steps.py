@@ -18,9 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvledger.journal.blocks import pack
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.journal.records import FORMAT, Damage, audit_record, decode_record, unpack_record
-from kvledger.journal.steps import VERSIONS, StepReader, StepWriter, is_row
+from kvledger.journal.steps import MARK, VERSIONS, StepReader, StepWriter, is_row
 from kvledger.schemas import events as ev
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import decode_chain_fingerprint
@@ -132,7 +133,7 @@ def _off(off: str | None, events: list, head: HeadFacts):
 @given(steps(), st.integers(1, 1 << 40), st.integers(0, 1 << 62))
 def test_a_row_rebuilds_its_step_byte_for_byte_or_is_not_written(run, first, now):
     writer = StepWriter(first, now)
-    written = []  # (row, its events' first position, the events, the receipt)
+    runs: list[list] = [[]]  # each run of rows: (row, its events' first position, the events, the receipt)
     position = first
     for off, events, head in run:
         p = events[0]
@@ -143,21 +144,28 @@ def test_a_row_rebuilds_its_step_byte_for_byte_or_is_not_written(run, first, now
         # rebuild it otherwise, which the loop below would catch anyway)
         assert (row is None) == (off is not None), off
         if row is None:
-            position += 3  # stored as events; the rows after it still count it
+            position += 3  # stored as events, between two blocks; the rows after it still count it
+            runs.append([])
             continue
         stamped = [msgspec.structs.replace(e, global_position=position + k) for k, e in enumerate(events)]
         receipt = Receipt(op.operation_id, op.fingerprint, (HandleResult(
             p.stream_id, head.generation, head.snapshot_version, head.stream_position, head.committed_length),),
             tuple(e.event_id for e in events), position, position + 2, now)
-        written.append((row, position - first, stamped, receipt))
+        runs[-1].append((row, position - first, stamped, receipt))
         position += 3
-    reader = StepReader(writer.context())
-    for row, at, stamped, receipt in written:
-        assert is_row(row)
-        rebuilt = reader.events(row, at)
-        assert [encode_event(e) for e in rebuilt] == [encode_event(e) for e in stamped]
-        assert [decode_event(encode_event(e)) for e in stamped] == list(rebuilt)
-        assert reader.receipt(rebuilt) == receipt_encoder.encode(receipt)
+    # read back as a fold reads them (columns) and as read_all does, each by its own reader
+    for columns in (True, False):
+        reader = StepReader(writer.context())
+        for written in filter(None, runs):
+            block = pack([row for row, *_ in written])
+            assert block[0] == MARK and is_row(block)  # an item that is no JSON event
+            values = reader.block(block, written[0][1], columns).values()
+            assert len(values) == len(written)
+            for x, (_, _, stamped, receipt) in zip(values, written):
+                rebuilt = x.events()
+                assert [encode_event(e) for e in rebuilt] == [encode_event(e) for e in stamped]
+                assert [decode_event(encode_event(e)) for e in stamped] == list(rebuilt)
+                assert reader.receipt(rebuilt) == receipt_encoder.encode(receipt)
 
 
 @pytest.mark.parametrize("layers", [2, 32])

@@ -21,7 +21,7 @@ from kvledger.journal.records import (  # the layout under test
     unpack_prev,
     unpack_record,
 )
-from kvledger.journal.steps import FIXED_SIZE, MARK, is_row
+from kvledger.journal.steps import MARK, is_row
 from kvledger.replay import verify_journal
 
 from stored_rows import cli, sql
@@ -58,18 +58,21 @@ def with_body(db_url: str, last: int, body: bytes) -> list[int | None]:
 def edit_event(body: bytes, index: int, *, rechecksum: bool) -> tuple[bytes, int]:
     """The record with one byte of its event `index` changed, its CRCs kept or
     recomputed, and the event a reader names: in an event stored as JSON a digit or
-    letter turned into another one (the JSON still parses), named itself; in a step row
-    (record formats 6 and 7, three events in one item) a byte of its row digest, named by the
-    row's first event."""
+    letter turned into another one (the JSON still parses), named itself; in a decode
+    step (a format 6 row, or a step of a format 7 block: three events) a byte of its row
+    digest, named by the step's first event."""
     h = unpack_record(body)
     assert h.format >= 2  # zstd
     data = bytearray(h.data)
     item, first = _item_of(h, index)
     start = sum(h.event_lengths[:item])
     stored = data[start:start + h.event_lengths[item]]
-    if is_row(bytes(stored)):
-        # the digest: a format 7 row's last 32 bytes, a format 6 row's msgpack bin 8 of 32
-        at = FIXED_SIZE - 32 if stored[0] == MARK else stored.index(b"\xc4\x20") + 2
+    if stored[0] == MARK:  # a format 7 block: a byte of the digest of the step holding the event
+        k, n = (index - first) // 3, _steps_in(bytes(stored))
+        first += 3 * k
+        data[start + len(stored) - 36 * n + 32 * k] ^= 0x01
+    elif is_row(bytes(stored)):  # a format 6 row: its digest, msgpack bin 8 of 32 bytes
+        at = stored.index(b"\xc4\x20") + 2
         data[start + at] ^= 0x01
     else:
         first = index
@@ -82,12 +85,18 @@ def edit_event(body: bytes, index: int, *, rechecksum: bool) -> tuple[bytes, int
     return pack_record(msgspec.structs.replace(h, event_crcs=crcs, data=bytes(data))), first
 
 
+def _steps_in(item: bytes) -> int:
+    """The decode steps a step item holds: a format 7 block's count, or a format 6 row's one."""
+    return int.from_bytes(item[1:5], "little") if item[0] == MARK else 1
+
+
 def _item_of(h, index: int) -> tuple[int, int]:
     """The item that holds the record's event `index`, and that item's first event."""
     at = 0
     for item in range(len(h.event_lengths)):
         start = sum(h.event_lengths[:item])
-        width = 3 if h.format >= 6 and is_row(h.data[start:start + h.event_lengths[item]]) else 1
+        stored = h.data[start:start + h.event_lengths[item]]
+        width = 3 * _steps_in(stored) if h.format >= 6 and is_row(stored) else 1
         if index < at + width:
             return item, at
         at += width

@@ -1,0 +1,151 @@
+"""Record format 7: a record's run of decode steps as one block of columns (docs/COMPACT.md,
+step 21).
+
+Format 6 stored each decode step as a msgpack row, one item with one CRC: replaying a
+record of 64 steps decoded 64 rows, cut and checked 64 items, and moved every value
+through Python before numpy saw it (~2.5 µs of a replayed token's ~4.5). Format 7 stores a
+run of consecutive steps as one item: the same values (journal.steps.Step, as the
+thirty int64s below) column by column, each column as wide as its values need, then the
+row digests, then a CRC-32 a step. A reader checks the item's one CRC and reads each width
+group with one `numpy.frombuffer`. The CRC column is read only when the item's CRC fails:
+it names the first damaged step, as a row's CRC did.
+
+    MARK, n (uint32), 30 widths (1, 2, 4 or 8 bytes), the columns grouped by width (each
+    group in column order, n values a column, little-endian signed), n digests of 32
+    bytes (zeros: no digest), n CRC-32s (uint32) of a step's 30 values as int64 and its
+    digest
+
+The thirty values, ordered so that a run's checks are slices:
+    0-4    indexes: stream, prefix, publish txn prefix, start txn prefix, call prefix
+    5-14   counts (>= 0): position, snapshot, committed, accepted, layers, workspace,
+           output, token, call index, call threads
+    15-17  the call's size, new_pad and key_extent (> 0 with a call)
+    18-19  flags: a digest, a call
+    20-29  differences (any int64): sequence, mono, wall, op, the three gaps, publish
+           txn, start txn, call counter
+Without a call its columns are 0 (NO_CALL); without a digest its bytes are.
+
+journal.steps imports this module where a block is written or read: the journal's API
+imports no numpy (tests/test_layers.py).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvledger.journal.steps import MARK, Row
+
+VALUES = 30
+HEADER = 5 + VALUES
+NO_DIGEST = bytes(32)
+NO_CALL = (4, 13, 14, 15, 16, 17, 29)  # the columns a step without a call stores as 0
+_WIDTHS = (1, 2, 4, 8)
+_STEP = 8 * VALUES + 32  # the bytes a step's CRC covers
+
+
+def pack(rows: Sequence[Row]) -> bytes:
+    """The block of `rows` (each value an int64: StepWriter.values_row checks it)."""
+    n = len(rows)
+    m = np.array([r[0] for r in rows], np.int64)
+    digests = b"".join(NO_DIGEST if d is None else d for _, d in rows)
+    widths = bytes(_width(lo, hi) for lo, hi in zip(m.min(axis=0).tolist(), m.max(axis=0).tolist()))
+    cols = m.T
+    parts = [struct.pack("<BI", MARK, n), widths]
+    for w in _WIDTHS:
+        group = _group(widths, w)
+        if group:
+            parts.append(cols[group].astype(f"<i{w}").tobytes())
+    flat, crc = m.astype("<i8").tobytes(), zlib.crc32
+    crcs = [crc(digests[32 * i:32 * i + 32], crc(flat[240 * i:240 * i + 240])) for i in range(n)]
+    return b"".join([*parts, digests, struct.pack(f"<{n}I", *crcs)])
+
+
+def _width(lo: int, hi: int) -> int:
+    for w in _WIDTHS:
+        bound = 1 << (8 * w - 1)
+        if -bound <= lo and hi < bound:
+            return w
+    raise OverflowError("a value past int64")  # values_row keeps these out
+
+
+_groups: dict[tuple[bytes, int], list[int]] = {}
+
+
+def _group(widths: bytes, w: int) -> list[int]:
+    """The columns of width `w` (records repeat their widths: cached)."""
+    key = (widths, w)
+    found = _groups.get(key)
+    if found is None:
+        if len(_groups) > 4096:  # a cache, not a registry
+            _groups.clear()
+        found = _groups[key] = [i for i, x in enumerate(widths) if x == w]
+    return found
+
+
+def read(item: bytes) -> tuple[np.ndarray, bytes]:
+    """The block's values (30 x n, int64, column by column: writable, the caller's own)
+    and its digests. ValueError if its header or length does not hold; its CRCs are not
+    looked at (`damaged` does)."""
+    if len(item) < HEADER or item[0] != MARK:
+        raise ValueError("not a step block")
+    n = int.from_bytes(item[1:5], "little")
+    widths = item[5:HEADER]
+    if n < 1 or any(w not in _WIDTHS for w in widths):
+        raise ValueError(f"a step block of {n} steps with widths {widths.hex()}")
+    at = HEADER + n * sum(widths)
+    if len(item) != at + 36 * n:
+        raise ValueError(f"a step block of {len(item)} bytes, its header says {at + 36 * n}")
+    m = np.empty((VALUES, n), np.int64)
+    at = HEADER
+    for w in _WIDTHS:
+        group = _group(widths, w)
+        if group:
+            k = len(group)
+            m[group] = np.frombuffer(item, f"<i{w}", k * n, at).reshape(k, n)
+            at += k * n * w
+    return m, item[at:at + 32 * n]
+
+
+def damaged(item: bytes) -> int:
+    """The first step of a block whose CRC fails (0: the block does not parse, or no step's
+    CRC fails: the damage is in what they do not cover, which the first step is named for)."""
+    try:
+        m, digests = read(item)
+    except ValueError:
+        return 0
+    n = m.shape[1]
+    flat, crc = m.T.astype("<i8").tobytes(), zlib.crc32
+    stored = struct.unpack_from(f"<{n}I", item, len(item) - 4 * n)
+    for i in range(n):
+        if crc(digests[32 * i:32 * i + 32], crc(flat[240 * i:240 * i + 240])) != stored[i]:
+            return i
+    return 0
+
+
+def invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int | None:
+    """The first step whose values no Step could hold (an index past its table, a negative
+    count, a flag not 0 or 1, a call's values without a call), or None. A run's columns'
+    least and greatest values settle most blocks in two array calls."""
+    lo, hi = m.min(axis=1).tolist(), m.max(axis=1).tolist()
+    if (min(lo[:20]) >= 0 and hi[0] < streams and max(hi[1:4]) < prefixes and max(hi[18:20]) <= 1
+            and (lo[19] == 1 and hi[4] < prefixes and min(lo[15:18]) >= 1
+                 or hi[19] == 0 and not any(lo[i] or hi[i] for i in NO_CALL))
+            and (lo[18] == 1 or hi[18] == 0 and digests == bytes(len(digests)))):
+        return None
+    for i, v in enumerate(m.T.tolist()):  # mixed calls or digests, or a bad step: step by step
+        if not step_ok(v, digests[32 * i:32 * i + 32], streams, prefixes):
+            return i
+    return None
+
+
+def step_ok(v: Sequence[int], digest: bytes, streams: int, prefixes: int) -> bool:
+    """Whether one step's values are a Step's (see `invalid`)."""
+    if min(v[:20]) < 0 or v[0] >= streams or max(v[1:4]) >= prefixes or v[18] > 1 or v[19] > 1:
+        return False
+    if v[19]:
+        return v[4] < prefixes and min(v[15:18]) >= 1
+    return not any(v[i] for i in NO_CALL) and (v[18] == 1 or digest == NO_DIGEST)
