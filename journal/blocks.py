@@ -93,21 +93,41 @@ def read(item: bytes) -> tuple[np.ndarray, bytes]:
     if len(item) < HEADER or item[0] != MARK:
         raise ValueError("not a step block")
     n = int.from_bytes(item[1:5], "little")
-    widths = item[5:HEADER]
-    if n < 1 or any(w not in _WIDTHS for w in widths):
-        raise ValueError(f"a step block of {n} steps with widths {widths.hex()}")
-    at = HEADER + n * sum(widths)
+    layout = _layout(item[5:HEADER])
+    if n < 1 or layout is None:
+        raise ValueError(f"a step block of {n} steps with widths {item[5:HEADER].hex()}")
+    size, groups, order = layout
+    at = HEADER + n * size
     if len(item) != at + 36 * n:
         raise ValueError(f"a step block of {len(item)} bytes, its header says {at + 36 * n}")
-    m = np.empty((VALUES, n), np.int64)
-    at = HEADER
-    for w in _WIDTHS:
-        group = _group(widths, w)
-        if group:
-            k = len(group)
-            m[group] = np.frombuffer(item, f"<i{w}", k * n, at).reshape(k, n)
-            at += k * n * w
-    return m, item[at:at + 32 * n]
+    stored = np.empty((VALUES, n), np.int64)  # the columns in the order they are stored
+    row, start = 0, HEADER
+    for dtype, k in groups:
+        stored[row:row + k] = np.frombuffer(item, dtype, k * n, start).reshape(k, n)
+        row, start = row + k, start + k * n * dtype.itemsize
+    return (stored if order is None else stored[order]), item[at:at + 32 * n]
+
+
+# widths -> a step's bytes in the columns, each width group's (dtype, columns), and where
+# each column is among the stored ones (None: in place)
+_Layout = tuple[int, list[tuple[np.dtype, int]], np.ndarray | None]
+_layouts: dict[bytes, _Layout | None] = {}
+
+
+def _layout(widths: bytes) -> _Layout | None:
+    """How a block of these widths is stored, or None: a width that is none of 1, 2, 4 or 8
+    (records repeat their widths: cached)."""
+    if widths in _layouts:
+        return _layouts[widths]
+    found = None
+    if all(w in _WIDTHS for w in widths):
+        stored = [i for w in _WIDTHS for i in _group(widths, w)]
+        order = None if stored == sorted(stored) else np.argsort(np.array(stored, np.intp))
+        found = (sum(widths), [(np.dtype(f"<i{w}"), len(_group(widths, w))) for w in _WIDTHS if w in widths], order)
+    if len(_layouts) > 4096:  # a cache, not a registry
+        _layouts.clear()
+    _layouts[widths] = found
+    return found
 
 
 def damaged(item: bytes) -> int:
@@ -132,8 +152,9 @@ def invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int |
     least and greatest values settle most blocks in two array calls."""
     lo, hi = m.min(axis=1).tolist(), m.max(axis=1).tolist()
     if (min(lo[:20]) >= 0 and hi[0] < streams and max(hi[1:4]) < prefixes and max(hi[18:20]) <= 1
+            # every step has a call; or none has, and its columns are 0 (those of 0-19 are >= 0)
             and (lo[19] == 1 and hi[4] < prefixes and min(lo[15:18]) >= 1
-                 or hi[19] == 0 and not any(lo[i] or hi[i] for i in NO_CALL))
+                 or hi[19] == 0 == hi[4] == max(hi[13:18]) == lo[29] == hi[29])
             and (lo[18] == 1 or hi[18] == 0 and digests == bytes(len(digests)))):
         return None
     for i, v in enumerate(m.T.tolist()):  # mixed calls or digests, or a bad step: step by step

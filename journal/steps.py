@@ -116,6 +116,7 @@ _decode_step = msgspec.msgpack.Decoder(Step).decode
 # Record format 7 stores a record's run of steps as one block of columns (journal.blocks).
 Row = tuple[tuple[int, ...], bytes | None]  # a step's thirty values (journal.blocks' order) and its digest
 MARK = 0xC1  # a block's first byte: one msgpack never writes, and not an event's "{"
+_RUNNING = (21, 27, 28)  # a block's columns a fold reads as running sums: mono, publish and start txn
 _NO_CALL_VALUES = (0, 0, 0, 0, 0, 0)  # a step without a call: its prefix, index, threads, size, new_pad, key_extent
 
 
@@ -578,9 +579,8 @@ class StepReader:
             raise BadRow(bad, self._block_values(m, digests, at, bad),
                          ValueError(f"step {bad} of its block holds a value out of its range")) from None
         sums = m[20:30].view(np.uint64).sum(axis=1).tolist()  # uint64 sums wrap as the masks do
-        op = (last[3] + sums[3]) & _MASK
-        g = m[24:27, -1].tolist()
-        event_id = f"{ctx.prefixes[int(m[1, -1])]}{(op + g[0] + g[1] + g[2]) & _MASK:016x}"
+        op, final = (last[3] + sums[3]) & _MASK, m[:, -1].tolist()
+        event_id = f"{ctx.prefixes[final[1]]}{(op + final[24] + final[25] + final[26]) & _MASK:016x}"
         later = self._at(last)
 
         def values() -> list[StepValues]:
@@ -589,7 +589,7 @@ class StepReader:
         cols = None
         if columns:
             # the clocks and txn counters: running sums from where the last run ended
-            running = m[[21, 27, 28]].view(np.uint64)
+            running = m.take(_RUNNING, axis=0).view(np.uint64)
             running[:, 0] += np.array((last[1], last[4], last[5]), np.uint64)
             running.cumsum(axis=1, out=running)
             mono, ptxn, stxn = running
