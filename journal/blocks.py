@@ -31,6 +31,7 @@ imports no numpy (tests/test_layers.py).
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -50,7 +51,7 @@ _STEP = 8 * VALUES + 32  # the bytes a step's CRC covers
 def pack(rows: Sequence[Row]) -> bytes:
     """The block of `rows` (each value an int64: StepWriter.values_row checks it)."""
     n = len(rows)
-    m = np.array([r[0] for r in rows], np.int64)
+    m = np.fromiter(itertools.chain.from_iterable([r[0] for r in rows]), np.int64, VALUES * n).reshape(n, VALUES)
     digests = b"".join(NO_DIGEST if d is None else d for _, d in rows)
     widths = bytes(_width(lo, hi) for lo, hi in zip(m.min(axis=0).tolist(), m.max(axis=0).tolist()))
     cols = m.T
@@ -165,8 +166,7 @@ def invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int |
 
 def step_ok(v: Sequence[int], digest: bytes, streams: int, prefixes: int) -> bool:
     """Whether one step's values are a Step's (see `invalid`)."""
-    if min(v[:20]) < 0 or v[0] >= streams or max(v[1:4]) >= prefixes or v[18] > 1 or v[19] > 1:
+    if (min(v[:20]) < 0 or v[0] >= streams or max(v[1:4]) >= prefixes or v[18] > 1 or v[19] > 1
+            or not (v[18] or digest == NO_DIGEST)):
         return False
-    if v[19]:
-        return v[4] < prefixes and min(v[15:18]) >= 1
-    return not any(v[i] for i in NO_CALL) and (v[18] == 1 or digest == NO_DIGEST)
+    return v[4] < prefixes and min(v[15:18]) >= 1 if v[19] else not any(v[i] for i in NO_CALL)

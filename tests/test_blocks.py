@@ -1,0 +1,153 @@
+"""Record format 7's blocks (journal.blocks): a run of decode steps as columns.
+
+- Any thirty int64s a step and any digests pack and read back exactly, whatever widths
+  their columns need (1, 2, 4 or 8 bytes) and in whatever order those widths fall.
+- A changed byte anywhere in a step's columns, its digest or its CRC is named at that
+  step by the CRC column; one in the header at the first step.
+- A block whose CRCs hold but whose values no Step could hold (forged, or written by a
+  faulty writer) is refused at the first such step, by the run's fast check and by the
+  step-by-step one alike; a record holding one is damaged exactly there, the events
+  before it intact.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.journal import blocks
+from kvledger.journal.blocks import VALUES, damaged, invalid, pack, read, step_ok
+from kvledger.journal.records import Damage, audit_record, pack_record, unpack_record
+from kvledger.journal.steps import BadRow, StepReader
+
+from stored_rows import sql
+
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+# a column's values, drawn to need a given width
+WIDE = st.sampled_from([(-128, 127), (-(1 << 15), (1 << 15) - 1), (-(1 << 31), (1 << 31) - 1),
+                        (-(1 << 63), (1 << 63) - 1)])
+
+
+@st.composite
+def runs(draw):
+    n = draw(st.integers(1, 9))
+    bounds = [draw(WIDE) for _ in range(VALUES)]
+    rows = [(tuple(draw(st.integers(*bounds[c])) for c in range(VALUES)),
+             draw(st.one_of(st.none(), st.binary(min_size=32, max_size=32)))) for _ in range(n)]
+    return rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(runs())
+def test_a_block_reads_back_its_values_and_digests(rows):
+    block = pack(rows)
+    m, digests = read(block)
+    assert m.T.tolist() == [list(v) for v, _ in rows]
+    assert digests == b"".join(bytes(32) if d is None else d for _, d in rows)
+    assert damaged(block) == 0  # every CRC holds
+
+
+def _valid(n: int, calls: bool) -> list:
+    """n steps a Step could hold: streams 0..n-1 of n, prefix 0 of 2, with calls or none."""
+    rows = []
+    for i in range(n):
+        v = [0] * VALUES
+        v[0], v[5], v[7], v[12], v[18] = i, 10 + 3 * i, 40 + i, 7 * i, 1
+        v[20:30] = [i - 2, 5, -3, 4, 1, 1, 1, 2, 2, 0]
+        if calls:
+            v[4], v[13], v[15], v[16], v[17], v[19], v[29] = 1, i, 8, 1, 41 + i, 1, 1
+        rows.append((tuple(v), bytes([i + 1]) * 32))
+    return rows
+
+
+@pytest.mark.parametrize("calls", [False, True])
+def test_every_byte_of_a_step_is_named_at_that_step(calls):
+    rows = _valid(6, calls)
+    block = pack(rows)
+    n, widths = len(rows), block[5:blocks.HEADER]
+    for at in range(len(block)):
+        edited = bytearray(block)
+        edited[at] ^= 0x10
+        if at < blocks.HEADER:
+            expected = 0  # the header: the block does not parse, or parses to other steps
+        elif at < len(block) - 36 * n:  # the columns: which step's value is this byte of?
+            offset, start = at - blocks.HEADER, 0
+            for w in (1, 2, 4, 8):
+                size = w * n * widths.count(w)
+                if offset < start + size:
+                    expected = (offset - start) // w % n
+                    break
+                start += size
+        elif at < len(block) - 4 * n:
+            expected = (at - (len(block) - 36 * n)) // 32
+        else:
+            expected = (at - (len(block) - 4 * n)) // 4
+        assert damaged(bytes(edited)) == expected, at
+
+
+# One value of one step set to what no Step holds, (column, value): an index past its
+# table (6 streams, 2 prefixes) or negative, a negative count, a flag not 0 or 1, a digest
+# flag of 0 over digest bytes; without a call, any of a call's values; with one, a size
+# of 0 or a call prefix past the table.
+BAD = [(0, 6), (0, -1), (1, 2), (3, 9), (7, -1), (12, -5), (18, 2), (19, 2), (18, 0)]
+BAD_WITHOUT = [(4, 1), (13, 1), (15, 8), (29, 3), (19, 3)]
+BAD_WITH = [(4, 2), (15, 0), (17, 0), (19, 0)]
+
+
+@pytest.mark.parametrize("calls, column, value", [(c, *b) for c in (False, True) for b in BAD]
+                         + [(False, *b) for b in BAD_WITHOUT] + [(True, *b) for b in BAD_WITH])
+def test_a_value_no_step_holds_is_refused_at_its_step(calls, column, value):
+    for k in range(4):
+        rows = _valid(4, calls)
+        v = list(rows[k][0])
+        v[column] = value
+        rows[k] = (tuple(v), rows[k][1])
+        m, digests = read(pack(rows))
+        assert invalid(m, digests, 6, 2) == k, (column, value, k)
+        assert [step_ok(v, d, 6, 2) for v, d in rows].index(False) == k
+    assert invalid(*read(pack(_valid(4, calls))), 6, 2) is None
+
+
+def test_mixed_calls_and_digests_are_valid_step_by_step():
+    rows = _valid(4, True)[:2] + _valid(4, False)[2:]
+    rows[1] = (rows[1][0][:18] + (0,) + rows[1][0][19:], None)  # a step without a digest: zeros
+    m, digests = read(pack(rows))
+    assert invalid(m, digests, 6, 2) is None
+
+
+def test_a_record_with_a_forged_step_is_damaged_at_that_step(db_url):
+    """A real record's block with step 5's stream index past the record's table, its CRCs
+    recomputed: the record is damaged at step 5, the 5 steps before it intact."""
+    from kvledger.engine.service import CommandService
+    from kvledger.migrations.storage import open_or_create_journal
+
+    from bench.tokens import Lockstep
+
+    with open_or_create_journal(db_url) as journal:
+        run = Lockstep(CommandService(journal), 2, 4, "blocks")
+        run.step()
+        run.step()
+    body = bytes(sql(db_url, "SELECT body FROM kvl_records ORDER BY last_position DESC LIMIT 1")[0][0])
+    parts = unpack_record(body)
+    assert parts.format == 7 and len(parts.event_lengths) == 1  # the 64 steps: one block
+    block = parts.data[:parts.event_lengths[0]]
+    rows = [(tuple(v), d) for v, d in zip(read(block)[0].T.tolist(), [block[-36 * 64:][32 * i:32 * i + 32]
+                                                                       for i in range(64)])]
+    v = list(rows[5][0])
+    v[0] = 64  # the record's table has 64 streams
+    rows[5] = (tuple(v), rows[5][1])
+    forged = pack(rows)
+    data = forged + parts.data[len(block):]
+    lengths = [len(forged)]
+    found = audit_record(pack_record(msgspec.structs.replace(
+        parts, event_lengths=lengths, event_crcs=[zlib.crc32(forged)], data=data)))
+    assert isinstance(found, Damage) and found.index == 15, found
+    assert "does not rebuild" in found.message and len(found.events) == 15
+    reader = StepReader(parts.data[-parts.receipt_lengths[-1]:])
+    with pytest.raises(BadRow) as bad:
+        reader.block(forged, 0)
+    assert bad.value.offset == 5 and len(bad.value.values) == 5
