@@ -7,13 +7,15 @@ columnar encoding would, at a fraction of the code: a batch of decode chains rep
 every field name and most values, and 2.5 KB of JSON per decoded token stores in about
 140 bytes, receipts included. Format 2 compresses with zstd level 1: against format 1's
 zlib level 1 it writes 37% fewer bytes in a fifth of the CPU time (docs/COMPACT.md);
-formats 3 to 5 shrink the receipts and the header (below). Every older format stays
-readable.
+formats 3 to 5 shrink the receipts and the header (below); formats 6 and 7 store a
+decode step as values rather than three events (journal.steps, journal.blocks). Every
+older format stays readable.
 
 Tamper evidence (issue 17): each event and receipt carries a CRC-32 of its own bytes in
 the record's lists (format 5: inside the frame), and each record a chain digest, SHA-256(previous record's chain ||
 SHA-256(body)). A changed byte anywhere in a record breaks the chain there; its CRCs
-name the first event whose bytes changed. The chain costs 32 bytes a commit.
+name the first event whose bytes changed (a decode step's: its first event; in a format 7
+block, the block's CRC column names the step). The chain costs 32 bytes a commit.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.manifest import Manifest
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-# 7: 6, with fixed-width rows; 6: 5, with decode steps as msgpack rows (journal.steps),
-# written when a record holds one;
+# 7: 6, with a run of decode steps as one block of columns (journal.blocks), written
+# when a record holds a step; 6: 5, with decode steps as msgpack rows (journal.steps);
 # 5: 4, with the lengths and CRCs inside the zstd frame; 4: 3, and a decode chain's
 # fingerprint derived from its events; 3: zstd, compact receipts; 2: zstd, receipts as
 # JSON; 1: zlib

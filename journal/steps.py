@@ -26,10 +26,10 @@ a damaged row is named by its first event. The record's shared values (its first
 position, the commit time, the id prefixes, each stream's envelope and cache ABI) are a
 `Context` stored after the receipts.
 
-Format 6 stored a Step as msgpack; format 7 (written since step 21) stores the same
-values as a fixed-width row (MARK, thirty int64s, the digest), so that a run of rows is
-read as one array rather than decoded row by row. Both are read; what a reader gives is
-the same for either.
+Format 6 stored a Step as msgpack, one row an item; format 7 (written since step 21)
+stores a record's run of steps as one block of the same values, column by column
+(journal.blocks), so that a fold reads a run as arrays rather than decoding it row by
+row. Both are read; what a reader gives is the same for either.
 """
 
 from __future__ import annotations
