@@ -1,5 +1,5 @@
-"""Decode steps stored as one row each: record formats 6 and 7 (docs/COMPACT.md, steps 12
-and 21).
+"""Decode steps stored as values, not events: record formats 6 (a row a step) and 7 (a block
+of columns a run; journal.blocks) (docs/COMPACT.md, steps 12 and 21).
 
 A worker's decode step writes three events (append_publish, output_emit, append_start)
 and a receipt. In the form the service's decode lane marks derived (engine/decode_step.py,
@@ -551,7 +551,6 @@ class StepReader:
             _indexes(stxn_prefix, nprefixes), stxn_n, ctx.streams, ctx.prefixes)
         gaps = cols[7][-1]
         return columns, state, f"{ctx.prefixes[cols[5][-1]]}{(op + gaps[0] + gaps[1] + gaps[2]) & _MASK:016x}"
-
 
     def _at(self, last: tuple[int, int, int, int, int, int, int]) -> StepReader:
         """A reader of the same record whose rows continue from `last` (a run's values
