@@ -149,9 +149,11 @@ class Projector:
                 if cls is StepRun:
                     if applied is not None:  # what this call applied so far, before the run goes in
                         self.position, self.last_event_id = position, applied.event_id
-                    runs.apply(self, e)  # type: ignore[arg-type]  # the class, checked
+                    runs.hold(self, e)  # type: ignore[arg-type]  # the class, checked
                     position, applied = self.position, None
                     continue
+                if runs.held:  # folded before anything else: the ledger is one sequence
+                    runs.settle(self)
                 if live and e.stream_id in live:  # type: ignore[union-attr]  # a StepRun went on above
                     runs.flush(self)
                 if cls is StepValues:

@@ -26,7 +26,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from kvledger.engine.state import OpenTxn, grown
-from kvledger.journal.steps import StepRun, counter_of
+from kvledger.journal.steps import StepColumns, StepRun, counter_of
 
 if TYPE_CHECKING:
     from kvledger.replay.projector import Projector
@@ -45,7 +45,8 @@ _B_TOKEN, _COPIES, _LENGTH, _SLICE, _TOTAL = 1 << 24, 16, 1 << 24, 512, 1 << 61
 
 
 class RunFold:
-    __slots__ = ("slot", "sids", "armed", "live", "pending", "prefix_id", "prefixes", "table", *_ARRAYS)
+    __slots__ = ("slot", "sids", "armed", "live", "pending", "prefix_id", "prefixes", "table", "held", "held_steps",
+                 "before", *_ARRAYS)
     # The arrays set by name (setattr) in __init__, declared for the type checker.
     exp_prefix: np.ndarray
     exp_counter: np.ndarray
@@ -65,6 +66,11 @@ class RunFold:
         self.prefixes: list[str] = []
         self.armed = np.zeros(0, bool)
         self.table: tuple[object, np.ndarray] = (None, self.armed)  # a streams table and its slots
+        # Runs taken but not yet folded (`hold`): consecutive, at most _SLICE steps, folded
+        # together at `settle`, before anything else is; the projector's position before them.
+        self.held: list[StepRun] = []
+        self.held_steps = 0
+        self.before: tuple[int, str | None] = (0, None)
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0, np.uint64 if name == "exp_counter" else np.int64))
 
@@ -76,15 +82,8 @@ class RunFold:
         if c is None or p.trajectory is not None:
             p._feed(run.values())
             return
-        if c.streams is self.table[0]:  # the last run's streams (journal.steps shares a record's table)
-            table = self.table[1]
-        else:
-            get = self.slot.get
-            known = [get(s[0]) for s in c.streams]
-            table = np.array(known if None not in known else [self._slot_of(s[0]) for s in c.streams], np.int64)
-            self.table = (c.streams, table)  # a stream's slot never changes
-        slots = table[c.stream]
-        ids = np.array([self._prefix_of(x) for x in c.prefixes], np.int64)
+        slots = self._slots(c)
+        ids = self._ids(c.prefixes)
         ptxn_prefix, stxn_prefix = ids[c.ptxn_prefix], ids[c.stxn_prefix]
         n, i, ls = run.count, 0, p.ledger
         while i < n:
@@ -113,6 +112,101 @@ class RunFold:
             p._feed(run.values()[i:j])
             i = j
 
+    # -- runs of several records -----------------------------------------------------
+    # A record holds one step of each of 64 handles: folded a record at a time, a fold paid
+    # ~40 array calls per 64 steps. Consecutive runs are held and folded together, a
+    # handle's later steps checked against its earlier ones in the same arrays.
+
+    def hold(self, p: Projector, run: StepRun) -> None:
+        """Take `run` (its first step at p.position + 1), to be folded with the runs held
+        before it at `settle`; the projector's position moves past it now."""
+        if self.held and (run.global_position != self.held[-1].last_position + 1
+                          or self.held_steps + run.count > _SLICE):
+            self.settle(p)
+        if run.columns is None or p.trajectory is not None or run.count > _SLICE:
+            self.settle(p)
+            self.apply(p, run)
+            return
+        if not self.held:
+            self.before = (p.position, p.last_event_id)
+        self.held.append(run)
+        self.held_steps += run.count
+        p.position, p.last_event_id = run.last_position, run.event_id
+
+    def settle(self, p: Projector) -> None:
+        """Fold the held runs: together when every step of them is one `apply` would take
+        (each handle's steps checked against its previous one), else the first alone and
+        the rest again (a generation's first steps publish its prefill: a handle that owns
+        no bytes yet is `apply`'s to fold)."""
+        held = self.held
+        if not held:
+            return
+        self.held, self.held_steps = [], 0
+        last_id = self.before[1]
+        for i, run in enumerate(held):
+            if len(held) - i > 1 and self._together(p, held[i:]):
+                return
+            # this run alone, from where it starts, as if never held; then the rest together
+            p.position, p.last_event_id = run.global_position - 1, last_id
+            self.apply(p, run)
+            last_id = p.last_event_id
+
+    def _together(self, p: Projector, held: list[StepRun]) -> bool:
+        """Fold consecutive runs in one slice if every step is taken (`apply`'s checks,
+        against the handle's previous step in these runs where it has one); False, having
+        folded nothing, if one is not."""
+        ls = p.ledger
+        if not (-_TOTAL < ls.logical < _TOTAL and -_TOTAL < ls.materialized < _TOTAL):  # sums past int64
+            return False
+        cols = [r.columns for r in held if r.columns is not None]  # all of them: hold takes runs with columns
+        slots = np.concatenate([self._slots(c) for c in cols])
+        cold = ~self.armed[slots]
+        if cold.any():
+            for u in set(slots[cold].tolist()):
+                self._arm(p, u)
+        ids = [self._ids(c.prefixes) for c in cols]
+        ptxn_prefix = np.concatenate([i[c.ptxn_prefix] for i, c in zip(ids, cols)])
+        stxn_prefix = np.concatenate([i[c.stxn_prefix] for i, c in zip(ids, cols)])
+        ptxn, stxn, committed, mono, workspace, token, position, snapshot = (
+            np.concatenate([getattr(c, name) for c in cols])
+            for name in ("ptxn", "stxn", "committed", "mono", "workspace", "token", "position", "snapshot"))
+        # Each step's previous step of the same handle in these runs (-1: none), by a
+        # stable sort of the slots.
+        order = np.argsort(slots, kind="stable")
+        same = slots[order[1:]] == slots[order[:-1]]
+        prev = np.full(len(slots), -1, np.int64)
+        prev[order[1:][same]] = order[:-1][same]
+        has, at = prev >= 0, np.maximum(prev, 0)
+        before = np.where(has, committed[at], self.committed[slots])
+        ok = (self.armed[slots] & (np.where(has, stxn_prefix[at], self.exp_prefix[slots]) == ptxn_prefix)
+              & (np.where(has, stxn[at], self.exp_counter[slots]) == ptxn) & (committed > before)
+              & (committed < _LENGTH))
+        if not ok.all():
+            return False
+        ls.grow(held[0].global_position, committed, before, self.b_token[slots], self.tiers[slots], mono, workspace)
+        last = order[np.append(~same, True)]  # each handle's last step
+        s = slots[last]
+        self.committed[s] = committed[last]
+        self.exp_prefix[s], self.exp_counter[s] = stxn_prefix[last], stxn[last]
+        self.pending.append((slots, token, mono, committed, position, snapshot))
+        p.position, p.last_event_id = held[-1].last_position, held[-1].event_id
+        return True
+
+    def _slots(self, c: StepColumns) -> np.ndarray:
+        """The slots of a run's steps' handles."""
+        if c.streams is self.table[0]:  # the last run's streams (journal.steps shares a record's table)
+            table = self.table[1]
+        else:
+            get = self.slot.get
+            known = [get(s[0]) for s in c.streams]
+            table = np.array(known if None not in known else [self._slot_of(s[0]) for s in c.streams], np.int64)
+            self.table = (c.streams, table)  # a stream's slot never changes
+        slots: np.ndarray = table[c.stream]
+        return slots
+
+    def _ids(self, prefixes: list[str]) -> np.ndarray:
+        return np.array([self._prefix_of(x) for x in prefixes], np.int64)
+
     def _take(self, p: Projector, run: StepRun, a: int, b: int, s: np.ndarray, stxn_prefix: np.ndarray) -> None:
         """Steps a..b-1 of `run`, every one taken (apply checked them), distinct handles."""
         c = run.columns
@@ -131,6 +225,7 @@ class RunFold:
 
     def flush(self, p: Projector) -> None:
         """Every handle's state, Work and Owner as its steps so far leave them."""
+        self.settle(p)
         if self.pending:
             slots = np.concatenate([x[0] for x in self.pending])
             order = np.argsort(slots, kind="stable")  # each handle's steps together, in order

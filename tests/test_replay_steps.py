@@ -225,3 +225,70 @@ def test_ledgers_past_int64_fold_as_their_events(journals):
         b.feed(items[cut:])
         assert a.ledger.peak_logical > 1 << 63
         _same(a, b)
+
+
+def test_consecutive_records_fold_together(journals, monkeypatch):
+    """Runs of consecutive records are held and folded as one slice (replay.runs.RunFold.
+    hold), each handle's step checked against its step in the record before; the lockstep's
+    first records publish their prefills (handles that own no bytes yet), which fold alone
+    before the rest go together. The state is the events' fold, whole and resumed."""
+    from kvledger.replay.runs import RunFold
+
+    together = RunFold._together
+    taken: list[int] = []
+
+    def spy(self, p, held):
+        done = together(self, p, held)
+        taken.extend([len(held)] if done else [])
+        return done
+
+    monkeypatch.setattr(RunFold, "_together", spy)
+    with open_journal(journals) as journal:
+        events = list(journal.read_all())
+        items = list(journal.read_fold())
+        _same(Projector().feed(events), Projector().feed(items))
+        assert taken and max(taken) >= 4  # the lockstep's records after its first went together
+        runs = [x for x in items if type(x) is StepRun]
+        cut = runs[-3].global_position - 1  # resumed with two held runs still to come
+        p = Projector().feed(events[:cut])
+        p.feed(journal.read_fold(after=cut))
+        _same(Projector().feed(events), p)
+
+
+@pytest.mark.parametrize("forge", ["counter", "prefix"])
+def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
+    """The last record's step 10 forged to publish a txn its handle never started, by its
+    counter or its prefix (its block repacked with fresh CRCs, which a read checks; the
+    chain is verify's): folded from held runs, it fails where, and as, its event does."""
+    import zlib
+
+    from kvledger.journal.blocks import pack, read
+    from kvledger.journal.records import pack_record, unpack_record
+
+    from stored_rows import sql
+
+    last, body = sql(journals, "SELECT last_position, body FROM kvl_records ORDER BY last_position DESC LIMIT 1")[0]
+    parts = unpack_record(bytes(body))
+    block = parts.data[:parts.event_lengths[0]]
+    m, digests = read(block)
+    n = m.shape[1]
+    if forge == "counter":
+        m[27, 10] += 1  # the publish txn's counter, as a difference from the step before
+    else:
+        assert m[2, 10] != m[1, 10]
+        m[2, 10] = m[1, 10]  # the publish txn's prefix: the operation ids' instead
+    forged = pack([(tuple(v), digests[32 * i:32 * i + 32] if v[18] else None) for i, v in enumerate(m.T.tolist())])
+    assert len(forged) == len(block) and n == 64
+    data = forged + parts.data[len(block):]
+    stored = pack_record(msgspec.structs.replace(parts, event_crcs=[zlib.crc32(forged), *parts.event_crcs[1:]],
+                                                 data=data))
+    sql(journals, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=stored, p=last)
+    with open_journal(journals) as journal:
+        errors = []
+        for items in (journal.read_all(), journal.read_fold()):
+            p = Projector()
+            with pytest.raises(KvLedgerError) as err:
+                p.feed(items)
+            errors.append((err.value.code, err.value.message, p.position))
+    assert errors[0] == errors[1]
+    assert errors[0][0].value == "CORRUPT_JOURNAL" and errors[0][2] == last - 3 * (64 - 10)
