@@ -9,6 +9,11 @@ step is checked against (its open txn, committed length) and what its Work adds 
 handle's HandleState, Work and ledger Owner take those results at `flush`: before any
 other item of its stream is folded, and at the end of every `Projector.feed`.
 
+Consecutive records' runs are held (`hold`, up to 512 steps) and folded as one slice at
+`settle`, before any other item is folded (the ledger is one sequence): a lockstep record
+holds one step of each handle, and a record at a time paid ~40 array calls a record. In
+the held slice a handle's step is checked against its step in the record before.
+
 A step is taken here only where `Projector._step` would take it (one open append whose
 txn the step publishes, not a verify), its handle already owns ledger bytes (a first
 publication changes the physical ledger, which a run holds constant), its committed
