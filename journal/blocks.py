@@ -45,7 +45,7 @@ HEADER = 5 + VALUES
 NO_DIGEST = bytes(32)
 NO_CALL = (4, 13, 14, 15, 16, 17, 29)  # the columns a step without a call stores as 0
 _WIDTHS = (1, 2, 4, 8)
-_STEP = 8 * VALUES + 32  # the bytes a step's CRC covers
+_ROW = 8 * VALUES  # a step's values as int64, which its CRC covers with its digest
 
 
 def pack(rows: Sequence[Row]) -> bytes:
@@ -60,9 +60,13 @@ def pack(rows: Sequence[Row]) -> bytes:
         group = _group(widths, w)
         if group:
             parts.append(cols[group].astype(f"<i{w}").tobytes())
-    flat, crc = m.astype("<i8").tobytes(), zlib.crc32
-    crcs = [crc(digests[32 * i:32 * i + 32], crc(flat[240 * i:240 * i + 240])) for i in range(n)]
-    return b"".join([*parts, digests, struct.pack(f"<{n}I", *crcs)])
+    return b"".join([*parts, digests, struct.pack(f"<{n}I", *_crcs(m, digests))])
+
+
+def _crcs(rows: np.ndarray, digests: bytes) -> list[int]:
+    """Each step's CRC-32: of its values (`rows`, n x 30) as int64, then its digest."""
+    flat, crc = rows.astype("<i8").tobytes(), zlib.crc32
+    return [crc(digests[32 * i:32 * i + 32], crc(flat[_ROW * i:_ROW * (i + 1)])) for i in range(len(rows))]
 
 
 def _width(lo: int, hi: int) -> int:
@@ -139,12 +143,8 @@ def damaged(item: bytes) -> int:
     except ValueError:
         return 0
     n = m.shape[1]
-    flat, crc = m.T.astype("<i8").tobytes(), zlib.crc32
     stored = struct.unpack_from(f"<{n}I", item, len(item) - 4 * n)
-    for i in range(n):
-        if crc(digests[32 * i:32 * i + 32], crc(flat[240 * i:240 * i + 240])) != stored[i]:
-            return i
-    return 0
+    return next((i for i, (a, b) in enumerate(zip(_crcs(m.T, digests), stored)) if a != b), 0)
 
 
 def invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int | None:
