@@ -117,7 +117,6 @@ _decode_step = msgspec.msgpack.Decoder(Step).decode
 Row = tuple[tuple[int, ...], bytes | None]  # a step's thirty values (journal.blocks' order) and its digest
 MARK = 0xC1  # a block's first byte: one msgpack never writes, and not an event's "{"
 _RUNNING = (21, 27, 28)  # a block's columns a fold reads as running sums: mono, publish and start txn
-_NO_CALL_VALUES = (0, 0, 0, 0, 0, 0)  # a step without a call: its prefix, index, threads, size, new_pad, key_extent
 
 
 class _ContextParts(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -242,35 +241,44 @@ class StepWriter:
                 or not 0 <= mono < _U64 or not 0 <= wall < _U64):
             return None
         ptxn, stxn = self._id(x.publish_txn), self._id(x.start_txn)
-        abi = self._abis.get(x.cache_abi_sha256) or lower_hex(x.cache_abi_sha256, 32)
-        if ptxn is None or stxn is None or abi is None:
+        abi = self._abis.get(x.cache_abi_sha256)
+        if abi is None:
+            abi = lower_hex(x.cache_abi_sha256, 32)
+            if abi is None:
+                return None
+            self._abis[x.cache_abi_sha256] = abi
+        if ptxn is None or stxn is None:
             return None
-        self._abis[x.cache_abi_sha256] = abi
         last = self._last
-        ccount, digest, gaps = last[6], x.digest, x.gaps
+        digest, gaps = x.digest, x.gaps
         if (digest is not None and len(digest) != 32) or len(gaps) != 3:
             return None
-        k, c = _NO_CALL_VALUES, 0
-        if call is not None:
-            cp, ccount, kc = call
-            k = (self._prefix(cp), kc.index, kc.threads, kc.size, kc.new_pad, kc.key_extent)
-            if any(type(v) is not int for v in k):
+        if call is None:
+            cp = ki = kt = ks = kn = ke = c = 0
+            ccount = last[6]
+        else:
+            call_id, ccount, kc = call
+            ki, kt, ks, kn, ke = kc.index, kc.threads, kc.size, kc.new_pad, kc.key_extent
+            if type(ki) is not int or type(kt) is not int or type(ks) is not int or type(kn) is not int \
+                    or type(ke) is not int:
                 return None
-            c = ((ccount - last[6] + _HALF) & _MASK) - _HALF
+            cp, c = self._prefix(call_id), ((ccount - last[6] + _HALF) & _MASK) - _HALF
+        counts = (x.stream_position, x.snapshot, x.committed, x.accepted, x.layers, x.workspace, x.output, x.token,
+                  ki, kt, ks, kn, ke)
+        # A value a block cannot hold, or a negative count (no reader would take it), is
+        # stored as events, as an int msgpack could not hold was in format 6. The indexes
+        # are the writer's own, and a difference below is reduced into int64.
+        if min(counts) < 0 or max(counts) >= _HALF or min(gaps) < -_HALF or max(gaps) >= _HALF:
+            return None
         n = x.op
         # differences modulo 2**64 as signed 64-bit ints (what a reader adds back, modulo 2**64)
         dmono = ((mono - last[1] + _HALF) & _MASK) - _HALF
         values = (
             self._stream(x.stream_id, x.request_id, x.handle_generation, x.source_instance, abi),
-            self._prefix(x.prefix), ptxn[0], stxn[0], k[0], x.stream_position, x.snapshot, x.committed, x.accepted,
-            x.layers, x.workspace, x.output, x.token, *k[1:], digest is not None, call is not None,
+            self._prefix(x.prefix), ptxn[0], stxn[0], cp, *counts, digest is not None, call is not None,
             ((seq - last[0] - 3 + _HALF) & _MASK) - _HALF, dmono, ((wall - last[2] - dmono + _HALF) & _MASK) - _HALF,
             ((n - last[3] + _HALF) & _MASK) - _HALF, *gaps,
             ((ptxn[1] - last[4] + _HALF) & _MASK) - _HALF, ((stxn[1] - last[5] + _HALF) & _MASK) - _HALF, c)
-        # A value a block cannot hold, or a negative index or count (no reader would take
-        # it), is stored as events, as an int msgpack could not hold was in format 6.
-        if min(values[:20]) < 0 or min(values[20:]) < -_HALF or max(values) >= _HALF:
-            return None
         self._last = (seq, mono, wall, n, ptxn[1], stxn[1], ccount)
         self.count += 1
         return values, digest

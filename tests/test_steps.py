@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvledger.journal.blocks import pack
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.journal.records import FORMAT, Damage, audit_record, decode_record, unpack_record
-from kvledger.journal.steps import MARK, VERSIONS, StepReader, StepWriter, is_row
+from kvledger.journal.steps import MARK, VERSIONS, Call, StepReader, StepValues, StepWriter, is_row
 from kvledger.schemas import events as ev
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import decode_chain_fingerprint
@@ -211,3 +211,46 @@ def test_a_lockstep_journal_reads_back_what_was_stamped(db_url, layers):
         receipts += audited.receipts
     assert receipts == [receipt_encoder.encode(r) for r in returned]
 
+
+
+# StepValues fields a block stores as they are (journal.blocks' columns 5-17): a count
+# (>= 0) that must fit an int64. The call's five come from its Call.
+_COUNTS = ("stream_position", "snapshot", "committed", "accepted", "layers", "workspace", "output", "token")
+_CALL_COUNTS = ("index", "threads", "size", "new_pad", "key_extent")
+
+
+def _step_values(**change: object) -> StepValues:
+    call_change = {k: change.pop(k) for k in _CALL_COUNTS if k in change}
+    call = ("ab" * 8, 12, Call(0, 0, **{"index": 1, "threads": 2, "size": 8, "new_pad": 1, "key_extent": 41,
+                                       **call_change}))
+    fields = dict(global_position=0, stream_id="h0", request_id="req-h0", handle_generation=1,
+                  source_instance="kvledger", cache_abi_sha256=ABI, stream_position=10, local_sequence=100,
+                  monotonic_ns=1000, observed_wall_time=2000, prefix="ab" * 8, op=7, gaps=(0, 0, 0),
+                  publish_txn="cd" * 8 + "0" * 16, start_txn="cd" * 8 + "0" * 15 + "1", snapshot=3, committed=40,
+                  accepted=1, layers=2, workspace=0, digest=None, output=5, token=9, call=call)
+    return StepValues(**{**fields, **change})
+
+
+@pytest.mark.parametrize("field", _COUNTS + _CALL_COUNTS)
+def test_a_count_a_block_cannot_hold_is_stored_as_events(field):
+    """values_row refuses (None: the step is stored as its events) a count below 0 or past
+    int64, and takes the greatest int64, stored in its column as it is."""
+    assert StepWriter(1, 0).values_row(_step_values()) is not None
+    for bad in (-1, 1 << 63):
+        assert StepWriter(1, 0).values_row(_step_values(**{field: bad})) is None, (field, bad)
+    row = StepWriter(1, 0).values_row(_step_values(**{field: (1 << 63) - 1}))
+    assert row is not None
+    assert row[0][5 + (_COUNTS + _CALL_COUNTS).index(field)] == (1 << 63) - 1
+    assert pack([row])  # and a block holds it
+
+
+@pytest.mark.parametrize("gap", range(3))
+def test_a_gap_a_block_cannot_hold_is_stored_as_events(gap):
+    """The three gaps are stored as they are (columns 24-26): any int64, no more."""
+    def gaps(v: int) -> tuple[int, ...]:
+        return tuple(v if i == gap else 0 for i in range(3))
+    for bad in (-(1 << 63) - 1, 1 << 63):
+        assert StepWriter(1, 0).values_row(_step_values(gaps=gaps(bad))) is None, bad
+    for edge in (-(1 << 63), (1 << 63) - 1):
+        row = StepWriter(1, 0).values_row(_step_values(gaps=gaps(edge)))
+        assert row is not None and row[0][24 + gap] == edge
