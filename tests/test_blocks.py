@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import msgspec
@@ -49,6 +50,10 @@ def test_a_block_reads_back_its_values_and_digests(rows):
     assert m.T.tolist() == [list(v) for v, _ in rows]
     assert digests == b"".join(bytes(32) if d is None else d for _, d in rows)
     assert damaged(block) == 0  # every CRC holds
+    # the CRC column as the format defines it: of a step's thirty values as int64, then its digest
+    n = len(rows)
+    assert struct.unpack_from(f"<{n}I", block, len(block) - 4 * n) == tuple(
+        zlib.crc32(struct.pack("<30q", *v) + (bytes(32) if d is None else d)) for v, d in rows)
 
 
 def _valid(n: int, calls: bool) -> list:
