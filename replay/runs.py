@@ -51,7 +51,7 @@ _B_TOKEN, _COPIES, _LENGTH, _SLICE, _TOTAL = 1 << 24, 16, 1 << 24, 512, 1 << 61
 
 class RunFold:
     __slots__ = ("slot", "sids", "armed", "live", "pending", "prefix_id", "prefixes", "table", "held", "held_steps",
-                 "before", *_ARRAYS)
+                 "id_before", *_ARRAYS)
     # The arrays set by name (setattr) in __init__, declared for the type checker.
     exp_prefix: np.ndarray
     exp_counter: np.ndarray
@@ -72,10 +72,11 @@ class RunFold:
         self.armed = np.zeros(0, bool)
         self.table: tuple[object, np.ndarray] = (None, self.armed)  # a streams table and its slots
         # Runs taken but not yet folded (`hold`): consecutive, at most _SLICE steps, folded
-        # together at `settle`, before anything else is; the projector's position before them.
+        # together at `settle`, before anything else is; the projector's last event id
+        # before them (a run's own position is where it starts, less one).
         self.held: list[StepRun] = []
         self.held_steps = 0
-        self.before: tuple[int, str | None] = (0, None)
+        self.id_before: str | None = None
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0, np.uint64 if name == "exp_counter" else np.int64))
 
@@ -133,7 +134,7 @@ class RunFold:
             self.apply(p, run)
             return
         if not self.held:
-            self.before = (p.position, p.last_event_id)
+            self.id_before = p.last_event_id
         self.held.append(run)
         self.held_steps += run.count
         p.position, p.last_event_id = run.last_position, run.event_id
@@ -147,7 +148,7 @@ class RunFold:
         if not held:
             return
         self.held, self.held_steps = [], 0
-        last_id = self.before[1]
+        last_id = self.id_before
         for i, run in enumerate(held):
             if len(held) - i > 1 and self._together(p, held[i:]):
                 return
