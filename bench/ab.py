@@ -1,5 +1,5 @@
 """Two commits' write paths at once:
-`python -m bench.ab REV_A REV_B [--pairs N] [--replay | --ceiling | --writer] [--json]`.
+`python -m bench.ab REV_A REV_B [--pairs N] [--replay | --ceiling | --writer | --frames] [--json]`.
 
 This VM's speed moves up to 2x between runs seconds apart, so a rate measured now and
 another measured a minute later compare the machine as much as the code. Here both
@@ -107,6 +107,56 @@ print(*(statistics.median(r[i] for r in runs) for i in range(3)))
 """
 
 
+# --frames: the writer process's own work in the ceiling's run, without the worker beside
+# it. The frames that a run of the ceiling's worker (process writer) sent its writer are
+# recorded once, with this checkout's code (CHILD_RECORD); each side then decides and
+# commits them as engine.remote.serve does, in-process on durable SQLite, pinned to its
+# own core, both sides at once. Prints the median ms an iteration (the first and last,
+# allocations and releases, left out), the median over `--groups` runs of all frames.
+# The ceiling's on rate is bounded by this time, and --ceiling's ratio of two separately
+# measured rates is too noisy on this VM to see a 10% change in it.
+CHILD_RECORD = """
+import sys
+import msgspec
+import kvledger.engine.remote as remote
+from bench import at_threads
+from bench.tokens import _worker_run
+frames, send = [], remote.send
+def record(fd, payload):
+    frames.append(payload)
+    send(fd, payload)
+remote.send = record
+at_threads(1, _worker_run, f"sqlite:///{sys.argv[1]}/record.db", 2, 32, "process")
+with open(sys.argv[2], "wb") as f:
+    f.write(msgspec.msgpack.encode(frames[1:]))  # not the first: the hello, with the URL
+"""
+CHILD_FRAMES = """
+import os, statistics, sys, tempfile, time
+import kvledger
+assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
+import msgspec
+from kvledger.engine import remote
+from kvledger.engine.service import CommandService
+from kvledger.migrations.storage import open_or_create_journal
+with open(os.environ["KVLEDGER_AB_FRAMES"], "rb") as f:
+    frames = msgspec.msgpack.decode(f.read(), type=list[bytes])
+decode = msgspec.msgpack.Decoder(remote._Request).decode
+runs = []
+for _ in range(int(sys.argv[3])):
+    with open_or_create_journal(f"sqlite:///{tempfile.mkdtemp()}/ab.db") as j:
+        service, times = CommandService(j), []
+        for frame in frames:
+            t = time.perf_counter()
+            request = decode(frame)
+            if request.steps is None:
+                service.execute_many(request.commands)
+            else:
+                service.submit_batch(request.steps, request.commands, defer=False)()
+            times.append(time.perf_counter() - t)
+    runs.append(statistics.median(times[1:-1]) * 1e3)
+print(statistics.median(runs))
+"""
+
 def unpack(rev: str, into: Path) -> Path:
     """The commit's tree laid out as the installed package; returns the PYTHONPATH entry."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
@@ -148,10 +198,17 @@ def main() -> None:
     parser.add_argument("--writer", action="store_true",
                         help="the writer's ms over one generation of the ceiling's worker (whole, first and "
                              "last iteration), sides in turn")
+    parser.add_argument("--frames", action="store_true",
+                        help="the ceiling's writer process alone: the frames a ceiling run sent it, decided and "
+                             "committed by each side (ms an iteration), both sides at once")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a, b = unpack(args.a, Path(tmp) / "a"), unpack(args.b, Path(tmp) / "b")
+        if args.frames:
+            frames = Path(tmp) / "frames"
+            subprocess.run([sys.executable, "-c", CHILD_RECORD, tmp, str(frames)], check=True, cwd=ROOT)
+            os.environ["KVLEDGER_AB_FRAMES"] = str(frames)  # the sides' environment (side())
         pairs: list[list[float]] = []
         parts: list[tuple[list[float], list[float]]] = []  # --writer: first and last iteration, each side
         for i in range(args.pairs):
@@ -164,17 +221,18 @@ def main() -> None:
                 if args.writer:
                     parts.append(([round(x, 2) for x in got[a][1:]], [round(x, 2) for x in got[b][1:]]))
             else:
-                child = CHILD_REPLAY if args.replay else CHILD
+                child = CHILD_REPLAY if args.replay else CHILD_FRAMES if args.frames else CHILD
                 procs = side(a, i % 2, args.groups, child), side(b, 1 - i % 2, args.groups, child)
                 us = [float(p.communicate()[0]) for p in procs]
             pairs.append(us)
             if not args.json:
-                unit = "x off's time" if args.ceiling else "ms" if args.writer else "us/token"
+                unit = "x off's time" if args.ceiling else "ms" if args.writer or args.frames else "us/token"
                 more = f" (first, last: A {parts[-1][0]}, B {parts[-1][1]})" if args.writer else ""
                 print(f"pair {i + 1}: A {us[0]:.2f} {unit}, B {us[1]:.2f}, A/B {us[0] / us[1]:.2f}{more}",
                       file=sys.stderr)
     ratios = sorted(x / y for x, y in pairs)
-    unit = "pairs_off_over_on" if args.ceiling else "pairs_writer_ms" if args.writer else "pairs_us_per_token"
+    unit = ("pairs_off_over_on" if args.ceiling else "pairs_writer_ms" if args.writer
+            else "pairs_iteration_ms" if args.frames else "pairs_us_per_token")
     result: dict[str, object] = {"a": args.a, "b": args.b, unit: [[round(x, 2), round(y, 2)] for x, y in pairs],
               "median_a_over_b": round(statistics.median(ratios), 3),
               "min": round(ratios[0], 3), "max": round(ratios[-1], 3)}
