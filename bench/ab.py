@@ -185,6 +185,16 @@ def side(pkg: Path, cpu: int | None, groups: int, child: str = CHILD) -> subproc
                             cwd=pkg.parent)  # not this checkout: its kvledger/ would shadow the package
 
 
+def measured(proc: subprocess.Popen[str], out: str, rev: str) -> list[float]:
+    """What a side printed (`out`, once `proc` has ended), or exit naming the side whose
+    child failed (its traceback is above, on this process's stderr)."""
+    try:
+        return [float(x) for x in out.split()] or [float(out)]
+    except ValueError:
+        raise SystemExit(f"bench.ab: the child measuring {rev} failed (exit {proc.returncode}); "
+                         "its error is above") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("a")
@@ -215,15 +225,18 @@ def main() -> None:
             if args.ceiling or args.writer:  # in turn, A first in even pairs
                 first, second = (a, b) if i % 2 == 0 else (b, a)
                 child = CHILD_WRITER if args.writer else CHILD_CEILING
-                got = {pkg: [float(x) for x in side(pkg, None, 0, child).communicate()[0].split()]
-                       for pkg in (first, second)}
+                got = {}
+                for pkg in (first, second):
+                    proc = side(pkg, None, 0, child)
+                    got[pkg] = measured(proc, proc.communicate()[0], args.a if pkg is a else args.b)
                 us = [got[a][0], got[b][0]]
                 if args.writer:
                     parts.append(([round(x, 2) for x in got[a][1:]], [round(x, 2) for x in got[b][1:]]))
             else:
                 child = CHILD_REPLAY if args.replay else CHILD_FRAMES if args.frames else CHILD
                 procs = side(a, i % 2, args.groups, child), side(b, 1 - i % 2, args.groups, child)
-                us = [float(p.communicate()[0]) for p in procs]
+                outs = [p.communicate()[0] for p in procs]  # both ended before either is judged
+                us = [measured(p, out, rev)[0] for p, out, rev in zip(procs, outs, (args.a, args.b))]
             pairs.append(us)
             if not args.json:
                 unit = "x off's time" if args.ceiling else "ms" if args.writer or args.frames else "us/token"
