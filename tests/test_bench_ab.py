@@ -1,0 +1,37 @@
+"""`python -m bench.ab --frames`, the A/B of the ceiling's writer process (docs/PERFORMANCE.md
+measures the ceiling's regression with it): it records a ceiling run's frames and has
+each side decide and commit them. Tiny sizes: the figures are not checked, only that
+both sides measured and the ratio is theirs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ab(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bench.ab", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def head() -> str:
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.skip("not a git checkout: bench.ab unpacks commits")
+    return found.stdout.strip()
+
+
+def test_frames_measures_both_sides(head):
+    proc = _ab(head, head, "--frames", "--pairs", "1", "--groups", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    [(a, b)] = result["pairs_iteration_ms"]
+    assert a > 0 and b > 0
+    assert result["median_a_over_b"] == pytest.approx(a / b, abs=0.01)
