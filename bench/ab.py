@@ -109,9 +109,10 @@ print(*(statistics.median(r[i] for r in runs) for i in range(3)))
 
 # --frames: the writer process's own work in the ceiling's run, without the worker beside
 # it. The frames that a run of the ceiling's worker (process writer) sent its writer are
-# recorded once, with this checkout's code (CHILD_RECORD); each side then decides and
-# commits them as engine.remote.serve does, in-process on durable SQLite, pinned to its
-# own core, both sides at once. Prints the median ms an iteration (the first and last,
+# recorded once, with this checkout's code (CHILD_RECORD); each side's engine.remote.serve
+# then decides and commits them (durable SQLite) from a pipe, a thread standing in for the
+# worker (one frame in flight, as RemoteService sends them), pinned to its own core, both
+# sides at once. Prints the median ms an iteration (the first and last,
 # allocations and releases, left out), the median over `--groups` runs of all frames.
 # The ceiling's on rate is bounded by this time, and --ceiling's ratio of two separately
 # measured rates is too noisy on this VM to see a 10% change in it.
@@ -131,28 +132,36 @@ with open(sys.argv[2], "wb") as f:
     f.write(msgspec.msgpack.encode(frames[1:]))  # not the first: the hello, with the URL
 """
 CHILD_FRAMES = """
-import os, statistics, sys, tempfile, time
+import os, statistics, sys, tempfile, threading, time
 import kvledger
 assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
 import msgspec
 from kvledger.engine import remote
-from kvledger.engine.service import CommandService
 from kvledger.migrations.storage import open_or_create_journal
 with open(os.environ["KVLEDGER_AB_FRAMES"], "rb") as f:
     frames = msgspec.msgpack.decode(f.read(), type=list[bytes])
-decode = msgspec.msgpack.Decoder(remote._Request).decode
 runs = []
 for _ in range(int(sys.argv[3])):
-    with open_or_create_journal(f"sqlite:///{tempfile.mkdtemp()}/ab.db") as j:
-        service, times = CommandService(j), []
+    url = f"sqlite:///{tempfile.mkdtemp()}/ab.db"
+    with open_or_create_journal(url):
+        pass
+    (to_r, to_w), (from_r, from_w) = os.pipe(), os.pipe()
+    times = []
+    def drive():  # as the worker's RemoteService: a frame, then its reply, one in flight
+        remote.send(to_w, msgspec.msgpack.encode(remote._Hello(url, "kvledger")))
+        remote.receive(from_r)
         for frame in frames:
             t = time.perf_counter()
-            request = decode(frame)
-            if request.steps is None:
-                service.execute_many(request.commands)
-            else:
-                service.submit_batch(request.steps, request.commands, defer=False)()
+            remote.send(to_w, frame)
+            remote.receive(from_r)
             times.append(time.perf_counter() - t)
+        os.close(to_w)
+    driver = threading.Thread(target=drive)
+    driver.start()
+    remote.serve(to_r, from_w)  # the writer process's loop, here in the main thread (its signal handling)
+    driver.join()
+    for fd in (to_r, from_r, from_w):
+        os.close(fd)
     runs.append(statistics.median(times[1:-1]) * 1e3)
 print(statistics.median(runs))
 """
