@@ -315,15 +315,8 @@ class StepWriter:
         """(prefix index, counter) of an id of 32 lowercase hex digits (engine.ids'), or
         None. A txn id is parsed twice (its append's start, then its publication a step
         later) and a call's once a row: the ids parsed last are kept."""
-        n = _parsed.get(value) if type(value) is str else None
-        if n is None:
-            n = counter_of(value)
-            if n is None:
-                return None
-            if len(_parsed) > 1 << 16:  # a cache, not a registry
-                _parsed.clear()
-            _parsed[value] = n
-        return self._prefix(value[:16]), n
+        n = parsed_counter(value)
+        return None if n is None else (self._prefix(value[:16]), n)
 
     def _stream(self, *key: str | int | bytes) -> int:
         n = self.streams.get(key)  # type: ignore[arg-type]  # the five fields of Context.streams
@@ -332,7 +325,23 @@ class StepWriter:
         return n
 
 
-_parsed: dict[str, int] = {}  # id -> its counter (StepWriter._id)
+_parsed: dict[str, int] = {}  # id -> its counter (parsed_counter)
+
+
+def parsed_counter(value: object) -> int | None:
+    """counter_of, remembered: a txn id is parsed twice (its append's start, then its
+    publication a step later), and a batch's steps share one call id."""
+    if type(value) is not str:
+        return None
+    n = _parsed.get(value)
+    if n is None:
+        n = counter_of(value)
+        if n is None:
+            return None
+        if len(_parsed) > 1 << 16:  # a cache, not a registry
+            _parsed.clear()
+        _parsed[value] = n
+    return n
 
 
 def row_parts(rows_sha256: str | None, call: ev.ForwardCall | None
@@ -344,7 +353,7 @@ def row_parts(rows_sha256: str | None, call: ev.ForwardCall | None
         return None
     if call is None:
         return digest, None
-    n = counter_of(call.call_id)
+    n = parsed_counter(call.call_id)
     if n is None:
         return None
     # The Call's prefix and counter are a record's: values_row puts them in.
