@@ -17,9 +17,10 @@ the held slice a handle's step is checked against its step in the record before.
 A step is taken here only where `Projector._step` would take it (one open append whose
 txn the step publishes, not a verify), its handle already owns ledger bytes (a first
 publication changes the physical ledger, which a run holds constant), its committed
-length grows, and no earlier step of the same slice names its
-handle; any other step is folded by the projector one step at a time, after a flush of
-its handle's run.
+length grows (each step checked against its handle's previous step in the slice, or
+its armed state where it has none: `_checked`, for a run and for held runs alike); any
+other step is folded by the projector one step at a time, after a flush of its
+handle's run.
 tests/test_replay_steps.py holds the result to the fold of the same journal's events.
 """
 
@@ -97,20 +98,15 @@ class RunFold:
                 p._feed(run.values()[i:])
                 return
             s = slots[i:]
-            cold = ~self.armed[s]
-            if cold.any():
-                for u in set(s[cold].tolist()):
-                    self._arm(p, u)
-            ok = (self.armed[s] & (self.exp_prefix[s] == ptxn_prefix[i:]) & (self.exp_counter[s] == c.ptxn[i:])
-                  & (c.committed[i:] > self.committed[s]) & (c.committed[i:] < _LENGTH))
+            ok, before = self._checked(p, s, ptxn_prefix[i:], c.ptxn[i:], stxn_prefix[i:], c.stxn[i:], c.committed[i:])
             k = min(len(s) if ok.all() else int(np.argmin(ok)), _SLICE)
-            if k > 1:
-                taken = s[:k].tolist()
-                if len(set(taken)) < k:  # a handle twice: its second step checks against the first
-                    k = _first_repeat(taken)
             if k:
-                self._take(p, run, i, i + k, s[:k], stxn_prefix[i:i + k])
-                i += k
+                b = i + k
+                self._fold(p, run.global_position + 3 * i, s[:k], stxn_prefix[i:b], c.stxn[i:b], c.committed[i:b],
+                           before[:k], c.mono[i:b], c.workspace[i:b], c.token[i:b], c.position[i:b], c.snapshot[i:b])
+                p.position = run.global_position + 3 * b - 1
+                p.last_event_id = run.event_id if b == run.count else run.values()[b - 1].event_id
+                i = b
                 continue
             # Steps the projector folds one by one, up to the next one taken here (the
             # projector flushes a handle's run before it reads that handle's state).
@@ -166,35 +162,17 @@ class RunFold:
             return False
         cols = [r.columns for r in held if r.columns is not None]  # all of them: hold takes runs with columns
         slots = np.concatenate([self._slots(c) for c in cols])
-        cold = ~self.armed[slots]
-        if cold.any():
-            for u in set(slots[cold].tolist()):
-                self._arm(p, u)
         ids = [self._ids(c.prefixes) for c in cols]
         ptxn_prefix = np.concatenate([i[c.ptxn_prefix] for i, c in zip(ids, cols)])
         stxn_prefix = np.concatenate([i[c.stxn_prefix] for i, c in zip(ids, cols)])
         ptxn, stxn, committed, mono, workspace, token, position, snapshot = (
             np.concatenate([getattr(c, name) for c in cols])
             for name in ("ptxn", "stxn", "committed", "mono", "workspace", "token", "position", "snapshot"))
-        # Each step's previous step of the same handle in these runs (-1: none), by a
-        # stable sort of the slots.
-        order = np.argsort(slots, kind="stable")
-        same = slots[order[1:]] == slots[order[:-1]]
-        prev = np.full(len(slots), -1, np.int64)
-        prev[order[1:][same]] = order[:-1][same]
-        has, at = prev >= 0, np.maximum(prev, 0)
-        before = np.where(has, committed[at], self.committed[slots])
-        ok = (self.armed[slots] & (np.where(has, stxn_prefix[at], self.exp_prefix[slots]) == ptxn_prefix)
-              & (np.where(has, stxn[at], self.exp_counter[slots]) == ptxn) & (committed > before)
-              & (committed < _LENGTH))
+        ok, before = self._checked(p, slots, ptxn_prefix, ptxn, stxn_prefix, stxn, committed)
         if not ok.all():
             return False
-        ls.grow(held[0].global_position, committed, before, self.b_token[slots], self.tiers[slots], mono, workspace)
-        last = order[np.append(~same, True)]  # each handle's last step
-        s = slots[last]
-        self.committed[s] = committed[last]
-        self.exp_prefix[s], self.exp_counter[s] = stxn_prefix[last], stxn[last]
-        self.pending.append((slots, token, mono, committed, position, snapshot))
+        self._fold(p, held[0].global_position, slots, stxn_prefix, stxn, committed, before, mono, workspace, token,
+                   position, snapshot)
         p.position, p.last_event_id = held[-1].last_position, held[-1].event_id
         return True
 
@@ -213,19 +191,40 @@ class RunFold:
     def _ids(self, prefixes: list[str]) -> np.ndarray:
         return np.array([self._prefix_of(x) for x in prefixes], np.int64)
 
-    def _take(self, p: Projector, run: StepRun, a: int, b: int, s: np.ndarray, stxn_prefix: np.ndarray) -> None:
-        """Steps a..b-1 of `run`, every one taken (apply checked them), distinct handles."""
-        c = run.columns
-        assert c is not None  # apply took the run's columns
-        committed, t = c.committed[a:b], c.mono[a:b]
-        p.ledger.grow(run.global_position + 3 * a, committed, self.committed[s], self.b_token[s], self.tiers[s], t,
-                      c.workspace[a:b])
-        # Each handle: what its next step is checked against; the rest waits for flush.
-        self.committed[s] = committed
-        self.exp_prefix[s], self.exp_counter[s] = stxn_prefix, c.stxn[a:b]
-        self.pending.append((s, c.token[a:b], t, committed, c.position[a:b], c.snapshot[a:b]))
-        p.position = run.global_position + 3 * b - 1
-        p.last_event_id = run.event_id if b == run.count else run.values()[b - 1].event_id
+    def _checked(self, p: Projector, slots: np.ndarray, ptxn_prefix: np.ndarray, ptxn: np.ndarray,
+                 stxn_prefix: np.ndarray, stxn: np.ndarray, committed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which steps of a slice `Projector._step` would take as `apply` folds them, and
+        each step's committed length before it. A step is checked against its handle's
+        previous step in the slice (found by a stable sort of the slots), or where it has
+        none against its armed state: the txn it must publish, a growing length."""
+        cold = ~self.armed[slots]
+        if cold.any():
+            for u in set(slots[cold].tolist()):
+                self._arm(p, u)
+        order = np.argsort(slots, kind="stable")
+        same = slots[order[1:]] == slots[order[:-1]]
+        prev = np.full(len(slots), -1, np.int64)
+        prev[order[1:][same]] = order[:-1][same]
+        has, at = prev >= 0, np.maximum(prev, 0)
+        before = np.where(has, committed[at], self.committed[slots])
+        ok = (self.armed[slots] & (np.where(has, stxn_prefix[at], self.exp_prefix[slots]) == ptxn_prefix)
+              & (np.where(has, stxn[at], self.exp_counter[slots]) == ptxn) & (committed > before)
+              & (committed < _LENGTH))
+        return ok, before
+
+    def _fold(self, p: Projector, first_position: int, slots: np.ndarray, stxn_prefix: np.ndarray, stxn: np.ndarray,
+              committed: np.ndarray, before: np.ndarray, mono: np.ndarray, workspace: np.ndarray, token: np.ndarray,
+              position: np.ndarray, snapshot: np.ndarray) -> None:
+        """A slice whose every step `_checked` took, the first at `first_position`: the
+        ledger, and each handle's last step (what its next one is checked against); the
+        rest waits for flush."""
+        p.ledger.grow(first_position, committed, before, self.b_token[slots], self.tiers[slots], mono, workspace)
+        order = np.argsort(slots, kind="stable")
+        last = order[np.append(slots[order[1:]] != slots[order[:-1]], True)]  # each handle's last step
+        s = slots[last]
+        self.committed[s] = committed[last]
+        self.exp_prefix[s], self.exp_counter[s] = stxn_prefix[last], stxn[last]
+        self.pending.append((slots, token, mono, committed, position, snapshot))
 
     # -- handles -------------------------------------------------------------------
 
@@ -305,12 +304,3 @@ class RunFold:
             n = self.prefix_id[prefix] = len(self.prefixes)
             self.prefixes.append(prefix)
         return n
-
-
-def _first_repeat(slots: list[int]) -> int:
-    seen: set[int] = set()
-    for k, u in enumerate(slots):
-        if u in seen:
-            return k
-        seen.add(u)
-    return len(slots)
