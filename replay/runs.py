@@ -98,12 +98,14 @@ class RunFold:
                 p._feed(run.values()[i:])
                 return
             s = slots[i:]
-            ok, before = self._checked(p, s, ptxn_prefix[i:], c.ptxn[i:], stxn_prefix[i:], c.stxn[i:], c.committed[i:])
+            ok, before, order = self._checked(p, s, ptxn_prefix[i:], c.ptxn[i:], stxn_prefix[i:], c.stxn[i:],
+                                              c.committed[i:])
             k = min(len(s) if ok.all() else int(np.argmin(ok)), _SLICE)
             if k:
                 b = i + k
                 self._fold(p, run.global_position + 3 * i, s[:k], stxn_prefix[i:b], c.stxn[i:b], c.committed[i:b],
-                           before[:k], c.mono[i:b], c.workspace[i:b], c.token[i:b], c.position[i:b], c.snapshot[i:b])
+                           before[:k], c.mono[i:b], c.workspace[i:b], c.token[i:b], c.position[i:b], c.snapshot[i:b],
+                           order if k == len(s) else None)
                 p.position = run.global_position + 3 * b - 1
                 p.last_event_id = run.event_id if b == run.count else run.values()[b - 1].event_id
                 i = b
@@ -168,11 +170,11 @@ class RunFold:
         ptxn, stxn, committed, mono, workspace, token, position, snapshot = (
             np.concatenate([getattr(c, name) for c in cols])
             for name in ("ptxn", "stxn", "committed", "mono", "workspace", "token", "position", "snapshot"))
-        ok, before = self._checked(p, slots, ptxn_prefix, ptxn, stxn_prefix, stxn, committed)
+        ok, before, order = self._checked(p, slots, ptxn_prefix, ptxn, stxn_prefix, stxn, committed)
         if not ok.all():
             return False
         self._fold(p, held[0].global_position, slots, stxn_prefix, stxn, committed, before, mono, workspace, token,
-                   position, snapshot)
+                   position, snapshot, order)
         p.position, p.last_event_id = held[-1].last_position, held[-1].event_id
         return True
 
@@ -192,11 +194,13 @@ class RunFold:
         return np.array([self._prefix_of(x) for x in prefixes], np.int64)
 
     def _checked(self, p: Projector, slots: np.ndarray, ptxn_prefix: np.ndarray, ptxn: np.ndarray,
-                 stxn_prefix: np.ndarray, stxn: np.ndarray, committed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Which steps of a slice `Projector._step` would take as `apply` folds them, and
-        each step's committed length before it. A step is checked against its handle's
-        previous step in the slice (found by a stable sort of the slots), or where it has
-        none against its armed state: the txn it must publish, a growing length."""
+                 stxn_prefix: np.ndarray, stxn: np.ndarray, committed: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which steps of a slice `Projector._step` would take as `apply` folds them, each
+        step's committed length before it, and the slice's steps by handle (`_fold`'s). A
+        step is checked against its handle's previous step in the slice (found by a stable
+        sort of the slots), or where it has none against its armed state: the txn it must
+        publish, a growing length."""
         cold = ~self.armed[slots]
         if cold.any():
             for u in set(slots[cold].tolist()):
@@ -210,16 +214,17 @@ class RunFold:
         ok = (self.armed[slots] & (np.where(has, stxn_prefix[at], self.exp_prefix[slots]) == ptxn_prefix)
               & (np.where(has, stxn[at], self.exp_counter[slots]) == ptxn) & (committed > before)
               & (committed < _LENGTH))
-        return ok, before
+        return ok, before, order
 
     def _fold(self, p: Projector, first_position: int, slots: np.ndarray, stxn_prefix: np.ndarray, stxn: np.ndarray,
               committed: np.ndarray, before: np.ndarray, mono: np.ndarray, workspace: np.ndarray, token: np.ndarray,
-              position: np.ndarray, snapshot: np.ndarray) -> None:
+              position: np.ndarray, snapshot: np.ndarray, order: np.ndarray | None = None) -> None:
         """A slice whose every step `_checked` took, the first at `first_position`: the
         ledger, and each handle's last step (what its next one is checked against); the
-        rest waits for flush."""
+        rest waits for flush. `order`: the slice's steps by handle, if known."""
         p.ledger.grow(first_position, committed, before, self.b_token[slots], self.tiers[slots], mono, workspace)
-        order = np.argsort(slots, kind="stable")
+        if order is None:
+            order = np.argsort(slots, kind="stable")
         last = order[np.append(slots[order[1:]] != slots[order[:-1]], True)]  # each handle's last step
         s = slots[last]
         self.committed[s] = committed[last]
