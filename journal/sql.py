@@ -536,9 +536,8 @@ class SqlJournal(Journal):
             raise _reused_id(ops, op_ids, taken)
         if steps.count:
             receipts.append(steps.context())
-            body = encode_record(steps.pack(bodies), receipts, FORMAT)
-        else:
-            body = encode_record(bodies, receipts, EVENTS_FORMAT)  # type: ignore[arg-type]  # no step: all bytes
+        # pack passes a record without steps through as it is (all events' bytes)
+        body = encode_record(steps.pack(bodies), receipts, FORMAT if steps.count else EVENTS_FORMAT)
         written = event_ids.union(op_ids)
         runs = id_runs(id_keys(written) if keys is None else [keys[i] for i in written])
         streams = list(tails)
