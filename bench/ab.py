@@ -198,10 +198,12 @@ def measured(proc: subprocess.Popen[str], out: str, rev: str) -> list[float]:
     """What a side printed (`out`, once `proc` has ended), or exit naming the side whose
     child failed (its traceback is above, on this process's stderr)."""
     try:
-        return [float(x) for x in out.split()] or [float(out)]
+        values = [float(x) for x in out.split()]
     except ValueError:
-        raise SystemExit(f"bench.ab: the child measuring {rev} failed (exit {proc.returncode}); "
-                         "its error is above") from None
+        values = []
+    if not values:
+        raise SystemExit(f"bench.ab: the child measuring {rev} failed (exit {proc.returncode}); its error is above")
+    return values
 
 
 def main() -> None:

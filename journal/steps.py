@@ -313,8 +313,7 @@ class StepWriter:
 
     def _id(self, value: str) -> tuple[int, int] | None:
         """(prefix index, counter) of an id of 32 lowercase hex digits (engine.ids'), or
-        None. A txn id is parsed twice (its append's start, then its publication a step
-        later) and a call's once a row: the ids parsed last are kept."""
+        None (parsed_counter: each id parsed once)."""
         n = parsed_counter(value)
         return None if n is None else (self._prefix(value[:16]), n)
 

@@ -11,8 +11,7 @@ other item of its stream is folded, and at the end of every `Projector.feed`.
 
 Consecutive records' runs are held (`hold`, up to 512 steps) and folded as one slice at
 `settle`, before any other item is folded (the ledger is one sequence): a lockstep record
-holds one step of each handle, and a record at a time paid ~40 array calls a record. In
-the held slice a handle's step is checked against its step in the record before.
+holds one step of each handle, and a record at a time paid ~40 array calls a record.
 
 A step is taken here only where `Projector._step` would take it (one open append whose
 txn the step publishes, not a verify), its handle already owns ledger bytes (a first
@@ -156,9 +155,8 @@ class RunFold:
             last_id = p.last_event_id
 
     def _together(self, p: Projector, held: list[StepRun]) -> bool:
-        """Fold consecutive runs in one slice if every step is taken (`apply`'s checks,
-        against the handle's previous step in these runs where it has one); False, having
-        folded nothing, if one is not."""
+        """Fold consecutive runs in one slice if `_checked` takes every step; False, having
+        folded nothing, if it does not."""
         ls = p.ledger
         if not (-_TOTAL < ls.logical < _TOTAL and -_TOTAL < ls.materialized < _TOTAL):  # sums past int64
             return False

@@ -212,7 +212,6 @@ def test_a_lockstep_journal_reads_back_what_was_stamped(db_url, layers):
     assert receipts == [receipt_encoder.encode(r) for r in returned]
 
 
-
 # StepValues fields a block stores as they are (journal.blocks' columns 5-17): a count
 # (>= 0) that must fit an int64. The call's five come from its Call.
 _COUNTS = ("stream_position", "snapshot", "committed", "accepted", "layers", "workspace", "output", "token")
