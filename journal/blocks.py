@@ -102,6 +102,15 @@ def read(item: bytes) -> tuple[np.ndarray, bytes]:
     """The block's values (30 x n, int64, column by column: writable, the caller's own)
     and its digests. ValueError if its header or length does not hold; its CRCs are not
     looked at (`damaged` does)."""
+    m, digests = read_many([item])
+    return m[0], digests[0]
+
+
+def read_many(items: Sequence[bytes]) -> tuple[np.ndarray, list[bytes]]:
+    """What `read` gives of each of blocks of one shape (their first HEADER bytes and
+    their lengths the same: a decode loop's records repeat them), stacked: R x 30 x n,
+    one array call a width group for all of them. ValueError as `read`."""
+    item = items[0]
     if len(item) < HEADER or item[0] != MARK:
         raise ValueError("not a step block")
     n = int.from_bytes(item[1:5], "little")
@@ -109,15 +118,19 @@ def read(item: bytes) -> tuple[np.ndarray, bytes]:
     if n < 1 or layout is None:
         raise ValueError(f"a step block of {n} steps with widths {item[5:HEADER].hex()}")
     size, groups, order = layout
-    at = HEADER + n * size
-    if len(item) != at + 36 * n:
-        raise ValueError(f"a step block of {len(item)} bytes, its header says {at + 36 * n}")
-    stored = np.empty((VALUES, n), np.int64)  # the columns in the order they are stored
+    at, length = HEADER + n * size, len(item)
+    if length != at + 36 * n:
+        raise ValueError(f"a step block of {length} bytes, its header says {at + 36 * n}")
+    if any(len(x) != length or x[:HEADER] != item[:HEADER] for x in items):
+        raise ValueError("blocks of more than one shape")
+    data = item if len(items) == 1 else b"".join(items)
+    stored = np.empty((len(items), VALUES, n), np.int64)  # the columns in the order they are stored
     row, start = 0, HEADER
     for dtype, k in groups:
-        stored[row:row + k] = np.frombuffer(item, dtype, k * n, start).reshape(k, n)
-        row, start = row + k, start + k * n * dtype.itemsize
-    return (stored if order is None else stored[order]), item[at:at + 32 * n]
+        w = dtype.itemsize
+        stored[:, row:row + k] = np.ndarray((len(items), k, n), dtype, data, start, (length, n * w, w))
+        row, start = row + k, start + k * n * w
+    return (stored if order is None else stored[:, order]), [x[at:at + 32 * n] for x in items]
 
 
 # widths -> a step's bytes in the columns, each width group's (dtype, columns), and where
@@ -158,16 +171,26 @@ def damaged(item: bytes) -> int:
 
 def invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int | None:
     """The first step whose values no Step could hold (an index past its table, a negative
-    count, a flag not 0 or 1, a call's values without a call), or None. A run's columns'
-    least and greatest values settle most blocks in two array calls."""
-    lo, hi = m.min(axis=1).tolist(), m.max(axis=1).tolist()
-    if (min(lo[:20]) >= 0 and hi[0] < streams and max(hi[1:4]) < prefixes and max(hi[18:20]) <= 1
+    count, a flag not 0 or 1, a call's values without a call), or None."""
+    if fits(m.min(axis=1).tolist(), m.max(axis=1).tolist(), digests, streams, prefixes):
+        return None
+    return first_invalid(m, digests, streams, prefixes)
+
+
+def fits(lo: list[int], hi: list[int], digests: bytes, streams: int, prefixes: int) -> bool:
+    """Whether a run's columns' least and greatest values (`lo`, `hi`) show every step to
+    be a Step's: true of most blocks; false may still be valid step by step
+    (`first_invalid`: mixed calls or digests)."""
+    return (min(lo[:20]) >= 0 and hi[0] < streams and max(hi[1:4]) < prefixes and max(hi[18:20]) <= 1
             # every step has a call; or none has, and its columns are 0 (those of 0-19 are >= 0)
             and (lo[19] == 1 and hi[4] < prefixes and min(lo[15:18]) >= 1
                  or hi[19] == 0 == hi[4] == max(hi[13:18]) == lo[29] == hi[29])
-            and (lo[18] == 1 or hi[18] == 0 and digests == bytes(len(digests)))):
-        return None
-    for i, v in enumerate(m.T.tolist()):  # mixed calls or digests, or a bad step: step by step
+            and (lo[18] == 1 or hi[18] == 0 and digests == bytes(len(digests))))
+
+
+def first_invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int | None:
+    """`invalid`, step by step."""
+    for i, v in enumerate(m.T.tolist()):
         if not step_ok(v, digests[32 * i:32 * i + 32], streams, prefixes):
             return i
     return None

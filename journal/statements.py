@@ -22,6 +22,7 @@ from kvledger.journal.records import (
     Record,
     allocation_manifest,
     audit_record,
+    block_records,
     decode_record,
     id_keys,
     id_runs,
@@ -446,9 +447,13 @@ class Statements(abc.ABC):
         while True:
             cur.execute(sql, (after, self.RECORD_PAGE))
             page = cur.fetchall()
-            for last, first, body in page:
+            # a page of a decode loop's records read together; any other, or a damaged
+            # one, read (and named) in its turn, after the records before it
+            read = block_records([b if type(b) is bytes else b"" for _, _, b in page], fold)
+            for (last, first, body), record in zip(page, read):
                 where = f"ending at position {last}"
-                record = decode_record(stored_bytes(body, f"the record {where}"), where, fold)
+                if record is None:
+                    record = decode_record(stored_bytes(body, f"the record {where}"), where, fold)
                 yield stored_int(first, f"the first position of the record {where}"), record
                 after = last
             if len(page) < self.RECORD_PAGE:

@@ -35,6 +35,7 @@ row. Both are read; what a reader gives is the same for either.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Annotated
 
 import msgspec
@@ -579,42 +580,20 @@ class StepReader:
         """A format 7 block (journal.blocks) whose first step is the record's event `at`:
         as `run` reads rows. Raises BadRow for a block that does not parse (its first
         step) or the first step whose values no Step could hold."""
-        import numpy as np
-
         from kvledger.journal import blocks
 
-        ctx, last = self.context, self._last
         try:
-            m, digests = blocks.read(item)
+            m, digests = blocks.read_many([item])
         except ValueError as exc:
             raise BadRow(0, [], exc) from None
-        n = m.shape[1]
-        bad = blocks.invalid(m, digests, len(ctx.streams), len(ctx.prefixes))
-        if bad is not None:
-            raise BadRow(bad, self._block_values(m, digests, at, bad),
+        run = block_runs([self], m, digests, [at], columns)[0]
+        if run is None:
+            ctx = self.context
+            bad = blocks.invalid(m[0], digests[0], len(ctx.streams), len(ctx.prefixes))
+            assert bad is not None  # block_runs refuses only such a block
+            raise BadRow(bad, self._block_values(m[0], digests[0], at, bad),
                          ValueError(f"step {bad} of its block holds a value out of its range")) from None
-        sums = m[20:30].view(np.uint64).sum(axis=1).tolist()  # uint64 sums wrap as the masks do
-        op, final = (last[3] + sums[3]) & _MASK, m[:, -1].tolist()
-        event_id = f"{ctx.prefixes[final[1]]}{(op + final[24] + final[25] + final[26]) & _MASK:016x}"
-        later = self._at(last)
-
-        def values() -> list[StepValues]:
-            return later._block_values(m, digests, at, n)
-
-        cols = None
-        if columns:
-            # the clocks and txn counters: running sums from where the last run ended
-            running = m.take(_RUNNING, axis=0).view(np.uint64)
-            running[:, 0] += np.array((last[1], last[4], last[5]), np.uint64)
-            running.cumsum(axis=1, out=running)
-            mono, ptxn, stxn = running
-            if int(mono.max()) < _HALF:  # else a clock a fold cannot hold in int64: no columns
-                cols = StepColumns(m[0], m[5], mono.view(np.int64), m[6], m[7], m[10], m[12], m[2], ptxn, m[3], stxn,
-                                   ctx.streams, ctx.prefixes)
-        self._last = ((last[0] + 3 * n + sums[0]) & _MASK, (last[1] + sums[1]) & _MASK,
-                      (last[2] + sums[1] + sums[2]) & _MASK, op, (last[4] + sums[7]) & _MASK,
-                      (last[5] + sums[8]) & _MASK, (last[6] + sums[9]) & _MASK)
-        return StepRun(ctx.first_position + at, n, cols, event_id, values if cols is not None else values())
+        return run
 
     def damaged_block(self, item: bytes, at: int) -> tuple[list[StepValues], int]:
         """A block whose CRC fails: the step to name (the first whose CRC fails, or one
@@ -638,6 +617,49 @@ class StepReader:
                      v[11], v[12], Call(v[4], v[29], v[13], v[15], v[16], v[17], v[14]) if v[19] else None)
             out.append(self._values(x, at + 3 * i))
         return out
+
+
+def block_runs(readers: Sequence[StepReader], m: np.ndarray, digests: Sequence[bytes], at: Sequence[int],
+               columns: bool) -> list[StepRun | None]:
+    """The runs of blocks of one shape (journal.blocks.read_many's values and digests),
+    block r read by readers[r] from its record's event at[r] as StepReader.block reads one,
+    in array calls over all the blocks at once: a decode loop's records hold one block
+    each, and a record at a time paid ~40 array calls for its 64 steps. None for a block
+    holding a value no Step could (StepReader.block names the step)."""
+    import numpy as np
+
+    from kvledger.journal import blocks
+
+    n = m.shape[2]
+    lo, hi = m.min(axis=2).tolist(), m.max(axis=2).tolist()
+    sums = m[:, 20:30].view(np.uint64).sum(axis=2).tolist()  # uint64 sums wrap as the masks do
+    finals = m[:, :, -1].tolist()
+    if columns:
+        # the clocks and txn counters: running sums from where each reader's last run ended
+        running = m[:, _RUNNING].view(np.uint64)
+        running[:, :, 0] += np.array([(r._last[1], r._last[4], r._last[5]) for r in readers], np.uint64)
+        running.cumsum(axis=2, out=running)
+        tops = running[:, 0].max(axis=1).tolist()
+    out: list[StepRun | None] = []
+    for k, reader in enumerate(readers):
+        ctx, last, steps, d = reader.context, reader._last, m[k], digests[k]
+        if (not blocks.fits(lo[k], hi[k], d, len(ctx.streams), len(ctx.prefixes))
+                and blocks.first_invalid(steps, d, len(ctx.streams), len(ctx.prefixes)) is not None):
+            out.append(None)
+            continue
+        s, final = sums[k], finals[k]
+        op = (last[3] + s[3]) & _MASK
+        event_id = f"{ctx.prefixes[final[1]]}{(op + final[24] + final[25] + final[26]) & _MASK:016x}"
+        values = partial(reader._at(last)._block_values, steps, d, at[k], n)
+        cols = None
+        if columns and tops[k] < _HALF:  # else a clock a fold cannot hold in int64: no columns
+            mono, ptxn, stxn = running[k]
+            cols = StepColumns(steps[0], steps[5], mono.view(np.int64), steps[6], steps[7], steps[10], steps[12],
+                               steps[2], ptxn, steps[3], stxn, ctx.streams, ctx.prefixes)
+        reader._last = ((last[0] + 3 * n + s[0]) & _MASK, (last[1] + s[1]) & _MASK, (last[2] + s[1] + s[2]) & _MASK,
+                        op, (last[4] + s[7]) & _MASK, (last[5] + s[8]) & _MASK, (last[6] + s[9]) & _MASK)
+        out.append(StepRun(ctx.first_position + at[k], n, cols, event_id, values if cols is not None else values()))
+    return out
 
 
 def _check(values: Sequence[int], size: int) -> bool:

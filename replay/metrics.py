@@ -19,6 +19,7 @@ start from a prefill of P prompt rows) do not apply to it; its executed rows do.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import sub
 
 import msgspec
 
@@ -128,7 +129,7 @@ def request_metrics(s: HandleState, outcome: str | None, window: WindowSpec,
     inherited = min(inherited, len(s.output_ns))  # a truncate may have cut into them
     times = s.output_ns[inherited:]
     g = len(times)
-    tbt = tuple(b - a for a, b in zip(times, times[1:]))
+    tbt = tuple(map(sub, times[1:], times))
     ttft = times[0] - s.arrival_ns if g else None
     finished = outcome == "finished"
     return RequestMetrics(
@@ -140,7 +141,7 @@ def request_metrics(s: HandleState, outcome: str | None, window: WindowSpec,
                         if s.release_ns is not None and s.finish_ns is not None else None),
         # One output: no TBT interval exists, so that clause holds vacuously (0x05).
         slo_valid=(finished and ttft is not None and ttft <= window.slo_ttft_ns
-                   and all(x <= window.slo_tbt_ns for x in tbt)),
+                   and (not tbt or max(tbt) <= window.slo_tbt_ns)),
         saved_work=work,
     )
 

@@ -47,6 +47,9 @@ _ARRAYS = ("exp_prefix", "exp_counter", "exp_n", "exp_start", "committed", "b_to
 # ints): a token's bytes, copies, a handle's length, a slice's steps, the ledger totals.
 # A slice's growth is at most _SLICE * _LENGTH * _B_TOKEN * _COPIES < 2**61 bytes.
 _B_TOKEN, _COPIES, _LENGTH, _SLICE, _TOTAL = 1 << 24, 16, 1 << 24, 512, 1 << 61
+# The columns of held runs that a slice takes, in the order _together names them.
+_HELD = ("stream", "ptxn_prefix", "stxn_prefix", "ptxn", "stxn", "committed", "mono", "workspace", "token", "position",
+         "snapshot")
 
 
 class RunFold:
@@ -161,13 +164,19 @@ class RunFold:
         if not (-_TOTAL < ls.logical < _TOTAL and -_TOTAL < ls.materialized < _TOTAL):  # sums past int64
             return False
         cols = [r.columns for r in held if r.columns is not None]  # all of them: hold takes runs with columns
-        slots = np.concatenate([self._slots(c) for c in cols])
-        ids = [self._ids(c.prefixes) for c in cols]
-        ptxn_prefix = np.concatenate([i[c.ptxn_prefix] for i, c in zip(ids, cols)])
-        stxn_prefix = np.concatenate([i[c.stxn_prefix] for i, c in zip(ids, cols)])
-        ptxn, stxn, committed, mono, workspace, token, position, snapshot = (
-            np.concatenate([getattr(c, name) for c in cols])
-            for name in ("ptxn", "stxn", "committed", "mono", "workspace", "token", "position", "snapshot"))
+        stream, ptxn_prefix, stxn_prefix, ptxn, stxn, committed, mono, workspace, token, position, snapshot = (
+            np.concatenate([getattr(c, name) for c in cols]) for name in _HELD)
+        first = cols[0]
+        # A decode loop's records name the same streams and prefixes (journal.steps shares
+        # a streams table read before): their indexes are looked up once, not a run at a time.
+        if all(c.streams is first.streams and c.prefixes == first.prefixes for c in cols):
+            slots, ids = self._table(first)[stream], self._ids(first.prefixes)
+            ptxn_prefix, stxn_prefix = ids[ptxn_prefix], ids[stxn_prefix]
+        else:
+            slots = np.concatenate([self._slots(c) for c in cols])
+            each = [self._ids(c.prefixes) for c in cols]
+            ptxn_prefix = np.concatenate([i[c.ptxn_prefix] for i, c in zip(each, cols)])
+            stxn_prefix = np.concatenate([i[c.stxn_prefix] for i, c in zip(each, cols)])
         ok, before, order = self._checked(p, slots, ptxn_prefix, ptxn, stxn_prefix, stxn, committed)
         if not ok.all():
             return False
@@ -178,15 +187,18 @@ class RunFold:
 
     def _slots(self, c: StepColumns) -> np.ndarray:
         """The slots of a run's steps' handles."""
-        if c.streams is self.table[0]:  # the last run's streams (journal.steps shares a record's table)
-            table = self.table[1]
-        else:
-            get = self.slot.get
-            known = [get(s[0]) for s in c.streams]
-            table = np.array(known if None not in known else [self._slot_of(s[0]) for s in c.streams], np.int64)
-            self.table = (c.streams, table)  # a stream's slot never changes
-        slots: np.ndarray = table[c.stream]
+        slots: np.ndarray = self._table(c)[c.stream]
         return slots
+
+    def _table(self, c: StepColumns) -> np.ndarray:
+        """The slot of each stream of a run's table."""
+        if c.streams is self.table[0]:  # the last run's streams (journal.steps shares a record's table)
+            return self.table[1]
+        get = self.slot.get
+        known = [get(s[0]) for s in c.streams]
+        table = np.array(known if None not in known else [self._slot_of(s[0]) for s in c.streams], np.int64)
+        self.table = (c.streams, table)  # a stream's slot never changes
+        return table
 
     def _ids(self, prefixes: list[str]) -> np.ndarray:
         return np.array([self._prefix_of(x) for x in prefixes], np.int64)
@@ -239,21 +251,28 @@ class RunFold:
             order = np.argsort(slots, kind="stable")  # each handle's steps together, in order
             slots = slots[order]
             tokens, clocks, committed, positions, snapshots = (
-                np.concatenate([x[i] for x in self.pending])[order].tolist() for i in range(1, 6))
-            cuts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(order)]
-            u = slots[cuts[:-1]]
+                np.concatenate([x[i] for x in self.pending])[order] for i in range(1, 6))
+            firsts = np.flatnonzero(np.append(True, slots[1:] != slots[:-1]))  # each handle's first step
+            lasts = np.append(firsts[1:], len(order)) - 1
+            # each handle's committed lengths before its last step, summed (exact in int64:
+            # _checked takes lengths below _LENGTH, 2**24, so it would take 2**39 steps to pass)
+            before = np.add.reduceat(committed, firsts) - committed[lasts]
+            u = slots[firsts]
             columns = zip(u.tolist(), self.exp_prefix[u].tolist(), self.exp_counter[u].tolist(),
-                          self.exp_n[u].tolist(), self.exp_start[u].tolist(), cuts, cuts[1:])
+                          self.exp_n[u].tolist(), self.exp_start[u].tolist(), firsts.tolist(), lasts.tolist(),
+                          committed[lasts].tolist(), positions[lasts].tolist(), snapshots[lasts].tolist(),
+                          before.tolist())
+            tokens, clocks = tokens.tolist(), clocks.tolist()
             from kvledger.replay.projector import Work  # it imports this module
 
             handles, work, owners, names = p.handles, p.work, p.ledger.owners, self.prefixes
-            for slot, prefix, counter, n, start, lo, hi in columns:
-                sid, last = self.sids[slot], hi - 1
+            for slot, prefix, counter, n, start, lo, last, length, position, snapshot, summed in columns:
+                sid, hi = self.sids[slot], last + 1
                 old = handles[sid]
                 outputs, output_ns = grown(old.outputs, old.output_ns, tuple(tokens[lo:hi]), tuple(clocks[lo:hi]))
-                v, length = snapshots[last] + 1, committed[last]
+                v = snapshot + 1
                 handles[sid] = replace(
-                    old, stream_position=positions[last] + 2, snapshot_version=v, committed_length=length,
+                    old, stream_position=position + 2, snapshot_version=v, committed_length=length,
                     logits_ready=False, outputs=outputs, output_ns=output_ns,
                     open_txns=(OpenTxn(f"{names[prefix]}{counter:016x}", "decode", v, length, 1, (tokens[last],)),))
                 w = work.get(sid)
@@ -263,7 +282,7 @@ class RunFold:
                 # txn as armed, each later one a row at the committed length before it.
                 later = hi - lo - 1
                 w.rows += n + later
-                w.pairs += n * start + n * (n + 1) // 2 + sum(committed[lo:last]) + later
+                w.pairs += n * start + n * (n + 1) // 2 + summed + later
                 w.publishes += hi - lo
                 owners[sid].committed = length
             self.pending.clear()

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvledger.journal import blocks
 from kvledger.journal.blocks import VALUES, damaged, invalid, pack, read, step_ok
-from kvledger.journal.records import Damage, audit_record, pack_record, unpack_record
+from kvledger.journal.records import Damage, audit_record, block_records, pack_record, unpack_record
 from kvledger.journal.steps import BadRow, StepReader
 
 from stored_rows import sql
@@ -156,3 +156,60 @@ def test_a_record_with_a_forged_step_is_damaged_at_that_step(db_url):
     with pytest.raises(BadRow) as bad:
         reader.block(forged, 0)
     assert bad.value.offset == 5 and len(bad.value.values) == 5
+
+
+def _lockstep_bodies(db_url: str, steps: int) -> list[bytes]:
+    """The records of 64 handles decoding `steps` steps in lockstep: an allocation's, a
+    prefill's, then one block of 64 steps a commit."""
+    from kvledger.engine.service import CommandService
+    from kvledger.migrations.storage import open_or_create_journal
+
+    from bench.tokens import Lockstep
+
+    with open_or_create_journal(db_url) as journal:
+        run = Lockstep(CommandService(journal), 2, steps + 1, "pages")
+        for _ in range(steps):
+            run.step()
+    return [bytes(b) for (b,) in sql(db_url, "SELECT body FROM kvl_records ORDER BY last_position")]
+
+
+def _read(record) -> tuple:
+    """What a reader sees of a record: its events, their JSON, its receipts."""
+    return record.decoded(), record.events, record.receipts
+
+
+def test_a_page_of_block_records_reads_as_each_record_alone(db_url):
+    """block_records reads a page's one-block records together (the blocks of one shape
+    in the same array calls): each reads back what the general path (audit_record) reads
+    of it, events, JSON and receipts, folded or not; the other records are left to it."""
+    bodies = _lockstep_bodies(db_url, 6)
+    for fold in (False, True):
+        found = block_records(bodies, fold)
+        assert [r is None for r in found] == [True, True] + [False] * 6  # allocation, prefill: events
+        for body, record in zip(bodies[2:], found[2:]):
+            alone = audit_record(body, eager=False, fold=fold)
+            assert not isinstance(alone, Damage)
+            assert _read(record) == _read(alone)
+            (run,) = record.folded()
+            assert (run.columns is not None) == fold and run.count == 64
+
+
+def test_a_damaged_record_in_a_page_is_left_to_the_general_path(db_url):
+    """Any byte of a one-block record flipped: block_records reads it as the general path
+    does (where the flip changes nothing it reads) or leaves it (None), which then names
+    the damage; the page's other records read as before."""
+    bodies = _lockstep_bodies(db_url, 3)[2:]
+    good = [_read(r) for r in block_records(bodies)]
+    target = bodies[1]
+    left = 0
+    for at in range(len(target)):
+        edited = bytearray(target)
+        edited[at] ^= 0x04
+        found = block_records([bodies[0], bytes(edited), bodies[2]])
+        assert _read(found[0]) == good[0] and _read(found[2]) == good[2]
+        alone = audit_record(bytes(edited), eager=False)
+        if found[1] is None:
+            left += 1
+        else:
+            assert not isinstance(alone, Damage) and _read(found[1]) == _read(alone), at
+    assert left > len(target) * 0.9  # nearly every byte is covered by a CRC or the frame
