@@ -17,7 +17,9 @@ Phase = Literal["WAITING_PREFILL", "PREFILL_IN_FLIGHT", "OUTPUT_READY", "DECODE_
 EligibleWork = Literal["PREFILL_ROWS_AVAILABLE", "DECODE_FRONTIER_AVAILABLE", "NONE"]
 
 
-class ServiceStateView(msgspec.Struct, frozen=True):
+# gc=False: immutable values only, so never in a cycle; a report holds one a request,
+# which the collector would otherwise scan after every replay.
+class ServiceStateView(msgspec.Struct, frozen=True, gc=False):
     request_id: str
     handle_id: str
     handle_generation: int

@@ -407,7 +407,10 @@ class Statements(abc.ABC):
             events += found
         return events
 
-    RECORD_PAGE = 32  # records a read decodes at a time: bounded memory, whatever a record holds
+    # Records a read decodes at a time: bounded memory, whatever a record holds. A decode
+    # loop's records of one shape are read together (records.block_records): the more a
+    # page holds, the fewer array calls a record.
+    RECORD_PAGE = 64
 
     def bodies_after(self, cur: Any, after: int, limit: int, mode: str = "json") -> list[tuple[int, Any]]:
         """(global position, JSON body) of the events after `after`, at most `limit`.

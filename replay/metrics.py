@@ -28,7 +28,9 @@ from kvledger.engine.state import HandleState
 NS_PER_S = 1_000_000_000
 
 
-class SavedWork(msgspec.Struct, frozen=True):
+# gc=False: immutable values only, so never in a cycle; a report holds one a request,
+# which the collector would otherwise scan after every replay.
+class SavedWork(msgspec.Struct, frozen=True, gc=False):
     """Rows and causal query-key pairs per layer (and query head) for P prompt tokens
     and G outputs, without and with a cache (0x03), next to what the journal proves
     was executed: the rows and pairs of its published appends."""
@@ -48,7 +50,9 @@ class SavedWork(msgspec.Struct, frozen=True):
     executed_appends: int
 
 
-class RequestMetrics(msgspec.Struct, frozen=True):
+# gc=False: immutable values only, so never in a cycle; a report holds one a request,
+# which the collector would otherwise scan after every replay.
+class RequestMetrics(msgspec.Struct, frozen=True, gc=False):
     handle_id: str
     request_id: str
     outcome: str | None  # "finished", "cancelled", or None while still running

@@ -28,7 +28,9 @@ from kvledger.replay.projector import Projector, collector_paused
 from kvledger.schemas.canonical import digest
 
 
-class HandleSnapshot(msgspec.Struct, frozen=True):
+# gc=False: immutable values only, so never in a cycle; a report holds one a request,
+# which the collector would otherwise scan after every replay.
+class HandleSnapshot(msgspec.Struct, frozen=True, gc=False):
     handle_id: str
     request_id: str
     generation: int

@@ -164,6 +164,8 @@ class RunFold:
         if not (-_TOTAL < ls.logical < _TOTAL and -_TOTAL < ls.materialized < _TOTAL):  # sums past int64
             return False
         cols = [r.columns for r in held if r.columns is not None]  # all of them: hold takes runs with columns
+        if not self._armed(p, self._slots(cols[0])):
+            return False  # a generation's first steps, which publish its prefill: said before the slice is built
         stream, ptxn_prefix, stxn_prefix, ptxn, stxn, committed, mono, workspace, token, position, snapshot = (
             np.concatenate([getattr(c, name) for c in cols]) for name in _HELD)
         first = cols[0]
@@ -211,10 +213,7 @@ class RunFold:
         step is checked against its handle's previous step in the slice (found by a stable
         sort of the slots), or where it has none against its armed state: the txn it must
         publish, a growing length."""
-        cold = ~self.armed[slots]
-        if cold.any():
-            for u in set(slots[cold].tolist()):
-                self._arm(p, u)
+        self._armed(p, slots)
         order = np.argsort(slots, kind="stable")
         same = slots[order[1:]] == slots[order[:-1]]
         prev = np.full(len(slots), -1, np.int64)
@@ -288,6 +287,15 @@ class RunFold:
             self.pending.clear()
         self.armed[:] = False
         self.live.clear()
+
+    def _armed(self, p: Projector, slots: np.ndarray) -> bool:
+        """Arm the slots' handles not yet armed (`_arm`); whether all of them are."""
+        armed = self.armed[slots]
+        if armed.all():
+            return True
+        for u in set(slots[~armed].tolist()):
+            self._arm(p, u)
+        return bool(self.armed[slots].all())
 
     def _arm(self, p: Projector, u: int) -> None:
         """Slot `u`'s handle, taken here from its folded state, if `_step` would take its
