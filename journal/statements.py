@@ -447,18 +447,23 @@ class Statements(abc.ABC):
         `fold`, decoded for a projector (records.decode_record)."""
         sql = self.q("SELECT last_position, first_position, body FROM kvl_records WHERE last_position > ? "
                      "ORDER BY last_position LIMIT ?")
+        size = 4  # records read together (block_records): doubling, so that a short read reads little
         while True:
             cur.execute(sql, (after, self.RECORD_PAGE))
             page = cur.fetchall()
-            # a page of a decode loop's records read together; any other, or a damaged
-            # one, read (and named) in its turn, after the records before it
-            read = block_records([b if type(b) is bytes else b"" for _, _, b in page], fold)
-            for (last, first, body), record in zip(page, read):
-                where = f"ending at position {last}"
-                if record is None:
-                    record = decode_record(stored_bytes(body, f"the record {where}"), where, fold)
-                yield stored_int(first, f"the first position of the record {where}"), record
-                after = last
+            at = 0
+            while at < len(page):
+                chunk, at = page[at:at + size], at + size
+                # a decode loop's records read together; any other, or a damaged one, read
+                # (and named) in its turn, after the records before it
+                read = block_records([b if type(b) is bytes else b"" for _, _, b in chunk], fold)
+                for (last, first, body), record in zip(chunk, read):
+                    where = f"ending at position {last}"
+                    if record is None:
+                        record = decode_record(stored_bytes(body, f"the record {where}"), where, fold)
+                    yield stored_int(first, f"the first position of the record {where}"), record
+                    after = last
+                size = min(2 * size, self.RECORD_PAGE)
             if len(page) < self.RECORD_PAGE:
                 return
 

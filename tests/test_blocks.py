@@ -213,3 +213,24 @@ def test_a_damaged_record_in_a_page_is_left_to_the_general_path(db_url):
         else:
             assert not isinstance(alone, Damage) and _read(found[1]) == _read(alone), at
     assert left > len(target) * 0.9  # nearly every byte is covered by a CRC or the frame
+
+
+def test_reads_in_pages_and_chunks_give_every_event_once_in_order(db_url, monkeypatch):
+    """records_after reads a page's records in chunks that double (4, 8, ...) up to the
+    page: whatever the page size, read_all gives each event once, at its position, and a
+    fold reads the same journal as one page would."""
+    from kvledger.journal.statements import Statements
+    from kvledger.migrations.storage import open_or_create_journal
+    from kvledger.replay.run import project
+
+    bodies = _lockstep_bodies(db_url, 20)
+    with open_or_create_journal(db_url) as journal:
+        whole = list(journal.read_all())
+        folded = project(journal.read_fold()).handles
+        for page in (1, 3, 8, 16):
+            monkeypatch.setattr(Statements, "RECORD_PAGE", page)
+            events = list(journal.read_all())
+            assert [e.global_position for e in events] == list(range(1, len(whole) + 1))
+            assert events == whole, page
+            assert project(journal.read_fold()).handles == folded, page
+    assert len(bodies) == 22 and len(whole) == 2 * 64 + 20 * 3 * 64
