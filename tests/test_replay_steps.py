@@ -292,3 +292,29 @@ def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
             errors.append((err.value.code, err.value.message, p.position))
     assert errors[0] == errors[1]
     assert errors[0][0].value == "CORRUPT_JOURNAL" and errors[0][2] == last - 3 * (64 - 10)
+
+
+def test_a_replay_leaves_its_projection_to_the_oldest_generation(journals):
+    """After the fold and the report the collector is on again, and what they made is in
+    the oldest generation: the next allocations start no young pass over it."""
+    import gc
+
+    from kvledger.replay.run import replay_journal
+
+    passes: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            passes.append(info["generation"])
+
+    with open_journal(journals) as journal:
+        assert gc.isenabled()
+        report = replay_journal(journal, WINDOW)
+        gc.callbacks.append(seen)
+        try:
+            made = [(i,) for i in range(100)]  # a young pass starts once 700 allocations wait
+        finally:
+            gc.callbacks.remove(seen)
+    assert gc.isenabled() and passes == [] and len(made) == 100
+    young = {id(x) for x in gc.get_objects(0)}
+    assert report.handles and not any(id(h) in young or id(h.copy_tiers) in young for h in report.handles)
