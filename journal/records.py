@@ -562,9 +562,10 @@ _BLOCK_LISTS = struct.Struct("<4I")  # a one-block record's lists: the block's l
 def block_records(bodies: Sequence[bytes], fold: bool = False) -> list[Record | None]:
     """decode_record of each body that a commit of decode steps alone writes (a block and
     its context, in format 7), None for the others and for anything amiss in one, which
-    decode_record then reads and names. The blocks are read together, a few array calls
-    for all of them (journal.steps.block_runs), and without the general path's lists and
-    loops: ~12 µs of the ~150 a replay paid a record, and most of its ~40 array calls."""
+    decode_record then reads and names. The blocks of one shape are read together, a few
+    array calls for all of them (journal.steps.block_runs), and without the general
+    path's lists and loops (a record at a time, ~40 array calls a block: docs/COMPACT.md,
+    step 23)."""
     found: list[Record | None] = [None] * len(bodies)
     parts = [(i, *x) for i, body in enumerate(bodies) if (x := _block_parts(body)) is not None]
     if not parts:
