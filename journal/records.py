@@ -317,9 +317,12 @@ def unpack_record(body: bytes) -> RecordParts:
 
 
 def compress(data: bytes) -> bytes:
-    # A compressor per call: a context is not safe to share between threads, and
-    # making one costs microseconds against a record's milliseconds.
-    return zstandard.ZstdCompressor(level=LEVEL).compress(data)
+    # This thread's compressor (a context is not safe to share between threads): making
+    # one is ~20 µs, 4x the compression of a one-step record (a batch-1 decode's).
+    c = getattr(_local, "zstd_compressor", None)
+    if c is None:
+        c = _local.zstd_compressor = zstandard.ZstdCompressor(level=LEVEL)
+    return c.compress(data)
 
 
 def pack_manifest(body: bytes) -> bytes:

@@ -360,3 +360,28 @@ def test_id_key_is_op_key_for_own_ids_and_stable_key_for_the_rest():
     own = "0123456789abcdef" + "0000000000000011"
     assert id_key(own) == op_key(own) and id_key("g" * 32) == stable_key("g" * 32)
     assert id_key("no-counter") == stable_key("no-counter")
+
+
+def test_a_threads_reused_compressor_writes_what_a_new_one_writes():
+    """compress keeps one zstd context a thread: each call's frame is a fresh context's,
+    whatever was compressed before it, in this thread or another."""
+    import threading
+
+    import zstandard
+
+    from kvledger.journal.records import compress
+
+    inputs = [b"", b"x" * 5000, bytes(range(256)) * 40, b'{"event_type":"append_start"}' * 90, b"y"]
+    fresh = [zstandard.ZstdCompressor(level=1).compress(x) for x in inputs]
+    found: dict[int, list[bytes]] = {}
+
+    def run(k: int) -> None:
+        found[k] = [compress(x) for x in (inputs if k % 2 else inputs[::-1])]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [compress(x) for x in inputs] == fresh
+    assert all(found[k] == (fresh if k % 2 else fresh[::-1]) for k in range(4))
