@@ -169,27 +169,19 @@ def damaged(item: bytes) -> int:
     return next((i for i, (a, b) in enumerate(zip(found, stored)) if a != b), 0)
 
 
-def invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int | None:
+def invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int,
+            bounds: tuple[list[int], list[int]] | None = None) -> int | None:
     """The first step whose values no Step could hold (an index past its table, a negative
-    count, a flag not 0 or 1, a call's values without a call), or None."""
-    if fits(m.min(axis=1).tolist(), m.max(axis=1).tolist(), digests, streams, prefixes):
-        return None
-    return first_invalid(m, digests, streams, prefixes)
-
-
-def fits(lo: list[int], hi: list[int], digests: bytes, streams: int, prefixes: int) -> bool:
-    """Whether a run's columns' least and greatest values (`lo`, `hi`) show every step to
-    be a Step's: true of most blocks; false may still be valid step by step
-    (`first_invalid`: mixed calls or digests)."""
-    return (min(lo[:20]) >= 0 and hi[0] < streams and max(hi[1:4]) < prefixes and max(hi[18:20]) <= 1
+    count, a flag not 0 or 1, a call's values without a call), or None. A run's columns'
+    least and greatest values (`bounds`, if the caller has them) settle most blocks in two
+    array calls; mixed calls or digests, or a bad step, are looked at step by step."""
+    lo, hi = (m.min(axis=1).tolist(), m.max(axis=1).tolist()) if bounds is None else bounds
+    if (min(lo[:20]) >= 0 and hi[0] < streams and max(hi[1:4]) < prefixes and max(hi[18:20]) <= 1
             # every step has a call; or none has, and its columns are 0 (those of 0-19 are >= 0)
             and (lo[19] == 1 and hi[4] < prefixes and min(lo[15:18]) >= 1
                  or hi[19] == 0 == hi[4] == max(hi[13:18]) == lo[29] == hi[29])
-            and (lo[18] == 1 or hi[18] == 0 and digests == bytes(len(digests))))
-
-
-def first_invalid(m: np.ndarray, digests: bytes, streams: int, prefixes: int) -> int | None:
-    """`invalid`, step by step."""
+            and (lo[18] == 1 or hi[18] == 0 and digests == bytes(len(digests)))):
+        return None
     for i, v in enumerate(m.T.tolist()):
         if not step_ok(v, digests[32 * i:32 * i + 32], streams, prefixes):
             return i

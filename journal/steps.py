@@ -650,8 +650,7 @@ def block_runs(readers: Sequence[StepReader], m: np.ndarray, digests: Sequence[b
     out: list[StepRun | None] = []
     for k, reader in enumerate(readers):
         ctx, last, steps, d = reader.context, reader._last, m[k], digests[k]
-        if (not blocks.fits(lo[k], hi[k], d, len(ctx.streams), len(ctx.prefixes))
-                and blocks.first_invalid(steps, d, len(ctx.streams), len(ctx.prefixes)) is not None):
+        if blocks.invalid(steps, d, len(ctx.streams), len(ctx.prefixes), (lo[k], hi[k])) is not None:
             out.append(None)
             continue
         s, final = sums[k], finals[k]
