@@ -1,5 +1,5 @@
 """Two commits' write paths at once:
-`python -m bench.ab REV_A REV_B [--pairs N] [--replay | --ceiling | --writer | --frames] [--json]`.
+`python -m bench.ab REV_A REV_B [--pairs N] [--replay | --ceiling | --writer | --frames | --publish] [--json]`.
 
 This VM's speed moves up to 2x between runs seconds apart, so a rate measured now and
 another measured a minute later compare the machine as much as the code. Here both
@@ -49,6 +49,37 @@ from bench.tokens import chain_rate, replay_rate
 url = f"sqlite:///{tempfile.mkdtemp()}/ab.db"
 tokens = sum(chain_rate(url, 32, 59, 1)[1] for _ in range(4))
 print(statistics.median(1e6 / replay_rate(url, tokens) for _ in range(int(sys.argv[3]))))
+"""
+
+# --publish: the generic batched write path instead (bench.journal's kvledger system, the
+# one journal_vs_eventsourcing_sqlite times): 1,024 allocated handles, then groups of 40
+# commits of 64 publications each, the operations built inside the timed region; prints
+# the median us a publication over the groups. Sides in turn, as --ceiling: run at once,
+# both fsync one disk, and each side's waits are the other's.
+CHILD_PUBLISH = """
+import statistics, sys, tempfile, time
+import kvledger
+assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
+sys.path.insert(0, sys.argv[2])
+from bench.ops import Head, allocate_op, handle_ids, publish_op
+from kvledger.engine.ids import new_id
+from kvledger.journal import open_journal
+from kvledger.migrations.storage import init_database
+url = f"sqlite:///{tempfile.mkdtemp()}/ab.db"
+init_database(url)
+j = open_journal(url)
+heads = [Head(h) for h in handle_ids(1024)]
+for i in range(0, 1024, 256):
+    j.append([allocate_op(h.handle, new_id) for h in heads[i:i + 256]])
+k, us = 0, []
+for g in range(int(sys.argv[3]) + 1):
+    t = time.perf_counter()
+    for _ in range(40):
+        j.append([publish_op(heads[(k + x) % 1024], new_id) for x in range(64)])
+        k += 64
+    if g:  # the first group warms up
+        us.append((time.perf_counter() - t) * 1e6 / (40 * 64))
+print(statistics.median(us))
 """
 
 # --ceiling: the worker's ceiling instead (bench.tokens: the near-free model at batch 64,
@@ -222,6 +253,9 @@ def main() -> None:
     parser.add_argument("--frames", action="store_true",
                         help="the ceiling's writer process alone: the frames a ceiling run sent it, decided and "
                              "committed by each side (ms an iteration), both sides at once")
+    parser.add_argument("--publish", action="store_true",
+                        help="the generic batched publication path (journal_vs_eventsourcing_sqlite's "
+                             "kvledger side), us a publication, sides in turn")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -233,12 +267,12 @@ def main() -> None:
         pairs: list[list[float]] = []
         parts: list[tuple[list[float], list[float]]] = []  # --writer: first and last iteration, each side
         for i in range(args.pairs):
-            if args.ceiling or args.writer:  # in turn, A first in even pairs
+            if args.ceiling or args.writer or args.publish:  # in turn, A first in even pairs
                 first, second = (a, b) if i % 2 == 0 else (b, a)
-                child = CHILD_WRITER if args.writer else CHILD_CEILING
+                child = CHILD_WRITER if args.writer else CHILD_PUBLISH if args.publish else CHILD_CEILING
                 got = {}
                 for pkg in (first, second):
-                    proc = side(pkg, None, 0, child)
+                    proc = side(pkg, None, args.groups, child)
                     got[pkg] = measured(proc, proc.communicate()[0], args.a if pkg is a else args.b)
                 us = [got[a][0], got[b][0]]
                 if args.writer:
@@ -250,13 +284,15 @@ def main() -> None:
                 us = [measured(p, out, rev)[0] for p, out, rev in zip(procs, outs, (args.a, args.b))]
             pairs.append(us)
             if not args.json:
-                unit = "x off's time" if args.ceiling else "ms" if args.writer or args.frames else "us/token"
+                unit = ("x off's time" if args.ceiling else "ms" if args.writer or args.frames
+                        else "us/publication" if args.publish else "us/token")
                 more = f" (first, last: A {parts[-1][0]}, B {parts[-1][1]})" if args.writer else ""
                 print(f"pair {i + 1}: A {us[0]:.2f} {unit}, B {us[1]:.2f}, A/B {us[0] / us[1]:.2f}{more}",
                       file=sys.stderr)
     ratios = sorted(x / y for x, y in pairs)
     unit = ("pairs_off_over_on" if args.ceiling else "pairs_writer_ms" if args.writer
-            else "pairs_iteration_ms" if args.frames else "pairs_us_per_token")
+            else "pairs_iteration_ms" if args.frames else "pairs_us_per_publication" if args.publish
+            else "pairs_us_per_token")
     result: dict[str, object] = {"a": args.a, "b": args.b, unit: [[round(x, 2), round(y, 2)] for x, y in pairs],
               "median_a_over_b": round(statistics.median(ratios), 3),
               "min": round(ratios[0], 3), "max": round(ratios[-1], 3)}

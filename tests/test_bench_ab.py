@@ -1,7 +1,7 @@
 """`python -m bench.ab --frames`, the A/B of the ceiling's writer process (docs/PERFORMANCE.md
 measures the ceiling's regression with it): it records a ceiling run's frames and has
-each side decide and commit them. Tiny sizes: the figures are not checked, only that
-both sides measured and the ratio is theirs."""
+each side decide and commit them; and `--publish`, the generic batched path. Tiny sizes:
+the figures are not checked, only that both sides measured and the ratio is theirs."""
 
 from __future__ import annotations
 
@@ -28,10 +28,14 @@ def head() -> str:
     return found.stdout.strip()
 
 
-def test_frames_measures_both_sides(head):
-    proc = _ab(head, head, "--frames", "--pairs", "1", "--groups", "1", "--json")
+@pytest.mark.parametrize(("mode", "key"), [("--frames", "pairs_iteration_ms"),
+                                         ("--publish", "pairs_us_per_publication")])
+def test_both_sides_measure(head, mode, key):
+    """--frames: the ceiling's writer process; --publish: the generic batched path that
+    journal_vs_eventsourcing_sqlite times."""
+    proc = _ab(head, head, mode, "--pairs", "1", "--groups", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    [(a, b)] = result["pairs_iteration_ms"]
+    [(a, b)] = result[key]
     assert a > 0 and b > 0
     assert result["median_a_over_b"] == pytest.approx(a / b, abs=0.01)
