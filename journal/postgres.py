@@ -19,7 +19,7 @@ binary arrays faster than array literals.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from itertools import chain, repeat
 from typing import Any, ClassVar
@@ -30,7 +30,7 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
-from kvledger.journal.records import id_runs, stab
+from kvledger.journal.records import stab
 from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns
 
 _PIPELINE = psycopg.Pipeline.is_supported()
@@ -126,11 +126,10 @@ class PostgresStatements(Statements):
             row = cur.fetchone()
             return None if row is None else row[0]
 
-    def lock_and_last_position(self, cur: Any) -> int:
+    def lock(self, cur: Any) -> None:
         # EXCLUSIVE conflicts with every writer but not with plain SELECTs: writers are
         # serialized, so positions are gapless and in commit order, and readers never wait.
         cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
-        return self.last_position(cur)
 
     speculative = True
     # One statement: the guarded head updates, a verdict, and the record with its lookup
@@ -267,8 +266,8 @@ class PostgresStatements(Statements):
         cur.execute("SELECT event_id FROM kvl_events WHERE event_id = ANY(%b)", (_texts(event_ids),))
         return {r[0] for r in cur.fetchall()}
 
-    def records_holding(self, cur: Any, keys: Iterable[int]) -> list[Row]:
-        bounds = stab(id_runs(keys))
+    def records_holding(self, cur: Any, runs: list[tuple[int, int]]) -> list[Row]:
+        bounds = stab(runs)
         if not bounds:
             return []
         lo, hi, a = zip(*bounds)

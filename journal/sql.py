@@ -49,7 +49,7 @@ from kvledger.journal.records import (
     EVENTS_FORMAT,
     FORMAT,
     PREV_NONE,
-    compact_receipt,
+    compact_parts,
     counted_keys,
     encode_record,
     id_keys,
@@ -366,9 +366,10 @@ class SqlJournal(Journal):
             event_ids += own
             if (x := op.step) is not None:  # its ids' keys from their counters, not their text
                 keys.update(zip((op.operation_id, *own), counted_keys(x.prefix, x.counters())))
-        rest = [i for i in op_ids + event_ids if i not in keys]
+        rest = [i for i in op_ids + event_ids if i not in keys] if keys else op_ids + event_ids
         keys.update(zip(rest, id_keys(rest)))
-        last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, keys.values())
+        runs = id_runs(keys.values())  # the lookup's, and the record's if it holds every id
+        last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, runs)
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         first_in_batch: dict[str, int] = {}
         pending: list[int] = []
@@ -397,7 +398,7 @@ class SqlJournal(Journal):
         prevs = self._prevs(cur, ops, pending, results)
         # Where the record will end if every pending operation is written: guarded updates
         # point their heads at it, and insert_record then rewrites only the other heads.
-        predicted = last + sum(ops[i].event_count() for i in pending)
+        predicted = last + (len(event_ids) if len(pending) == len(ops) else sum(len(owned[i]) for i in pending))
         fault("before_update")
         for round_ in _rounds(ops, _chains(ops, pending)):
             rejected: dict[int, Rejection] = {}
@@ -416,7 +417,7 @@ class SqlJournal(Journal):
                 _leaves_phantoms(ops[i], phantoms)
         fault("after_update")
         record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys,
-                                                            owned)
+                                                            owned, runs)
         self._committed_chain = chain if record is None else record[2]
         if len(first_in_batch) + len(stored) < len(ops):
             for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
@@ -473,7 +474,7 @@ class SqlJournal(Journal):
     def _rows(
         self, ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None],
         last: int, chain: bytes, taken: set[str], prevs: dict[str, int], keys: dict[str, int] | None = None,
-        owned: list[list[str]] | None = None,
+        owned: list[list[str]] | None = None, all_runs: list[tuple[int, int]] | None = None,
     ) -> tuple[RecordRow | None, dict[str, bytes], int]:
         """The record (linked to `chain`) and the manifest rows of the operations at
         `indexes` not yet decided in `results`, at global positions after `last`; fills
@@ -482,7 +483,8 @@ class SqlJournal(Journal):
         not in it is new: PREV_NONE). An event id in
         `taken` (already stored) or written twice is CONSTRAINT_VIOLATION: nothing of
         the batch may commit (the caller's transaction rolls back). `keys`: the ids'
-        keys, if known (records.id_keys); `owned`: each operation's event ids, if known."""
+        keys, if known (records.id_keys); `owned`: each operation's event ids, if known;
+        `all_runs`: id_runs of every id in `keys`, the record's when it writes them all."""
         self._uncommitted = {}  # a refused earlier attempt (the fast path) committed nothing
         now = time.time_ns()
         bodies: list[bytes | Row] = []  # events' JSON, and decode steps' rows (StepWriter.pack)
@@ -493,7 +495,7 @@ class SqlJournal(Journal):
         manifest_rows: dict[str, bytes] = {}
         allocated: dict[str, int] = {}  # manifest digest -> position of the event that holds it
         add_body, add_receipt = bodies.append, receipts.append
-        encode, replace, encode_receipt = encode_event, msgspec.structs.replace, compact_receipt
+        encode, replace, encode_receipt = encode_event, msgspec.structs.replace, compact_parts
         steps = StepWriter(last + 1, now)
         step_row = steps.row
         position = last
@@ -505,6 +507,7 @@ class SqlJournal(Journal):
             first = position + 1
             own: list[str] = []
             handles: list[HandleResult] = []
+            heads: list[int] = []  # the compact receipt's (records.compact_parts)
             row = step_row(op) if op.derived else None  # a decode step: one row (journal.steps)
             if row is not None:
                 add_body(row)
@@ -512,7 +515,7 @@ class SqlJournal(Journal):
                 position += 3
             for write in op.writes:
                 if row is None:
-                    for ev in op.write_events(write):
+                    for ev in write.events if op.step is None else op.write_events(write):
                         position += 1
                         add_body(encode(replace(ev, global_position=position)))
                         own.append(ev.event_id)
@@ -522,9 +525,10 @@ class SqlJournal(Journal):
                 tails[write.handle_id] = h.stream_position
                 handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
                                             h.stream_position, h.committed_length))
+                heads += (h.generation, h.snapshot_version, h.committed_length)
             receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(own), first, position, now)
             if row is None:  # a row's receipt is rebuilt from it
-                add_receipt(encode_receipt(receipt, op.derived))
+                add_receipt(encode_receipt(len(own), None if op.derived else op.fingerprint, now, heads))
             event_ids.update(own)
             op_ids.append(op_id)
             for sha, manifest in op.manifests:  # where its allocation holds it, or itself
@@ -539,7 +543,12 @@ class SqlJournal(Journal):
         # pack passes a record without steps through as it is (all events' bytes)
         body = encode_record(steps.pack(bodies), receipts, FORMAT if steps.count else EVENTS_FORMAT)
         written = event_ids.union(op_ids)
-        runs = id_runs(id_keys(written) if keys is None else [keys[i] for i in written])
+        if keys is None:
+            runs = id_runs(id_keys(written))
+        elif all_runs is not None and len(written) == len(keys):  # written is a subset of keys' ids
+            runs = all_runs
+        else:
+            runs = id_runs([keys[i] for i in written])
         streams = list(tails)
         prev = pack_prev([prevs.get(h, PREV_NONE) for h in streams])
         record = (position, last + 1, link(chain, body), body, streams, prev, runs)
@@ -572,7 +581,8 @@ class SqlJournal(Journal):
                     creates.append(w)
                 else:
                     updates.append((w, w.expected))
-            checks.extend((c.handle_id, c.expected) for c in op.checks)
+            if op.checks:
+                checks.extend((c.handle_id, c.expected) for c in op.checks)
 
         for unit in units:
             collect(unit)
@@ -844,19 +854,19 @@ def _chains(ops: Sequence[Operation], indexes: list[int]) -> list[list[int]]:
     become one chain: sequentially they succeed or fail together anyway, and one
     guarded update instead of one per operation is what makes them cheap."""
     units: list[list[int]] = []
-    tail: dict[str, tuple[list[int], Guard]] = {}  # handle -> (open chain, head it leaves)
+    tail: dict[str, tuple[list[int], HeadFacts]] = {}  # handle -> (open chain, head it leaves)
     for i in indexes:
         op = ops[i]
         if len(op.writes) == 1 and not op.checks and op.writes[0].expected is not None:
             w = op.writes[0]
             chain = tail.get(w.handle_id)
-            if chain is not None and chain[1] == w.expected:
+            if chain is not None and guard_of(chain[1]) == w.expected:
                 unit = chain[0]
                 unit.append(i)
             else:
                 unit = [i]
                 units.append(unit)
-            tail[w.handle_id] = (unit, guard_of(w.head))
+            tail[w.handle_id] = (unit, w.head)
             continue
         units.append([i])
         for handle in [w.handle_id for w in op.writes] + [c.handle_id for c in op.checks]:
@@ -893,43 +903,44 @@ def _rounds(ops: Sequence[Operation], units: list[list[int]]) -> Iterator[list[l
 _STEP_VERSIONS_CURRENT = tuple(CURRENT_VERSION[cls.event_type] for cls in DECODE_CHAIN) == STEP_VERSIONS
 
 
-def _validate(op: Operation) -> None:
-    def bad(msg: str) -> KvLedgerError:
-        return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"operation {op.operation_id}: {msg}")
+def _invalid(op: Operation, msg: str) -> KvLedgerError:
+    return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"operation {op.operation_id}: {msg}")
 
+
+def _validate(op: Operation) -> None:
     if not op.writes:
-        raise bad("writes nothing")
+        raise _invalid(op, "writes nothing")
     seen: set[str] = set()
     for w in op.writes:
         handle = w.handle_id
         if handle in seen:
-            raise bad(f"writes {handle} twice")
+            raise _invalid(op, f"writes {handle} twice")
         seen.add(handle)
         position = w.expected.stream_position if w.expected else 0
         if op.step is not None:  # the decode lane's values: three events at its versions
             x = op.step
             if len(op.writes) != 1 or w.events or not _STEP_VERSIONS_CURRENT:
-                raise bad("a decode step's values are its one write's events")
+                raise _invalid(op, "a decode step's values are its one write's events")
             if x.stream_id != handle or x.stream_position != position + 1:
-                raise bad(f"its decode step is not at {handle}:{position + 1}")
+                raise _invalid(op, f"its decode step is not at {handle}:{position + 1}")
             if x.global_position != 0:
-                raise bad("global_position is assigned by the journal")
+                raise _invalid(op, "global_position is assigned by the journal")
             if w.head.stream_position != position + 3:
-                raise bad(f"head of {handle} does not end at its last event")
+                raise _invalid(op, f"head of {handle} does not end at its last event")
             continue
         if not w.events:
-            raise bad(f"write to {handle} has no events")
+            raise _invalid(op, f"write to {handle} has no events")
         for ev in w.events:
             position += 1
             if ev.stream_id != handle or ev.stream_position != position:
-                raise bad(f"event {ev.event_id} is not at {handle}:{position}")
+                raise _invalid(op, f"event {ev.event_id} is not at {handle}:{position}")
             if ev.global_position != 0:
-                raise bad("global_position is assigned by the journal")
+                raise _invalid(op, "global_position is assigned by the journal")
             if ev.schema_version != CURRENT_VERSION[ev.event_type]:
-                raise bad(f"{ev.event_type} must be written at schema_version "
+                raise _invalid(op, f"{ev.event_type} must be written at schema_version "
                           f"{CURRENT_VERSION[ev.event_type]}")
         if w.head.stream_position != position:
-            raise bad(f"head of {handle} does not end at its last event")
+            raise _invalid(op, f"head of {handle} does not end at its last event")
 
 
 def _reused_id(ops: Sequence[Operation], written: list[str], taken: set[str]) -> KvLedgerError:

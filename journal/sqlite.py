@@ -79,5 +79,5 @@ class SqliteStatements(Statements):
         finally:
             cur.close()
 
-    def lock_and_last_position(self, cur: Any) -> int:
-        return self.last_position(cur)  # BEGIN IMMEDIATE already holds the writer lock
+    def lock(self, cur: Any) -> None:
+        pass  # BEGIN IMMEDIATE already holds the writer lock

@@ -7,7 +7,7 @@ the statements whose best form differs over a network (set-based, one round trip
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, TypeVar
 
 import msgspec
@@ -96,21 +96,26 @@ class Statements(abc.ABC):
     def existing_tables(self, names: tuple[str, ...]) -> set[str]: ...
 
     @abc.abstractmethod
-    def lock_and_last_position(self, cur: Any) -> int: ...
+    def lock(self, cur: Any) -> None:
+        """Take the writer lock for the rest of the transaction `cur` is in."""
+
+    def lock_and_last_position(self, cur: Any) -> int:
+        self.lock(cur)
+        return self.last_position(cur)
 
     # Only where speculative is set.
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
                   operation_ids: list[str], event_ids: list[str], last: int) -> bool:
         raise NotImplementedError
 
-    def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str], keys: Iterable[int]
+    def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str], runs: list[tuple[int, int]]
                      ) -> tuple[int, bytes, dict[str, tuple[str, bytes]], set[str]]:
         """Take the writer lock; return the last global position, the chain digest the
         next record links to, the stored receipts of `operation_ids` and which of
-        `event_ids` the journal already holds (`keys`: all their id keys)."""
-        self.lock_and_last_position(cur)
+        `event_ids` the journal already holds (`runs`: all their id keys, records.id_runs)."""
+        self.lock(cur)
         last, chain = self.last_record(cur)
-        return last, chain, *self.find_ids(cur, operation_ids, event_ids, keys)
+        return last, chain, *self.find_ids(cur, operation_ids, event_ids, runs)
 
     def last_records(self, cur: Any, handles: list[str]) -> dict[str, int]:
         """For each of `handles` that has a head: the last record holding its events, or
@@ -275,16 +280,16 @@ class Statements(abc.ABC):
         return self.find_ids(cur, operation_ids, [])[0]
 
     def find_ids(self, cur: Any, operation_ids: list[str], event_ids: list[str],
-                 keys: Iterable[int] | None = None) -> tuple[dict[str, tuple[str, bytes]], set[str]]:
+                 runs: list[tuple[int, int]] | None = None) -> tuple[dict[str, tuple[str, bytes]], set[str]]:
         """The stored receipts of `operation_ids` (fingerprint, body), and which of
-        `event_ids` are stored, in records or in the one-row-per-event tables. `keys`:
-        the ids' keys when the caller has them (records.id_keys)."""
+        `event_ids` are stored, in records or in the one-row-per-event tables. `runs`:
+        the ids' keys as runs when the caller has them (records.id_runs)."""
         ops, events = set(operation_ids), set(event_ids)
         found: dict[str, tuple[str, bytes]] = {}
         taken: set[str] = set()
         if not ops and not events:
             return found, taken
-        for last, body in self.records_holding(cur, id_keys(ops | events) if keys is None else keys):
+        for last, body in self.records_holding(cur, id_runs(id_keys(ops | events)) if runs is None else runs):
             where = f"ending at position {last}"
             record = decode_record(stored_bytes(body, f"the record {where}"), where)
             ids = record.ids()  # a shared key names other ids' records too: keep the exact ones
@@ -320,9 +325,9 @@ class Statements(abc.ABC):
         "AND i.last_key >= json_extract(q.value, '$[2]'))"
     )
 
-    def records_holding(self, cur: Any, keys: Iterable[int]) -> list[Row]:
-        """(last_position, body) of each record whose id runs hold one of `keys`."""
-        rows = self._lookup(cur, self.RECORDS_HOLDING_RUNS, self.RECORDS_HOLDING_RUN, stab(id_runs(keys)))
+    def records_holding(self, cur: Any, runs: list[tuple[int, int]]) -> list[Row]:
+        """(last_position, body) of each record whose id runs meet `runs` (records.id_runs)."""
+        rows = self._lookup(cur, self.RECORDS_HOLDING_RUNS, self.RECORDS_HOLDING_RUN, stab(runs))
         return list({r[0]: r for r in rows}.values())  # one row a record
 
     def _lookup(self, cur: Any, many: str, one: str, values: list[Any]) -> list[Row]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvledger.engine import commands as c
@@ -26,6 +26,7 @@ from kvledger.journal.records import (
     decode_record,
     encode_record,
     id_key,
+    id_keys,
     id_runs,
     op_key,
     pack_manifest,
@@ -360,6 +361,41 @@ def test_id_key_is_op_key_for_own_ids_and_stable_key_for_the_rest():
     own = "0123456789abcdef" + "0000000000000011"
     assert id_key(own) == op_key(own) and id_key("g" * 32) == stable_key("g" * 32)
     assert id_key("no-counter") == stable_key("no-counter")
+
+
+_HEXISH = "0123456789abcdefABCDEF"
+
+
+@st.composite
+def _id_batches(draw: Any) -> list[str]:
+    """A batch of one writer's engine.ids-form ids, some of them bent: a character swapped
+    for one int(_, 16) reads differently from bytes.fromhex (space, `_`, sign), a
+    non-ASCII one, another case, another length, another writer's prefix."""
+    prefix = draw(st.text(_HEXISH[:16], min_size=16, max_size=16))
+    ids = [prefix + f"{n:016x}" for n in draw(st.lists(st.integers(0, (1 << 64) - 1), min_size=8, max_size=80))]
+    if draw(st.booleans()):
+        i = draw(st.integers(0, len(ids) - 1))
+        ids[i] = draw(st.text(_HEXISH, min_size=16, max_size=16)) + ids[i][16:]
+    if draw(st.booleans()):  # the same value in capitals: another prefix's text, another key
+        i = draw(st.integers(0, len(ids) - 1))
+        ids[i] = ids[i].upper()
+    for _ in range(draw(st.integers(0, 3))):
+        i, at = draw(st.integers(0, len(ids) - 1)), draw(st.integers(0, 31))
+        c = draw(st.sampled_from([*_HEXISH, " ", "\t", "_", "-", "+", "g", "\u00e9", "", "00"]))
+        ids[i] = ids[i][:at] + c + ids[i][at + 1:]
+    return ids
+
+
+_SPACED = ["0123456789abcdef" + f"{n:016x}" for n in range(16)]
+
+
+@given(_id_batches())
+# two spaces where bytes.fromhex skips them: an even count of digits, one byte short
+@example([_SPACED[0][:24] + " " + _SPACED[0][25:], _SPACED[1][:21] + " " + _SPACED[1][22:], *_SPACED[2:]])
+def test_a_batch_of_ids_keys_as_each_id_alone(ids):
+    """id_keys reads a batch of engine.ids-form ids at once: each key is the one
+    that id keys to alone, so lookups of journals written before it find the same runs."""
+    assert id_keys(ids) == [id_key(i) for i in ids]
 
 
 def test_a_threads_reused_compressor_writes_what_a_new_one_writes():
