@@ -562,6 +562,8 @@ def id_runs(keys: Iterable[int]) -> list[tuple[int, int]]:
     ordered = sorted(set(keys))
     if not ordered:
         return []
+    if ordered[-1] - ordered[0] == len(ordered) - 1 and len(ordered) <= MAX_RUN:
+        return [(ordered[0], ordered[-1])]  # one writer's consecutive ids: one run, no loop
     runs: list[tuple[int, int]] = []
     longest = MAX_RUN - 1
     first = last = ordered[0]

@@ -329,7 +329,14 @@ CLUSTERED = st.sampled_from([-(1 << 63), -5, 0, (1 << 63) - 3 * MAX_RUN]).flatma
     lambda b: st.lists(_near(b), max_size=3 * MAX_RUN))
 
 
-@given(st.one_of(st.lists(KEYS, max_size=50), CLUSTERED))
+# one writer's consecutive ids (id_runs' one-run shortcut), up to just past a run's cap
+CONSECUTIVE = st.tuples(st.integers(-(1 << 63), (1 << 63) - MAX_RUN - 2), st.integers(1, MAX_RUN + 2)).map(
+    lambda an: list(range(an[0], an[0] + an[1])))
+
+
+@given(st.one_of(st.lists(KEYS, max_size=50), CLUSTERED, CONSECUTIVE))
+@example(list(range(MAX_RUN)))
+@example(list(range(MAX_RUN + 1)))
 def test_id_runs_cover_exactly_the_keys_in_capped_runs(keys):
     runs = id_runs(keys)
     covered = [k for a, b in runs for k in range(a, b + 1)]
