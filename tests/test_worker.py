@@ -326,3 +326,40 @@ def test_chains_carry_publish_emit_and_start_in_one_operation(model, tmp_path):
         for op, types in by_op.items():
             receipt = j.receipt(op)
             assert receipt is not None and len(receipt.event_ids) == len(types)
+
+
+def test_the_first_worker_freezes_the_heap_it_starts_with_and_later_ones_do_not(tmp_path):
+    """The first Worker made in a process collects, then freezes every object alive
+    (freeze_heap): a full collection during serving then leaves the model's and the
+    libraries' objects alone. A later worker freezes nothing more. A fresh process: the
+    flag is per process."""
+    import subprocess
+    import sys
+
+    script = f"""
+import gc
+from kvledger.engine.service import CommandService
+from kvledger.migrations.storage import open_or_create_journal
+from kvledger.worker.loading import load_model
+from kvledger.worker.serving import RequestSpec, Worker
+model, artifact = load_model()
+kept = [[i] for i in range(1000)]  # alive, tracked, made before the first run
+before = gc.get_freeze_count()
+with open_or_create_journal("sqlite:///{tmp_path}/j.db") as j:
+    for n in range(2):
+        more = [[i] for i in range(5000 * n)]  # made between the runs: stays collectable
+        w = Worker(model, service=CommandService(j), artifact=artifact, capacity=32)
+        w.submit(RequestSpec(request_id=f"r{{n}}", prompt=(1, 2, 3), max_new_tokens=2))
+        w.run()
+        print(gc.get_freeze_count())
+print(before, len(kept))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second, last = done.stdout.split("\n")[:3]
+    before, kept = map(int, last.split())
+    assert before == 0 and kept == 1000
+    assert int(first) > 1000  # the first worker froze what was alive, the kept lists among it
+    # the second worker froze nothing more: the 5,000 lists made before it stay collectable
+    # (the count of frozen objects moves by a few as some of them go)
+    assert abs(int(second) - int(first)) < 1000, (first, second)

@@ -14,6 +14,7 @@ is emitted in the same commit as the publication whose logits chose it.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -159,11 +160,29 @@ class _Chain:
         return (chain, ok, err)
 
 
+_frozen = False
+
+
+def freeze_heap() -> None:
+    """Once a process: collect, then put everything alive out of the cyclic collector's
+    reach (gc.freeze): the model, torch's and every library's objects, ~250,000 of them
+    in the bench's worker. Without it a full collection traverses them all, a 45-100 ms
+    stop every few hundred iterations (3 of 8 runs of 32 in the ceiling's worker,
+    docs/PERFORMANCE.md); with it none came in 7 runs. Refcounting still frees them; only
+    a cycle among them that becomes garbage later is kept. vLLM freezes after start-up too."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 class Worker:
     def __init__(self, model: Transformer, *, service: CommandPort | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
                  capacity: int = 512, device: str = "cpu", pipeline: bool | None = None,
                  retries: int = 1, lookahead: bool | None = None) -> None:
+        freeze_heap()  # the process's first worker: what start-up loaded, before serving
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         require_context(self.cfg, capacity)  # before the store's preallocation
