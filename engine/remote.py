@@ -34,6 +34,7 @@ import msgspec
 from kvledger.engine import commands as c
 from kvledger.engine.decode_lane import split_steps
 from kvledger.engine.evolve import fold
+from kvledger.engine.heap import freeze_heap
 from kvledger.engine.port import CommandPort, CommitHook, RejectHook
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
@@ -282,6 +283,7 @@ def serve(fd_in: int, fd_out: int) -> None:
     # built for it (Operation.step holds their values), which is not free.
     keep: list[CommitHook] = [lambda receipt, events: committed.__setitem__(receipt.operation_id, events)]
     service.on_reject.append(lambda cmd, exc: refused.append(cmd))
+    freeze_heap()  # what start-up loaded, before the first frame
     send(fd_out, encode(_Reply()))
     with journal:
         while (frame := receive(fd_in)) is not None:

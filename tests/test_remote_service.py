@@ -229,3 +229,35 @@ def test_decode_chains_cross_the_pipe_as_columns_with_the_same_results(db_url, t
     assert codes[:5] == ["Receipt"] * 5 and codes[5] is ErrorCode.TXN_NOT_OPEN
     assert states[0] == ((9, 7), "ACTIVE") and states[2] == ((9, 7), "FINISHED") and states[3][0] == (9,)
     assert hooks[-1] == ("Chain", ErrorCode.TXN_NOT_OPEN)
+
+
+def test_the_writer_process_freezes_what_it_loaded_before_its_first_frame(tmp_path):
+    """serve() opens the journal, then freezes the heap (engine.heap) before it answers
+    the hello: a full collection while it commits leaves the libraries' objects alone.
+    Run as the writer process runs it (serve in a fresh process's main thread), a
+    thread standing in for the worker on the other ends of the pipes."""
+    script = f"""
+import gc, os, threading
+import msgspec
+from kvledger.engine import remote
+from kvledger.migrations.storage import init_database
+url = "sqlite:///{tmp_path}/w.db"
+init_database(url)
+(to_r, to_w), (from_r, from_w) = os.pipe(), os.pipe()
+seen = []
+def drive():
+    remote.send(to_w, msgspec.msgpack.encode(remote._Hello(url, "kvledger")))
+    remote.receive(from_r)
+    seen.append(gc.get_freeze_count())  # the hello is answered: frozen by now
+    os.close(to_w)
+print(gc.get_freeze_count())
+driver = threading.Thread(target=drive)
+driver.start()
+remote.serve(to_r, from_w)
+driver.join()
+print(seen[0])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = map(int, done.stdout.split())
+    assert before == 0 and after > 10_000  # the journal's modules, sqlalchemy, msgspec, ...

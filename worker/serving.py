@@ -14,7 +14,6 @@ is emitted in the same commit as the publication whose logits chose it.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor
 
 from kvledger.engine import commands as c
+from kvledger.engine.heap import freeze_heap
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
@@ -158,23 +158,6 @@ class _Chain:
                     f(exc)
 
         return (chain, ok, err)
-
-
-_frozen = False
-
-
-def freeze_heap() -> None:
-    """Once a process: collect, then put everything alive out of the cyclic collector's
-    reach (gc.freeze): the model, torch's and every library's objects, ~250,000 of them
-    in the bench's worker. Without it a full collection traverses them all, a 45-100 ms
-    stop every few hundred iterations (3 of 8 runs of 32 in the ceiling's worker,
-    docs/PERFORMANCE.md); with it none came in 7 runs. Refcounting still frees them; only
-    a cycle among them that becomes garbage later is kept. vLLM freezes after start-up too."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
-        gc.collect()
-        gc.freeze()
 
 
 class Worker:
