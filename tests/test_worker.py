@@ -329,10 +329,10 @@ def test_chains_carry_publish_emit_and_start_in_one_operation(model, tmp_path):
 
 
 def test_the_first_worker_freezes_the_heap_it_starts_with_and_later_ones_do_not(tmp_path):
-    """The first Worker made in a process collects, then freezes every object alive
-    (freeze_heap): a full collection during serving then leaves the model's and the
-    libraries' objects alone. A later worker freezes nothing more. A fresh process: the
-    flag is per process."""
+    """The first Worker made in a process freezes every object alive (freeze_heap): a
+    full collection during serving then leaves the model's and the libraries' objects
+    alone. A later worker freezes nothing more. A fresh process: the flag is per
+    process."""
     import subprocess
     import sys
 
