@@ -500,16 +500,15 @@ def _hex_keys(ids: list[str]) -> list[int] | None:
     halves = struct.unpack(f">{2 * n}Q", raw)
     if len(set(halves[0::2])) != 1:  # lowercase: the same value is the same text
         return None
-    high, low = _stem(ids[0][:16]), _LOW
-    if high >= 1 << 63:  # two's complement: a signed 64-bit column; the counter is below bit 40
-        high -= 1 << 64
-    return [high + (c & low) for c in halves[1::2]]
+    return counted_keys(ids[0][:16], halves[1::2])
 
 
 def counted_keys(prefix: str, counters: Iterable[int]) -> list[int]:
     """id_keys of the ids f"{prefix}{n:016x}" (engine.ids' form), from their counters."""
-    high, top = _stem(prefix), 1 << 63
-    return [k - (top << 1) if (k := high | (n & _LOW)) >= top else k for n in counters]
+    high, low = _stem(prefix), _LOW
+    if high >= 1 << 63:  # two's complement: a signed 64-bit column; the counter is below bit 40
+        high -= 1 << 64
+    return [high + (n & low) for n in counters]
 
 
 def id_key(value: str) -> int:

@@ -515,7 +515,7 @@ class SqlJournal(Journal):
                 position += 3
             for write in op.writes:
                 if row is None:
-                    for ev in write.events if op.step is None else op.write_events(write):
+                    for ev in op.write_events(write):
                         position += 1
                         add_body(encode(replace(ev, global_position=position)))
                         own.append(ev.event_id)

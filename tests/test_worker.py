@@ -352,13 +352,12 @@ with open_or_create_journal("sqlite:///{tmp_path}/j.db") as j:
         w.submit(RequestSpec(request_id=f"r{{n}}", prompt=(1, 2, 3), max_new_tokens=2))
         w.run()
         print(gc.get_freeze_count())
-print(before, len(kept))
+print(before)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     first, second, last = done.stdout.split("\n")[:3]
-    before, kept = map(int, last.split())
-    assert before == 0 and kept == 1000
+    assert int(last) == 0  # nothing was frozen before the first worker
     assert int(first) > 1000  # the first worker froze what was alive, the kept lists among it
     # the second worker froze nothing more: the 5,000 lists made before it stay collectable
     # (the count of frozen objects moves by a few as some of them go)
