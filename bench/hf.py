@@ -26,9 +26,11 @@ NOTES = {
                            "starts) and the row digests read back from the cache, plus the closing call that runs "
                            "each last token after generate (close_frontier, the default). "
                            "hf_journal_own_share_b* is the journal's own time (journaled_generate's stats) over "
-                           "plain time: 0.05-0.075 here, while plain generate's own time moves 10-60% "
-                           "between runs on this VM; per call at b1 ~1.4 ms is the append (0.7 ms of it the "
-                           "COMMIT), ~0.3 ms the row digests, ~0.2 ms deciding, see docs/PERFORMANCE.md",
+                           "plain time: 0.05-0.10 here, as plain generate's own time moves 10-60% "
+                           "between phases of this VM; per call at b1 ~1.6 ms, all of it run cold after the "
+                           "forward: the COMMIT ~0.45 ms (an fsync after a pause), statements and record ~0.32, "
+                           "row digests ~0.16, deciding ~0.14; the closing call ~23 ms (docs/PERFORMANCE.md, "
+                           "step 25)",
 }
 PROMPT = 32
 # Blocks per batch size (six generate calls each): a generate of 64 tokens here is 2-7 s,
