@@ -66,7 +66,7 @@ def pack(rows: Sequence[Row]) -> bytes:
 def _columns(flat: bytes, n: int) -> list[bytes]:
     """The widths and the width groups' bytes of n steps' values (`flat`, as int64)."""
     m = np.frombuffer(flat, "<i8").reshape(n, VALUES)
-    widths = bytes(map(_width, m.min(axis=0).tolist(), m.max(axis=0).tolist()))
+    widths = bytes(max(_width(lo), _width(hi)) for lo, hi in zip(m.min(axis=0).tolist(), m.max(axis=0).tolist()))
     cols = m.T
     return [widths, *(cols[g].astype(f"<i{w}").tobytes() for w in _WIDTHS if (g := _group(widths, w)))]
 
@@ -76,16 +76,13 @@ def _columns(flat: bytes, n: int) -> list[bytes]:
 # code from the caches: StepWriter.pack of such a block, timed in place in a batch-1
 # generate, took 97 µs with the arrays and takes 54 so (warm, alone: 21 and 11).
 FEW = 2
-_BYTES = bytes(1 if b < 8 else 2 if b < 16 else 4 if b < 32 else 8 for b in range(64))  # by bit_length
 _CODES = {1: "b", 2: "h", 4: "i", 8: "q"}
 
 
 def _few_columns(values: list[tuple[int, ...]]) -> list[bytes]:
-    """_columns, for a few steps' values, in plain Python. A value's width is from its bit
-    length (v ^ (v >> 63) is v, or ~v below zero: the bits besides the sign)."""
-    size = _BYTES
-    widths = bytes(map(max, *[[size[(v ^ (v >> 63)).bit_length()] for v in row] for row in values])) \
-        if len(values) > 1 else bytes([size[(v ^ (v >> 63)).bit_length()] for v in values[0]])
+    """_columns, for a few steps' values, in plain Python."""
+    sizes = [list(map(_width, row)) for row in values]
+    widths = bytes(sizes[0] if len(sizes) == 1 else map(max, *sizes))
     cols = list(zip(*values))
     return [widths, *(struct.pack(f"<{len(g) * len(values)}{_CODES[w]}", *itertools.chain.from_iterable(
         [cols[i] for i in g])) for w in _WIDTHS if (g := _group(widths, w)))]
@@ -98,12 +95,14 @@ def _crcs(flat: bytes, digests: Sequence[bytes]) -> list[int]:
     return [crc(d, crc(flat[i:i + _ROW])) for i, d in zip(range(0, len(digests) * _ROW, _ROW), digests)]
 
 
-def _width(lo: int, hi: int) -> int:
-    for w in _WIDTHS:
-        bound = 1 << (8 * w - 1)
-        if -bound <= lo and hi < bound:
-            return w
-    raise OverflowError("a value past int64")  # values_row keeps these out
+# a value's width in bytes by its bit length without the sign (v ^ (v >> 63): v, or ~v below zero)
+_BYTES = bytes(1 if b < 8 else 2 if b < 16 else 4 if b < 32 else 8 for b in range(64))
+
+
+def _width(v: int) -> int:
+    """The bytes a signed little-endian column needs to hold `v` (an int64: values_row
+    checks it; past int64 is an IndexError)."""
+    return _BYTES[(v ^ (v >> 63)).bit_length()]
 
 
 _groups: dict[tuple[bytes, int], list[int]] = {}

@@ -56,7 +56,6 @@ def test_a_block_reads_back_its_values_and_digests(rows):
         zlib.crc32(struct.pack("<30q", *v) + (bytes(32) if d is None else d)) for v, d in rows)
 
 
-
 EDGES = [-(1 << 63), -(1 << 31) - 1, -(1 << 31), -(1 << 15) - 1, -(1 << 15), -129, -128, -1, 0, 127, 128,
          (1 << 15) - 1, 1 << 15, (1 << 31) - 1, 1 << 31, (1 << 63) - 1]
 
@@ -72,11 +71,15 @@ def test_a_few_steps_pack_without_numpy_to_the_same_bytes(rows):
     values = [v for v, _ in rows]
     flat = struct.pack(f"<{VALUES * len(rows)}q", *(x for v in values for x in v))
     assert blocks._few_columns(values) == blocks._columns(flat, len(rows))
+    # each column as narrow as its values allow: the least width whose signed range holds them
+    assert list(blocks._columns(flat, len(rows))[0]) == [
+        next(w for w in (1, 2, 4, 8) if -(1 << (8 * w - 1)) <= min(col) and max(col) < 1 << (8 * w - 1))
+        for col in zip(*values)]
     if len(rows) <= blocks.FEW:  # and pack takes that path
+        digests = [bytes(32) if d is None else d for _, d in rows]
         assert pack(rows) == b"".join([struct.pack("<BI", blocks.MARK, len(rows)), *blocks._columns(flat, len(rows)),
-                                       *(bytes(32) if d is None else d for _, d in rows),
-                                       struct.pack(f"<{len(rows)}I", *blocks._crcs(flat, [bytes(32) if d is None
-                                                                                     else d for _, d in rows]))])
+                                       *digests, struct.pack(f"<{len(rows)}I", *blocks._crcs(flat, digests))])
+
 
 def _valid(n: int, calls: bool) -> list:
     """n steps a Step could hold: streams 0..n-1 of n, prefix 0 of 2, with calls or none."""
