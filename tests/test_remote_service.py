@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -261,3 +262,46 @@ print(seen[0])
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = map(int, done.stdout.split())
     assert before == 0 and after > 10_000  # the journal's modules, sqlalchemy, msgspec, ...
+
+
+def _sent_after(fd: int, delay: float, payload: bytes | None) -> threading.Thread:
+    """A thread that sends one frame on `fd` (or closes it: None) after `delay` seconds."""
+    from kvledger.engine import remote
+
+    def run() -> None:
+        time.sleep(delay)
+        if payload is None:
+            os.close(fd)
+        else:
+            remote.send(fd, payload)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_frame_is_received_whole_whether_it_comes_while_polling_or_after():
+    """receive(fd, spin_s) polls the pipe up to spin_s, then sleeps in read(): a frame that
+    comes during the poll, one that comes after it and the end of the stream all read as
+    without polling. The poll spends CPU only for its window (thread CPU time)."""
+    from kvledger.engine import remote
+
+    r, w = os.pipe()
+    try:
+        big = os.urandom(200_000)  # more than a pipe holds: read while it is being written
+        for delay, spin, payload in ((0.2, 0.5, b"during"), (0.3, 0.02, b"after"), (0.05, 0.5, big)):
+            sender = _sent_after(w, delay, payload)
+            cpu, wall = time.thread_time(), time.perf_counter()
+            assert remote.receive(r, spin) == payload
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            sender.join()
+            assert wall >= delay * 0.9
+            if spin < delay:  # slept in read() once the window closed
+                assert cpu < 0.15, cpu
+            elif payload == b"during":  # polled until it came
+                assert cpu > 0.05, cpu
+        sender = _sent_after(w, 0.1, None)
+        assert remote.receive(r, 0.5) is None
+        sender.join()
+    finally:
+        os.close(r)
