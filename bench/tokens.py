@@ -41,9 +41,10 @@ GOALS = {
 NOTES = {
     "journal_tokens_per_s_sqlite": "command service alone: decide + encode + statements + commit of 64 "
                                    "decode steps (DecodeSteps columns) per transaction, 32 layers; "
-                                   "Python-bound (step 14, us a token: the bench's own ~5, deciding ~8, "
-                                   "the record ~10, other statements and keys ~10, the commit's fsync ~6); "
-                                   "the fsync alone caps one writer here near 67,000 tokens/s",
+                                   "us a token in place (docs/PERFORMANCE.md, step 26): the bench's own "
+                                   "4.1, planning 6.1, the record 10, statements ~4, keys and the rest ~5, "
+                                   "the COMMIT 7.1 (an fsync of ~450 us a commit): the COMMIT, the "
+                                   "statements and the bench alone are ~15, above the goal's 10",
     "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is; each side "
                               "in its best set-up of torch's pool (whole, or less a core) and, on, writer (thread "
                               "or process): ceiling_setup_on / _off",
