@@ -17,19 +17,18 @@ the child finishes the batch it received and exits when it sees the pipe closed.
 
 Frames on the child's stdin/stdout: a 4-byte big-endian length, then msgpack. The
 database URL travels in the first frame, never in argv, so `ps` shows no credentials.
-Each side polls the pipe for a while before it sleeps in read() (SPIN_S): a frame sent
-to a process asleep on another CPU costs its sender the wake-up, tens of µs in a VM.
+Each side polls the pipe for a while before it sleeps in read() (journal.writers.poll):
+a frame sent to a process asleep on another CPU costs its sender the wake-up, tens of µs
+in a VM.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import signal
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -124,7 +123,7 @@ class RemoteService(BatchSurface):
 
     def _answer(self) -> _Reply:
         try:
-            frame, why = receive(self._in, SPIN_S), "exited"
+            frame, why = receive(self._in, writers.SPIN_S), "exited"
         except (EOFError, OSError) as exc:
             frame, why = None, str(exc)
         if frame is None:
@@ -243,31 +242,13 @@ def send(fd: int, payload: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-# How long a side polls the pipe for the other's next frame before it sleeps in read().
-# Waking a process asleep on another vCPU costs the sender an IPI: measured here, a
-# 60-byte os.write to a pipe whose reader sleeps took 14 us (p90 27; 49 in place in a
-# batch-1 worker) against 1.8 to one whose reader polls, and a round trip 128 us against
-# 41. Each side polls only on its own core (the writer process on the I/O CPU, the worker
-# waiting for its reply between model calls), and no longer than a decode step's gap.
-SPIN_S = 0.005
-
-
 def receive(fd: int, spin_s: float = 0.0) -> bytes | None:
     """One frame, or None at end of stream; with `spin_s`, the pipe is polled that long
-    before the read sleeps."""
+    before the read sleeps (journal.writers.poll)."""
     if spin_s:
-        _poll(fd, spin_s)
+        writers.poll(fd, spin_s=spin_s)
     head = _read_exact(fd, _LENGTH.size, eof_ok=True)
     return None if head is None else _read_exact(fd, _LENGTH.unpack(head)[0], eof_ok=False)
-
-
-def _poll(fd: int, spin_s: float) -> None:
-    """Return once `fd` is readable (or at end of stream), or after `spin_s` seconds."""
-    ready = select.poll()  # not select.select: it takes no descriptor past 1023
-    ready.register(fd, select.POLLIN)
-    deadline = time.perf_counter() + spin_s
-    while not ready.poll(0) and time.perf_counter() < deadline:
-        os.sched_yield()  # a CPU shared with others' work (a loaded machine) is not held
 
 
 def _read_exact(fd: int, n: int, eof_ok: bool) -> bytes | None:
@@ -311,7 +292,7 @@ def serve(fd_in: int, fd_out: int) -> None:
     freeze_heap()  # what start-up loaded, before the first frame
     send(fd_out, encode(_Reply()))
     with journal:
-        while (frame := receive(fd_in, SPIN_S)) is not None:
+        while (frame := receive(fd_in, writers.SPIN_S)) is not None:
             committed.clear()
             refused.clear()
             try:

@@ -95,7 +95,11 @@ def make_engine(url: URL) -> Engine:
         )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+    from kvledger.journal.postgres import polling_connect
+
+    engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+    event.listen(engine, "do_connect", polling_connect)
+    return engine
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
