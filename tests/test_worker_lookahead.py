@@ -8,6 +8,7 @@ outcome for that handle (it fails, with the outputs it had) and for every other 
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 import pytest
@@ -84,6 +85,13 @@ def _overtake(url: str, handle: str, at_outputs: int):
     def hook(w: Worker) -> None:
         if done or len(w.live[handle].outputs) < at_outputs:
             return
+        # With lookahead the iteration's commit may still be in flight here: the move comes
+        # after it, as it does when the worker waited for it (on a loaded machine a writer
+        # process can be slower to commit than this hook is to write)
+        for _ in range(1000):
+            if len(other.state(handle).outputs) >= len(w.live[handle].outputs):
+                break
+            time.sleep(0.002)
         for _ in range(50):  # a commit of the worker's may land between the read and the write
             s = other.state(handle)
             try:
