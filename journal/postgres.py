@@ -426,8 +426,8 @@ class PollingConnection(psycopg.Connection[Any]):
     """psycopg's connection, which polls its socket for the server's reply a while
     (journal.writers.poll) before it sleeps in poll(2): every statement is a round trip,
     and a reply that finds its client asleep on a halted vCPU waits for the wake-up. The
-    service-alone bench on PostgreSQL, alternated four times: median 15,913 tokens/s
-    polling against 12,471 (docs/PERFORMANCE.md, step 26). psycopg consumes a generator
+    service-alone bench on PostgreSQL, alternated four times: median 15,437 tokens/s
+    polling against 12,291 (docs/PERFORMANCE.md, step 26). psycopg consumes a generator
     that yields what it waits for; `_polled` passes it through, polling first where it
     waits to read."""
 

@@ -3,7 +3,8 @@ writer process (kvledger.engine.remote) and the telemetry exporter's thread call
 as they start. Which CPU that should be is the worker's decision (beside the disk's
 interrupts, off the model's CPUs: kvledger.worker.placement), installed here when that
 module is imported; without it, writers run wherever the OS puts them. The layers below
-the worker so ask for placement without importing it."""
+the worker so ask for placement without importing it. `poll` is how a writer waits for
+the other side's next message without sleeping at once (below)."""
 
 from __future__ import annotations
 
