@@ -57,14 +57,16 @@ def _decode(url: str) -> None:
     with open_or_create_journal(url) as journal:
         service = CommandService(journal)
         txn = {h: ids.new_id() for h in HANDLES}
-        cmds: list[c.Command | c.Relative] = [
-            c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT), reserved_capacity=STEPS + 8)
-            for h in HANDLES]
-        cmds += [c.Relative(c.BeginAppend(
-            handle_id=h, txn_id=txn[h], kind="prefill", base_generation=None, base_snapshot_version=None,
-            interval_start=0, interval_count=len(PROMPT), token_ids=PROMPT, cache_positions=(0, 1, 2, 3),
-            mask_key_extent=len(PROMPT), cache_abi_sha256="")) for h in HANDLES]
-        assert not any(isinstance(r, Exception) for r in service.execute_many(cmds))
+        # allocations, then prefill starts, in commits of their own as a worker's come
+        for cmds in (
+            [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT),
+                        reserved_capacity=STEPS + 8) for h in HANDLES],
+            [c.Relative(c.BeginAppend(
+                handle_id=h, txn_id=txn[h], kind="prefill", base_generation=None, base_snapshot_version=None,
+                interval_start=0, interval_count=len(PROMPT), token_ids=PROMPT, cache_positions=(0, 1, 2, 3),
+                mask_key_extent=len(PROMPT), cache_abi_sha256="")) for h in HANDLES],
+        ):
+            assert not any(isinstance(r, Exception) for r in service.execute_many(cmds))
         abi = service.state(HANDLES[0]).cache_abi_sha256
         at = len(PROMPT)
         for k in range(STEPS):
@@ -94,9 +96,10 @@ def test_init_sets_the_heads_fillfactor_and_sets_it_again_on_a_journal_made_with
 
 def test_head_updates_stay_on_their_pages(request):
     """64 heads updated at every commit for STEPS commits, in a journal made as every
-    test's is (a copy of a migrated template): each update is HOT and the table keeps to
-    the pages its rows need. The same run on the table without the setting is the
-    control: there the updates leave their pages (none HOT, here)."""
+    test's is (a copy of a migrated template): the updates are HOT and the table keeps
+    to the pages its rows need. The same run on the table without the setting is the
+    control, which this test must tell apart (when written: 1,346 of 1,664 updates HOT
+    and 13 pages there, against all of them and 4 pages)."""
     admin = request.getfixturevalue("pg_admin")
     tuned, control = admin.create(), admin.create()
     _reset(control)
@@ -105,7 +108,7 @@ def test_head_updates_stay_on_their_pages(request):
     upd, hot = _updates(tuned)
     assert upd >= len(HANDLES) * STEPS
     assert hot >= 0.95 * upd, (upd, hot)
-    assert _heads_pages(tuned) <= 16, _heads_pages(tuned)
+    assert _heads_pages(tuned) <= 8, _heads_pages(tuned)
     control_upd, control_hot = _updates(control)
     assert control_upd >= len(HANDLES) * STEPS
     assert control_hot < hot and _heads_pages(control) > _heads_pages(tuned), \
