@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "init", help="create or migrate the journal tables to the head revision",
         description="Create the journal tables, or migrate them to the head revision. On PostgreSQL it also "
                     "sets the tables' storage parameters (kvl_heads' fillfactor), which a journal made by an "
-                    "earlier kvledger gets by running init again. Safe to run any number of times.")
+                    "earlier kvledger gets by running init again as the tables' owner (another role's init "
+                    "succeeds and warns that the setting is left). Safe to run any number of times.")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_init)

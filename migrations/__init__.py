@@ -7,7 +7,8 @@ the database's state, read under a lock so two initializing processes take turns
     tables are exactly the head schema, record head (stamp); else SCHEMA_MISMATCH;
   - otherwise run the migrations from the recorded revision (or from nothing) to head.
 On PostgreSQL it then sets the tables' storage parameters (`_tune_postgres`), in the same
-transaction.
+transaction; a role that does not own the tables is warned that a setting is left, and its
+init still succeeds.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import structlog
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, VERSION_TABLE, metadata, too_new
 from kvledger.journal.url import redact
@@ -88,10 +91,21 @@ _HEADS_FILLFACTOR = "fillfactor=50"
 
 def _tune_postgres(conn: Connection) -> None:
     options = conn.exec_driver_sql("SELECT reloptions FROM pg_class WHERE oid = 'kvl_heads'::regclass").scalar()
-    if _HEADS_FILLFACTOR not in (options or ()):
-        # takes SHARE UPDATE EXCLUSIVE: a running writer's updates go on; pages already
-        # full are left as they are (no rewrite) and fill to the new mark as they turn over
-        conn.exec_driver_sql("ALTER TABLE kvl_heads SET (fillfactor = 50)")
+    if _HEADS_FILLFACTOR in (options or ()):
+        return
+    try:
+        # A savepoint: a role that may write the journal but does not own its tables
+        # (so could not alter them) still gets its init; the setting waits for the owner's.
+        with conn.begin_nested():
+            # takes SHARE UPDATE EXCLUSIVE: a running writer's updates go on; pages already
+            # full are left as they are (no rewrite) and fill to the new mark as they turn over
+            conn.exec_driver_sql("ALTER TABLE kvl_heads SET (fillfactor = 50)")
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != "42501":  # insufficient_privilege
+            raise
+        structlog.get_logger("kvledger.init").warning(
+            "kvl_heads storage parameter not set: this role does not own the table; run `kvledger init` "
+            "as its owner once (head updates stay slower until then)", setting=_HEADS_FILLFACTOR)
 
 
 def _migrate(conn: Connection, cfg: Config, revision: str) -> None:
