@@ -17,7 +17,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import structlog
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
@@ -103,6 +102,8 @@ def _tune_postgres(conn: Connection) -> None:
     except DBAPIError as exc:
         if getattr(exc.orig, "sqlstate", None) != "42501":  # insufficient_privilege
             raise
+        import structlog  # here: importing the API loads no logging stack (tests/test_layers.py)
+
         structlog.get_logger("kvledger.init").warning(
             "kvl_heads storage parameter not set: this role does not own the table; run `kvledger init` "
             "as its owner once (head updates stay slower until then)", setting=_HEADS_FILLFACTOR)
