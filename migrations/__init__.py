@@ -85,7 +85,7 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 # heads read 590 buffers. Half-full pages keep each new version on its page (a HOT
 # update: no index entry, the old version pruned at the next visit): 8 pages, 136
 # buffers, and the one-statement append 1.2 -> 0.6 ms (docs/PERFORMANCE.md, step 27).
-_HEADS_FILLFACTOR = "fillfactor=50"
+_HEADS_FILLFACTOR = "fillfactor=50"  # as pg_class.reloptions spells it, and ALTER TABLE takes it
 
 
 def _tune_postgres(conn: Connection) -> None:
@@ -98,7 +98,7 @@ def _tune_postgres(conn: Connection) -> None:
         with conn.begin_nested():
             # takes SHARE UPDATE EXCLUSIVE: a running writer's updates go on; pages already
             # full are left as they are (no rewrite) and fill to the new mark as they turn over
-            conn.exec_driver_sql("ALTER TABLE kvl_heads SET (fillfactor = 50)")
+            conn.exec_driver_sql("ALTER TABLE kvl_heads SET (" + _HEADS_FILLFACTOR + ")")  # constants only
     except DBAPIError as exc:
         if getattr(exc.orig, "sqlstate", None) != "42501":  # insufficient_privilege
             raise
