@@ -77,6 +77,11 @@ class SqlSnapshot(Snapshot):
                         and isinstance(body, bytes)):
                     yield StoredDamage(last + 1, "a record's columns are stored as "
                                                  f"{', '.join(type(v).__name__ for v in row)}")
+                    if type(stored_last) is int and stored_last > last:
+                        last = stored_last  # the next record starts after it, and links to it: it alone is blamed
+                        previous = link if isinstance(link, bytes) else previous
+                        needs["streams"][stored_last] = needs["ids"][stored_last] = None
+                        damaged.add(stored_last)
                     continue
                 at = firsts[stored_last] = last + 1
                 if first != at:
