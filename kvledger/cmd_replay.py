@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--reexecute", action="store_true",
                    help="also re-run every journaled append through the model (--runtime hf --model DIR) "
                         "and compare each publication's row digest")
-    p.add_argument("--runtime", choices=("hf",), default="hf",
+    p.add_argument("--runtime", type=a.choice("hf"), default="hf",
                    help="the executor of --reexecute: hf (transformers; the journal's own worker "
                         "re-executes in `kvledger recover`)")
     p.add_argument("--model", metavar="DIR", help="the model directory --reexecute runs")
@@ -69,8 +69,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--out", type=a.output_or_stdout, required=True, metavar="FILE.jsonl",
-                   help="output file ('-': stdout)")
+    p.add_argument("--out", type=a.output_or_stdout, metavar="FILE.jsonl",
+                   help="output file ('-': stdout); required")
     p.set_defaults(run=_cmd_export)
 
     p = sub.add_parser("import", help="load an audit file into an empty journal (all or nothing)")
@@ -81,9 +81,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _source(p: argparse.ArgumentParser) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--db", help=DB_HELP)
-    g.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl", help="an audit file; no database needed")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl",
+                   help="an audit file; no database needed (not with --db)")
+
+
+def _one_source(args: argparse.Namespace) -> None:
+    if args.db and args.journal:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--db and --journal name two sources: give one")
 
 
 # -- commands --------------------------------------------------------------------------
@@ -93,6 +98,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     from kvledger.replay import WindowSpec, replay_incremental, replay_journal, replay_jsonl, to_json
 
+    _one_source(args)
     if args.incremental and (args.journal or args.at is not None):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--incremental resumes a database "
                                                         "checkpoint: not with --journal or --at")
@@ -147,6 +153,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     from kvledger.replay import verify_journal, verify_jsonl
 
+    _one_source(args)
     if args.journal:
         source, result = args.journal, verify_jsonl(args.journal, keep=args.max_findings)
     else:
@@ -190,6 +197,8 @@ def _reexecution(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_export(args: argparse.Namespace) -> int:
     from kvledger.replay import export_jsonl
 
+    if args.out is None:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "export needs --out FILE.jsonl ('-': standard output)")
     with open_existing_journal(args.db) as journal:
         with _progress("export", journal.last_position()) as progress, a.writing(args.out):
             n = export_jsonl(journal, args.out, progress)
@@ -224,13 +233,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def _findings_cap(text: str) -> int:
     from kvledger.replay.verify import STOP_AFTER
 
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= n <= STOP_AFTER:
-        raise argparse.ArgumentTypeError(f"must be 0..{STOP_AFTER}")
-    return n
+    return a.integer(0, STOP_AFTER)(text)
 
 
 def _ns(ms: float) -> int:
