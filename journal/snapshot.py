@@ -20,7 +20,15 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredDamage, StoredEvent, StoredReceipt
+from kvledger.journal.contract import (
+    ChainAt,
+    HeadFacts,
+    Integrity,
+    Snapshot,
+    StoredDamage,
+    StoredEvent,
+    StoredReceipt,
+)
 from kvledger.journal.records import (
     GENESIS,
     PREV_INDEXED,
@@ -178,6 +186,9 @@ class SqlSnapshot(Snapshot):
 
     def manifest(self, manifest_sha256: str) -> Any:
         return self._call(lambda: self._sql.raw_manifest(self._cur, manifest_sha256))
+
+    def chain_at(self, position: int | None = None) -> ChainAt:
+        return self._call(lambda: self._sql.chain_at(self._cur, position))
 
     def _pages(self, pages: tuple[str, str]) -> Iterator[Row]:
         """Every row `pages` selects, keyed by its first column as stored."""
