@@ -251,37 +251,52 @@ def test_verify_refuses_an_anchor_it_cannot_check_in_one_coded_line(tmp_path, ca
 
 # -- a deleted -wal after a SIGKILLed writer (SQLite) ---------------------------------------
 
-WRITER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    from lifecycle_helpers import ManualClock
-    from test_replay_workload import write_workload
-    from kvledger import Ledger
+def writer_script(body: str) -> str:
+    """A process that opens the journal and runs `body` (indented, with `led` and `clock`)."""
+    return textwrap.dedent("""
+        import sys
+        sys.path.insert(0, {tests!r})
+        from lifecycle_helpers import ManualClock
+        from test_replay_workload import write_workload
+        from kvledger import Ledger
 
-    clock = ManualClock()
-    with Ledger.open({url!r}, clock=clock) as led:
-        write_workload(led, clock, seed=0)
-        # what the main file holds from here on: later commits stay in the -wal
-        led.journal.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        led.journal.conn.execute("PRAGMA wal_autocheckpoint=0")
-        print("checkpointed", flush=True)
-        seed = 0
-        while True:
-            seed += 1
-            write_workload(led, clock, seed=seed)
-            print(seed, flush=True)
+        clock = ManualClock()
+        with Ledger.open({url!r}, clock=clock) as led:
+    """) + textwrap.indent(textwrap.dedent(body), "    ")
+
+
+WRITER = writer_script("""
+    write_workload(led, clock, seed=0)
+    # what the main file holds from here on: later commits stay in the -wal
+    led.journal.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    led.journal.conn.execute("PRAGMA wal_autocheckpoint=0")
+    print("checkpointed", flush=True)
+    seed = 0
+    while True:
+        seed += 1
+        write_workload(led, clock, seed=seed)
+        print(seed, flush=True)
 """)
 
 
-def test_a_deleted_wal_after_a_sigkilled_writer_is_a_rollback(tmp_path, capsys):
+def start_writer(tmp_path: Path, script: str, first_line: str) -> tuple[str, subprocess.Popen]:
+    """A new SQLite journal, and a writer process on it that has printed `first_line`."""
     from kvledger.migrations.storage import init_database
 
     url = f"sqlite:///{tmp_path / 'journal.db'}"
     init_database(url)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=str(TESTS), url=url)], cwd=ROOT,
+    writer = subprocess.Popen([sys.executable, "-c", script.format(tests=str(TESTS), url=url)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = writer.stdout.readline().strip()
+    if line != first_line:
+        writer.kill()
+        pytest.fail(f"the writer printed {line!r}: {writer.stderr.read()}")
+    return url, writer
+
+
+def test_a_deleted_wal_after_a_sigkilled_writer_is_a_rollback(tmp_path, capsys):
+    url, writer = start_writer(tmp_path, WRITER, "checkpointed")
     try:
-        assert writer.stdout.readline().strip() == "checkpointed", writer.stderr.read()
         assert writer.stdout.readline().strip() == "1"  # a whole workload past the checkpoint
         anchor = head(capsys, url)
         writer.stdout.readline()  # and more commits after the anchor, mid-workload when killed
@@ -302,3 +317,66 @@ def test_a_deleted_wal_after_a_sigkilled_writer_is_a_rollback(tmp_path, capsys):
     [finding] = anchor_findings(report)
     assert code == 1 and finding.startswith(f"rolled back: the journal ends at position {report['events']}, "
                                             f"before the anchor's {anchor['position']}")
+
+
+# -- replay refuses a journal whose head rows and records disagree ----------------------------
+
+def test_replay_refuses_a_journal_whose_last_records_were_deleted(db_url, capsys):
+    """The head rows still name what the deleted records held: replay (full and
+    incremental) refuses in one coded line, where it used to print a shorter journal."""
+    grow(db_url, 1)
+    assert cli(capsys, "replay", "--db", db_url, "--incremental", "--json")[0] == 0
+    grow(db_url, 2)
+    [(cut,)] = sql(db_url, "SELECT last_position FROM kvl_records ORDER BY last_position DESC LIMIT 1 OFFSET 3")
+    sql(db_url, "DELETE FROM kvl_records WHERE last_position > :p", p=cut)
+    for extra in ((), ("--incremental",)):
+        code, out, err = cli(capsys, "replay", "--db", db_url, "--json", *extra)
+        assert code == 2 and out == "", (extra, out[:200])
+        line = one_coded_line(err, "CORRUPT_JOURNAL")
+        assert "the journal's head rows and records disagree: " in line and "run `kvledger verify`" in line
+    code, out, err = cli(capsys, "replay", "--db", db_url, "--json", "--at", str(cut))
+    assert code == 0 and json.loads(out)["position"] == cut  # time travel reads what is there
+
+
+def test_replay_refuses_a_kv_event_stream_whose_records_were_deleted(db_url, capsys, tmp_path):
+    """A KV-event stream's head row (the recorder's) whose record is gone."""
+    lines = [json.dumps({"seq": seq, "ts": float(seq), "events": [
+        {"type": "BlockStored", "block_hashes": [seq + 1], "parent_block_hash": None, "token_ids": [seq],
+         "block_size": 1}]}) for seq in range(3)]
+    path = tmp_path / "kv.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    code, _, err = cli(capsys, "kv-events", "import", str(path), "--dialect", "vllm", "--db", db_url)
+    assert code == 0, err
+    assert cli(capsys, "replay", "--db", db_url, "--json")[0] == 0
+    sql(db_url, "DELETE FROM kvl_records")
+    code, out, err = cli(capsys, "replay", "--db", db_url, "--json")
+    assert code == 2 and "past the journal's end at 0" in one_coded_line(err, "CORRUPT_JOURNAL")
+
+
+COMMITTING = writer_script("""
+    print("ready", flush=True)
+    seed = 0
+    while True:
+        seed += 1
+        write_workload(led, clock, seed=seed)
+""")
+
+
+def test_replay_beside_a_running_writer_never_sees_a_disagreement(tmp_path):
+    """The head rows are read before the events: a writer committing meanwhile moves
+    only the events past them, never a head past its events."""
+    from kvledger.migrations.storage import open_existing_journal
+    from kvledger.replay import WindowSpec, replay_journal
+
+    url, writer = start_writer(tmp_path, COMMITTING, "ready")
+    try:
+        positions = []
+        with open_existing_journal(url) as journal:
+            start = time.monotonic()
+            while time.monotonic() < start + 4 or len(positions) < 10:
+                positions.append(replay_journal(journal, WindowSpec(1, 1)).position)
+        assert writer.poll() is None, writer.stderr.read()
+    finally:
+        writer.kill()
+        writer.wait()
+    assert positions == sorted(positions) and len(set(positions)) >= 5, positions
