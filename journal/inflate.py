@@ -7,14 +7,15 @@ bounded by the format's limits, never by the frame's own word or by its compress
 MAX_RECORD_BYTES, an item (an event, a step row or block, a receipt, a context) at most
 MAX_ITEM_BYTES and at least one byte. A frame stating up to INFLATE_AT_ONCE inflates in
 one call; a larger one a piece at a time (`Inflater`), its lists checked before any item
-is inflated and each item's CRC as it is read, so damage is found after at most one item.
+is inflated and each item's CRC as it is read, so damage is found after at most one item
+(and a failing item is not kept).
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import zstandard
 
@@ -23,7 +24,9 @@ from kvledger.schemas.codec import MAX_EVENT_BYTES
 MAX_RECORD_BYTES = 1 << 30
 MAX_ITEM_BYTES = MAX_EVENT_BYTES  # what decode_event reads at most
 INFLATE_AT_ONCE = 4 << 20
-_EXPANSION = 1 << 15  # zstd's most output per input byte (an RLE block: 4 bytes for 128 KiB); zlib's is ~1,032
+# Compressed bytes inflated per call: zstd inflates at most 32 KiB per input byte (an RLE
+# block, 4 bytes for 128 KiB), so a step's output is 8 MiB at the most.
+_STEP = 256
 
 
 def at_once(fmt: int, data: bytes, expected: int, decompressor: zstandard.ZstdDecompressor
@@ -63,30 +66,39 @@ def at_once(fmt: int, data: bytes, expected: int, decompressor: zstandard.ZstdDe
 
 
 class Inflater:
-    """A compressed stream read a bounded piece at a time: `read(n)` returns its next n
-    bytes (fewer where it ends or is damaged: `problem` says which), holding at most
-    about 2n besides the input, whatever the stream states or contains."""
+    """A compressed stream read a bounded piece at a time: `pieces(n)` yields its next n
+    bytes as they inflate (fewer where it ends or is damaged: `problem` says which), so
+    nothing beyond what was asked and one step's output (at most 8 MiB) is held, whatever
+    the stream states or contains."""
 
     def __init__(self, fmt: int, data: bytes) -> None:
         self._obj = zlib.decompressobj() if fmt == 1 else zstandard.ZstdDecompressor().decompressobj()
         self._data, self._at = data, 0
-        self._held = bytearray()
+        self._held = b""  # inflated past what was asked
         self.problem: str | None = None
 
-    def read(self, n: int) -> bytes:
-        held = self._held
-        while len(held) < n and self.problem is None and self._at < len(self._data):
-            # input a step at a time, sized so that even the densest frame inflates about n
-            step = min(max((n - len(held)) // _EXPANSION, 64), 1 << 16)
-            chunk = self._data[self._at:self._at + step]
-            self._at += step
+    def pieces(self, n: int) -> Iterator[bytes]:
+        want = n
+        if self._held:
+            piece, self._held = self._held[:want], self._held[want:]
+            want -= len(piece)
+            yield piece
+        while want > 0 and self.problem is None and self._at < len(self._data):
+            chunk = self._data[self._at:self._at + _STEP]
+            self._at += _STEP
             try:
-                held += self._obj.decompress(chunk)
+                out = self._obj.decompress(chunk)
             except (zlib.error, zstandard.ZstdError) as exc:
                 self.problem = f"compressed data damaged ({exc})"
-        out = bytes(held[:n])
-        del held[:n]
-        return out
+                return
+            if len(out) > want:
+                out, self._held = out[:want], out[want:]
+            want -= len(out)
+            if out:
+                yield out
+
+    def read(self, n: int) -> bytes:
+        return b"".join(self.pieces(n))
 
     def ended(self) -> bool:
         """Whether the stream ends exactly here: no more output, no trailing input."""
@@ -126,15 +138,20 @@ def read_lists(inf: Inflater, counts: int, size: int) -> list[int] | str:
 
 
 def read_items(inf: Inflater, lengths: Sequence[int], crcs: Sequence[int]) -> tuple[bytes, str | None]:
-    """The items' bytes, read one at a time and each checked against its CRC: up to and
-    including the first that does not match (which the record's audit then names), or
-    all of them; and what is wrong with the stream (None: nothing)."""
+    """The items' bytes, each checked against its CRC as it inflates: up to the first
+    that does not match, which is dropped (the record's audit then names it, with the
+    problem returned), or all of them, with None."""
     parts: list[bytes] = []
     for n, crc in zip(lengths, crcs):
-        item = inf.read(n)
-        parts.append(item)
-        if len(item) < n or zlib.crc32(item) != crc:
-            return b"".join(parts), inf.problem
+        pieces, got, c = [], 0, 0
+        for piece in inf.pieces(n):
+            pieces.append(piece)
+            got += len(piece)
+            c = zlib.crc32(piece, c)
+        if got < n or c != crc:
+            return b"".join(parts), inf.problem or ("compressed data ends early" if got < n
+                                                    else "its bytes do not match their CRC")
+        parts.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
     if not inf.ended():
         return b"".join(parts), inf.problem or "compressed data has trailing bytes or is too long"
     return b"".join(parts), None

@@ -10,7 +10,6 @@ import contextlib
 import io
 import json
 import random
-import struct
 import sys
 from pathlib import Path
 
@@ -23,45 +22,8 @@ from kvledger.cli import main
 from kvledger.journal import inflate
 from kvledger.journal.records import Damage, audit_record, encode_record, pack_record, unpack_record
 
+from bench.hostile_records import frame, lists, raw_block, record5, rle_blocks
 from stored_rows import cli, one_coded_line, sql
-
-# -- crafted zstd frames -----------------------------------------------------------------
-
-BLOCK = 128 * 1024  # zstd's largest block
-
-
-def frame(size: int | None, blocks: list[bytes]) -> bytes:
-    """A zstd frame stating `size` (None: no size), of the blocks given (block())."""
-    if size is None:
-        header = bytes([0x00, 0x58])  # no content size; a window descriptor of 128 MiB
-    else:
-        header = bytes([0xC0, 0x58]) + struct.pack("<Q", size)  # an 8-byte content size
-    blocks = list(blocks)
-    last = blocks[-1]
-    blocks[-1] = bytes([last[0] | 1]) + last[1:]  # the last block's flag
-    return b"\x28\xb5\x2f\xfd" + header + b"".join(blocks)
-
-
-def raw_block(data: bytes) -> bytes:
-    return struct.pack("<I", len(data) << 3)[:3] + data
-
-
-def rle_blocks(n: int, byte: int = 0, block: int = BLOCK) -> list[bytes]:
-    """Blocks of `n` bytes of `byte`: 4 bytes of frame for each `block` of them."""
-    out = [struct.pack("<I", (1 << 1) | (block << 3))[:3] + bytes([byte])] * (n // block)
-    if n % block:
-        out.append(struct.pack("<I", (1 << 1) | ((n % block) << 3))[:3] + bytes([byte]))
-    return out
-
-
-def record5(events: int, receipts: int, data: bytes) -> bytes:
-    """A format 5 record around a frame (journal.records._Header5)."""
-    return msgspec.msgpack.encode([5, events, receipts, data])
-
-
-def lists(lengths: list[int], crcs: list[int]) -> bytes:
-    return struct.pack(f"<{2 * len(lengths)}I", *lengths, *crcs)
-
 
 GIB = 1 << 30
 MIB = 1 << 20
