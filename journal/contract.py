@@ -132,6 +132,19 @@ class StoredDamage(msgspec.Struct, frozen=True):
     replaces: bool = False
 
 
+class ChainAt(msgspec.Struct, frozen=True):
+    """Where a journal ends and its record chain at one position (an anchor's, or its
+    end): `chain` is the chain digest after the commit ending at `position` (the genesis
+    digest before any record), None where no commit of this journal ends there; `named`
+    is the furthest record a head row names (None: none), past `last_position` only when
+    records were deleted."""
+
+    last_position: int
+    position: int
+    chain: bytes | None
+    named: int | None = None
+
+
 class StoredReceipt(msgspec.Struct, frozen=True):
     """One row of the receipts table as stored (see StoredEvent)."""
 
@@ -181,6 +194,11 @@ class Snapshot(abc.ABC):
     @abc.abstractmethod
     def integrity(self) -> Integrity:
         """The database's own storage check (SQLite quick_check, PostgreSQL amcheck)."""
+
+    @abc.abstractmethod
+    def chain_at(self, position: int | None = None) -> ChainAt:
+        """The record chain at `position` (None: at the journal's end): what an anchor
+        (`kvledger head`) records and `verify --expect` compares."""
 
 
 class Journal(abc.ABC):

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import zstandard
 
+from kvledger.journal import inflate
 from kvledger.journal.steps import (
     MARK,
     ROW_ERRORS,
@@ -377,7 +378,7 @@ def unpack_manifest(stored: bytes) -> bytes:
         size = zstandard.frame_content_size(stored)
     except zstandard.ZstdError:
         return stored
-    out, problem = _inflate(2, stored, size) if 0 <= size <= MAX_MANIFEST else (b"", "too long")
+    out, problem = inflate.at_once(2, stored, size, _decompressor()) if 0 <= size <= MAX_MANIFEST else (b"", "too long")
     return stored if problem else out
 
 
@@ -633,7 +634,7 @@ def _block_parts(body: bytes) -> tuple[bytes, StepReader] | None:
     try:
         h = _decode5(body)
         size = zstandard.frame_content_size(h.data)
-        if h.events != 1 or h.receipts != 1 or not 16 <= size <= _most(h.data):
+        if h.events != 1 or h.receipts != 1 or not 16 <= size <= inflate.INFLATE_AT_ONCE:
             return None
         raw = _decompressor().decompress(h.data, allow_extra_data=False)
         length, rest, crc, crc_rest = _BLOCK_LISTS.unpack_from(raw)
@@ -648,8 +649,9 @@ def _block_parts(body: bytes) -> tuple[bytes, StepReader] | None:
 
 def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
     """The record's parts (its data as far as it inflates), with what is wrong with its
-    compressed stream (None: nothing), or the damage that leaves no list to check."""
-    if body[:1] == b"\x94" and body[1:2] not in (b"\x05", b"\x06", b"\x07") and body[1:2] < b"\x80":
+    compressed stream (None: nothing), or the damage that leaves no list to check. What
+    is inflated is bounded by the format's limits (journal.inflate), checked first."""
+    if body[:1] == b"\x94" and len(body) > 1 and body[1:2] not in (b"\x05", b"\x06", b"\x07") and body[1] < 0x80:
         # the header of format 5 and later, of a format this code does not know
         return Damage(None, f"record format {body[1]}, this kvledger reads {', '.join(map(str, FORMATS))}")
     if body[:2] in (_FORMAT5, _FORMAT6, _FORMAT7):
@@ -662,13 +664,20 @@ def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
             size = zstandard.frame_content_size(h5.data)
         except zstandard.ZstdError:
             size = -1
-        if h5.events < 0 or h5.receipts < 0 or size < 8 * k:
+        if h5.events < 0 or h5.receipts < 0 or size < 9 * k:
             return Damage(None, "its header's counts do not fit its data")
-        raw, problem = _inflate(h5.format, h5.data, size)
+        if size > inflate.MAX_RECORD_BYTES:
+            return Damage(None, f"its data states {size} bytes, more than a record holds ({inflate.MAX_RECORD_BYTES})")
+        if size > inflate.INFLATE_AT_ONCE:
+            return _streamed5(h5, size)
+        raw, problem = inflate.at_once(h5.format, h5.data, size, _decompressor())
         if len(raw) < 8 * k:
             return Damage(None, problem or "its data ends inside its lists")
         lists = list(struct.unpack_from(f"<{2 * k}I", raw))
         e = h5.events
+        bad = None if problem else inflate.item_limits(lists[:k], "lists")
+        if bad is not None:
+            return Damage(None, bad)
         return RecordParts(h5.format, lists[:e], lists[k:k + e], lists[e:k], lists[k + e:], raw[8 * k:]), problem
     try:
         h = _decode(body)
@@ -679,10 +688,29 @@ def _parts(body: bytes) -> tuple[RecordParts, str | None] | Damage:
     if h.format >= 5:
         return Damage(None, f"a format {h.format} record with the header of format 4 and before")
     counts = (len(h.event_lengths), len(h.event_crcs), len(h.receipt_lengths), len(h.receipt_crcs))
-    if counts[0] != counts[1] or counts[2] != counts[3] or min(h.event_lengths + h.receipt_lengths, default=0) < 0:
+    if counts[0] != counts[1] or counts[2] != counts[3]:
         return Damage(None, "header lists do not match")
-    data, problem = _inflate(h.format, h.data, sum(h.event_lengths) + sum(h.receipt_lengths))
+    lengths = h.event_lengths + h.receipt_lengths
+    too_much = inflate.item_limits(lengths, "header lists")
+    if too_much is not None:
+        return Damage(None, too_much)
+    if sum(lengths) > inflate.INFLATE_AT_ONCE:
+        data, problem = inflate.read_items(inflate.Inflater(h.format, h.data), lengths, h.event_crcs + h.receipt_crcs)
+    else:
+        data, problem = inflate.at_once(h.format, h.data, sum(lengths), _decompressor())
     return RecordParts(h.format, h.event_lengths, h.event_crcs, h.receipt_lengths, h.receipt_crcs, data), problem
+
+
+def _streamed5(h5: _Header5, size: int) -> tuple[RecordParts, str | None] | Damage:
+    """A format 5 to 7 frame too large to inflate at once: its lists first, checked
+    against the format's limits and the size it states, then its items one at a time."""
+    inf = inflate.Inflater(h5.format, h5.data)
+    k, e = h5.events + h5.receipts, h5.events
+    lists = inflate.read_lists(inf, k, size)
+    if isinstance(lists, str):
+        return Damage(None, lists)
+    data, problem = inflate.read_items(inf, lists[:k], lists[k:])
+    return RecordParts(h5.format, lists[:e], lists[k:k + e], lists[e:k], lists[k + e:], data), problem
 
 
 def audit_record(body: bytes, eager: bool = True, fold: bool = False) -> Record | Damage:
@@ -939,45 +967,3 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     """This thread's (making one costs ~15 µs, more than inflating a record)."""
     decompressor: zstandard.ZstdDecompressor = _own("decompressor", zstandard.ZstdDecompressor)
     return decompressor
-
-
-def _most(data: bytes) -> int:
-    """The most bytes compressed `data` is let inflate to: a forged header or frame that
-    states more is damage, and allocates nothing."""
-    return 1024 * len(data) + (1 << 20)
-
-
-def _inflate(fmt: int, data: bytes, expected: int) -> tuple[bytes, str | None]:
-    """The decompressed bytes (about `expected` of them at most: a forged header or
-    frame cannot make it inflate more), and what is wrong with the stream (None: nothing)."""
-    if expected > _most(data):
-        return b"", "its header lists more bytes than its data can hold"
-    try:
-        if fmt == 1:
-            d = zlib.decompressobj()
-            out = d.decompress(data, expected + 1)
-            if d.eof and not d.unused_data and len(out) == expected:
-                return out, None
-        else:
-            # every format 2 frame states its size: one that states another is damaged
-            if zstandard.frame_content_size(data) != expected:
-                return b"", "compressed data states another length than the header"
-            z = _decompressor().decompressobj()
-            out = z.decompress(data)
-            if z.eof and not z.unused_data and len(out) == expected:
-                return out, None
-        return out[:expected + 1], "compressed data ends early, has trailing bytes or is too long"
-    except (zlib.error, zstandard.ZstdError):
-        pass
-    # Damaged: what inflates before the damage is still exact, so the first event it
-    # does not reach whole is the one named. Inflate in small steps to keep that much.
-    parts: list[bytes] = []
-    try:
-        step = (zlib.decompressobj() if fmt == 1 else zstandard.ZstdDecompressor().decompressobj()).decompress
-        for i in range(0, len(data), 64):
-            parts.append(step(data[i:i + 64]))
-            if sum(map(len, parts)) > expected:
-                break
-    except (zlib.error, zstandard.ZstdError) as exc:
-        return b"".join(parts)[:expected + 1], f"compressed data damaged ({exc})"
-    return b"".join(parts)[:expected + 1], "compressed data damaged"

@@ -20,7 +20,15 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvledger.journal.contract import HeadFacts, Integrity, Snapshot, StoredDamage, StoredEvent, StoredReceipt
+from kvledger.journal.contract import (
+    ChainAt,
+    HeadFacts,
+    Integrity,
+    Snapshot,
+    StoredDamage,
+    StoredEvent,
+    StoredReceipt,
+)
 from kvledger.journal.records import (
     GENESIS,
     PREV_INDEXED,
@@ -77,6 +85,11 @@ class SqlSnapshot(Snapshot):
                         and isinstance(body, bytes)):
                     yield StoredDamage(last + 1, "a record's columns are stored as "
                                                  f"{', '.join(type(v).__name__ for v in row)}")
+                    if type(stored_last) is int and stored_last > last:
+                        last = stored_last  # the next record starts after it, and links to it: it alone is blamed
+                        previous = link if isinstance(link, bytes) else previous
+                        needs["streams"][stored_last] = needs["ids"][stored_last] = None
+                        damaged.add(stored_last)
                     continue
                 at = firsts[stored_last] = last + 1
                 if first != at:
@@ -173,6 +186,9 @@ class SqlSnapshot(Snapshot):
 
     def manifest(self, manifest_sha256: str) -> Any:
         return self._call(lambda: self._sql.raw_manifest(self._cur, manifest_sha256))
+
+    def chain_at(self, position: int | None = None) -> ChainAt:
+        return self._call(lambda: self._sql.chain_at(self._cur, position))
 
     def _pages(self, pages: tuple[str, str]) -> Iterator[Row]:
         """Every row `pages` selects, keyed by its first column as stored."""

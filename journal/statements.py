@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvledger.journal import faults
-from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.journal.contract import ChainAt, Guard, Integrity, StreamWrite
 from kvledger.journal.records import (
     GENESIS,
     PREV_INDEXED,
@@ -570,6 +570,26 @@ class Statements(abc.ABC):
         "SELECT last_position, first_position, chain, body, stream_prev FROM kvl_records WHERE last_position > ? "
         "ORDER BY last_position LIMIT ?",
     )
+
+    def chain_at(self, cur: Any, position: int | None) -> ChainAt:
+        """Where the journal ends, and its record chain at `position` (None: at its end):
+        the chain digest of the record ending there, GENESIS where no record ends at or
+        before it (position 0, or the events of an import or of before revision 0003),
+        None where no commit ends there (inside a record, or past the end)."""
+        last = self.last_position(cur)
+        at = last if position is None else position
+        cur.execute(self.q("SELECT last_position, first_position, chain FROM kvl_records WHERE last_position >= ? "
+                           "ORDER BY last_position LIMIT 1"), (at,))
+        row = cur.fetchone()
+        digest: bytes | None = None
+        if row is not None and row[0] == at:
+            digest = bytes(row[2]) if isinstance(row[2], (bytes, bytearray, memoryview)) else None
+        elif at <= last and (row is None or type(row[1]) is not int or row[1] > at):
+            cur.execute(self.q("SELECT 1 FROM kvl_records WHERE last_position < ? LIMIT 1"), (at,))
+            digest = GENESIS if cur.fetchone() is None else None
+        cur.execute("SELECT max(last_record) FROM kvl_heads")
+        named = cur.fetchone()[0]
+        return ChainAt(last, at, digest, named if type(named) is int else None)
 
     def head_pointers(self, cur: Any) -> list[Row]:
         """(handle_id, last_record) of every head, as stored."""

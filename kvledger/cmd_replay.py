@@ -1,4 +1,4 @@
-"""`kvledger replay | verify | export | import`: the read side on the command line.
+"""`kvledger replay | verify | head | export | import`: the read side on the command line.
 
 Thin: parse flags, open the source, call replay/, print. Errors are KvLedgerError
 (one line, exit 2); verify exits 1 when it has findings.
@@ -21,6 +21,8 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from kvledger.replay.anchor import Anchor
 
 MS = 1_000_000
 
@@ -52,25 +54,52 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="bytes of one KV-event block: kv_blocks then reports resident bytes and byte-seconds")
     p.set_defaults(run=_cmd_replay)
 
-    p = sub.add_parser("verify", help="check every journal invariant; exit 1 on findings")
+    p = sub.add_parser("verify", help="check every journal invariant; exit 1 on findings",
+                       description="Check every journal invariant, the stored records and their chain, and the "
+                                   "database's storage; exit 1 on findings. The chain shows an edited record, "
+                                   "not a missing one: a rollback to an older copy, a deleted tail or an emptied "
+                                   "journal verifies clean unless --expect gives an anchor taken earlier "
+                                   "(`kvledger head`).")
     _source(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-findings", type=_findings_cap, default=100, metavar="N",
                    help="findings listed (default 100); the rest are counted, and verify stops "
                         "reading after 10000")
+    p.add_argument("--expect", type=_anchor, metavar="ANCHOR",
+                   help="an anchor `kvledger head` printed earlier (POSITION:CHAIN_DIGEST, or signed "
+                        "POSITION:CHAIN_DIGEST:SIGNATURE): the journal must still reach POSITION with that "
+                        "chain digest there; a rollback, deleted tail, emptied journal or different history "
+                        "is an ANCHOR_MISMATCH finding. A signed anchor needs --key")
+    p.add_argument("--key", type=a.input_file, metavar="FILE",
+                   help="with --expect: the key the anchor was signed with (raw bytes, or hex); an unsigned "
+                        "or wrongly signed anchor is an ANCHOR_MISMATCH finding")
     p.add_argument("--reexecute", action="store_true",
                    help="also re-run every journaled append through the model (--runtime hf --model DIR) "
                         "and compare each publication's row digest")
-    p.add_argument("--runtime", choices=("hf",), default="hf",
+    p.add_argument("--runtime", type=a.choice("hf"), default="hf",
                    help="the executor of --reexecute: hf (transformers; the journal's own worker "
                         "re-executes in `kvledger recover`)")
     p.add_argument("--model", metavar="DIR", help="the model directory --reexecute runs")
     p.set_defaults(run=_cmd_verify)
 
+    p = sub.add_parser("head", help="print the journal's anchor POSITION:CHAIN_DIGEST, to keep for verify --expect",
+                       description="Print the journal's anchor: its last global position and the record chain "
+                                   "digest there, POSITION:CHAIN_DIGEST. Keep it where you control it (outside "
+                                   "the database); `kvledger verify --expect ANCHOR` later finds a rollback, a "
+                                   "deleted tail, an emptied journal or a different history. With --key the "
+                                   "anchor is signed (HMAC-SHA256): POSITION:CHAIN_DIGEST:SIGNATURE. An empty "
+                                   "journal's anchor is 0 and the genesis digest.")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: database, position, chain, signature, anchor")
+    p.add_argument("--key", type=a.input_file, metavar="FILE",
+                   help="sign the anchor with the key in FILE (raw bytes, or hex; at least 16 bytes; never printed)")
+    p.set_defaults(run=_cmd_head)
+
     p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--out", type=a.output_or_stdout, required=True, metavar="FILE.jsonl",
-                   help="output file ('-': stdout)")
+    p.add_argument("--out", type=a.output_or_stdout, metavar="FILE.jsonl",
+                   help="output file ('-': stdout); required")
     p.set_defaults(run=_cmd_export)
 
     p = sub.add_parser("import", help="load an audit file into an empty journal (all or nothing)")
@@ -81,9 +110,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _source(p: argparse.ArgumentParser) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--db", help=DB_HELP)
-    g.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl", help="an audit file; no database needed")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl",
+                   help="an audit file; no database needed (not with --db)")
+
+
+def _one_source(args: argparse.Namespace) -> None:
+    if args.db and args.journal:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--db and --journal name two sources: give one")
 
 
 # -- commands --------------------------------------------------------------------------
@@ -93,6 +127,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     from kvledger.replay import WindowSpec, replay_incremental, replay_journal, replay_jsonl, to_json
 
+    _one_source(args)
     if args.incremental and (args.journal or args.at is not None):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--incremental resumes a database "
                                                         "checkpoint: not with --journal or --at")
@@ -146,17 +181,31 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import msgspec
 
     from kvledger.replay import verify_journal, verify_jsonl
+    from kvledger.replay.anchor import read_key
 
+    _one_source(args)
+    if args.key and args.expect is None:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--key checks the signature of --expect ANCHOR: give both")
+    if args.expect is not None and args.journal:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--expect checks a database's record chain: an audit "
+                                                        "file (--journal) has none")
+    if args.expect is not None and args.expect.signature is not None and not args.key:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--expect is a signed anchor: give --key FILE to check "
+                                                        "its signature")
+    key = read_key(args.key) if args.key else None
     if args.journal:
         source, result = args.journal, verify_jsonl(args.journal, keep=args.max_findings)
     else:
         with open_existing_journal(args.db) as journal:
-            source, result = journal.display_url, verify_journal(journal, keep=args.max_findings)
+            source = journal.display_url
+            result = verify_journal(journal, keep=args.max_findings, expect=args.expect, key=key)
     proof = _reexecution(args) if args.reexecute else None
     ok = result.ok and (proof is None or not (proof["mismatches"] or proof["other_artifacts"]))
     if args.json:
         out = {"source": source, "events": result.events, "ok": ok, "findings": result.findings,
                "omitted": result.omitted, "stopped": result.stopped, "storage": result.storage}
+        if result.anchor is not None:
+            out["anchor"] = result.anchor
         if proof is not None:
             out["reexecution"] = proof
         sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
@@ -165,6 +214,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         from kvledger.replay.render import print_findings
 
         print_findings(result, _console(), source)
+        if result.anchor is not None and result.ok:
+            print(f"anchor {result.anchor}")
         if proof is not None:
             for m in proof["mismatches"]:
                 print(f"REEXECUTION_MISMATCH: append {m['txn_id']} of {m['handle_id']} (position "
@@ -187,9 +238,32 @@ def _reexecution(args: argparse.Namespace) -> dict[str, Any]:
         return reexecute(args, list(journal_events(journal)))
 
 
+def _cmd_head(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvledger.replay.anchor import current, read_key, sign
+
+    key = read_key(args.key) if args.key else None  # read first: a bad key file opens no database
+    with open_existing_journal(args.db) as journal:
+        source, anchor = journal.display_url, current(journal)
+    if key is not None:
+        anchor = sign(anchor, key)
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode({
+            "database": source, "position": anchor.position, "chain": anchor.chain.hex(),
+            "signature": None if anchor.signature is None else anchor.signature.hex(),
+            "anchor": anchor.text()}) + b"\n")
+        sys.stdout.flush()
+    else:
+        print(anchor.text())
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from kvledger.replay import export_jsonl
 
+    if args.out is None:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "export needs --out FILE.jsonl ('-': standard output)")
     with open_existing_journal(args.db) as journal:
         with _progress("export", journal.last_position()) as progress, a.writing(args.out):
             n = export_jsonl(journal, args.out, progress)
@@ -224,13 +298,13 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def _findings_cap(text: str) -> int:
     from kvledger.replay.verify import STOP_AFTER
 
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= n <= STOP_AFTER:
-        raise argparse.ArgumentTypeError(f"must be 0..{STOP_AFTER}")
-    return n
+    return a.integer(0, STOP_AFTER)(text)
+
+
+def _anchor(text: str) -> Anchor:
+    from kvledger.replay.anchor import parse
+
+    return parse(text)
 
 
 def _ns(ms: float) -> int:

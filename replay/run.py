@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvledger.journal.contract import Journal
+from kvledger.journal.contract import ChainAt, HeadFacts, Journal
 from kvledger.journal.steps import FoldItem
 from kvledger.replay.metrics import WindowSpec
 from kvledger.replay.projector import Projector, collector_paused
@@ -15,6 +15,7 @@ from kvledger.replay.report import Report, build
 from kvledger.replay.sources import fold_items, jsonl_events
 from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.kv_events import KV_LIFECYCLE
 
 CHECKPOINT = "replay"  # default checkpoint name in kvl_checkpoints
 
@@ -67,10 +68,45 @@ def replay_jsonl(path: str | Path, window: WindowSpec, *, at: int | None = None,
 def replay_journal(journal: Journal, window: WindowSpec, *, at: int | None = None,
                    trajectory: bool = False, progress: Progress | None = None,
                    block_bytes: int | None = None) -> Report:
-    """Replay a journal database: positions 1..at, or all of it."""
+    """Replay a journal database: positions 1..at, or all of it (then its head rows must
+    agree with the events read)."""
+    ends = None if at is not None else _ends(journal)
     p = project(fold_items(journal, 0, _limit(at)), trajectory=trajectory, progress=progress)
     _check_at(p, at)
+    if ends is not None:
+        _check_ends(p, *ends)
     return build(p, window, block_bytes=block_bytes)
+
+
+def _ends(journal: Journal) -> tuple[dict[str, HeadFacts], ChainAt]:
+    """The head rows and where the journal ends, in one snapshot, read before the events:
+    a writer committing meanwhile only moves the events read past them."""
+    with journal.snapshot() as snap:
+        return snap.heads(), snap.chain_at()
+
+
+def _check_ends(p: Projector, heads: dict[str, HeadFacts], end: ChainAt) -> None:
+    """CORRUPT_JOURNAL naming the first disagreement between the head rows (read before
+    the events) and the events replay read: a head row naming a record past the end, or
+    a stream's head past its last event, or a stream with no event at all. What deleted
+    records leave behind; a whole rollback leaves none (`verify --expect` finds it)."""
+    def refuse(what: str) -> KvLedgerError:
+        return KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the journal's head rows and records disagree: {what} "
+                                                        "(records deleted? run `kvledger verify`)")
+
+    if end.named is not None and end.named > end.last_position:
+        raise refuse(f"a head row names the record ending at position {end.named}, past the journal's end "
+                     f"at {end.last_position}")
+    handles, kv = p.handles, p.kv.state.streams
+    for sid, h in heads.items():
+        s = handles.get(sid)
+        if s is not None:
+            if h.stream_position > s.stream_position:
+                raise refuse(f"the head of {sid!r} is at stream position {h.stream_position}, its last event "
+                             f"at {s.stream_position}")
+        elif not (h.lifecycle == KV_LIFECYCLE and sid in kv):
+            raise refuse(f"the head of {sid!r} is at stream position {h.stream_position}, and no event of "
+                         "it was read")
 
 
 def resume(journal: Journal, name: str = CHECKPOINT) -> Projector:
@@ -97,7 +133,9 @@ def replay_incremental(journal: Journal, window: WindowSpec, *, name: str = CHEC
     checkpoint. Returns the report and the position it resumed from (0: from scratch)."""
     p = resume(journal, name)
     start = p.position
+    ends = _ends(journal)
     project(fold_items(journal, start), projector=p, progress=progress)
+    _check_ends(p, *ends)
     if p.position != start or start == 0:
         journal.save_checkpoint(name, p.position, p.dump())
     return build(p, window, block_bytes=block_bytes), start

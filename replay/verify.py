@@ -32,6 +32,7 @@ from kvledger.engine.evolve import cut, evolve
 from kvledger.engine.heads import head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import HeadFacts, Journal, StoredDamage, StoredEvent, StoredReceipt
+from kvledger.replay import anchor as anchors
 from kvledger.replay.kv_blocks import kv_head_facts
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.replay.stored import column_problems, names, position_of, receipt_problems, short
@@ -88,6 +89,7 @@ MALFORMED_RECEIPT = "MALFORMED_RECEIPT"  # a receipt body that does not decode
 STORAGE_CORRUPT = "STORAGE_CORRUPT"  # the database's own integrity check failed
 KV_SEQ_ORDER = "KV_SEQ_ORDER"  # a KV-event stream's seqs not 0, 1, 2, ... in each epoch (gaps journaled)
 KV_EPOCH_ORDER = "KV_EPOCH_ORDER"  # a KV-event stream's epoch not 0, then +1 at each restart
+ANCHOR_MISMATCH = "ANCHOR_MISMATCH"  # the journal does not extend the anchor given (verify --expect)
 NON_CANONICAL = ErrorCode.NON_CANONICAL_EVENT.value
 
 KEEP = 100  # findings kept for the report; the rest are counted
@@ -114,6 +116,7 @@ class VerifyResult(msgspec.Struct, frozen=True):
     omitted: int = 0  # findings counted beyond those
     stopped: str | None = None  # why reading stopped early, if it did
     storage: str | None = None  # the database storage check that ran, or why it was skipped
+    anchor: str | None = None  # with an expected anchor: what the check found
 
     @property
     def ok(self) -> bool:
@@ -584,8 +587,9 @@ class Checker:
 
     # -- what the database adds ------------------------------------------------------
 
-    def result(self, *, stopped: str | None = None, storage: str | None = None) -> VerifyResult:
-        return VerifyResult(self.events, self.findings, self.count - len(self.findings), stopped, storage)
+    def result(self, *, stopped: str | None = None, storage: str | None = None,
+               anchor: str | None = None) -> VerifyResult:
+        return VerifyResult(self.events, self.findings, self.count - len(self.findings), stopped, storage, anchor)
 
     def finish(self, receipts: Iterable[Receipt | StoredReceipt] | None = None,
                heads: dict[str, HeadFacts] | None = None) -> list[Finding]:
@@ -687,11 +691,19 @@ def verify_bodies(bodies: Iterable[tuple[int | None, bytes]], *,
     return checker.result()
 
 
-def verify_journal(journal: Journal, *, keep: int = KEEP) -> VerifyResult:
+def verify_journal(journal: Journal, *, keep: int = KEEP, expect: anchors.Anchor | None = None,
+                   key: bytes | None = None) -> VerifyResult:
     """Storage, event rows, receipts, head rows and stored manifests of a journal
-    database, all read in one snapshot: a writer committing meanwhile changes nothing."""
+    database, all read in one snapshot: a writer committing meanwhile changes nothing.
+    With `expect` (an anchor, `kvledger head`), the journal must extend it; with `key`,
+    it must be signed with that key."""
     with journal.snapshot() as snap:
         checker = Checker(snap.manifest, keep=keep)
+        outcome = None
+        if expect is not None:
+            problem, outcome = anchors.check(snap, expect, key)
+            if problem is not None:
+                checker.add(Finding(ANCHOR_MISMATCH, problem, expect.position))
         integrity = snap.integrity()
         for problem in integrity.problems:
             checker.add(Finding(STORAGE_CORRUPT, f"{integrity.checked}: {problem}"))
@@ -704,14 +716,14 @@ def verify_journal(journal: Journal, *, keep: int = KEEP) -> VerifyResult:
                     checker.feed(row.body, row=row)
                 if checker.full:
                     return checker.result(stopped=_stopped(f"position {row.global_position!r}"),
-                                          storage=storage)
+                                          storage=storage, anchor=outcome)
             checker.finish(snap.receipts(), snap.heads())
         except KvLedgerError as exc:
             if not integrity.problems:
                 raise  # a database that says it is whole but cannot be read: not a finding
             checker.add(Finding(STORAGE_CORRUPT, f"reading stopped after {checker.events} events: "
                                                  f"{exc.message}"))
-    return checker.result(storage=storage)
+    return checker.result(storage=storage, anchor=outcome)
 
 
 def verify_jsonl(path: str | Path, *, keep: int = KEEP) -> VerifyResult:

@@ -389,6 +389,32 @@ def test_max_findings_shows_that_many_and_counts_the_rest(tmp_path, capsys):
     report = msgspec.json.decode(out)
     assert rc == 1 and [f["line"] for f in report["findings"]] == [22, 23, 24]
     assert report["omitted"] == 47 and report["stopped"] is None
-    with pytest.raises(SystemExit) as exit_:  # argparse refuses it before anything runs
-        cli(capsys, "verify", "--journal", str(bad), "--max-findings", "-1")
-    assert exit_.value.code == 2 and "--max-findings: must be 0..10000" in capsys.readouterr().err
+    # refused when parsed, in one coded line like every checked argument, not argparse's usage
+    for wrong, why in (("-1", "is outside [0, 10000]"), ("10001", "is outside [0, 10000]"),
+                       ("x", "is not an integer"), ("1.5", "is not an integer")):
+        rc, out, err = cli(capsys, "verify", "--journal", str(bad), "--max-findings", wrong)
+        assert rc == 2 and out == "" and why in one_coded_line(err, "INVALID_ARGUMENT"), err
+
+
+@pytest.mark.parametrize("argv", [
+    ["verify", "--max-findings", "-1"],
+    ["verify", "--runtime", "vllm"],
+    ["verify", "--db", "sqlite:///x.db", "--journal", "x.jsonl"],
+    ["replay", "--db", "sqlite:///x.db", "--journal", "x.jsonl"],
+    ["replay", "--at", "-1"],
+    ["replay", "--at", "x"],
+    ["replay", "--block-bytes", "0"],
+    ["replay", "--window-ms", "nan"],
+    ["replay", "--slo-ttft-ms", "-5"],
+    ["replay", "--checkpoint", ""],
+    ["export", "--db", "sqlite:///x.db"],
+])
+def test_read_side_options_refuse_bad_values_in_one_coded_line(tmp_path, capsys, monkeypatch, argv):
+    """Every option of verify, replay and export is refused as the checked arguments are
+    (kvledger.args): INVALID_ARGUMENT in one line, exit 2, nothing opened; never
+    argparse's usage text, which carries no code."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 2 and out == ""
+    one_coded_line(err, "INVALID_ARGUMENT")
+    assert not list(tmp_path.iterdir())  # no database was created
