@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)  # the argument types raise coded errors (kvledger.args)
         a.check_outputs(args)
+        _check_extras(args)
         run: Callable[[argparse.Namespace], int] = args.run  # set by each command's register()
         return run(args)
     except KvLedgerError as exc:
@@ -132,9 +133,46 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except ModuleNotFoundError as exc:
+        print(str(_missing_extra(exc, args)), file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the last resort: never a traceback for a user
         print(str(_last_resort(exc, args)), file=sys.stderr)
         return 2
+
+
+# The optional dependencies and the extra that installs each (pyproject.toml).
+EXTRA_OF = {"torch": "worker", "safetensors": "worker", "psycopg": "postgres", "transformers": "hf"}
+
+
+# Commands that always run the torch worker: refused before any work without its extra.
+NEEDS_WORKER = frozenset({"demo", "generate", "crash-test"})
+
+
+def _check_extras(args: argparse.Namespace) -> None:
+    if args.command not in NEEDS_WORKER:
+        return
+    import importlib.util
+
+    for module in ("torch", "safetensors"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise _missing_extra(ModuleNotFoundError(f"No module named {module!r}", name=module), args)
+
+
+def _missing_extra(exc: ModuleNotFoundError, args: argparse.Namespace | None) -> KvLedgerError:
+    """A command that needs an extra the light install left out: name the extra. Any other
+    missing module is a broken install or a bug (the last resort says which)."""
+    module = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF.get(module)
+    if extra is None:
+        return _last_resort(exc, args)
+    command = " ".join(filter(None, (getattr(args, "command", None), getattr(args, "kv_command", None))))
+    return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"`kvledger {command}` needs {module}, which is not "
+                                                     f"installed: pip install 'kvledger[{extra}]'")
 
 
 def _last_resort(exc: Exception, args: argparse.Namespace | None) -> KvLedgerError:
