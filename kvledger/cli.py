@@ -110,17 +110,48 @@ def build_parser() -> argparse.ArgumentParser:
     # Each command family registers its own subcommands (kvledger/cmd_*.py).
     for name in COMMAND_MODULES:
         importlib.import_module(f"kvledger.{name}").register(sub)
+    _add_log_options(parser, top=True)
+    for subparser in _subparsers(parser):  # before or after the command: `kvledger -q demo`, `kvledger demo -q`
+        _add_log_options(subparser, top=False)
     return parser
+
+
+def _log_level(value: str) -> str:
+    from kvledger.logs import LEVELS
+
+    if value.lower() not in LEVELS:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--log-level {value[:40]!r}: expected one of "
+                                                        f"{', '.join(LEVELS)}")
+    return value.lower()
+
+
+def _add_log_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    # A subcommand's copy sets the value only when given (SUPPRESS), so it never hides the top's.
+    default = None if top else argparse.SUPPRESS
+    p.add_argument("--log-level", type=_log_level, default=default, metavar="LEVEL",
+                   help="debug, info, warning or error: kvledger's log records on stderr at this level "
+                        "and above (default: $KVLEDGER_LOG, else info; JSON lines when stderr is not a terminal)")
+    p.add_argument("-q", "--quiet", dest="log_level", action="store_const", const="error", default=default,
+                   help="errors only (--log-level error): no info or warning records on stderr")
+
+
+def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found: list[argparse.ArgumentParser] = []
+    for action in p._actions:  # argparse has no public way to list its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += [child, *_subparsers(child)]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    from kvledger.logs import configure
+    from kvledger.logs import configure, default_level
 
-    configure()  # logs go to stderr: stdout is for results (--json)
     args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(argv)  # the argument types raise coded errors (kvledger.args)
+        configure(args.log_level or default_level())  # logs go to stderr: stdout is for results (--json)
         a.check_outputs(args)
         _check_extras(args)
         run: Callable[[argparse.Namespace], int] = args.run  # set by each command's register()

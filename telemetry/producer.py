@@ -34,7 +34,6 @@ import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-import structlog
 from prometheus_client import CollectorRegistry
 
 from kvledger.engine import commands as c
@@ -62,8 +61,6 @@ from kvledger.telemetry.metrics import COMPONENTS, Metrics
 if TYPE_CHECKING:  # annotations only: telemetry never loads torch for the worker it observes
     from kvledger.worker.kvstore import KVStore
     from kvledger.worker.serving import Worker
-
-log = structlog.get_logger("kvledger.telemetry")
 
 _OBSERVED = frozenset(OBSERVED_EVENT_TYPES)
 
