@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -54,6 +55,7 @@ def configure(level: str = DEFAULT_LEVEL) -> None:
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.stdlib.ExtraAdder(),
+            _without_message,
         ],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
@@ -69,6 +71,12 @@ def configure(level: str = DEFAULT_LEVEL) -> None:
     number = logging.getLevelNamesMapping()[level.upper()]
     root.setLevel(max(number, logging.WARNING))
     logging.getLogger("kvledger").setLevel(number)
+
+
+def _without_message(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    # `message`: the text another handler's formatter left on the record (`event` holds it)
+    event_dict.pop("message", None)
+    return event_dict
 
 
 __all__ = ["DEFAULT_LEVEL", "LEVELS", "configure", "default_level"]
