@@ -44,7 +44,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with --kv-index: the block pool after global positions 1..N (default: the dump's "
                         "position, else the end)")
     p.add_argument("--metrics", type=a.input_file, metavar="SCRAPE.txt",
-                   help="a Prometheus text scrape to check labels")
+                   help="a Prometheus text scrape (`kvledger demo --metrics-out`): every value the journal can "
+                        "prove is checked against it (events, appends, outcomes, requests, KV bytes, latency "
+                        "histograms), the rest for identity labels only; the summary lists which")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--db", help=DB_HELP)
     g.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl",
@@ -204,6 +206,12 @@ def _print(result: ReconcileResult, source: str, telemetry: str) -> None:
                   f"{s.mutations} mutation records ({s.paired} paired, {s.refused} refused), "
                   f"{s.observations} observations, {s.duplicates} duplicate(s) deduplicated"
                   + (f", {s.metric_series} metric series" if s.metric_series is not None else ""))
+    if s.metric_series is not None:
+        proven = (f"values of {s.metric_values_proven} series proven against the journal "
+                  f"({escape(s.metrics_scope or '')})" if s.metric_position is not None
+                  else escape(s.metrics_scope or "labels only"))
+        only = f"; labels only: {escape(', '.join(s.metrics_labels_only))}" if s.metrics_labels_only else ""
+        console.print(f"metrics: {proven}{only}")
     if not result.findings:
         console.print("clean: every plane agrees with the journal")
         return
