@@ -233,12 +233,12 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
     scrape: a Prometheus text exposition, or None."""
     # The telemetry is read first: its header and trailer say which journal events a
     # scrape's values count, and the journal is folded once.
-    decoded: list[tuple[int, Record | Exception]] = []
+    decoded: list[tuple[int, Record | str]] = []  # a record, or why the line is none
     for line, body in telemetry:
         try:
             decoded.append((line, record_decoder.decode(body)))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            decoded.append((line, exc))
+            decoded.append((line, str(exc)))
     samples = parse_scrape(scrape) if scrape is not None else None
     scope, why = _metrics_scope(decoded, samples)
     index, order, last_position = _fold(journal_events, scope)
@@ -252,7 +252,7 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
     lines = duplicates = 0
     for line, rec in decoded:
         lines += 1
-        if isinstance(rec, Exception):
+        if isinstance(rec, str):
             out.add(C.MALFORMED_RECORD, f"not a telemetry record: {rec}", lines=(line,))
             continue
         if isinstance(rec, Header):
@@ -410,7 +410,7 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
     return ReconcileResult(summary, out.items)
 
 
-def _metrics_scope(decoded: list[tuple[int, Record | Exception]],
+def _metrics_scope(decoded: list[tuple[int, Record | str]],
                    samples: list[Sample] | None) -> tuple[_Scope | None, str]:
     """Which journal events a scrape counts: after the header's position, up to the
     scrape's own kvledger_journal_position (else the trailer's), of the header's source.
