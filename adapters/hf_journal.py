@@ -38,11 +38,11 @@ off) the last token is emitted and the handle finishes one row short.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 import torch
 
 from kvledger.adapters import hf_rows
@@ -54,7 +54,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import AppendKind, FinishReason, ForwardCall, LayerRows
 from kvledger.schemas.manifest import Manifest, cache_abi_sha256
 
-log = structlog.get_logger("kvledger.hf")
+log = logging.getLogger("kvledger.hf")
 
 
 @dataclass
@@ -437,7 +437,7 @@ class Tracker:
                               and s.logits_ready and s.finished is None and tuple(s.outputs) == gen[:-1]),
                              (-1, None))
             if parent is None:
-                log.warning("EOS candidate continues no handle", group=group, tokens=len(gen))
+                log.warning("EOS candidate continues no handle (group %s, %d tokens)", group, len(gen))
                 continue
             child = self._child(parent)
             forks.append(self._fork(parent, child))
@@ -547,7 +547,7 @@ class Tracker:
             holder = next((s for s in holders if held(s)), holders[0] if holders else None)
             if holder is None or not gen:
                 self.unmatched.append((i, gen))
-                log.warning("returned beam held by no handle", group=group, index=i)
+                log.warning("returned beam held by no handle (group %s, index %d)", group, i)
                 continue
             source = holder
             if holder.handle in used:
@@ -565,7 +565,7 @@ class Tracker:
         try:
             self._settle()
         except KvLedgerError as journal_exc:  # the starts it refused are not open: their failures are refused too
-            log.error("journal refused the starts of the failed call", error=str(journal_exc))
+            log.error("journal refused the starts of the failed call: %s", journal_exc)
         cmds: list[c.Command | c.Relative] = []
         for seq in self.seqs.values():
             for o in seq.opens:
@@ -581,11 +581,11 @@ class Tracker:
         try:
             results = self.port.execute_many(cmds)
         except Exception as journal_exc:  # noqa: BLE001 - the generation's own exception is the one raised
-            log.error("journal refused the failure events", error=str(journal_exc))
+            log.error("journal refused the failure events: %s", journal_exc)
             return
         for r in results:
             if isinstance(r, KvLedgerError):
-                log.error("journal refused a failure event", error=str(r))
+                log.error("journal refused a failure event: %s", r)
 
 
 def _rows_of(layers: hf_rows.Layers, seq: Seq, r: int) -> hf_rows.Layers:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
@@ -86,6 +87,27 @@ def is_driver_error(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover - psycopg is a dependency
         return False
     return isinstance(exc, psycopg.Error)
+
+
+def release(proxy: Any) -> None:
+    """Give a pooled connection (SQLAlchemy's raw_connection) back. The pool rolls back
+    what it gets back, and when that fails (the server ended the session, or went away
+    in the middle of a transaction) it logs the failure with its traceback on the
+    "sqlalchemy.pool" logger: ~30 lines on stderr before the command's coded line. The
+    rollback is done here first; a connection that cannot even roll back is
+    invalidated: closed without a reset, the way SQLAlchemy drops a disconnected one."""
+    conn = proxy.driver_connection
+    if conn is None:  # already invalidated
+        proxy.close()
+        return
+    try:
+        conn.rollback()
+    except Exception as exc:  # a driver error here: the connection is gone (anything else is raised)
+        if not is_driver_error(exc):
+            raise
+        proxy.invalidate()  # closes the driver's connection; the pool resets nothing
+        return
+    proxy.close()
 
 
 def translate(exc: BaseException, url: URL | None) -> KvLedgerError:
@@ -175,4 +197,4 @@ def _postgres(exc: BaseException) -> tuple[ErrorCode, str, str]:
     return E.DATABASE_ERROR, "the database reported an error", ""
 
 
-__all__ = ["is_driver_error", "translate"]
+__all__ = ["is_driver_error", "release", "translate"]

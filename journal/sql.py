@@ -43,7 +43,7 @@ from kvledger.journal.contract import (
     StreamWrite,
     guard_of,
 )
-from kvledger.journal.driver_errors import is_driver_error, translate
+from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.records import (
     EVENTS_FORMAT,
@@ -716,10 +716,7 @@ class SqlJournal(Journal):
             committer.shutdown(wait=True)
         proxy, self._proxy = getattr(self, "_proxy", None), None
         if proxy is not None and os.getpid() == getattr(self, "_pid", os.getpid()):
-            try:
-                proxy.close()
-            except Exception:  # noqa: BLE001 - closing a broken connection is best effort
-                pass
+            release(proxy)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.dispose(close=os.getpid() == getattr(self, "_pid", os.getpid()))

@@ -138,7 +138,10 @@ def _check_postgres(url: URL) -> None:
         raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"no database name in {redact(url)}")
     try:
         import psycopg
-
+    except ImportError:  # the light install: psycopg (and its libpq) come with the postgres extra
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{redact(url)} needs the PostgreSQL driver, which is "
+                            "not installed: pip install 'kvledger[postgres]'") from None
+    try:
         cargs, ckwargs = _dialect(url).create_connect_args(url)
         # libpq parses the options without connecting: an unknown option or a malformed
         # value is refused here, not by a connection attempt.

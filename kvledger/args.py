@@ -97,6 +97,21 @@ NEW_TOKENS = integer(1, 1 << 20)
 MAX_PROMPT = 1 << 20
 
 
+_HOST = re.compile(r"[A-Za-z0-9._:-]{1,253}")
+
+
+def host(value: str) -> str:
+    """An address to listen on: a host name, an IPv4 or IPv6 address (0.0.0.0: every interface)."""
+    shown = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    if not _HOST.fullmatch(shown):
+        raise _bad(f"{_short(value)} is not a host name or an IP address")
+    return shown
+
+
+METRICS_PORT_HELP = "serve Prometheus /metrics on HOST:PORT while the command runs (0: any free port)"
+METRICS_HOST_HELP = "the address /metrics listens on (default 127.0.0.1; 0.0.0.0 for every interface)"
+
+
 def token_ids(value: str) -> tuple[int, ...]:
     """Comma-separated non-negative token ids (the vocabulary bounds them later)."""
     parts = [p for p in value.split(",") if p.strip()]

@@ -110,18 +110,50 @@ def build_parser() -> argparse.ArgumentParser:
     # Each command family registers its own subcommands (kvledger/cmd_*.py).
     for name in COMMAND_MODULES:
         importlib.import_module(f"kvledger.{name}").register(sub)
+    _add_log_options(parser, top=True)
+    for subparser in _subparsers(parser):  # before or after the command: `kvledger -q demo`, `kvledger demo -q`
+        _add_log_options(subparser, top=False)
     return parser
+
+
+def _log_level(value: str) -> str:
+    from kvledger.logs import LEVELS
+
+    if value.lower() not in LEVELS:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--log-level {value[:40]!r}: expected one of "
+                                                        f"{', '.join(LEVELS)}")
+    return value.lower()
+
+
+def _add_log_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    # A subcommand's copy sets the value only when given (SUPPRESS), so it never hides the top's.
+    default = None if top else argparse.SUPPRESS
+    p.add_argument("--log-level", type=_log_level, default=default, metavar="LEVEL",
+                   help="debug, info, warning or error: kvledger's log records on stderr at this level "
+                        "and above (default: $KVLEDGER_LOG, else info; JSON lines when stderr is not a terminal)")
+    p.add_argument("-q", "--quiet", dest="log_level", action="store_const", const="error", default=default,
+                   help="errors only (--log-level error): no info or warning records on stderr")
+
+
+def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found: list[argparse.ArgumentParser] = []
+    for action in p._actions:  # argparse has no public way to list its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += [child, *_subparsers(child)]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    from kvledger.logs import configure
+    from kvledger.logs import configure, default_level
 
-    configure()  # logs go to stderr: stdout is for results (--json)
     args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(argv)  # the argument types raise coded errors (kvledger.args)
+        configure(args.log_level or default_level())  # logs go to stderr: stdout is for results (--json)
         a.check_outputs(args)
+        _check_extras(args)
         run: Callable[[argparse.Namespace], int] = args.run  # set by each command's register()
         return run(args)
     except KvLedgerError as exc:
@@ -132,9 +164,46 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except ModuleNotFoundError as exc:
+        print(str(_missing_extra(exc, args)), file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the last resort: never a traceback for a user
         print(str(_last_resort(exc, args)), file=sys.stderr)
         return 2
+
+
+# The optional dependencies and the extra that installs each (pyproject.toml).
+EXTRA_OF = {"torch": "worker", "safetensors": "worker", "psycopg": "postgres", "transformers": "hf"}
+
+
+# Commands that always run the torch worker: refused before any work without its extra.
+NEEDS_WORKER = frozenset({"demo", "generate", "crash-test"})
+
+
+def _check_extras(args: argparse.Namespace) -> None:
+    if args.command not in NEEDS_WORKER:
+        return
+    import importlib.util
+
+    for module in ("torch", "safetensors"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise _missing_extra(ModuleNotFoundError(f"No module named {module!r}", name=module), args)
+
+
+def _missing_extra(exc: ModuleNotFoundError, args: argparse.Namespace | None) -> KvLedgerError:
+    """A command that needs an extra the light install left out: name the extra. Any other
+    missing module is a broken install or a bug (the last resort says which)."""
+    module = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF.get(module)
+    if extra is None:
+        return _last_resort(exc, args)
+    command = " ".join(filter(None, (getattr(args, "command", None), getattr(args, "kv_command", None))))
+    return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"`kvledger {command}` needs {module}, which is not "
+                                                     f"installed: pip install 'kvledger[{extra}]'")
 
 
 def _last_resort(exc: Exception, args: argparse.Namespace | None) -> KvLedgerError:

@@ -1,5 +1,5 @@
-"""`kvledger reconcile`, and the `--telemetry/--metrics-port/--metrics-out` flags of
-`kvledger demo`.
+"""`kvledger reconcile`, and the `--telemetry/--metrics-port/--metrics-host/--metrics-out`
+flags of `kvledger demo`.
 
     kvledger demo --db sqlite:///kv.db --telemetry t.jsonl --metrics-port 9100 --metrics-out m.txt
     kvledger reconcile --telemetry t.jsonl --metrics m.txt --db sqlite:///kv.db [--json]
@@ -10,6 +10,7 @@ Exit status of reconcile: 0 clean (informational notes allowed), 1 findings, 2 b
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from kvledger.replay.reconcile import ReconcileResult
     from kvledger.telemetry.producer import Telemetry
 
+log = logging.getLogger("kvledger.cli")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,7 +44,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with --kv-index: the block pool after global positions 1..N (default: the dump's "
                         "position, else the end)")
     p.add_argument("--metrics", type=a.input_file, metavar="SCRAPE.txt",
-                   help="a Prometheus text scrape to check labels")
+                   help="a Prometheus text scrape (`kvledger demo --metrics-out`): every value the journal can "
+                        "prove is checked against it (events, appends, outcomes, requests, KV bytes, latency "
+                        "histograms), the rest for identity labels only; the summary lists which")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--db", help=DB_HELP)
     g.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl",
@@ -54,8 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     if demo is not None:
         demo.add_argument("--telemetry", type=a.output_file, metavar="FILE.jsonl",
                           help="write telemetry JSON lines here (after each commit; never blocks)")
-        demo.add_argument("--metrics-port", type=a.PORT, metavar="P",
-                          help="serve Prometheus /metrics on 127.0.0.1:P during the run (0: any port)")
+        demo.add_argument("--metrics-port", type=a.PORT, metavar="PORT", help=a.METRICS_PORT_HELP)
+        demo.add_argument("--metrics-host", type=a.host, metavar="HOST", help=a.METRICS_HOST_HELP)
         demo.add_argument("--metrics-out", type=a.output_file, metavar="SCRAPE.txt",
                           help="write the final /metrics scrape here (for `kvledger reconcile --metrics`)")
 
@@ -66,25 +70,31 @@ def demo_telemetry(args: argparse.Namespace) -> Telemetry | None:
     """A Telemetry for `kvledger demo` when any telemetry flag is set, else None."""
     path = getattr(args, "telemetry", None)
     port = getattr(args, "metrics_port", None)
+    host = getattr(args, "metrics_host", None)
+    if host is not None and port is None:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--metrics-host needs --metrics-port")
     if path is None and port is None and getattr(args, "metrics_out", None) is None:
         return None
     from kvledger.telemetry.producer import Telemetry
 
-    # The path and the port were checked when parsed (kvledger.args).
+    # The path, the port and the host were checked when parsed (kvledger.args).
     telemetry = Telemetry(Path(path).expanduser() if path else None)
     if port is not None:
+        host = host or "127.0.0.1"
         try:
-            bound = telemetry.serve(port)
+            bound = telemetry.serve(port, host)
         except BaseException:
             telemetry.close()
             raise
-        print(f"serving metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
+        shown = f"[{host}]" if ":" in host else host
+        log.info("serving metrics on http://%s:%d/metrics", shown, bound)
     return telemetry
 
 
 class TelemetrySummary(TypedDict):
     file: str | None
     metrics_port: int | None
+    metrics_host: str | None
     metrics_out: str | None
     records: int
     written: int
@@ -102,6 +112,7 @@ def finish_demo_telemetry(telemetry: Telemetry | None, args: argparse.Namespace)
             Path(out).expanduser().write_bytes(telemetry.metrics.scrape())
     stats = telemetry.stats()
     return {"file": getattr(args, "telemetry", None), "metrics_port": telemetry.metrics_port,
+            "metrics_host": (getattr(args, "metrics_host", None) or "127.0.0.1") if telemetry.metrics_port else None,
             "metrics_out": out, "records": stats["records"], "written": stats["written"],
             "dropped": stats["dropped"]}
 
@@ -195,6 +206,12 @@ def _print(result: ReconcileResult, source: str, telemetry: str) -> None:
                   f"{s.mutations} mutation records ({s.paired} paired, {s.refused} refused), "
                   f"{s.observations} observations, {s.duplicates} duplicate(s) deduplicated"
                   + (f", {s.metric_series} metric series" if s.metric_series is not None else ""))
+    if s.metric_series is not None:
+        proven = (f"values of {s.metric_values_proven} series proven against the journal "
+                  f"({escape(s.metrics_scope or '')})" if s.metric_position is not None
+                  else escape(s.metrics_scope or "labels only"))
+        only = f"; labels only: {escape(', '.join(s.metrics_labels_only))}" if s.metrics_labels_only else ""
+        console.print(f"metrics: {proven}{only}")
     if not result.findings:
         console.print("clean: every plane agrees with the journal")
         return

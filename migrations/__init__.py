@@ -13,6 +13,7 @@ init still succeeds.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,9 @@ def _tune_postgres(conn: Connection) -> None:
     except DBAPIError as exc:
         if getattr(exc.orig, "sqlstate", None) != "42501":  # insufficient_privilege
             raise
-        import structlog  # here: importing the API loads no logging stack (tests/test_layers.py)
-
-        structlog.get_logger("kvledger.init").warning(
-            "kvl_heads storage parameter not set: this role does not own the table; run `kvledger init` "
-            "as its owner once (head updates stay slower until then)", setting=_HEADS_FILLFACTOR)
+        logging.getLogger("kvledger.migrations").warning(
+            "kvl_heads storage parameter (%s) not set: this role does not own the table; run `kvledger init` "
+            "as its owner once (head updates stay slower until then)", _HEADS_FILLFACTOR)
 
 
 def _migrate(conn: Connection, cfg: Config, revision: str) -> None:

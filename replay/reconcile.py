@@ -38,7 +38,6 @@ after its after_position, up to the trailer's last_position when there is one.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import NamedTuple, TypedDict, Unpack
 
@@ -46,8 +45,9 @@ import msgspec
 
 from kvledger.engine.evolve import evolve
 from kvledger.engine.state import HandleState
+from kvledger.replay.metric_proof import Sample, family, parse_scrape, prove, scrape_position
+from kvledger.replay.service_fold import ServiceFold
 from kvledger.schemas import events as ev
-from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.telemetry import (
     ALLOCATOR,
     FINDING_CLASS,
@@ -60,6 +60,7 @@ from kvledger.schemas.telemetry import (
     Header,
     Mutation,
     ReconcileCode,
+    Record,
     ResidencyObservation,
     Trailer,
     event_outcome,
@@ -86,6 +87,9 @@ class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
     metric: str | None = None
     scrape_lines: tuple[int, ...] = ()
     count: int | None = None
+    labels: str | None = None  # a metric's label set, as Prometheus writes it
+    claimed: float | None = None  # a metric's value in the scrape
+    proven: float | None = None  # and what the journal proves
 
 
 class Summary(msgspec.Struct, frozen=True):
@@ -100,6 +104,12 @@ class Summary(msgspec.Struct, frozen=True):
     complete: bool  # a header declares the unsampled stream: absence can be concluded
     sample_rate: float | None
     metric_series: int | None
+    # --metrics: series whose values were proven against the journal, the position they
+    # were proven at, and what was checked for its labels only (why, when it is everything)
+    metric_values_proven: int | None = None
+    metric_position: int | None = None
+    metrics_labels_only: tuple[str, ...] = ()
+    metrics_scope: str | None = None
 
 
 class ReconcileResult(msgspec.Struct, frozen=True):
@@ -139,13 +149,25 @@ class _J(NamedTuple):
     tiers: tuple[str, ...]
 
 
-def _fold(events: Iterable[ev.Event]) -> tuple[dict[str, _J], list[str], int]:
+class _Scope(NamedTuple):
+    """The journal events a scrape's service counted: its source's, in (after, upto]."""
+
+    source_instance: str
+    after: int
+    upto: int
+    fold: ServiceFold
+
+
+def _fold(events: Iterable[ev.Event], scope: _Scope | None = None) -> tuple[dict[str, _J], list[str], int]:
     index: dict[str, _J] = {}
     order: list[str] = []
     states: dict[str, HandleState] = {}
     broken: set[str] = set()
     last = 0
     for e in events:
+        if scope is not None and e.source_instance == scope.source_instance \
+                and scope.after < e.global_position <= scope.upto:
+            scope.fold.apply((e,))
         s: HandleState | None = None
         if e.stream_id not in broken:
             try:
@@ -177,6 +199,9 @@ class _FindingExtras(TypedDict, total=False):
     metric: str | None
     scrape_lines: tuple[int, ...]
     count: int | None
+    labels: str | None
+    claimed: float | None
+    proven: float | None
 
 
 class _Findings:
@@ -206,21 +231,29 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
               scrape: str | None = None) -> ReconcileResult:
     """journal_events: decoded events in global order; telemetry: (line, body) pairs;
     scrape: a Prometheus text exposition, or None."""
-    index, order, last_position = _fold(journal_events)
+    # The telemetry is read first: its header and trailer say which journal events a
+    # scrape's values count, and the journal is folded once.
+    decoded: list[tuple[int, Record | str]] = []  # a record, or why the line is none
+    for line, body in telemetry:
+        try:
+            decoded.append((line, record_decoder.decode(body)))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            decoded.append((line, str(exc)))
+    samples = parse_scrape(scrape) if scrape is not None else None
+    scope, why = _metrics_scope(decoded, samples)
+    index, order, last_position = _fold(journal_events, scope)
     out = _Findings()
 
-    # -- decode and deduplicate ------------------------------------------------------
+    # -- deduplicate ---------------------------------------------------------------------
     header: tuple[int, Header] | None = None
     trailer: Trailer | None = None
     first: dict[str, _Rec] = {}
     records: list[_Rec] = []
     lines = duplicates = 0
-    for line, body in telemetry:
+    for line, rec in decoded:
         lines += 1
-        try:
-            rec = record_decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            out.add(C.MALFORMED_RECORD, f"not a telemetry record: {exc}", lines=(line,))
+        if isinstance(rec, str):
+            out.add(C.MALFORMED_RECORD, f"not a telemetry record: {rec}", lines=(line,))
             continue
         if isinstance(rec, Header):
             if header is None:
@@ -355,16 +388,49 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
                                           f"journal event(s) without a record prove nothing",
                     count=unseen)
 
-    series = None
-    if scrape is not None:
-        series = _check_scrape(out, scrape, index, records)
+    proof = None
+    if samples is not None:
+        _check_labels(out, samples, index, records)
+        proof = prove(samples, scope.fold if scope is not None else None)
+        for d in proof.drifts:
+            out.add(C.METRIC_CONTRADICTS_JOURNAL,
+                    f"metric {d.metric}{d.labels} is {d.claimed:g} in the scrape; the journal proves {d.proven:g} "
+                    f"({why})", metric=d.metric, scrape_lines=d.lines[:_MAX_POINTERS], labels=d.labels,
+                    claimed=d.claimed, proven=d.proven)
 
     summary = Summary(
         journal_events=len(order), in_scope=in_scope, telemetry_lines=lines, mutations=mutations,
         refused=refused, observations=observations, duplicates=duplicates, paired=len(paired),
         complete=complete, sample_rate=hdr.sample_rate if hdr is not None else None,
-        metric_series=series)
+        metric_series=len(samples) if samples is not None else None,
+        metric_values_proven=proof.checked if proof is not None else None,
+        metric_position=scope.upto if scope is not None else None,
+        metrics_labels_only=proof.labels_only if proof is not None else (),
+        metrics_scope=why or None)
     return ReconcileResult(summary, out.items)
+
+
+def _metrics_scope(decoded: list[tuple[int, Record | str]],
+                   samples: list[Sample] | None) -> tuple[_Scope | None, str]:
+    """Which journal events a scrape counts: after the header's position, up to the
+    scrape's own kvledger_journal_position (else the trailer's), of the header's source.
+    None (and why) when the files do not say."""
+    if samples is None:
+        return None, ""
+    header = next((r for _, r in decoded if isinstance(r, Header)), None)
+    trailer = next((r for _, r in decoded if isinstance(r, Trailer)), None)
+    if header is None:
+        return None, "no telemetry header says which journal events the scrape counts: labels only"
+    upto = scrape_position(samples)
+    where = "its kvledger_journal_position"
+    if upto is None and trailer is not None:
+        upto, where = trailer.last_position, "the trailer's last_position (the scrape names no position)"
+    if upto is None:
+        return None, ("the scrape names no kvledger_journal_position and the telemetry has no trailer: "
+                      "labels only")
+    return (_Scope(header.source_instance, header.after_position, upto, ServiceFold()),
+            f"events of {header.source_instance} after position {header.after_position} up to {upto}, "
+            f"{where}")
 
 
 def _ids(index: dict[str, _J], eid: str) -> tuple[str, ...]:
@@ -478,29 +544,9 @@ def _check_observation(out: _Findings, r: _Rec, rec: AllocatorObservation | Resi
                     source=src)
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+\S+")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created", "_info")
-
-
-def _family(name: str) -> str:
-    for s in _SUFFIXES:
-        if name.endswith(s):
-            return name[: -len(s)]
-    return name
-
-
-def _check_scrape(out: _Findings, text: str, index: dict[str, _J],
-                  records: list[_Rec]) -> int:
+def _check_labels(out: _Findings, samples: list[Sample], index: dict[str, _J], records: list[_Rec]) -> None:
     """Label values that carry identity grow with traffic: one finding per (family,
-    label), pointing at the scrape lines. Returns the number of series."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        for _ in text_string_to_metric_families(text):
-            pass
-    except Exception as exc:  # noqa: BLE001 - the parser raises ValueError and friends
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"not a Prometheus text exposition: {exc}") from None
+    label), pointing at the scrape lines."""
     known: set[str] = set(index)
     for j in index.values():
         known.add(j.request_id)
@@ -510,26 +556,18 @@ def _check_scrape(out: _Findings, text: str, index: dict[str, _J],
     for r in records:
         known.update((r.rec.event_id, r.rec.trace_id, r.rec.request_id, r.rec.handle_id))
     hits: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
-    series = 0
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        series += 1
-        for label, value in _LABEL.findall(m.group(2) or ""):
+    for s in samples:
+        for label, value in s.labels:
             if label in IDENTITY_LABELS or value in known:
-                lines, values = hits.setdefault((_family(m.group(1)), label), ([], set()))
-                lines.append(n)
+                lines, values = hits.setdefault((family(s.name), label), ([], set()))
+                lines.append(s.line)
                 values.add(value)
-    for (family, label), (lines, values) in hits.items():
+    for (fam, label), (lines, values) in hits.items():
         why = "names an identity" if label in IDENTITY_LABELS else "takes request/event id values"
-        out.add(C.UNBOUNDED_LABEL, f"metric {family} label {label!r} {why}: {len(values)} value(s) in "
+        out.add(C.UNBOUNDED_LABEL, f"metric {fam} label {label!r} {why}: {len(values)} value(s) in "
                                    f"this scrape, one series each, growing with traffic; keep "
                                    f"identity in traces, audit records or logs",
-                metric=family, scrape_lines=tuple(lines[:_MAX_POINTERS]), count=len(values))
-    return series
+                metric=fam, scrape_lines=tuple(lines[:_MAX_POINTERS]), count=len(values))
 
 
 __all__ = ["Finding", "ReconcileResult", "Summary", "reconcile"]

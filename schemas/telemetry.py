@@ -153,6 +153,7 @@ class ReconcileCode(StrEnum):
     TELEMETRY_CONTRADICTS_JOURNAL = "TELEMETRY_CONTRADICTS_JOURNAL"  # other fields disagree
     MALFORMED_RECORD = "MALFORMED_RECORD"
     SAMPLED_NO_ABSENCE = "SAMPLED_NO_ABSENCE"  # info: sampled/undeclared, absence not concluded
+    METRIC_CONTRADICTS_JOURNAL = "METRIC_CONTRADICTS_JOURNAL"  # a scrape's value vs the journal's count
 
 
 # The failure class (spec 0x07 failure lab, issue 6) each code belongs to.
@@ -173,6 +174,7 @@ FINDING_CLASS: dict[ReconcileCode, str] = {
     ReconcileCode.TELEMETRY_CONTRADICTS_JOURNAL: "contradiction",
     ReconcileCode.MALFORMED_RECORD: "malformed",
     ReconcileCode.SAMPLED_NO_ABSENCE: "sampled",
+    ReconcileCode.METRIC_CONTRADICTS_JOURNAL: "metric_drift",
 }
 
 # Informational: reported and counted, but not a finding that fails reconciliation.

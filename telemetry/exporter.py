@@ -6,6 +6,7 @@ queue or a failing sink drops records and counts them; producers never wait for 
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import queue
 import threading
@@ -29,7 +30,7 @@ from kvledger.schemas.telemetry import (
 )
 from kvledger.telemetry.metrics import Metrics
 
-log = structlog.get_logger("kvledger.telemetry")
+log = logging.getLogger("kvledger.telemetry")
 
 # -- export: a bounded queue, one thread, structlog rendering -----------------------------
 
@@ -229,7 +230,7 @@ class Exporter:
             try:
                 _render(records, item, self)
             except Exception as exc:  # noqa: BLE001 - a bad record must not stop the others
-                log.error("telemetry record not rendered", error=repr(exc))
+                log.error("telemetry record not rendered: %r", exc)
             audit += n
         try:
             return (self._log.msg(records=records) if records else b""), audit
@@ -264,8 +265,7 @@ class Exporter:
             self.metrics.dropped_sink += audit
             if self.error is None:
                 self.error = repr(exc)
-                log.warning("telemetry batch not written: records are dropped and counted",
-                            error=self.error)
+                log.warning("telemetry batch not written: records are dropped and counted: %s", self.error)
         finally:
             self._out += audit
 

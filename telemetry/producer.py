@@ -34,7 +34,6 @@ import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-import structlog
 from prometheus_client import CollectorRegistry
 
 from kvledger.engine import commands as c
@@ -63,8 +62,6 @@ if TYPE_CHECKING:  # annotations only: telemetry never loads torch for the worke
     from kvledger.worker.kvstore import KVStore
     from kvledger.worker.serving import Worker
 
-log = structlog.get_logger("kvledger.telemetry")
-
 _OBSERVED = frozenset(OBSERVED_EVENT_TYPES)
 
 # The event a refused command would have written (for its outcome record).
@@ -75,21 +72,6 @@ _COMMAND_EVENT: dict[type[c.Command], str] = {
 }
 
 # -- the telemetry source ----------------------------------------------------------------
-
-class _Handle:
-    """What the metrics need about one live handle (dropped at release)."""
-
-    __slots__ = ("b_token", "capacity_bytes", "allocator", "copies", "tier", "committed", "owning",
-                 "state", "arrival", "last_output")
-    last_output: int | None  # monotonic_ns of the handle's newest output_emit
-
-    def __init__(self, b_token: int, capacity: int, allocator: int, tiers: tuple[str, ...],
-                 arrival: int | None) -> None:
-        self.b_token, self.capacity_bytes, self.allocator = b_token, capacity * b_token, allocator
-        self.copies, self.tier = len(tiers), tiers[0]
-        self.committed, self.owning, self.state = 0, False, 0  # 0 waiting, 1 running, 2 terminal
-        self.arrival, self.last_output = arrival, None
-
 
 class Telemetry:
     """The telemetry source of one command service (and optionally its worker).
@@ -117,11 +99,9 @@ class Telemetry:
         self._nonce = os.urandom(8).hex()  # observation ids: nonce, component (1, 2), sequence
         self._lock = threading.Lock()
         self._seq = {SERVICE: 0, ALLOCATOR: 0, RESIDENCY: 0}
-        self._handles: dict[str, _Handle] = {}
         self._stash: OrderedDict[str, list[tuple[ev.Event, str]]] = OrderedDict()  # op id -> events to observe
         self._server: Any = None
         self._closed = False
-        self._logical = self._reserved = self._allocator = 0
         self._row_bytes = 0
 
     # -- wiring --------------------------------------------------------------------
@@ -235,10 +215,10 @@ class Telemetry:
                     x.put(("m", self.source_instance, seq, receipt.last_global_position, mono, wall,
                            audit), n)
                 self.metrics.records[SERVICE] += n
-        self._account(events)
+        self._account(events, receipt.last_global_position)
 
     def _tier(self, e: ev.Event) -> str:
-        h = self._handles.get(e.stream_id)
+        h = self.metrics.fold.handles.get(e.stream_id)
         if h is not None:
             return h.tier
         tiers = getattr(e.payload, "copy_tiers", None)
@@ -311,90 +291,13 @@ class Telemetry:
         m.records[SERVICE] += 1
 
     # -- metrics from committed events ---------------------------------------------
-    def _account(self, events: list[ev.Event]) -> None:
+    def _account(self, events: list[ev.Event], position: int) -> None:
         """Counters, gauges and histograms from every committed event (sampling thins
-        the audit stream, never the metrics). The byte ledgers follow replay.ledger:
-        a handle owns bytes from its first publication (or its fork) to its release."""
+        the audit stream, never the metrics): replay.service_fold, under the lock a
+        scrape takes."""
         m = self.metrics
-        handles = self._handles
-        moved = False
-        for e in events:
-            t = e.event_type
-            m.events[t] += 1
-            sid = e.stream_id
-            h = handles.get(sid)
-            p = e.payload  # its class is the event type's (the envelope's tag): branch on it
-            if isinstance(p, ev.OutputEmit):
-                if h is None:
-                    continue
-                now = e.monotonic_ns
-                if h.last_output is None:
-                    if h.arrival is not None:
-                        m.ttft.observe(max(0, now - h.arrival) / 1e9)
-                else:
-                    m.itl.observe(max(0, now - h.last_output) / 1e9)
-                h.last_output = now
-            elif isinstance(p, ev.AppendStart):
-                m.attempts[p.kind] += 1
-                if h is not None and h.state == 0:
-                    h.state = 1
-                    m.waiting -= 1
-                    m.running += 1
-            elif isinstance(p, ev.AppendPublish):
-                m.outcomes["success"] += 1
-                if h is not None:
-                    self._own(h, p.committed_length)
-                    moved = True
-            elif isinstance(p, ev.RequestAllocate):
-                handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
-                                       p.copy_tiers, e.monotonic_ns)
-                m.waiting += 1
-            elif isinstance(p, ev.Fork):
-                h = handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
-                                           p.copy_tiers, None)
-                h.state, h.last_output = 1, e.monotonic_ns
-                m.running += 1
-                self._own(h, p.prefix_length)
-                moved = True
-            elif isinstance(p, ev.Failure):
-                m.outcomes[p.outcome] += 1
-            elif h is None:
-                continue  # allocated before this telemetry started: counted, not tracked
-            elif isinstance(p, ev.Truncate):
-                if h.owning:
-                    self._own(h, p.new_length)
-                    moved = True
-            elif isinstance(p, (ev.CancelRequest, ev.Finish)):
-                if isinstance(p, ev.CancelRequest) and p.aborted_txn_ids:
-                    m.outcomes["cancelled"] += len(p.aborted_txn_ids)
-                self._terminal(h)
-            elif isinstance(p, ev.Release):
-                self._terminal(h)
-                if h.owning:
-                    self._logical -= h.committed * h.b_token
-                    self._reserved -= h.copies * h.capacity_bytes
-                    self._allocator -= h.copies * h.allocator
-                    moved = True
-                del handles[sid]
-        if moved:
-            kv = m.kv
-            kv["logical"], kv["reserved"] = self._logical, self._reserved
-            kv["physical"] = self._reserved + self._allocator
-
-    def _own(self, h: _Handle, committed: int) -> None:
-        if not h.owning:
-            h.owning = True
-            self._reserved += h.copies * h.capacity_bytes
-            self._allocator += h.copies * h.allocator
-        self._logical += (committed - h.committed) * h.b_token
-        h.committed = committed
-
-    def _terminal(self, h: _Handle) -> None:
-        if h.state == 0:
-            self.metrics.waiting -= 1
-        elif h.state == 1:
-            self.metrics.running -= 1
-        h.state = 2
+        with m.lock:
+            m.fold.apply(events, position)
 
 
 __all__ = ["Exporter", "Metrics", "Telemetry", "event_outcome", "event_snapshots", "trace_id_of"]

@@ -4,6 +4,7 @@ from layers below it, never from a peer beside it; and the public API stays ligh
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,90 @@ def test_one_top_level_name_is_installed():
             " 'telemetry', 'recovery', 'adapters') if u.find_spec(n) is not None])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- the light core: `pip install kvledger` without torch, safetensors or psycopg ----------
+
+EXTRA_MODULES = ("torch", "safetensors", "psycopg", "transformers")
+# Run first in a child: the extras' modules are absent, as in a bare `pip install kvledger`
+# (CI's light venv proves the same with nothing installed; here the test venv has them all).
+ABSENT = f"""
+import importlib.abc, sys
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {EXTRA_MODULES!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def _light(code: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", ABSENT + code], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def test_the_core_extras_are_declared_apart():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    for heavy in ("torch", "safetensors", "psycopg", "transformers"):
+        assert heavy not in core
+    assert "pyzmq" in core  # kv-events record/serve are core commands
+    extras = project["optional-dependencies"]
+    assert {"worker", "postgres", "hf", "kv-events", "dev", "bench", "plot"} <= set(extras)
+    assert any(d.startswith("torch") for d in extras["worker"])
+    assert any(d.startswith("psycopg[binary]") for d in extras["postgres"])
+
+
+def test_the_core_commands_run_without_any_extra(tmp_path):
+    """record (from a real publisher), replay, verify, reconcile, export/import, init and
+    schema in a process where torch, safetensors, psycopg and transformers cannot be
+    imported: each exits 0 and none of them is in sys.modules afterwards."""
+    from kv_publisher import Publisher, Workload
+
+    pub = Publisher("vllm")
+    w = Workload(3)
+    try:
+        for _ in range(40):  # before the recorder starts: it asks the replay socket for them
+            pub.publish(w.batch())
+        (tmp_path / "empty.jsonl").write_text("")
+        code = f"""
+import json, sys
+from kvledger.cli import main
+db = "sqlite:///kv.db"
+runs = [["init", "--db", db], ["schema", "--compact"],
+        ["kv-events", "record", "--endpoint", "{pub.endpoint}", "--replay-endpoint", "{pub.replay_endpoint}",
+         "--topic", "kv", "--idle-exit", "1", "--db", db, "--json"],
+        ["replay", "--db", db, "--json"], ["verify", "--db", db, "--json"],
+        ["export", "--db", db, "--out", "audit.jsonl"], ["import", "--db", "sqlite:///copy.db", "audit.jsonl"],
+        ["verify", "--db", "sqlite:///copy.db"], ["reconcile", "--db", db, "--telemetry", "empty.jsonl"]]
+codes = [main(argv) for argv in runs]
+print(json.dumps({{"codes": codes, "loaded": [m for m in {EXTRA_MODULES!r} if m in sys.modules]}}))
+"""
+        out = _light(code, tmp_path)
+    finally:
+        pub.close()
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result == {"codes": [0] * 9, "loaded": []}, out.stderr
+    exported = (tmp_path / "audit.jsonl").read_text().splitlines()
+    assert sum('"kv_events_batch"' in line for line in exported) == 40
+
+
+def test_a_command_that_needs_a_missing_extra_names_it(tmp_path):
+    """One coded line naming the extra (exit 2), never a traceback, and no journal left behind."""
+    cases = [(["demo", "--requests", "8"], "kvledger[worker]"),
+             (["generate", "--prompt-ids", "1,2,3"], "kvledger[worker]"),
+             (["crash-test", "--trials", "1", "--db", "sqlite:///crash.db"], "kvledger[worker]"),
+             (["replay", "--db", "postgresql://kv@127.0.0.1:1/kv"], "kvledger[postgres]"),
+             (["init", "--db", "postgresql+psycopg://kv@127.0.0.1:1/kv"], "kvledger[postgres]")]
+    for argv, extra in cases:
+        out = _light(f"import sys\nfrom kvledger.cli import main\nsys.exit(main({argv!r}))", tmp_path)
+        assert out.returncode == 2, (argv, out.stderr)
+        lines = out.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("INVALID_ARGUMENT: "), (argv, out.stderr)
+        assert f"pip install '{extra}'" in lines[0]
+        assert out.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # no database created by a refused command

@@ -10,7 +10,6 @@ import time
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
-from structlog.testing import capture_logs
 
 from kvledger.engine import commands as c
 from kvledger.engine import ids
@@ -97,7 +96,7 @@ def test_init_sets_the_heads_fillfactor_and_sets_it_again_on_a_journal_made_with
     assert _options(pg_url).count("fillfactor=50") == 1
 
 
-def test_init_by_a_role_that_does_not_own_the_tables_succeeds_and_says_what_is_left(pg_url):
+def test_init_by_a_role_that_does_not_own_the_tables_succeeds_and_says_what_is_left(pg_url, caplog):
     """A service's role may write the journal without owning its tables: its init at head
     changes nothing and succeeds, and says that the setting waits for the owner's."""
     init_database(pg_url)  # as the owner
@@ -112,12 +111,12 @@ def test_init_by_a_role_that_does_not_own_the_tables_succeeds_and_says_what_is_l
         with psycopg.connect(conninfo(pg_url), autocommit=True) as conn:
             conn.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO "{role}"')
         app = make_url(pg_url).set(username=role).render_as_string(hide_password=False)
-        with capture_logs() as logs:
+        with caplog.at_level("WARNING", logger="kvledger"):
             init_database(app)
         assert "fillfactor=50" not in _options(pg_url)
-        assert [x["event"] for x in logs if x["log_level"] == "warning"] == [
-            "kvl_heads storage parameter not set: this role does not own the table; run `kvledger init` "
-            "as its owner once (head updates stay slower until then)"]
+        assert [(r.name, r.getMessage()) for r in caplog.records if r.levelname == "WARNING"] == [
+            ("kvledger.migrations", "kvl_heads storage parameter (fillfactor=50) not set: this role does not own "
+             "the table; run `kvledger init` as its owner once (head updates stay slower until then)")]
         init_database(pg_url)  # the owner's
         assert "fillfactor=50" in _options(pg_url)
     finally:

@@ -14,12 +14,12 @@ is emitted in the same commit as the publication whose logits chose it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
-import structlog
 import torch
 from torch import Tensor
 
@@ -48,7 +48,7 @@ from kvledger.worker.kvstore import KVStore
 from kvledger.worker.loading import DTYPE_NAMES, require_context
 from kvledger.worker.model import Transformer
 
-log = structlog.get_logger("kvledger.worker")
+log = logging.getLogger("kvledger.worker")
 
 
 class RequestSpec(msgspec.Struct, frozen=True):
@@ -369,7 +369,7 @@ class Worker:
                         err(r)
                     else:
                         self.errors.append(str(r))
-                        log.warning("command rejected", error=str(r))
+                        log.warning("command rejected: %s", r)
                 else:
                     if ok:
                         ok(r)
@@ -592,7 +592,7 @@ class Worker:
             try:
                 ran += self._run(call_id, members)
             except RuntimeError as exc:  # a device error, out of memory, an injected fault
-                log.warning("forward call failed", call_id=call_id, members=len(members), error=str(exc))
+                log.warning("forward call %s failed (%d members): %s", call_id, len(members), exc)
                 self.failed += [(p, f"{type(exc).__name__}: {exc}") for p in members]
         return ran
 

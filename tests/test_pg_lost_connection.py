@@ -1,0 +1,106 @@
+"""A PostgreSQL session lost in the middle of a command (pg_terminate_backend on a real
+server) ends the command with exactly one coded line on stderr, never a traceback, and the
+journal holds nothing the command was not acknowledged.
+
+The command is held at a known point: the test takes an ACCESS EXCLUSIVE lock on the
+journal's tables, waits until the command's session waits for it, ends that session, then
+lets the lock go. The pool used to log the failed rollback of the dead connection with its
+traceback (sqlalchemy.pool, "Exception during reset or similar"): ~30 lines before the code.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from kvledger.journal.pgserver import conninfo
+
+pytestmark = pytest.mark.postgres
+
+LAST_POSITION = ("SELECT coalesce((SELECT max(last_position) FROM kvl_records), "
+                 "(SELECT max(global_position) FROM kvl_events), 0)")
+
+
+def _start(url: str, *argv: str, cwd: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVLEDGER_LOG", "KVLEDGER_DEBUG")}
+    return subprocess.Popen([sys.executable, "-m", "kvledger", *argv, "--db", url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+
+
+def _wait(cond, what: str, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the command ended before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+
+
+def _cut_while_waiting(url: str, admin: psycopg.Connection, proc: subprocess.Popen[str]) -> int:
+    """With the lock held by `admin`: once the command's session waits for it, end every
+    session of the command; returns the journal's last position under the lock."""
+    position = admin.execute(LAST_POSITION).fetchone()[0]
+    # pg_stat_activity is a snapshot per transaction: watched from a session of its own
+    with psycopg.connect(conninfo(url), autocommit=True) as watch:
+        mine = (admin.info.backend_pid, watch.info.backend_pid)
+        others = f"pid NOT IN {mine} AND datname = current_database()"
+        _wait(lambda: watch.execute(f"SELECT count(*) FROM pg_stat_activity WHERE {others} "
+                                    "AND wait_event_type = 'Lock'").fetchone()[0] > 0, "lock wait", proc)
+        ended = watch.execute(f"SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                              f"WHERE {others}").fetchone()[0]
+    assert ended >= 1
+    admin.rollback()  # the lock goes
+    return position
+
+
+def _check_one_coded_line(proc: subprocess.Popen[str]) -> None:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert err.startswith("DATABASE_UNREACHABLE: PostgreSQL at 127.0.0.1:"), err
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_session_lost_during_demo_is_one_coded_line_and_nothing_unacknowledged(pg_admin, tmp_path, writer):
+    url = pg_admin.create()
+    proc = _start(url, "demo", "--requests", "200", "--max-new-tokens", "64", "--json", "--writer", writer,
+                  cwd=tmp_path)
+    try:
+        with psycopg.connect(conninfo(url)) as admin:
+            admin.autocommit = True
+            _wait(lambda: admin.execute(LAST_POSITION).fetchone()[0] > 200, "200 events committed", proc)
+            admin.autocommit = False
+            admin.execute("LOCK TABLE kvl_heads, kvl_records IN ACCESS EXCLUSIVE MODE")
+            position = _cut_while_waiting(url, admin, proc)
+        _check_one_coded_line(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        # what the command was not acknowledged never reached the journal: nothing after the cut
+        assert conn.execute(LAST_POSITION).fetchone()[0] == position > 200
+    check = subprocess.run([sys.executable, "-m", "kvledger", "verify", "--db", url], capture_output=True, text=True,
+                           timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("command", [["replay", "--json"], ["verify"], ["export", "--out", "audit.jsonl"]])
+def test_a_session_lost_during_a_read_is_one_coded_line(pg_admin, tmp_path, command):
+    url = pg_admin.create()
+    with psycopg.connect(conninfo(url)) as admin:
+        admin.execute("LOCK TABLE kvl_records IN ACCESS EXCLUSIVE MODE")  # before the command reads it
+        proc = _start(url, *command, cwd=tmp_path)
+        try:
+            _cut_while_waiting(url, admin, proc)
+            _check_one_coded_line(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
