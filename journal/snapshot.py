@@ -108,7 +108,10 @@ class SqlSnapshot(Snapshot):
                     # lost with it, and the next record still starts after this one. Its
                     # lookup rows cannot be checked: what they should be is lost too.
                     bad = at + (found.index or 0)
-                    yield StoredDamage(bad, found.message, replaces=found.index is not None)
+                    if bad > stored_last:  # an event its header claims past its stored end: the record is named
+                        yield StoredDamage(at, found.message)
+                    else:
+                        yield StoredDamage(bad, found.message, replaces=found.index is not None)
                     last = stored_last
                     needs["streams"][stored_last] = needs["ids"][stored_last] = None
                     damaged.add(stored_last)

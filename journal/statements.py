@@ -466,7 +466,11 @@ class Statements(abc.ABC):
                     where = f"ending at position {last}"
                     if record is None:
                         record = decode_record(stored_bytes(body, f"the record {where}"), where, fold)
-                    yield stored_int(first, f"the first position of the record {where}"), record
+                    first = stored_int(first, f"the first position of the record {where}")
+                    if first + record.count - 1 != last:  # its header's counts, which no CRC covers
+                        raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the record {where} holds {record.count} "
+                                            f"events from position {first} (run `kvledger verify`)")
+                    yield first, record
                     after = last
                 size = min(2 * size, self.RECORD_PAGE)
             if len(page) < self.RECORD_PAGE:

@@ -111,6 +111,10 @@ def test_damaged_bodies_are_findings_for_verify_and_coded_refusals_for_readers(d
         bodies = {"0x94": b"\x94", "0x00": b"\x00", "empty": b"", "cut": body[:len(body) - 7],
                   "truncated frame": msgspec.msgpack.encode([fmt, events, receipts, data[:len(data) // 2]]),
                   "random": rng.randbytes(300), **BOMBS}
+        # what no CRC covers: the header's format byte and its split of items into events and receipts
+        headers = [[other, events, receipts] for other in (5, 6, 7) if other != fmt]
+        headers += [[fmt, events + d, receipts - d] for d in (-1, 1) if events + d >= 0 and receipts - d >= 0]
+        bodies.update({f"header {h}": msgspec.msgpack.encode([*h, data]) for h in headers})
         for name, bad in bodies.items():
             report, outcomes = damaged(db_url, tmp_path, last, bad)
             assert_reported(report, first, last, outcomes)
