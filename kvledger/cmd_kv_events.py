@@ -23,14 +23,20 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 if TYPE_CHECKING:
     from kvledger.journal.contract import Journal
 
-_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
+# HOST: a name, an IPv4 address, `*` (bind on every interface) or a bracketed IPv6 address.
+_ENDPOINT = re.compile(r"tcp://(?:\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})"
+                       r"|(?:ipc|inproc)://\S+")
 
 
 def endpoint(value: str) -> str:
-    """A ZMQ endpoint to connect to: tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
-    if not _ENDPOINT.match(value) or len(value) > 200:
+    """A ZMQ endpoint: tcp://HOST:PORT (PORT 1..65535), ipc://PATH or inproc://NAME."""
+    found = _ENDPOINT.fullmatch(value) if len(value) <= 200 and value.isprintable() else None
+    if found is None:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r} is not a ZMQ endpoint "
                                                         "(tcp://HOST:PORT, ipc://PATH)")
+    if found["port"] is not None and not 0 < int(found["port"]) < 65536:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r}: port {int(found['port'])} is outside "
+                                                        "1..65535")
     return value
 
 
