@@ -93,6 +93,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
                    help="stop after this long without a request (default: run until SIGINT/SIGTERM)")
+    p.add_argument("--json", action="store_true", help="print the summary (answered, refused, peaks) as one JSON "
+                                                       "object")
     p.set_defaults(run=_cmd_serve)
 
 
@@ -148,6 +150,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     _need_zmq()
+    import msgspec
     import zmq
 
     from kvledger.adapters import kv_events_serve as s
@@ -158,10 +161,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     z.install_signals(stop)
     with open_existing_journal(args.db) as journal:
         try:
-            answered = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
+            served = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
         except zmq.ZMQError as exc:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot bind {args.bind}: {exc}") from None
-    print(f"answered={answered}")
+    doc = msgspec.structs.asdict(served)
+    print(json.dumps(doc) if args.json else " ".join(f"{k}={v}" for k, v in doc.items()))
     return 0
 
 
