@@ -345,3 +345,25 @@ def test_vllm_positional_events_with_hex_hashes_import_as_the_tagged_form(tmp_pa
             journaled.append([msgspec.to_builtins(e.payload) for e in j.read_all()])
     assert journaled[0] == journaled[1]
     assert journaled[1][0]["events"][1]["parent_block_hash"] == "0a0b"
+
+
+def test_a_line_past_the_bound_is_held_once(tmp_path):
+    """A file that is one 65 MiB line: refused at the 64 MiB bound, with at most that much
+    (and a piece) allocated: Python's readline(limit) held its pieces and their join, 2x."""
+    import tracemalloc
+
+    from kvledger.adapters.kv_events_import import import_operations
+    from kvledger.schemas.codec import MAX_EVENT_BYTES
+
+    f = tmp_path / "zeros.jsonl"
+    with f.open("wb") as out:
+        out.truncate(MAX_EVENT_BYTES + (1 << 20))  # zero bytes, no newline
+    tracemalloc.start()
+    try:
+        with pytest.raises(KvLedgerError) as exc:
+            import_operations(f, "vllm", {}, "zeros")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert exc.value.code is ErrorCode.FIELD_TOO_LARGE and f"{f}:1: line longer than" in str(exc.value)
+    assert peak < MAX_EVENT_BYTES * 1.25, peak
