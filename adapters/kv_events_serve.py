@@ -287,8 +287,10 @@ class _Server:
             return None
         return True
 
-    def turn(self) -> None:
-        """Up to SEND_TURN messages to each client with work, while its queue has room."""
+    def turn(self) -> bool:
+        """Up to SEND_TURN messages to each client with work, while its queue has room;
+        whether any was sent."""
+        any_sent = False
         for identity in list(self.clients):
             c = self.clients[identity]
             for _ in range(SEND_TURN):
@@ -304,8 +306,10 @@ class _Server:
                     break
                 if not sent:
                     break
+                any_sent = True
         held = sum(c.held_bytes() for c in self.clients.values())
         self.served.peak_held_bytes = max(self.served.peak_held_bytes, held)
+        return any_sent
 
 
 def serve(journal: Journal, bind: str, *, stop: Stop, idle_exit: float | None = None) -> Served:
@@ -330,11 +334,10 @@ def serve(journal: Journal, bind: str, *, stop: Stop, idle_exit: float | None = 
                         break
                     server.admit(identity, frames)
                 last = time.monotonic()
-            if server.clients:
-                server.turn()
+            if server.clients and server.turn():
                 last = time.monotonic()
             elif idle_exit is not None and time.monotonic() - last > idle_exit:
-                break
+                break  # no request and nothing sent: clients that do not read do not keep it up
     finally:
         router.close(0)
         ctx.term()

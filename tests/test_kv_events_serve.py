@@ -152,6 +152,33 @@ def test_a_client_that_never_reads_is_refused_past_its_bound_and_others_are_serv
     assert served.peak_held_bytes <= 2 * (s.MAX_PENDING * 64 + s.PAGE_BYTES + 8192), served
 
 
+def test_idle_exit_is_not_held_off_by_a_client_that_does_not_read(tmp_path):
+    """`serve --idle-exit 1`: a client whose queue is full and who never reads keeps no
+    reply moving, so the server exits and says what it refused and held."""
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'kv.db'}"
+    _import(url, tmp_path, "big", list(range(200)), n_events=64)
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    server = subprocess.Popen([sys.executable, "-m", "kvledger", "kv-events", "serve", "--bind", bind, "--db", url,
+                               "--idle-exit", "1", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ctx = zmq.Context()
+    try:
+        hostile = _dealer(ctx, bind, RCVHWM=1, RCVBUF=4096)
+        for _ in range(20):
+            hostile.send_multipart([b"", (0).to_bytes(8, "big")])
+        out, err = server.communicate(timeout=60)  # the client is still connected, not reading
+    finally:
+        ctx.destroy(0)
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 0, err.decode()
+    served = json.loads(out)
+    assert served["refused"] == 20 - s.MAX_PENDING and served["peak_pending"] == s.MAX_PENDING
+    assert served["answered"] < s.MAX_PENDING  # its replies were stuck when it stopped
+
+
 @pytest.fixture
 def paged(db_url, tmp_path) -> tuple[str, str]:
     """A stream with a restart and a gap, beside another stream."""
