@@ -279,30 +279,89 @@ def decode_batch_encoded(payload: bytes) -> tuple[float, Encoded, int | None]:
 
 
 # -- encoding, for the replay server (and the tests' reference publisher) -------------
+# As vLLM 0.33's ZmqEventPublisher encodes its KVEventBatch (vllm/distributed/kv_events.py),
+# with structs of the same shape: the batch an array `[ts, events]` plus
+# `data_parallel_rank` when set; each event a map, "type" first, then its fields in vLLM's
+# order, those without a default always (None as nil), the others only when set. msgspec
+# sizes such a map's header by the struct's field count (BlockStored's is map16 whatever is
+# left out), so only structs give vLLM's bytes. An event vLLM 0.33 cannot send (a newer
+# engine's field, TensorRT-LLM's types) is a plain map of its set fields, as recorded.
+# tests/test_kv_events_vllm.py compares the bytes with vLLM's own publisher.
+
+
+class _VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _VllmStored(_VllmEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: Any
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: Any = None
+
+
+class _VllmRemoved(_VllmEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _VllmCleared(_VllmEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+_VLLM: dict[str, type[_VllmEvent]] = {"BlockStored": _VllmStored, "BlockRemoved": _VllmRemoved,
+                                      "AllBlocksCleared": _VllmCleared}
+_HASH_FIELDS = ("parent_block_hash", "block_hash")
+
 
 def _wire_hash(h: int | str) -> int | bytes:
     return bytes.fromhex(h) if isinstance(h, str) else h
 
 
-def wire_event(e: kv.KvEvent) -> dict[str, Any]:
-    """One recorded event in vLLM's tagged-map form (defaults omitted), hex back to bytes."""
-    d: dict[str, Any] = msgspec.to_builtins(e)
-    d.update(d.pop("unknown_fields", None) or {})
-    for key in ("block_hashes",):
-        if key in d:
-            d[key] = [_wire_hash(h) for h in d[key]]
-    for key in ("parent_block_hash", "block_hash"):
-        if d.get(key) is not None:
-            d[key] = _wire_hash(d[key])
-    return d
+def wire_event(e: kv.KvEvent) -> _VllmEvent | dict[str, Any]:
+    """One recorded event as vLLM's encoder writes it, hex hashes back to bytes."""
+    tag = str(type(e).__struct_config__.tag)
+    fields: dict[str, Any] = {f: getattr(e, f) for f in e.__struct_fields__ if f != "unknown_fields"}
+    fields.update(getattr(e, "unknown_fields", None) or {})
+    if "block_hashes" in fields:
+        fields["block_hashes"] = [_wire_hash(h) for h in fields["block_hashes"]]
+    for key in _HASH_FIELDS:
+        if fields.get(key) is not None:
+            fields[key] = _wire_hash(fields[key])
+    cls = _VLLM.get(tag)
+    if cls is not None:
+        extra = {k: v for k, v in fields.items() if k not in cls.__struct_fields__}
+        if all(v is None for v in extra.values()):
+            return cls(**{k: v for k, v in fields.items() if k in cls.__struct_fields__})
+    return {"type": tag} | {k: v for k, v in fields.items() if v is not None}
 
 
 _encode = msgspec.msgpack.Encoder()
 
 
 def encode_batch(ts: float, events: tuple[kv.KvEvent, ...], rank: int | None) -> bytes:
-    """A recorded batch as a payload: positional `[ts, events, data_parallel_rank]`."""
-    return _encode.encode([ts, [wire_event(e) for e in events], rank])
+    """A recorded batch as vLLM's payload: `[ts, events]`, `[ts, events, data_parallel_rank]`."""
+    return _encode.encode(_VllmBatch(ts, [wire_event(e) for e in events], rank))
 
 
 def seq_bytes(seq: int) -> bytes:

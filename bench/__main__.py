@@ -60,7 +60,8 @@ def run_sections(ctx: Context, only: list[str] | None = None) -> dict[str, Any]:
                 status["detail"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc(file=sys.stderr)
             for key, goal in getattr(module, "GOALS", {}).items():
-                goals[key] = {"goal": f"{goal[0]} {goal[1]}", "op": goal[0], "threshold": goal[1]}
+                goals[key] = {"goal": f"{goal[0]} {goal[1]}", "op": goal[0], "threshold": goal[1],
+                              "section": section.name}
             notes.update(getattr(module, "NOTES", {}))
         status["elapsed_s"] = round(time.perf_counter() - t0, 1)
         sections[section.name] = status
@@ -146,6 +147,8 @@ def _cells(report: dict[str, Any], key: str, no: str) -> tuple[str, str, str]:
 
 
 def _section_of(report: dict[str, Any], key: str) -> str | None:
+    if "section" in report["goals"].get(key, {}):  # a goal's key, which a headline keeps out of figures
+        return str(report["goals"][key]["section"])
     for name, figs in report["figures"].items():
         if key in figs:
             return name

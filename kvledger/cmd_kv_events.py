@@ -23,14 +23,20 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 if TYPE_CHECKING:
     from kvledger.journal.contract import Journal
 
-_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
+# HOST: a name, an IPv4 address, `*` (bind on every interface) or a bracketed IPv6 address.
+_ENDPOINT = re.compile(r"tcp://(?:\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})"
+                       r"|(?:ipc|inproc)://\S+")
 
 
 def endpoint(value: str) -> str:
-    """A ZMQ endpoint to connect to: tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
-    if not _ENDPOINT.match(value) or len(value) > 200:
+    """A ZMQ endpoint: tcp://HOST:PORT (PORT 1..65535), ipc://PATH or inproc://NAME."""
+    found = _ENDPOINT.fullmatch(value) if len(value) <= 200 and value.isprintable() else None
+    if found is None:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r} is not a ZMQ endpoint "
                                                         "(tcp://HOST:PORT, ipc://PATH)")
+    if found["port"] is not None and not 0 < int(found["port"]) < 65536:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r}: port {int(found['port'])} is outside "
+                                                        "1..65535")
     return value
 
 
@@ -87,6 +93,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
                    help="stop after this long without a request (default: run until SIGINT/SIGTERM)")
+    p.add_argument("--json", action="store_true", help="print the summary (answered, refused, peaks) as one JSON "
+                                                       "object")
     p.set_defaults(run=_cmd_serve)
 
 
@@ -142,6 +150,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     _need_zmq()
+    import msgspec
     import zmq
 
     from kvledger.adapters import kv_events_serve as s
@@ -152,10 +161,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     z.install_signals(stop)
     with open_existing_journal(args.db) as journal:
         try:
-            answered = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
+            served = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
         except zmq.ZMQError as exc:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot bind {args.bind}: {exc}") from None
-    print(f"answered={answered}")
+    doc = msgspec.structs.asdict(served)
+    print(json.dumps(doc) if args.json else " ".join(f"{k}={v}" for k, v in doc.items()))
     return 0
 
 

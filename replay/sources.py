@@ -7,7 +7,7 @@ UNKNOWN_EVENT_TYPE, UNKNOWN_SCHEMA_VERSION, FIELD_TOO_LARGE) and a `FILE:LINE:` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -32,25 +32,45 @@ def jsonl_bodies(path: str | Path, limit: int | None = None) -> Iterator[tuple[i
     return _lines(f, path, limit)
 
 
+_PIECE = 1 << 20
+
+
+def _read_line(readline: Callable[[int], bytes], most: int) -> bytes | None:
+    """One line of at most `most` bytes, or None for one that goes on past them. It is
+    read a piece at a time into one buffer, so such a line is held once, never whole
+    (readline(most) holds its pieces and their join)."""
+    line = readline(min(_PIECE, most))
+    if len(line) < _PIECE or line[-1:] == b"\n":
+        return line  # every line but a long one: one call
+    buf = bytearray(line)
+    del line
+    while len(buf) < most and buf[-1:] != b"\n":
+        piece = readline(min(_PIECE, most - len(buf)))
+        if not piece:
+            break
+        buf += piece
+    return bytes(buf) if len(buf) < most or buf[-1:] == b"\n" else None
+
+
 def _lines(f: BinaryIO, path: str | Path, limit: int | None) -> Iterator[tuple[int, bytes]]:
     n = lineno = 0
     with f:
         readline = f.readline
         while True:
             try:
-                line = readline(MAX_EVENT_BYTES + 2)
+                line = _read_line(readline, MAX_EVENT_BYTES + 2)
             except OSError as exc:  # EIO, a directory on some systems, ...
                 raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
                                     f"cannot read {path}: {exc.strerror}") from None
-            if not line:
+            if line == b"":
                 return
             lineno += 1
-            if line[-1:] == b"\n":
-                line = line[:-2] if line[-2:-1] == b"\r" else line[:-1]
-            elif len(line) > MAX_EVENT_BYTES:
+            if line is None or (line[-1:] != b"\n" and len(line) > MAX_EVENT_BYTES):
                 raise KvLedgerError(ErrorCode.FIELD_TOO_LARGE,
                                     f"{path}:{lineno}: line longer than {MAX_EVENT_BYTES} bytes",
                                     line=lineno)
+            if line[-1:] == b"\n":
+                line = line[:-2] if line[-2:-1] == b"\r" else line[:-1]
             if not line or line.isspace():
                 continue
             yield lineno, line

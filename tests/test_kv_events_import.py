@@ -4,6 +4,8 @@ the wire decoder's forms (vLLM maps, SGLang arrays, a newer engine's unknown fie
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +251,119 @@ def test_the_conditional_write_makes_a_repeat_write_nothing(db_url):
         assert isinstance(r, Rejection) and r.code == "HANDLE_EXISTS" and j.last_position() == end
         batches = [e.payload.seq for e in j.read_all() if isinstance(e, ev.KvEventsBatchEvent)]
     assert batches == list(range(10))
+
+
+# -- issue 44: hostile import files ----------------------------------------------------
+
+_STORED = {"type": "BlockStored", "block_hashes": ["0a0b"], "parent_block_hash": None, "token_ids": [1, 2],
+           "block_size": 2, "lora_id": None, "medium": "GPU"}
+HOSTILE = {
+    "seq true": '{"seq": true, "events": []}',
+    "seq a float": '{"seq": 1.0, "events": []}',
+    "seq past 2^63-2": '{"seq": 9223372036854775807, "events": []}',
+    "seq of 40 digits": '{"seq": 1234567890123456789012345678901234567890, "events": []}',
+    "seq of 5000 digits": '{"seq": ' + "9" * 5000 + ', "events": []}',
+    "a key twice": '{"seq": 0, "seq": 1, "events": []}',
+    "a key twice in an event": '{"seq": 0, "events": [{"type": "BlockRemoved", "block_hashes": [1], '
+                               '"block_hashes": [2]}]}',
+    "rank a string": '{"seq": 0, "events": [], "data_parallel_rank": "3"}',
+    "rank true": '{"seq": 0, "events": [], "data_parallel_rank": true}',
+    "an unknown line key": '{"seq": 0, "events": [], "topic": "kv"}',
+    "ts NaN": '{"seq": 0, "ts": NaN, "events": []}',
+    "ts 1e400": '{"seq": 0, "ts": 1e400, "events": []}',
+    "a hash of 40 digits": '{"seq": 0, "events": [{"type": "BlockRemoved", "block_hashes": '
+                           '[1234567890123456789012345678901234567890]}]}',
+    "a token of 2^64": '{"seq": 0, "events": [{"type": "BlockStored", "block_hashes": [1], '
+                       '"token_ids": [18446744073709551616]}]}',
+    "extra_keys nested 5000 deep": '{"seq": 0, "events": [{"type": "BlockStored", "block_hashes": [1], '
+                                   '"extra_keys": ' + "[" * 5000 + "]" * 5000 + "}]}",
+    "nested 100000 deep": "[" * 100_000 + "]" * 100_000,
+    "a hash that is not hex": '{"seq": 0, "events": [{"type": "BlockRemoved", "block_hashes": ["0a 0b"]}]}',
+    "a lone surrogate": '{"seq": 0, "events": [{"type": "BlockRemoved", "block_hashes": [1], '
+                        '"medium": "\\ud800"}]}',
+    "not UTF-8": b'{"seq": 0, "events": [], "x": "\xff"}',
+    "trtllm event_id true": ("trtllm", '{"event_id": true, "data": {"type": "created"}}'),
+    "trtllm a block that is a number": ("trtllm", '{"event_id": 0, "data": {"type": "stored", "blocks": [1]}}'),
+    "trtllm a list as a block hash": ("trtllm", '{"event_id": 0, "data": {"type": "removed", '
+                                                '"block_hashes": [[1]]}}'),
+    "trtllm a token id of 2^70": ("trtllm", '{"event_id": 0, "data": {"type": "stored", "blocks": [{"block_hash": 1, '
+                                            '"tokens": [{"token_id": 1180591620717411303424}]}]}}'),
+    "trtllm window_size a string": ("trtllm", '{"event_id": 0, "data": {"type": "created"}, "window_size": "32"}'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_lines_are_refused_with_a_code_naming_the_line(db_url, capsys, tmp_path, case):
+    """Each was journaled (true as a seq, a key twice: the last won, a string rank:
+    dropped) or ended in INTERNAL_ERROR (huge and nested values) before."""
+    from stored_rows import one_coded_line, picture
+
+    dialect, line = HOSTILE[case] if isinstance(HOSTILE[case], tuple) else ("vllm", HOSTILE[case])
+    good = ('{"event_id": 0, "data": {"type": "created"}}' if dialect == "trtllm"
+            else json.dumps({"seq": 0, "ts": 1.0, "events": [_STORED]}))
+    f = tmp_path / "hostile.jsonl"
+    f.write_bytes(good.encode() + b"\n\n" + (line if isinstance(line, bytes) else line.encode()) + b"\n")
+    before = picture(db_url)
+    assert main(["kv-events", "import", str(f), "--dialect", dialect, "--db", db_url, "--stream", case]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "hostile.jsonl:3:" in one_coded_line(err, "MALFORMED_EVENT")
+    assert picture(db_url) == before
+
+
+def test_an_endless_line_is_refused_without_holding_more_than_the_bound(tmp_path):
+    """/dev/zero as the file, under a 1 GB address-space limit: the line is refused at
+    the bound (64 MiB), with its number; before, it was read whole (MemoryError)."""
+    url = f"sqlite:///{tmp_path / 'kv.db'}"
+    done = subprocess.run(["prlimit", f"--as={1 << 30}", sys.executable, "-m", "kvledger", "kv-events", "import",
+                           "/dev/zero", "--dialect", "vllm", "--db", url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith("FIELD_TOO_LARGE: /dev/zero:1: line longer than 67108864 bytes"), done.stderr
+    assert not (tmp_path / "kv.db").exists()
+
+
+def test_vllm_positional_events_with_hex_hashes_import_as_the_tagged_form(tmp_path, capsys):
+    """docs/KV_EVENTS.md: events as tagged maps or positional arrays, a bytes hash as hex.
+    The array form was refused ('a block hash is int or bytes, not str')."""
+    tagged = [{"seq": 0, "ts": 1.0, "data_parallel_rank": 0, "events": [
+                  _STORED, {"type": "BlockStored", "block_hashes": ["0c", 7], "parent_block_hash": "0a0b",
+                            "token_ids": [3, 4], "block_size": 2, "lora_id": 5, "medium": "GPU"}]},
+              {"seq": 1, "ts": 2.0, "data_parallel_rank": 0, "events": [
+                  {"type": "BlockRemoved", "block_hashes": ["0c", "0a0b"], "medium": "GPU"},
+                  {"type": "AllBlocksCleared"}]}]
+    positional = [{"seq": 0, "ts": 1.0, "data_parallel_rank": 0, "events": [
+                      ["BlockStored", ["0a0b"], None, [1, 2], 2, None, "GPU"],
+                      ["BlockStored", ["0c", 7], "0a0b", [3, 4], 2, 5, "GPU"]]},
+                  {"seq": 1, "ts": 2.0, "data_parallel_rank": 0, "events": [
+                      ["BlockRemoved", ["0c", "0a0b"], "GPU"], ["AllBlocksCleared"]]}]
+    journaled = []
+    for name, lines in (("tagged", tagged), ("positional", positional)):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        url = f"sqlite:///{tmp_path / name}.db"
+        assert main(["kv-events", "import", str(f), "--dialect", "vllm", "--db", url]) == 0, capsys.readouterr().err
+        with open_journal(url) as j:
+            journaled.append([msgspec.to_builtins(e.payload) for e in j.read_all()])
+    assert journaled[0] == journaled[1]
+    assert journaled[1][0]["events"][1]["parent_block_hash"] == "0a0b"
+
+
+def test_a_line_past_the_bound_is_held_once(tmp_path):
+    """A file that is one 65 MiB line: refused at the 64 MiB bound, with at most that much
+    (and a piece) allocated: Python's readline(limit) held its pieces and their join, 2x."""
+    import tracemalloc
+
+    from kvledger.adapters.kv_events_import import import_operations
+    from kvledger.schemas.codec import MAX_EVENT_BYTES
+
+    f = tmp_path / "zeros.jsonl"
+    with f.open("wb") as out:
+        out.truncate(MAX_EVENT_BYTES + (1 << 20))  # zero bytes, no newline
+    tracemalloc.start()
+    try:
+        with pytest.raises(KvLedgerError) as exc:
+            import_operations(f, "vllm", {}, "zeros")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert exc.value.code is ErrorCode.FIELD_TOO_LARGE and f"{f}:1: line longer than" in str(exc.value)
+    assert peak < MAX_EVENT_BYTES * 1.25, peak
