@@ -943,8 +943,9 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def _most(data: bytes) -> int:
     """The most bytes compressed `data` is let inflate to: a forged header or frame that
-    states more is damage, and allocates nothing."""
-    return 1024 * len(data) + (1 << 20)
+    states more is damage, and allocates nothing. zstd's own limit (a 128 KiB RLE block in
+    4 bytes): a record the writer compressed never states more."""
+    return 32768 * len(data) + (1 << 20)
 
 
 def _inflate(fmt: int, data: bytes, expected: int) -> tuple[bytes, str | None]:
