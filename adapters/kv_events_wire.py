@@ -25,6 +25,7 @@ from kvledger.schemas import kv_events as kv
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_SEQ = (1 << 63) - 2  # the next seq expected after it still fits the journal's int64 columns
 
 # Positional field order of each event type, as the array form sends them.
 _FIELDS: dict[str, tuple[str, ...]] = {
@@ -50,8 +51,9 @@ def seq_of(frame: bytes) -> int:
 
 
 def _batch_seq(seq: int) -> int:
-    if seq < 0:  # only the replay's end marker is negative; a journaled seq never is
-        raise _bad(f"a batch's seq is >= 0, not {seq}")
+    # only the replay's end marker is negative; the journal's int64 column holds seq + 1
+    if not 0 <= seq <= MAX_SEQ:
+        raise _bad(f"a batch's seq is in 0..{MAX_SEQ}, not {seq}")
     return seq
 
 
