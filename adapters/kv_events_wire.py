@@ -37,6 +37,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 _CLASSES: dict[str, type] = {"BlockStored": kv.BlockStored, "BlockRemoved": kv.BlockRemoved,
                              "AllBlocksCleared": kv.AllBlocksCleared}
 _KNOWN = {name: frozenset(_FIELDS[name]) for name in _FIELDS}
+_TEXT = ("medium", "lora_name", "kv_cache_spec_kind")  # the string fields
 _decode = msgspec.msgpack.Decoder()
 
 
@@ -107,6 +108,9 @@ def _event(raw: Any) -> kv.KvEvent:
     if not isinstance(kind, str) or kind not in _CLASSES:
         raise _bad(f"unknown KV event type {str(kind)[:64]!r}")
     cls = _CLASSES[kind]
+    for name in _TEXT:
+        if isinstance(fields.get(name), bytes):  # JSON would keep it as base64 text: another value
+            raise _bad(f"{kind}: {name} is bytes, not a string")
     if "block_hashes" in fields:
         fields["block_hashes"] = _hashes(fields["block_hashes"])
     parent = fields.get("parent_block_hash")
