@@ -159,12 +159,23 @@ class Recorder:
         """The operations to append for everything decided since the last take."""
         return self.take_group(group).ops
 
-    def take_group(self, group: int = GROUP) -> Taken:
+    def take_group(self, group: int = GROUP, most_bytes: int | None = None) -> Taken:
         """`take`, with what the operations bring: the summary once they are committed,
-        and when the oldest batch among them was received."""
-        pending, self.ops, self.ops_bytes = self.ops, [], 0
+        and when the oldest batch among them was received. With `most_bytes`, only the
+        first writes up to that many events' bytes (a drain of held batches is committed
+        in parts); the summary then stays None until the last part."""
+        pending, summary = self.ops, None
+        if most_bytes is not None and self.ops_bytes > most_bytes:
+            n = total = 0
+            while total < most_bytes:
+                total += pending[n].size
+                n += 1
+            pending, self.ops = pending[:n], pending[n:]
+            self.ops_bytes -= total
+        else:
+            self.ops, self.ops_bytes, summary = [], 0, msgspec.structs.replace(self.summary)
         oldest = min([p.received_ns for p in pending], default=0)
-        return Taken(_operations(pending, group), msgspec.structs.replace(self.summary), oldest)
+        return Taken(_operations(pending, group), summary, oldest)
 
     def stop(self) -> None:
         """At exit: every held batch is journaled, each hole below one as a gap."""
@@ -343,12 +354,13 @@ class Recorder:
         if isinstance(events, Encoded):
             # The events' JSON in place of their tuple: what the encoder writes is the same.
             body: Any = events.json
-            count = events.count
-            self.ops_bytes += len(body)
+            count, size = events.count, len(body)
+            self.ops_bytes += size
         else:
-            body, count = events, len(events)
+            body, count, size = events, len(events), 0
         payload = kv.KvEventsBatch(c.epoch, seq, ts, body, rank, replayed)
-        self._write(c, f"{c.epoch}:{seq}", fp.hex(), ev.KvEventsBatchEvent, payload, seq + 1, c.epoch, received)
+        self._write(c, f"{c.epoch}:{seq}", fp.hex(), ev.KvEventsBatchEvent, payload, seq + 1, c.epoch, received,
+                    size)
         s.batches += 1
         s.events += count
         s.replayed += replayed
@@ -376,11 +388,11 @@ class Recorder:
         self.summary.restarts += 1
 
     def _write(self, c: Cursor, what: str, fingerprint: str, cls: type[ev.KvStreamEvent], payload: Any,
-               next_seq: int, epoch: int, received: int) -> None:
+               next_seq: int, epoch: int, received: int, size: int = 0) -> None:
         position = c.position + 1
         self.ops.append(_Pending(c.sid, c.key, c.guard(), what, fingerprint, cls, payload,
                                  HeadFacts(c.sid, epoch, next_seq, position, 0, LIFECYCLE, "", ""),
-                                 time.monotonic_ns(), time.time_ns(), received))
+                                 time.monotonic_ns(), time.time_ns(), received, size))
         c.epoch, c.next_seq, c.position = epoch, next_seq, position
         self.summary.last_seq = next_seq - 1
 
@@ -400,14 +412,16 @@ class _Pending(msgspec.Struct, array_like=True, gc=False):
     monotonic_ns: int
     wall_ns: int
     received_ns: int  # monotonic: when its batch was received (for the commit lag)
+    size: int  # its events' bytes in ops_bytes (0: none counted)
 
 
 class Taken(msgspec.Struct, frozen=True, gc=False):
-    """Operations to append, the summary as it stands once they are, and when the oldest
-    batch among them was received (monotonic ns; 0: none)."""
+    """Operations to append, the summary as it stands once they are (None: more decided
+    writes follow them), and when the oldest batch among them was received (monotonic
+    ns; 0: none)."""
 
     ops: list[Operation]
-    summary: Summary
+    summary: Summary | None
     oldest_received_ns: int
 
 

@@ -35,8 +35,8 @@ from kvledger.journal.contract import Journal, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 FLUSH_OPS = 4096  # decided batches that wait for a busy committer before the receiving waits too
-FLUSH_BYTES = 16 << 20  # the same in their events' bytes
-RCVHWM = 10_000  # messages each socket queues before ZMQ pushes back (the default of --rcvhwm)
+FLUSH_BYTES = 8 << 20  # the same in their events' bytes; and the most one commit takes
+RCVHWM = 1000  # messages each socket queues before ZMQ pushes back (the default of --rcvhwm)
 SAY_MOST = 100  # skipped messages said on stderr one by one; the summary counts the rest
 RECEIVE_MOST = 256  # messages taken per look, so the first commit starts soon after the first batch
 MIN_GROUP = 1024  # while messages keep waiting, an idle committer gets at least this many batches
@@ -91,7 +91,7 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
     live, replayed = _saying(rec.live, "live"), _saying(rec.replayed, "replayed")
 
     def flush() -> None:
-        taken = rec.take_group()
+        taken = rec.take_group(most_bytes=FLUSH_BYTES)
         if taken.ops:
             committer.submit(taken)
 
@@ -133,7 +133,8 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             if idle_exit is not None and now - last_message > idle_exit:
                 break
         rec.stop()
-        flush()
+        while rec.ops:
+            flush()
         committer.close()
     finally:
         committer.close(raise_error=False)
@@ -159,7 +160,8 @@ class Committed:
         self.lag_sum = 0.0
 
     def add(self, taken: Taken, now_ns: int) -> None:
-        self.summary = taken.summary
+        if taken.summary is not None:
+            self.summary = taken.summary
         self.commits += 1
         if taken.oldest_received_ns:
             lag = max(0, now_ns - taken.oldest_received_ns) / 1e9

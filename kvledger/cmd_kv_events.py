@@ -58,7 +58,7 @@ def _host(value: str) -> str:
 
 
 MAX_HELD_BYTES = 256 << 20  # adapters.kv_events_recorder's (not imported: --help loads no recorder)
-DEFAULT_RCVHWM = 10_000  # adapters.kv_events_zmq.RCVHWM
+DEFAULT_RCVHWM = 1000  # adapters.kv_events_zmq.RCVHWM
 HELD_BYTES = a.integer(0, 1 << 40)
 RCVHWM = a.integer(1, 1 << 24)  # 0 would be ZMQ's "no limit"
 TOPICS_SHOWN = 8
