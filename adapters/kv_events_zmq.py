@@ -127,6 +127,8 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             if rec.ops and (len(rec.ops) >= FLUSH_OPS or rec.ops_bytes >= FLUSH_BYTES or committer.idle() and (
                     len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
                 flush()
+            while rec.ops_bytes >= FLUSH_BYTES:  # a drain of held batches: committed before more is taken
+                flush()
             if progress is not None and now > next_progress:
                 progress(rec.summary)
                 next_progress = now + PROGRESS_EVERY_S
