@@ -47,7 +47,7 @@ LIFECYCLE = kv.KV_LIFECYCLE
 SOURCE = "kvledger-kv-events"
 RECENT = 1 << 16  # seqs remembered per stream to tell a late live duplicate from a restart
 MAX_HELD_BYTES = 256 << 20  # default cap on held batches' bytes; beyond it the oldest hole is a gap
-HELD_OVERHEAD = 768  # a held batch's objects beside its events' JSON (dict slot, tuple, ints: ~720 B measured)
+HELD_OVERHEAD = 768  # a held batch's objects beside its events' JSON (dict slot, tuple, ints)
 # The most a batch's envelope and payload fields add to its events' JSON (ids of at most
 # 256 characters, escaped; tests/test_kv_events_hostile.py measures the worst case).
 ENVELOPE_BYTES = 8192

@@ -29,7 +29,7 @@ import zmq
 
 from kvledger.adapters.kv_events_recorder import MAX_HELD_BYTES, Recorder, Summary, Taken
 
-__all__ = ["Stop", "Summary", "install_signals", "record"]
+__all__ = ["Committed", "Stop", "Summary", "install_signals", "record"]
 from kvledger.adapters.kv_events_wire import seq_bytes
 from kvledger.journal.contract import Journal, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
