@@ -54,6 +54,7 @@ ENVELOPE_BYTES = 8192
 MAX_STREAMS = 1024  # streams (data-parallel ranks) one recorder opens; a batch of one more is skipped
 MAX_TOPICS = 8  # other topics named in the summary
 GROUP = 256  # a stream's consecutive batches written as one operation (one guard, one receipt)
+RETRIES = 3  # replays asked for a hole the replay sent batches around before it is a gap
 STOPPED = "the recorder stopped while the replay was pending"
 NO_TOPIC = "<no topic frame>"  # SGLang's [seq, payload], seen while recording a topic
 
@@ -153,6 +154,8 @@ class Recorder:
             if replayable else None
         self.replay_pending = False
         self._known: dict[str, int] = {}  # per stream, the last seq known missing when the replay was asked
+        self._lowest: dict[str, int] = {}  # per stream, the lowest seq the pending replay sent
+        self._retries: dict[str, tuple[int, int]] = {}  # per stream, a hole asked again, and how often
         self._by_rank: dict[int | None, Cursor] = {}  # a stream's name is formatted once, not per batch
 
     def take(self, group: int = GROUP) -> list[Operation]:
@@ -243,6 +246,8 @@ class Recorder:
         now = time.monotonic_ns()
         ts, events, rank = batch
         c = self._cursor(rank)
+        if replayed and seq < self._lowest.get(c.sid, MAX_SEQ + 1):
+            self._lowest[c.sid] = seq
         fp = _fingerprint(payload)
         if seq < c.next_seq:
             if replayed or (self.live_duplicates and c.recent.get(seq) == fp):
@@ -266,22 +271,38 @@ class Recorder:
         """The replay's end marker (or its timeout). A hole that was already open when
         the request went out (its seqs were published before it) and is still open was
         not in the publisher's buffer: the buffer keeps a contiguous tail, so everything
-        below the first batch held is gone, and is journaled as a gap. A hole that opened
-        after the request went out is asked for again."""
+        below the first batch held is gone, and is journaled as a gap. Unless the replay
+        sent a seq below the hole: then the buffer had it, and it was lost on the way (a
+        socket past its HWM drops), so it is asked for again, up to RETRIES times. A hole
+        that opened after the request went out is asked for again."""
         self.replay_pending = False
         known, self._known = self._known, {}
+        lowest, self._lowest = self._lowest, {}
         for c in self.cursors.values():
             if not c.held:
                 continue
             if c.next_seq <= known.get(c.sid, -1):
+                if lowest.get(c.sid, c.next_seq) < c.next_seq:
+                    hole, tries = self._retries.get(c.sid, (c.next_seq, 0))
+                    tries = tries + 1 if hole == c.next_seq else 1
+                    self._retries[c.sid] = (c.next_seq, tries)
+                    if tries <= RETRIES:
+                        self._want(c.next_seq)
+                        continue
+                    reason = f"the replay socket sent the batches around it {RETRIES} times, never these"
                 self._gap(c, min(c.held) - 1, reason)
                 self._drain(c)
-            elif self.replay_wanted is None or c.next_seq < self.replay_wanted:
-                self.replay_wanted = c.next_seq
+            else:
+                self._want(c.next_seq)
 
     def replay_sent(self) -> None:
         self.replay_pending, self.replay_wanted = True, None
         self._known = {c.sid: min(c.held) - 1 for c in self.cursors.values() if c.held}
+        self._lowest = {}
+
+    def _want(self, seq: int) -> None:
+        if self.replay_wanted is None or seq < self.replay_wanted:
+            self.replay_wanted = seq
 
     # -- decisions ---------------------------------------------------------------
 

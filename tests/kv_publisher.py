@@ -194,9 +194,12 @@ class Publisher:
     next seq and buffers it without sending it live (a batch lost before the subscriber)."""
 
     def __init__(self, dialect: str = "vllm", *, topic: str = "kv", rank: int = 0, buffer_steps: int = 10_000,
-                 sndhwm: int = 100_000, answer_replays: bool = True) -> None:
+                 sndhwm: int = 100_000, answer_replays: bool = True,
+                 replay_loses: dict[int, int] | None = None) -> None:
         self.dialect = dialect
         self.answer_replays = answer_replays  # False: a replay socket that takes requests and never answers
+        # seq -> how many replays leave it out (lost on the way, as a ROUTER past its HWM drops)
+        self.replay_loses = dict(replay_loses or {})
         self.topic = topic.encode() if dialect == "vllm" else b""
         self.rank = rank
         self.ctx = zmq.Context()
@@ -285,6 +288,9 @@ class Publisher:
         start = int.from_bytes(start_bytes, "big")
         first = None
         for seq, payload in self.buffer:
+            if self.replay_loses.get(seq, 0) > 0 and seq >= start:
+                self.replay_loses[seq] -= 1
+                continue
             if seq >= start:
                 first = seq if first is None else first
                 if self.dialect == "vllm":

@@ -24,6 +24,7 @@ pytest.importorskip("zmq")
 from kvledger.adapters.kv_events_recorder import (
     ENVELOPE_BYTES,
     HELD_OVERHEAD,
+    RETRIES,
     STOPPED,
     Recorder,
     stream_id,
@@ -258,6 +259,54 @@ def test_a_flood_past_the_receive_hwm_shows_as_holes_that_are_replayed(tmp_path)
     check_exactly_once(got, published)
     s = out["summary"]
     assert s.replayed > 0 and s.gaps == 0, s
+
+
+@pytest.mark.parametrize("losses", [1, 4])
+def test_a_batch_a_replay_sends_around_is_asked_again_before_it_is_a_gap(tmp_path, losses):
+    """Seqs 100-149 are not sent live; the replay leaves 120 out `losses` times (as a
+    ROUTER past its HWM drops a reply). It had 120 (it sent 100-119): asked again, and
+    journaled when it comes; after RETRIES replays without it, a gap of 120 alone."""
+    url = new_db(tmp_path)
+    published: dict[tuple[int, int], list[Any]] = {}
+    with recording(url, "vllm", replay_loses={120: losses}) as (pub, out):
+        publish_batches(pub, Workload(54), 300, published, drop=set(range(100, 150)), pace=300)
+        got = wait_for(url, 0, timeout=60, last=(0, 299))
+        time.sleep(0.3)
+    assert "error" not in out, out
+    gaps = [(e.payload.first_seq, e.payload.last_seq) for e in got if isinstance(e, ev.KvEventsGapEvent)]
+    assert gaps == ([] if losses <= RETRIES else [(120, 120)])
+    check_exactly_once(got, published, missing=set() if losses <= RETRIES else {(0, 120)})
+    verify_clean(url)
+
+
+def test_the_replay_retry_is_decided_from_what_the_replay_sent():
+    w = Workload(55)
+    payloads = [encode("vllm", 1.0, w.batch(), 0) for _ in range(20)]
+
+    def feed(rec: Recorder, seqs: range | list[int], replayed: bool) -> None:
+        for seq in seqs:
+            rec.message(seq, payloads[seq], decode_batch_encoded(payloads[seq]), replayed=replayed)
+
+    # the replay sent 5-7 and 9-11 around the hole at 8: asked again from 8
+    rec = Recorder("tcp://127.0.0.1:1", "kv", {}, replayable=True)
+    rec.replay_sent()
+    rec.replay_done()
+    feed(rec, range(5), False)
+    feed(rec, [12, 13], False)
+    assert rec.replay_wanted == 5
+    rec.replay_sent()
+    feed(rec, [5, 6, 7, 9, 10, 11], True)
+    rec.replay_done()
+    assert (rec.replay_wanted, rec.summary.gaps) == (8, 0)
+    # a replay that starts above the hole: the publisher no longer has it, a gap at once
+    rec2 = Recorder("tcp://127.0.0.1:1", "kv", {}, replayable=True)
+    rec2.replay_sent()
+    rec2.replay_done()
+    feed(rec2, [0, 4], False)
+    rec2.replay_sent()
+    feed(rec2, [3, 4], True)
+    rec2.replay_done()
+    assert (rec2.replay_wanted, rec2.summary.gaps, rec2.summary.gap_seqs) == (None, 1, 2)
 
 
 # -- 4. seqs outside 0..2^63-2 ------------------------------------------------------------
