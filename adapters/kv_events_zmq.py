@@ -88,7 +88,7 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
     committer = _Committer(journal, rec.summary, committed)
     if watch is not None:
         watch(rec, committed)
-    live, replayed = _saying(rec.live, "live"), _saying(rec.replayed, "replayed")
+    say_live, say_replayed = _Say("live"), _Say("replayed")
 
     def flush() -> None:
         taken = rec.take_group(most_bytes=FLUSH_BYTES)
@@ -111,9 +111,9 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             got = 0
             received = rec.summary.received
             if sub in ready:
-                got += _receive(sub, live)
+                got += _receive(sub, rec.live, say_live)
             if dealer is not None and dealer in ready:
-                got += _receive(dealer, replayed)
+                got += _receive(dealer, rec.replayed, say_replayed)
                 replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
             now = time.monotonic()
             if got and not rec.summary.first_message_ns:
@@ -230,9 +230,10 @@ class _Committer:
         self.committed.add(taken, now)
 
 
-def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], most: int = RECEIVE_MOST) -> int:
-    """Hand up to `most` waiting messages (and about FLUSH_BYTES) to `handle`; how many
-    there were."""
+def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],
+             say: Callable[[KvLedgerError], None], most: int = RECEIVE_MOST) -> int:
+    """Hand up to `most` waiting messages (and about FLUSH_BYTES) to `handle`, and what it
+    skipped to `say`; how many there were."""
     n = size = 0
     recv = sock.recv
     while n < most and size < FLUSH_BYTES:
@@ -248,23 +249,22 @@ def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], m
             frames.append(frame.bytes)
         size += len(frames[-1])
         n += 1
-        handle(frames)
+        if (error := handle(frames)) is not None:
+            say(error)
     return n
 
 
-def _saying(handle: Callable[[list[bytes]], KvLedgerError | None], kind: str) -> Callable[[list[bytes]], None]:
-    """`handle`, with each skipped message said on stderr (the first SAY_MOST of them)."""
-    said = [0]
+class _Say:
+    """Says a skipped message on stderr: the first SAY_MOST of them (the summary counts all)."""
 
-    def say(frames: list[bytes]) -> None:
-        error = handle(frames)
-        if error is not None:
-            said[0] += 1
-            if said[0] <= SAY_MOST:
-                more = "; further skips are counted in the summary only" if said[0] == SAY_MOST else ""
-                print(f"kv-events: skipped a {kind} message: {error}{more}", file=sys.stderr)
+    def __init__(self, kind: str) -> None:
+        self.kind, self.said = kind, 0
 
-    return say
+    def __call__(self, error: KvLedgerError) -> None:
+        self.said += 1
+        if self.said <= SAY_MOST:
+            more = "; further skips are counted in the summary only" if self.said == SAY_MOST else ""
+            print(f"kv-events: skipped a {self.kind} message: {error}{more}", file=sys.stderr)
 
 
 def install_signals(stop: Stop) -> None:
