@@ -25,6 +25,7 @@ from kvledger.schemas import kv_events as kv
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_SEQ = (1 << 63) - 2  # the next seq expected after it still fits the journal's int64 columns
 
 # Positional field order of each event type, as the array form sends them.
 _FIELDS: dict[str, tuple[str, ...]] = {
@@ -36,6 +37,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 _CLASSES: dict[str, type] = {"BlockStored": kv.BlockStored, "BlockRemoved": kv.BlockRemoved,
                              "AllBlocksCleared": kv.AllBlocksCleared}
 _KNOWN = {name: frozenset(_FIELDS[name]) for name in _FIELDS}
+_TEXT = ("medium", "lora_name", "kv_cache_spec_kind")  # the string fields
 _decode = msgspec.msgpack.Decoder()
 
 
@@ -50,8 +52,9 @@ def seq_of(frame: bytes) -> int:
 
 
 def _batch_seq(seq: int) -> int:
-    if seq < 0:  # only the replay's end marker is negative; a journaled seq never is
-        raise _bad(f"a batch's seq is >= 0, not {seq}")
+    # only the replay's end marker is negative; the journal's int64 column holds seq + 1
+    if not 0 <= seq <= MAX_SEQ:
+        raise _bad(f"a batch's seq is in 0..{MAX_SEQ}, not {seq}")
     return seq
 
 
@@ -105,6 +108,9 @@ def _event(raw: Any) -> kv.KvEvent:
     if not isinstance(kind, str) or kind not in _CLASSES:
         raise _bad(f"unknown KV event type {str(kind)[:64]!r}")
     cls = _CLASSES[kind]
+    for name in _TEXT:
+        if isinstance(fields.get(name), bytes):  # JSON would keep it as base64 text: another value
+            raise _bad(f"{kind}: {name} is bytes, not a string")
     if "block_hashes" in fields:
         fields["block_hashes"] = _hashes(fields["block_hashes"])
     parent = fields.get("parent_block_hash")

@@ -5,10 +5,17 @@ each batch with the Recorder at once; a committer thread appends them in groups 
 commit for everything decided while the previous commit ran): nothing is ever
 acknowledged to the publisher, so a crash loses only what was not yet committed, and
 the restarted recorder asks the replay socket for it from its journal's cursor.
+
+Memory is bounded: each socket queues at most `rcvhwm` messages (past it ZMQ pushes
+back on the TCP connection, and a publisher drops: a seq hole, replayed or journaled as a
+gap), decided batches wait for the committer up to FLUSH_OPS or FLUSH_BYTES, and held
+batches up to the Recorder's byte cap. The SUB takes every topic: the Recorder filters
+and counts the others, so a wrong --topic shows.
 """
 
 from __future__ import annotations
 
+import bisect
 import queue
 import signal
 import sys
@@ -17,16 +24,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
-from kvledger.adapters.kv_events_recorder import Recorder, Summary
+from kvledger.adapters.kv_events_recorder import MAX_HELD_BYTES, Recorder, Summary, Taken
 
-__all__ = ["Stop", "Summary", "install_signals", "record"]
-from kvledger.adapters.kv_events_wire import decode_batch_encoded, seq_bytes, split_live, split_replay
-from kvledger.journal.contract import Journal, Operation, Rejection
+__all__ = ["Committed", "Stop", "Summary", "install_signals", "record"]
+from kvledger.adapters.kv_events_wire import seq_bytes
+from kvledger.journal.contract import Journal, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 FLUSH_OPS = 4096  # decided batches that wait for a busy committer before the receiving waits too
+FLUSH_BYTES = 8 << 20  # the same in their events' bytes; and the most one commit takes
+RCVHWM = 1000  # messages each socket queues before ZMQ pushes back (the default of --rcvhwm)
+SAY_MOST = 100  # skipped messages said on stderr one by one; the summary counts the rest
 RECEIVE_MOST = 256  # messages taken per look, so the first commit starts soon after the first batch
 MIN_GROUP = 1024  # while messages keep waiting, an idle committer gets at least this many batches
 REPLAY_TIMEOUT_S = 5.0  # a replay silent this long without its end marker is treated as ended
@@ -45,16 +56,21 @@ class Stop:
 
 def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
            idle_exit: float | None = None, progress: Callable[[Summary], None] | None = None,
-           stop: Stop | None = None, dialect: str = "auto") -> Summary:
+           stop: Stop | None = None, dialect: str = "auto", max_held_bytes: int = MAX_HELD_BYTES,
+           rcvhwm: int = RCVHWM, watch: Callable[[Recorder, Committed], None] | None = None) -> Summary:
+    """Record until `stop` (or `idle_exit` seconds without a message of the topic); what
+    is held then is journaled (Recorder.stop). `watch` is handed the Recorder and the
+    committed state once, before the first message (metrics read them)."""
     stop = stop or Stop()
     heads = journal.heads()
-    rec = Recorder(endpoint, topic, heads, replayable=replay_endpoint is not None)
+    rec = Recorder(endpoint, topic, heads, replayable=replay_endpoint is not None, max_held_bytes=max_held_bytes,
+                   frames={"vllm": 3, "sglang": 2}.get(dialect))
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: the publisher's HWM bounds it
+    sub.setsockopt(zmq.RCVHWM, rcvhwm)
     sub.setsockopt(zmq.LINGER, 0)
-    # SGLang's [seq, payload] has no topic frame: with no topic, take everything.
-    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    # Every topic: the Recorder counts the others (and SGLang's [seq, payload] has none).
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     dealer = None
     poller = zmq.Poller()
@@ -62,20 +78,22 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
     if replay_endpoint is not None:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.RCVHWM, rcvhwm)
         dealer.connect(replay_endpoint)
         poller.register(dealer, zmq.POLLIN)
-    topic_bytes = topic.encode()
-    frame_count = {"vllm": 3, "sglang": 2}.get(dialect)  # None: either form
     last_message = time.monotonic()
     replay_deadline = 0.0
     next_progress = time.monotonic() + PROGRESS_EVERY_S
-    committer = _Committer(journal, rec.summary)
+    committed = Committed(msgspec.structs.replace(rec.summary))
+    committer = _Committer(journal, rec.summary, committed)
+    if watch is not None:
+        watch(rec, committed)
+    say_live, say_replayed = _Say("live"), _Say("replayed")
 
     def flush() -> None:
-        ops = rec.take()
-        if ops:
-            committer.submit(ops)
+        taken = rec.take_group(most_bytes=FLUSH_BYTES)
+        if taken.ops:
+            committer.submit(taken)
 
     try:
         while not stop.stopped:
@@ -91,29 +109,34 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             # the GIL the committer's statements need.
             ready = dict(poller.poll(1 if rec.ops else 100))
             got = 0
+            received = rec.summary.received
             if sub in ready:
-                got += _receive(sub, lambda frames: _live(rec, frames, topic_bytes, frame_count))
+                got += _receive(sub, rec.live, say_live)
             if dealer is not None and dealer in ready:
-                got += _receive(dealer, lambda frames: _replayed(rec, frames))
+                got += _receive(dealer, rec.replayed, say_replayed)
                 replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
             now = time.monotonic()
-            if got:
-                if not rec.summary.first_message_ns:
-                    rec.summary.first_message_ns = time.monotonic_ns()
-                last_message = now
+            if got and not rec.summary.first_message_ns:
+                rec.summary.first_message_ns = time.monotonic_ns()
+            if rec.summary.received != received:
+                last_message = now  # idle: no message of the topic (another topic's keep nothing alive)
             # Group commit: whatever was decided while the previous commit ran goes in the
             # next one; a committer that falls far behind holds the receiving back. While
             # a backlog is still waiting, a group is at least MIN_GROUP: each commit costs
             # an fsync and its statements, which small groups under load pay far too often.
-            if rec.ops and (len(rec.ops) >= FLUSH_OPS or committer.idle() and (
+            if rec.ops and (len(rec.ops) >= FLUSH_OPS or rec.ops_bytes >= FLUSH_BYTES or committer.idle() and (
                     len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
+                flush()
+            while rec.ops_bytes >= FLUSH_BYTES:  # a drain of held batches: committed before more is taken
                 flush()
             if progress is not None and now > next_progress:
                 progress(rec.summary)
                 next_progress = now + PROGRESS_EVERY_S
-            if idle_exit is not None and not got and now - last_message > idle_exit:
+            if idle_exit is not None and now - last_message > idle_exit:
                 break
-        flush()
+        rec.stop()
+        while rec.ops:
+            flush()
         committer.close()
     finally:
         committer.close(raise_error=False)
@@ -124,6 +147,31 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
     return rec.summary
 
 
+class Committed:
+    """What the journal holds of this run: the summary as of the last commit, the number
+    of commits and the lag of each (seconds from receiving its oldest batch to the
+    commit's end). Written by the committer thread, read by metrics."""
+
+    LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+    def __init__(self, summary: Summary) -> None:
+        self.summary = summary
+        self.commits = 0
+        self.lag_s = 0.0  # the last commit's
+        self.lag_counts = [0] * (len(self.LAG_BUCKETS) + 1)  # the last is +Inf
+        self.lag_sum = 0.0
+
+    def add(self, taken: Taken, now_ns: int) -> None:
+        if taken.summary is not None:
+            self.summary = taken.summary
+        self.commits += 1
+        if taken.oldest_received_ns:
+            lag = max(0, now_ns - taken.oldest_received_ns) / 1e9
+            self.lag_s = lag
+            self.lag_counts[bisect.bisect_left(self.LAG_BUCKETS, lag)] += 1
+            self.lag_sum += lag
+
+
 class _Committer:
     """Appends decided operations on a thread of its own, so the next batches are
     received and decoded while a commit runs: the record's compression and the commit's
@@ -131,9 +179,9 @@ class _Committer:
     is the backpressure on the receiving loop. A failure is raised by the next submit or
     by close."""
 
-    def __init__(self, journal: Journal, summary: Summary) -> None:
-        self.journal, self.summary = journal, summary
-        self.queue: queue.Queue[list[Operation] | None] = queue.Queue(maxsize=1)
+    def __init__(self, journal: Journal, summary: Summary, committed: Committed) -> None:
+        self.journal, self.summary, self.committed = journal, summary, committed
+        self.queue: queue.Queue[Taken | None] = queue.Queue(maxsize=1)
         self.lock = threading.Lock()
         self.pending = 0  # groups submitted and not yet appended
         self.error: BaseException | None = None
@@ -143,11 +191,11 @@ class _Committer:
     def idle(self) -> bool:
         return self.pending == 0
 
-    def submit(self, ops: list[Operation]) -> None:
+    def submit(self, taken: Taken) -> None:
         self._raise()
         with self.lock:
             self.pending += 1
-        self.queue.put(ops)
+        self.queue.put(taken)
 
     def close(self, raise_error: bool = True) -> None:
         if self.thread.is_alive():
@@ -162,29 +210,33 @@ class _Committer:
             raise error
 
     def _run(self) -> None:
-        while (ops := self.queue.get()) is not None:
+        while (taken := self.queue.get()) is not None:
             try:
                 if self.error is None:
-                    self._append(ops)
+                    self._append(taken)
             except BaseException as exc:  # noqa: BLE001 - handed to the receiving thread, which raises it
                 self.error = exc
             finally:
                 with self.lock:
                     self.pending -= 1
 
-    def _append(self, ops: list[Operation]) -> None:
-        for r in self.journal.append(ops):
+    def _append(self, taken: Taken) -> None:
+        for r in self.journal.append(taken.ops):
             if isinstance(r, Rejection):
                 raise KvLedgerError(ErrorCode(r.code), f"{r.handle_id}: {r.message} (another recorder "
                                                        "writes this stream?)")
-        self.summary.last_commit_ns = time.monotonic_ns()
+        now = time.monotonic_ns()
+        self.summary.last_commit_ns = now
+        self.committed.add(taken, now)
 
 
-def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], most: int = RECEIVE_MOST) -> int:
-    """Hand up to `most` waiting messages to `handle`; how many there were."""
-    n = 0
+def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],
+             say: Callable[[KvLedgerError], None], most: int = RECEIVE_MOST) -> int:
+    """Hand up to `most` waiting messages (and about FLUSH_BYTES) to `handle`, and what it
+    skipped to `say`; how many there were."""
+    n = size = 0
     recv = sock.recv
-    while n < most:
+    while n < most and size < FLUSH_BYTES:
         try:
             frame = recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -195,37 +247,24 @@ def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], object], m
         while frame.more:
             frame = recv(zmq.NOBLOCK, copy=False)  # a message's parts arrive together
             frames.append(frame.bytes)
+        size += len(frames[-1])
         n += 1
-        handle(frames)
+        if (error := handle(frames)) is not None:
+            say(error)
     return n
 
 
-def _live(rec: Recorder, frames: list[bytes], topic: bytes, frame_count: int | None = None) -> bool:
-    try:
-        if frame_count is not None and len(frames) != frame_count:
-            raise KvLedgerError(ErrorCode.MALFORMED_EVENT, f"{len(frames)} frames, not the dialect's {frame_count}")
-        got_topic, seq, payload = split_live(frames)
-        if len(frames) == 3 and got_topic != topic and topic:
-            return False
-        rec.message(seq, payload, decode_batch_encoded(payload), replayed=False)
-    except KvLedgerError as exc:
-        print(f"kv-events: skipped a live message: {exc}", file=sys.stderr)
-        return False
-    return True
+class _Say:
+    """Says a skipped message on stderr: the first SAY_MOST of them (the summary counts all)."""
 
+    def __init__(self, kind: str) -> None:
+        self.kind, self.said = kind, 0
 
-def _replayed(rec: Recorder, frames: list[bytes]) -> bool:
-    try:
-        item = split_replay(frames)
-        if item is None:
-            rec.replay_done()
-            return False
-        seq, payload = item
-        rec.message(seq, payload, decode_batch_encoded(payload), replayed=True)
-    except KvLedgerError as exc:
-        print(f"kv-events: skipped a replayed message: {exc}", file=sys.stderr)
-        return False
-    return True
+    def __call__(self, error: KvLedgerError) -> None:
+        self.said += 1
+        if self.said <= SAY_MOST:
+            more = "; further skips are counted in the summary only" if self.said == SAY_MOST else ""
+            print(f"kv-events: skipped a {self.kind} message: {error}{more}", file=sys.stderr)
 
 
 def install_signals(stop: Stop) -> None:

@@ -70,7 +70,7 @@ from kvledger.journal.tables import (
     too_new,
 )
 from kvledger.journal.url import parse_url, redact
-from kvledger.schemas.codec import encode_event
+from kvledger.schemas.codec import MAX_EVENT_BYTES, encode_event
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import CURRENT_VERSION, Event, RequestAllocate
@@ -521,7 +521,10 @@ class SqlJournal(Journal):
                 if row is None:
                     for ev in op.write_events(write):
                         position += 1
-                        add_body(encode(replace(ev, global_position=position)))
+                        stored = encode(replace(ev, global_position=position))
+                        if len(stored) > MAX_EVENT_BYTES:  # decode_event refuses it: it would poison every read
+                            raise _too_large(op, ev.event_id, len(stored))
+                        add_body(stored)
                         own.append(ev.event_id)
                         if op.manifests and isinstance(ev.payload, RequestAllocate):
                             allocated[ev.payload.manifest_sha256] = position
@@ -959,6 +962,11 @@ def _reused_id(ops: Sequence[Operation], written: list[str], taken: set[str]) ->
                                      f"is {'already in the journal' if e in taken else 'written twice'}")
             seen.add(e)
     return KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, "this batch reuses an event id")
+
+
+def _too_large(op: Operation, event_id: str, size: int) -> KvLedgerError:
+    return KvLedgerError(ErrorCode.FIELD_TOO_LARGE, f"operation {op.operation_id}: event {event_id} is "
+                         f"{size} bytes stored, over the {MAX_EVENT_BYTES} a journal reads back")
 
 
 def _stored_receipt(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:

@@ -21,6 +21,7 @@ from kvledger.args import DB_HELP
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 if TYPE_CHECKING:
+    from kvledger.adapters import kv_events_zmq as z
     from kvledger.journal.contract import Journal
 
 # HOST: a name, an IPv4 address, `*` (bind on every interface) or a bracketed IPv6 address.
@@ -56,6 +57,19 @@ def _topic(value: str) -> str:
     return value
 
 
+def _host(value: str) -> str:
+    if not value or len(value) > 253 or any(ch.isspace() or ord(ch) < 32 for ch in value):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r} is not a host name or address")
+    return value
+
+
+MAX_HELD_BYTES = 256 << 20  # adapters.kv_events_recorder's (not imported: --help loads no recorder)
+DEFAULT_RCVHWM = 1000  # adapters.kv_events_zmq.RCVHWM
+HELD_BYTES = a.integer(0, 1 << 40)
+RCVHWM = a.integer(1, 1 << 24)  # 0 would be ZMQ's "no limit"
+TOPICS_SHOWN = 8
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     top = sub.add_parser("kv-events", help="record, serve and import the KV-cache events of vLLM, SGLang "
                                            "and TensorRT-LLM (their prefix-cache residency)")
@@ -65,7 +79,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                      "batch exactly once (gaps replayed or journaled, restarts journaled)")
     p.add_argument("--endpoint", type=endpoint, required=True, help="the publisher's PUB endpoint")
     p.add_argument("--replay-endpoint", type=endpoint, help="the publisher's replay ROUTER endpoint")
-    p.add_argument("--topic", type=_topic, default="", help="topic (default: none, which SGLang's form needs)")
+    p.add_argument("--topic", type=_topic, default="",
+                   help="the topic to record (default: none, every message, which SGLang's [seq, payload] form "
+                        "needs); messages on other topics are counted and named, and when only those arrive the "
+                        "exit status is 1")
     p.add_argument("--dialect", choices=("auto", "vllm", "sglang"), default="auto",
                    help="message form: vllm [topic, seq, payload], sglang [seq, payload]; auto takes either "
                         "(default)")
@@ -73,7 +90,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="bytes per block: the summary then gives the streams' resident bytes")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
-                   help="stop after this long without a message (default: run until SIGINT/SIGTERM)")
+                   help="stop after this long without a message of the topic (default: run until SIGINT/SIGTERM); "
+                        "what is held then is journaled, each hole below it as a gap")
+    p.add_argument("--max-held-bytes", type=HELD_BYTES, default=MAX_HELD_BYTES, metavar="N",
+                   help="bytes of batches held while a replay is pending (default 268435456, 256 MiB); past it "
+                        "the oldest hole is journaled as a gap and what follows it is journaled")
+    p.add_argument("--rcvhwm", type=RCVHWM, default=DEFAULT_RCVHWM, metavar="N",
+                   help=f"messages each socket queues before ZMQ pushes back on the publisher (default "
+                        f"{DEFAULT_RCVHWM}); a publisher then drops, which shows as a seq hole: replayed or "
+                        "journaled as a gap")
+    p.add_argument("--metrics-port", type=a.PORT, metavar="P",
+                   help="serve Prometheus /metrics on --metrics-host:P while recording (0: any free port, printed)")
+    p.add_argument("--metrics-host", type=_host, default="127.0.0.1", metavar="H",
+                   help="address to serve metrics on (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(run=_cmd_record)
 
@@ -106,10 +135,16 @@ def _need_zmq() -> None:
                                                         "'kvledger[kv-events]'") from None
 
 
-def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None) -> None:
-    keys = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs", "restarts", "streams")
-    doc = {k: getattr(s, k) for k in keys} | (extra or {})
-    print(json.dumps(doc) if as_json else " ".join(f"{k}={v}" for k, v in doc.items()))
+SUMMARY_KEYS = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs", "restarts", "streams")
+# record's own: what it refused, what the held-bytes cap cost, what it saw on other topics
+RECORD_KEYS = ("received", "skipped", "skipped_codes", "too_large", "cap_gaps", "cap_gap_seqs", "held_bytes_peak",
+               "other_topics", "topics_seen")
+
+
+def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None, keys: tuple[str, ...] = ()) -> None:
+    doc = {k: getattr(s, k) for k in (*SUMMARY_KEYS, *keys)} | (extra or {})
+    print(json.dumps(doc) if as_json else " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}"
+                                                   for k, v in doc.items()))
 
 
 def _resident_bytes(journal: Journal, endpoint: str, topic: str, block_bytes: int) -> dict[str, object]:
@@ -169,22 +204,54 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topics(s: z.Summary) -> str:
+    """The other topics seen, for a line that says why nothing was recorded."""
+    return ", ".join(f"{name!r} ({n})" for name, n in list(s.topics_seen.items())[:TOPICS_SHOWN]) + \
+        (", ..." if s.other_topics > sum(s.topics_seen.values()) else "")
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
+    """Exit 0; 1 when messages arrived only on other topics than --topic (nothing of it
+    recorded: the summary names the topics seen); 2 on an error."""
     _need_zmq()
     from kvledger.adapters import kv_events_zmq as z
     from kvledger.migrations.storage import open_or_create_journal
 
+    metrics = None
+    if args.metrics_port is not None:
+        try:
+            from kvledger.adapters.kv_events_metrics import RecorderMetrics
+        except ModuleNotFoundError:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--metrics-port needs prometheus_client: "
+                                                            "pip install prometheus_client") from None
+        metrics = RecorderMetrics()
+        port = metrics.serve(args.metrics_host, args.metrics_port)
+        print(f"kv-events: serving metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr,
+              flush=True)
     stop = z.Stop()
     z.install_signals(stop)
 
     def progress(s: z.Summary) -> None:
-        print(f"kv-events: {s.batches} batches, {s.events} events, {s.replayed} replayed, "
-              f"{s.gaps} gaps, {s.restarts} restarts", file=sys.stderr, flush=True)
+        line = (f"kv-events: {s.batches} batches, {s.events} events, {s.replayed} replayed, {s.gaps} gaps, "
+                f"{s.restarts} restarts, {s.held_batches} held ({s.held_bytes} bytes), {s.skipped} skipped")
+        if not s.received and s.other_topics:
+            line += f"; nothing on topic {args.topic!r}, {s.other_topics} messages on others: {_topics(s)}"
+        print(line, file=sys.stderr, flush=True)
 
-    with open_or_create_journal(args.db) as journal:
-        summary = z.record(journal, args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
-                           idle_exit=args.idle_exit, progress=progress, stop=stop, dialect=args.dialect)
-        extra = None if args.block_bytes is None else \
-            _resident_bytes(journal, args.endpoint, args.topic, args.block_bytes)
-    _summary(summary, args.json, extra)
+    try:
+        with open_or_create_journal(args.db) as journal:
+            summary = z.record(journal, args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
+                               idle_exit=args.idle_exit, progress=progress, stop=stop, dialect=args.dialect,
+                               max_held_bytes=args.max_held_bytes, rcvhwm=args.rcvhwm,
+                               watch=None if metrics is None else metrics.watch)
+            extra = None if args.block_bytes is None else \
+                _resident_bytes(journal, args.endpoint, args.topic, args.block_bytes)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    _summary(summary, args.json, extra, RECORD_KEYS)
+    if not summary.received and summary.other_topics:
+        print(f"kv-events: no message on topic {args.topic!r}; {summary.other_topics} on other topics: "
+              f"{_topics(summary)}", file=sys.stderr)
+        return 1
     return 0

@@ -321,3 +321,4 @@ PAYLOAD_CLASSES: dict[str, type] = {
 CURRENT_VERSION: dict[str, int] = {name: 1 for name in EVENT_CLASSES}
 CURRENT_VERSION["append_start"] = 3  # v1: interval as a [start, end) pair; v2: no call.threads
 CURRENT_VERSION["append_publish"] = 2  # v1: a LayerRows record (and digest) per layer
+CURRENT_VERSION["kv_events_gap"] = 2  # v1: no code, no size_bytes (a gap was never a refusal)

@@ -91,14 +91,19 @@ class KvEventsBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=
     replayed: bool = False  # received from the replay socket, not live
 
 
-class KvEventsGap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """seqs [first_seq, last_seq] of `epoch` that were published and never received:
-    the state after this is uncertain until a clear."""
+class KvEventsGap(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """seqs [first_seq, last_seq] of `epoch` that were published and never journaled: the
+    state after this is uncertain until a clear. Schema v2 adds `code` and `size_bytes`:
+    a batch received and refused (FIELD_TOO_LARGE: its events' JSON, `size_bytes` of it,
+    is over what the journal reads back) is a gap of its one seq with the refusal's code;
+    a batch never received has neither."""
 
     epoch: Seq
     first_seq: Seq
     last_seq: Seq
     reason: Annotated[str, Meta(max_length=4096)]
+    code: Annotated[str, Meta(max_length=64)] | None = None
+    size_bytes: Annotated[int, Meta(ge=0)] | None = None
 
 
 class KvEventsRestart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -68,3 +68,9 @@ def _append_publish_v1(payload: dict[str, Any], envelope: dict[str, Any]) -> dic
     if digests and all(isinstance(d, str) for d in digests):
         p["rows_sha256"] = layers_sha256(digests)
     return p
+
+
+@upcaster("kv_events_gap", 1)
+def _kv_events_gap_v1(payload: dict[str, Any], envelope: dict[str, Any]) -> dict[str, Any]:
+    # v2 added the code and size of a refused batch; a v1 gap was never one: both absent.
+    return payload

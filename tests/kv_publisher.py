@@ -193,13 +193,18 @@ class Publisher:
     """PUB + ROUTER replay with a ring buffer. `publish(events, drop=True)` assigns the
     next seq and buffers it without sending it live (a batch lost before the subscriber)."""
 
-    def __init__(self, dialect: str = "vllm", *, topic: str = "kv", rank: int = 0, buffer_steps: int = 10_000) -> None:
+    def __init__(self, dialect: str = "vllm", *, topic: str = "kv", rank: int = 0, buffer_steps: int = 10_000,
+                 sndhwm: int = 100_000, answer_replays: bool = True,
+                 replay_loses: dict[int, int] | None = None) -> None:
         self.dialect = dialect
+        self.answer_replays = answer_replays  # False: a replay socket that takes requests and never answers
+        # seq -> how many replays leave it out (lost on the way, as a ROUTER past its HWM drops)
+        self.replay_loses = dict(replay_loses or {})
         self.topic = topic.encode() if dialect == "vllm" else b""
         self.rank = rank
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.SNDHWM, sndhwm)
         self.pub.setsockopt(zmq.LINGER, 0)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
@@ -213,6 +218,7 @@ class Publisher:
         self.published: list[tuple[int, int, bytes]] = []  # (epoch, seq, payload)
         self.epoch = 0
         self.replays: list[tuple[int, int | None]] = []  # (start asked, first seq sent)
+        self.requests = 0  # replay requests received (answered or not)
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._running = True
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -224,6 +230,12 @@ class Publisher:
         self._queue.put(("pub", (payload, drop, done)))
         done.wait()
         return self.seq - 1
+
+    def send(self, frames: list[bytes]) -> None:
+        """Send these frames live as they are (a hostile message): no seq taken, nothing buffered."""
+        done = threading.Event()
+        self._queue.put(("raw", (frames, done)))
+        done.wait()
 
     def restart(self) -> None:
         """A new publisher process: seq from 0, an empty buffer."""
@@ -246,6 +258,10 @@ class Publisher:
                 kind, arg = self._queue.get(timeout=0.002)
             except queue.Empty:
                 continue
+            if kind == "raw":
+                self.pub.send_multipart(arg[0])
+                arg[1].set()
+                continue
             if kind == "restart":
                 self.seq = 0
                 self.epoch += 1
@@ -265,12 +281,16 @@ class Publisher:
 
     def _serve_replay(self) -> None:
         frames = self.router.recv_multipart()
-        if len(frames) != 3:
+        self.requests += len(frames) == 3
+        if len(frames) != 3 or not self.answer_replays:
             return
         client, _, start_bytes = frames
         start = int.from_bytes(start_bytes, "big")
         first = None
         for seq, payload in self.buffer:
+            if self.replay_loses.get(seq, 0) > 0 and seq >= start:
+                self.replay_loses[seq] -= 1
+                continue
             if seq >= start:
                 first = seq if first is None else first
                 if self.dialect == "vllm":

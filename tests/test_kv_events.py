@@ -6,15 +6,10 @@ encodings: vLLM's (tagged maps, [topic, seq, payload]) and SGLang's (positional 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,94 +17,34 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from kvledger.adapters import kv_events_zmq as z
 from kvledger.journal import open_journal
-from kvledger.migrations.storage import init_database
 from kvledger.schemas import events as ev
 
 from kv_publisher import Publisher, Workload, model_resident, normalized
+from kv_recording import (
+    check_exactly_once,
+    free_port,
+    new_db,
+    publish_batches,
+    record_cli,
+    recording,
+    stream_events,
+    verify_clean,
+    wait_for,
+)
 
 N = 2000
 
 
-def _db(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'kv.db'}"
-    init_database(url)
-    return url
-
-
-@contextlib.contextmanager
-def _recording(url: str, dialect: str, **kw: Any) -> Iterator[tuple[Publisher, dict[str, Any]]]:
-    """A reference publisher and an in-process recorder on it (stopped, then the
-    publisher closed, on exit); the dict gets the recorder's summary."""
-    pub = Publisher(dialect, **kw)
-    stop = z.Stop()
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        with open_journal(url) as j:
-            out["summary"] = z.record(j, pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                                      topic=pub.topic.decode(), stop=stop)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    time.sleep(0.3)  # the SUB connects (a slow joiner's first batches come by replay anyway)
-    try:
-        yield pub, out
-    finally:
-        stop()
-        t.join(30)
-        pub.close()
-
-
-def _kv_events(url: str) -> list[Any]:
-    with open_journal(url) as j:
-        return [e for e in j.read_all() if isinstance(e, ev.KV_EVENT_CLASSES)]
-
-
-def _wait_for(url: str, batches: int, timeout: float = 60, *, last: tuple[int, int] | None = None) -> list[Any]:
-    """The journal's KV events once it holds `batches` batches (or the batch (epoch, seq) `last`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = _kv_events(url)
-        done = (any(isinstance(e, ev.KvEventsBatchEvent) and (e.payload.epoch, e.payload.seq) == last for e in got)
-                if last is not None
-                else sum(isinstance(e, ev.KvEventsBatchEvent) for e in got) >= batches)
-        if done or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
-
-
-def _check_exactly_once(got: list[Any], published: dict[tuple[int, int], list[Any]],
-                        missing: set[tuple[int, int]] = frozenset()) -> None:  # type: ignore[assignment]
-    seen = [(e.payload.epoch, e.payload.seq) for e in got if isinstance(e, ev.KvEventsBatchEvent)]
-    assert len(seen) == len(set(seen)), "a seq was journaled twice"
-    assert set(seen) == set(published) - set(missing)
-    for e in got:
-        if isinstance(e, ev.KvEventsBatchEvent):
-            journaled = msgspec.json.decode(msgspec.json.encode(e.payload.events))
-            assert journaled == normalized(published[(e.payload.epoch, e.payload.seq)])
-
-
-def _publish(pub: Publisher, w: Workload, n: int, published: dict[tuple[int, int], list[Any]], *,
-             drop: set[int] = frozenset(), pace: int = 200) -> None:  # type: ignore[assignment]
-    for i in range(n):
-        events = w.batch()
-        seq = pub.publish(events, drop=i in drop)
-        published[(pub.epoch, seq)] = events
-        if i % pace == pace - 1:
-            time.sleep(0.01)
-
-
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
 def test_dropped_batches_are_replayed_and_journaled_once(tmp_path, dialect):
-    url = _db(tmp_path)
+    url = new_db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
     drop = set(range(100, N, 37)) | set(range(500, 540))
-    with _recording(url, dialect) as (pub, out):
-        _publish(pub, Workload(1), N, published, drop=drop)
-        got = _wait_for(url, N)
-    _check_exactly_once(got, published)
+    with recording(url, dialect) as (pub, out):
+        publish_batches(pub, Workload(1), N, published, drop=drop)
+        got = wait_for(url, N)
+    check_exactly_once(got, published)
     assert not [e for e in got if not isinstance(e, ev.KvEventsBatchEvent)], "no gap, no restart"
     s = out["summary"]
     assert s.replayed >= len(drop) and s.gaps == 0 and s.restarts == 0
@@ -122,16 +57,16 @@ def test_publisher_restart_is_journaled_and_clears_the_pool(tmp_path, dialect):
     from kvledger.replay import replay_journal
     from kvledger.replay.metrics import WindowSpec
 
-    url = _db(tmp_path)
+    url = new_db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
-    with _recording(url, dialect) as (pub, _):
-        _publish(pub, Workload(2, clears=False), N // 2, published)
-        _wait_for(url, N // 2)
+    with recording(url, dialect) as (pub, _):
+        publish_batches(pub, Workload(2, clears=False), N // 2, published)
+        wait_for(url, N // 2)
         pub.restart()
-        _publish(pub, Workload(3, clears=False), N // 2, published)
-        got = _wait_for(url, N)
-    _check_exactly_once(got, published)
-    _verify_clean(url)
+        publish_batches(pub, Workload(3, clears=False), N // 2, published)
+        got = wait_for(url, N)
+    check_exactly_once(got, published)
+    verify_clean(url)
     restarts = [e for e in got if isinstance(e, ev.KvEventsRestartEvent)]
     assert len(restarts) == 1
     r = restarts[0].payload
@@ -151,12 +86,12 @@ def test_publisher_restart_is_journaled_and_clears_the_pool(tmp_path, dialect):
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
 def test_evicted_batches_are_one_gap_with_the_exact_range(tmp_path, dialect):
-    url = _db(tmp_path)
+    url = new_db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
     lost = set(range(700, 1100))  # 400 not sent live; the ring keeps only the last 200
-    with _recording(url, dialect, buffer_steps=200) as (pub, _):
-        _publish(pub, Workload(4), N, published, drop=lost, pace=N)  # no pause: the ring moves on at once
-        got = _wait_for(url, 0, timeout=30, last=(0, N - 1))
+    with recording(url, dialect, buffer_steps=200) as (pub, _):
+        publish_batches(pub, Workload(4), N, published, drop=lost, pace=N)  # no pause: the ring moves on at once
+        got = wait_for(url, 0, timeout=30, last=(0, N - 1))
         replays = list(pub.replays)
     gaps = [e.payload for e in got if isinstance(e, ev.KvEventsGapEvent)]
     assert len(gaps) == 1
@@ -165,52 +100,39 @@ def test_evicted_batches_are_one_gap_with_the_exact_range(tmp_path, dialect):
     served = [first for start, first in replays if start == 700]
     assert served and served[0] is not None
     assert (g.epoch, g.first_seq, g.last_seq) == (0, 700, served[0] - 1)
-    _check_exactly_once(got, published, missing={(0, s) for s in range(700, served[0])})
-    _verify_clean(url)
-
-
-def _record_cli(url: str, pub: Publisher, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvledger", "kv-events", "record", "--endpoint", pub.endpoint,
-         "--replay-endpoint", pub.replay_endpoint, "--topic", pub.topic.decode(), "--db", url, "--json", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "KVLEDGER_LOG": "warning"})
+    check_exactly_once(got, published, missing={(0, s) for s in range(700, served[0])})
+    verify_clean(url)
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
 def test_sigkill_mid_run_then_restart_catches_up_by_replay(tmp_path, dialect):
-    url = _db(tmp_path)
+    url = new_db(tmp_path)
     pub = Publisher(dialect)
     published: dict[tuple[int, int], list[Any]] = {}
     w = Workload(5)
     try:
-        rec = _record_cli(url, pub)
+        rec = record_cli(url, pub)
         time.sleep(1.5)  # the CLI starts and connects
-        _publish(pub, w, 800, published, pace=50)
-        mid = _wait_for(url, 300)
+        publish_batches(pub, w, 800, published, pace=50)
+        mid = wait_for(url, 300)
         rec.send_signal(signal.SIGKILL)
         rec.wait(10)
         before = {(e.payload.epoch, e.payload.seq) for e in mid if isinstance(e, ev.KvEventsBatchEvent)}
         assert 0 < len(before)
-        _publish(pub, w, 700, published)  # published while no recorder runs: only the ring has them
-        rec = _record_cli(url, pub, "--idle-exit", "2", "--block-bytes", "1024")
+        publish_batches(pub, w, 700, published)  # published while no recorder runs: only the ring has them
+        rec = record_cli(url, pub, "--idle-exit", "2", "--block-bytes", "1024")
         time.sleep(1.5)
-        _publish(pub, w, N - 1500, published, pace=50)
+        publish_batches(pub, w, N - 1500, published, pace=50)
         out, err = rec.communicate(timeout=120)
     finally:
         pub.close()
     assert rec.returncode == 0, err.decode()
-    got = _kv_events(url)
-    _check_exactly_once(got, published)
+    got = stream_events(url)
+    check_exactly_once(got, published)
     summary = msgspec.json.decode(out.splitlines()[-1])
     assert summary["replayed"] >= 700 and summary["gaps"] == 0 and summary["restarts"] == 0
     model = model_resident([published[(0, s)] for s in range(N)])
     assert list(summary["resident_bytes"].values()) == [1024 * sum(len(b) for b in model.values())]
-
-
-def _verify_clean(url: str) -> None:
-    from kvledger.cli import main
-
-    assert main(["verify", "--db", url, "--json"]) == 0
 
 
 def test_block_pool_projection_matches_an_independent_model_at_20_positions(tmp_path, capsys):
@@ -221,13 +143,13 @@ def test_block_pool_projection_matches_an_independent_model_at_20_positions(tmp_
     from kvledger.replay.run import project
     from kvledger.replay.sources import journal_events
 
-    url = _db(tmp_path)
+    url = new_db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
-    with _recording(url, "sglang") as (pub, _):
-        _publish(pub, Workload(6), N, published, drop=set(range(50, N, 101)))
-        got = _wait_for(url, N)
-    _check_exactly_once(got, published)
-    _verify_clean(url)
+    with recording(url, "sglang") as (pub, _):
+        publish_batches(pub, Workload(6), N, published, drop=set(range(50, N, 101)))
+        got = wait_for(url, N)
+    check_exactly_once(got, published)
+    verify_clean(url)
     rng = random.Random(21)
     positions = sorted(rng.sample([e.global_position for e in got], 20))
     seq_at = {e.global_position: e.payload.seq for e in got}
@@ -315,29 +237,21 @@ def test_a_recorded_journal_exports_imports_and_verifies(tmp_path, db_url):
 
     url = db_url
     published: dict[tuple[int, int], list[Any]] = {}
-    with _recording(url, "vllm", buffer_steps=50) as (pub, _):
-        _publish(pub, Workload(8), 300, published, drop=set(range(100, 200)), pace=300)
-        _wait_for(url, 0, timeout=30, last=(0, 299))
+    with recording(url, "vllm", buffer_steps=50) as (pub, _):
+        publish_batches(pub, Workload(8), 300, published, drop=set(range(100, 200)), pace=300)
+        wait_for(url, 0, timeout=30, last=(0, 299))
         pub.restart()
-        _publish(pub, Workload(9), 50, published)
-        _wait_for(url, 0, timeout=30, last=(1, 49))
+        publish_batches(pub, Workload(9), 50, published)
+        wait_for(url, 0, timeout=30, last=(1, 49))
     out = tmp_path / "kv.jsonl"
     assert main(["export", "--db", url, "--out", str(out)]) == 0
     copy = f"sqlite:///{tmp_path / 'copy.db'}"
     assert main(["import", "--db", copy, str(out)]) == 0
-    _verify_clean(copy)
+    verify_clean(copy)
     with open_journal(url) as a, open_journal(copy) as b:
         assert a.heads() == b.heads()
         kinds = {e.event_type for e in a.read_all()}
     assert kinds == {"kv_events_batch", "kv_events_gap", "kv_events_restart"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _client_apply(pools: dict[str, set[Any]], events: list[dict[str, Any]]) -> None:
@@ -363,9 +277,9 @@ def test_serve_replays_any_seq_and_a_snapshot_plus_replay_rebuilds_the_block_set
     from kvledger.replay.run import project
     from kvledger.replay.sources import journal_events
 
-    url = _db(tmp_path)
+    url = new_db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     server = subprocess.Popen([sys.executable, "-m", "kvledger", "kv-events", "serve", "--bind", bind, "--db", url],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     ctx = zmq.Context()
@@ -392,14 +306,14 @@ def test_serve_replays_any_seq_and_a_snapshot_plus_replay_rebuilds_the_block_set
         return out
 
     try:
-        with _recording(url, "vllm") as (pub, _):
+        with recording(url, "vllm") as (pub, _):
             w = Workload(10)
-            _publish(pub, w, N // 2, published)
-            _wait_for(url, N // 2)
+            publish_batches(pub, w, N // 2, published)
+            wait_for(url, N // 2)
             _, tag, body = request(b"SNAPSHOT", b"")
             snap = msgspec.json.decode(body)
-            _publish(pub, w, N // 2, published)
-            got = _wait_for(url, N)
+            publish_batches(pub, w, N // 2, published)
+            got = wait_for(url, N)
         for start in (0, 1, 777, 1999, 2000, 5000):
             got_back = replay(start)
             assert [s for s, _ in got_back] == list(range(start, N))
@@ -412,7 +326,7 @@ def test_serve_replays_any_seq_and_a_snapshot_plus_replay_rebuilds_the_block_set
         server.send_signal(signal.SIGTERM)
         _, err = server.communicate(timeout=30)
     assert server.returncode == 0, err.decode()
-    _check_exactly_once(got, published)
+    check_exactly_once(got, published)
     assert tag == b"SNAPSHOT" and snap["seq"] + 1 == snap["next_seq"] >= N // 2
     with open_journal(url) as j:
         full = project(journal_events(j)).kv.state

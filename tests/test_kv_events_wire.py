@@ -36,6 +36,10 @@ HOSTILE = {
     "an infinite time": [math.inf, [], None],
     "the array form with a long medium": [1.0, [["BlockStored", [b"\x01" * 32], None, [1], 1, None, "m" * 400]], 0],
     "the map batch with a NaN time": {"ts": math.nan, "events": [], "data_parallel_rank": 0},
+    # bytes where a string goes: JSON would keep them as base64 text, another value
+    "a bytes medium": [1.0, [_stored(medium=b"GPU")], 0],
+    "a bytes lora name in the array form": [1.0, [["BlockStored", [b"\x01"], None, [1], 1, None, "GPU", b"l"]], 0],
+    "a bytes cache spec kind": [1.0, [_stored(kv_cache_spec_kind=b"full")], None],
 }
 
 
@@ -57,8 +61,9 @@ def test_the_limits_themselves_are_accepted_and_read_back():
 
 
 @pytest.mark.parametrize("frames", [[b"kv", (-2).to_bytes(8, "big", signed=True), b"x"],
-                                    [(-1).to_bytes(8, "big", signed=True), b"x"]])
-def test_a_negative_live_seq_is_refused(frames):
+                                    [(-1).to_bytes(8, "big", signed=True), b"x"],
+                                    [b"kv", ((1 << 63) - 1).to_bytes(8, "big"), b"x"]])
+def test_a_live_seq_outside_0_to_2_63_minus_2_is_refused(frames):
     with pytest.raises(KvLedgerError) as info:
         split_live(frames)
     assert info.value.code == ErrorCode.MALFORMED_EVENT
