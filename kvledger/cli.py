@@ -11,6 +11,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from kvledger import args as a
 from kvledger.args import DB_HELP
@@ -52,8 +53,17 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (an unknown option or command, a missing or conflicting
+    one) are coded like every checked argument: one line, INVALID_ARGUMENT, exit 2, never
+    its usage text. Subcommands' parsers are of this class too (add_subparsers' default)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvledger",
         description=(
             "Event-sourced, durable source of truth for per-request KV-cache state: every "

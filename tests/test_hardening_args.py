@@ -262,3 +262,23 @@ def test_generate_prefills_a_long_prompt_in_chunks(db_url, capsys):
                   and e.payload.kind in ("prefill", "chunk")]
     assert [p.interval_count for p in starts] == [512, 512, 512, 503]
     assert [p.interval_start for p in starts] == [0, 512, 1024, 1536]
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "required: COMMAND"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+    (["replay", "--bogus"], "unrecognized arguments: --bogus"),
+    (["kv-events", "record"], "kvledger kv-events record: the following arguments are required: --endpoint"),
+    (["generate", "--runtime", "vllm", "--prompt-ids", "1"], "invalid choice: 'vllm'"),
+    (["verify", "--max-findings"], "expected one argument"),
+])
+def test_argparse_refusals_are_one_coded_line(tmp_path, monkeypatch, capsys, argv, says):
+    """What argparse itself refuses (an unknown command or option, a missing one, a bad
+    choice) is one INVALID_ARGUMENT line naming the command, exit 2, no usage text and
+    nothing created: a script tells it from any other refusal by its code."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "usage:" not in err, err
+    assert err.startswith("INVALID_ARGUMENT: kvledger") and says in err, err
+    assert not list(tmp_path.iterdir())
