@@ -316,6 +316,9 @@ def pack_record(p: RecordParts) -> bytes:
         raise ValueError(f"format {p.format} is zlib's: pack_record writes zstd records")
     if p.format >= 5:
         lists = [*p.event_lengths, *p.receipt_lengths, *p.event_crcs, *p.receipt_crcs]
+        if 4 * len(lists) + len(p.data) > inflate.MAX_RECORD_BYTES:  # every reader refuses it: never write one
+            raise KvLedgerError(ErrorCode.FIELD_TOO_LARGE, f"a commit of {len(p.data)} bytes, over the "
+                                f"{inflate.MAX_RECORD_BYTES} a record holds: commit it in parts")
         frame = struct.pack(f"<{len(lists)}I", *lists) + p.data
         return _encode(_Header5(p.format, len(p.event_lengths), len(p.receipt_lengths), compress(frame)))
     return _encode(_Header(p.format, p.event_lengths, p.event_crcs, p.receipt_lengths, p.receipt_crcs,

@@ -102,3 +102,22 @@ def test_a_batch_that_compresses_past_1024x_reads_back(db_url, tmp_path):
     out = tmp_path / "kv.jsonl"
     assert main(["export", "--db", db_url, "--out", str(out)]) == 0
     assert main(["import", "--db", f"sqlite:///{tmp_path / 'copy.db'}", str(out)]) == 0
+
+
+def test_a_record_the_reader_would_refuse_is_never_packed():
+    """A commit whose record would hold more than journal.inflate.MAX_RECORD_BYTES (every
+    reader refuses such a record as damage) is FIELD_TOO_LARGE when packed, before any
+    compression: a commit of many large events would otherwise be acknowledged and then
+    poison every read."""
+    from kvledger.journal import inflate
+    from kvledger.journal.records import FORMAT, RecordParts, pack_record, unpack_record
+
+    lists = 4 * 4  # one event, one receipt: four 4-byte list entries
+    data = bytes(inflate.MAX_RECORD_BYTES - lists + 1)
+    parts = RecordParts(FORMAT, [len(data) - 1], [0], [1], [0], data)
+    with pytest.raises(KvLedgerError) as info:
+        pack_record(parts)
+    assert info.value.code == ErrorCode.FIELD_TOO_LARGE
+    del data, parts
+    small = RecordParts(FORMAT, [3], [0], [1], [0], b"abcd")
+    assert unpack_record(pack_record(small)).data == b"abcd"
