@@ -16,9 +16,9 @@ and counts the others, so a wrong --topic shows.
 from __future__ import annotations
 
 import bisect
+import logging
 import queue
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,10 +34,12 @@ from kvledger.adapters.kv_events_wire import seq_bytes
 from kvledger.journal.contract import Journal, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+log = logging.getLogger("kvledger.kv_events")
+
 FLUSH_OPS = 4096  # decided batches that wait for a busy committer before the receiving waits too
 FLUSH_BYTES = 8 << 20  # the same in their events' bytes; and the most one commit takes
 RCVHWM = 1000  # messages each socket queues before ZMQ pushes back (the default of --rcvhwm)
-SAY_MOST = 100  # skipped messages said on stderr one by one; the summary counts the rest
+SAY_MOST = 100  # skipped messages logged one by one; the summary counts the rest
 RECEIVE_MOST = 256  # messages taken per look, so the first commit starts soon after the first batch
 MIN_GROUP = 1024  # while messages keep waiting, an idle committer gets at least this many batches
 REPLAY_TIMEOUT_S = 5.0  # a replay silent this long without its end marker is treated as ended
@@ -255,7 +257,7 @@ def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerEr
 
 
 class _Say:
-    """Says a skipped message on stderr: the first SAY_MOST of them (the summary counts all)."""
+    """Logs a skipped message as a warning: the first SAY_MOST of them (the summary counts all)."""
 
     def __init__(self, kind: str) -> None:
         self.kind, self.said = kind, 0
@@ -264,7 +266,7 @@ class _Say:
         self.said += 1
         if self.said <= SAY_MOST:
             more = "; further skips are counted in the summary only" if self.said == SAY_MOST else ""
-            print(f"kv-events: skipped a {self.kind} message: {error}{more}", file=sys.stderr)
+            log.warning("skipped a %s message: %s%s", self.kind, error, more)
 
 
 def install_signals(stop: Stop) -> None:

@@ -5,20 +5,22 @@
     kvledger kv-events serve --bind tcp://127.0.0.1:5600
     kvledger kv-events import events.jsonl --dialect trtllm
 
-These need pyzmq (record, serve): pip install 'kvledger[kv-events]'.
+pyzmq is a core dependency: the light install records, serves and imports.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
-import sys
 from typing import TYPE_CHECKING
 
 from kvledger import args as a
 from kvledger.args import DB_HELP
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+log = logging.getLogger("kvledger.kv_events")
 
 if TYPE_CHECKING:
     from kvledger.adapters import kv_events_zmq as z
@@ -127,14 +129,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(run=_cmd_serve)
 
 
-def _need_zmq() -> None:
-    try:
-        import zmq  # noqa: F401 - only whether it is installed
-    except ModuleNotFoundError:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "kv-events needs pyzmq: pip install "
-                                                        "'kvledger[kv-events]'") from None
-
-
 SUMMARY_KEYS = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs", "restarts", "streams")
 # record's own: what it refused, what the held-bytes cap cost, what it saw on other topics
 RECORD_KEYS = ("received", "skipped", "skipped_codes", "too_large", "cap_gaps", "cap_gap_seqs", "held_bytes_peak",
@@ -184,7 +178,6 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    _need_zmq()
     import msgspec
     import zmq
 
@@ -213,7 +206,6 @@ def _topics(s: z.Summary) -> str:
 def _cmd_record(args: argparse.Namespace) -> int:
     """Exit 0; 1 when messages arrived only on other topics than --topic (nothing of it
     recorded: the summary names the topics seen); 2 on an error."""
-    _need_zmq()
     from kvledger.adapters import kv_events_zmq as z
     from kvledger.migrations.storage import open_or_create_journal
 
@@ -226,17 +218,16 @@ def _cmd_record(args: argparse.Namespace) -> int:
                                                             "pip install prometheus_client") from None
         metrics = RecorderMetrics()
         port = metrics.serve(args.metrics_host, args.metrics_port)
-        print(f"kv-events: serving metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr,
-              flush=True)
+        log.info("serving metrics on http://%s:%d/metrics", args.metrics_host, port)
     stop = z.Stop()
     z.install_signals(stop)
 
     def progress(s: z.Summary) -> None:
-        line = (f"kv-events: {s.batches} batches, {s.events} events, {s.replayed} replayed, {s.gaps} gaps, "
+        line = (f"{s.batches} batches, {s.events} events, {s.replayed} replayed, {s.gaps} gaps, "
                 f"{s.restarts} restarts, {s.held_batches} held ({s.held_bytes} bytes), {s.skipped} skipped")
         if not s.received and s.other_topics:
             line += f"; nothing on topic {args.topic!r}, {s.other_topics} messages on others: {_topics(s)}"
-        print(line, file=sys.stderr, flush=True)
+        log.info("%s", line)
 
     try:
         with open_or_create_journal(args.db) as journal:
@@ -251,7 +242,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
             metrics.close()
     _summary(summary, args.json, extra, RECORD_KEYS)
     if not summary.received and summary.other_topics:
-        print(f"kv-events: no message on topic {args.topic!r}; {summary.other_topics} on other topics: "
-              f"{_topics(summary)}", file=sys.stderr)
+        log.warning("no message on topic %r; %d on other topics: %s", args.topic, summary.other_topics,
+                    _topics(summary))
         return 1
     return 0

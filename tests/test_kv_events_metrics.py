@@ -48,7 +48,7 @@ def test_metrics_scraped_during_a_run_agree_with_the_summary(tmp_path):
     port = free_port()
     n = 300
     try:
-        rec = record_cli(url, pub, "--metrics-port", str(port))
+        rec = record_cli(url, pub, "--metrics-port", str(port), "--log-level", "info")  # the line naming the URL
         first = _wait_scrape(port, "batches_total", 0)
         assert first.get((P + "last_committed_seq", ())) == -1
         time.sleep(0.5)
