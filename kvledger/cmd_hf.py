@@ -83,4 +83,6 @@ def reexecute(args: argparse.Namespace, events: list[Any]) -> dict[str, Any]:
             "other_artifacts": sorted(a for a in r.artifacts if a != ours),
             "mismatches": [{"handle_id": m.handle_id, "txn_id": m.txn_id, "global_position": m.global_position,
                             "recorded": m.recorded, "recomputed": m.recomputed} for m in r.mismatches],
-            "unrecorded_calls": sorted(r.skipped)}
+            "unrecorded_calls": sorted(r.skipped),
+            "not_reexecuted": [{"handle_id": h, "code": code, "reason": why}
+                               for h, (code, why) in sorted(r.unrunnable.items())]}
