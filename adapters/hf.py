@@ -138,6 +138,8 @@ def prepare(model: Any, inputs: torch.Tensor | None = None, generation_config: A
                                      negative_prompt_ids, negative_prompt_attention_mask, custom_generate)))
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"seed must be an int in [0, 2**63), not {seed!r}")
+    if stats is not None and not isinstance(stats, dict):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"stats must be a dict to fill in, not {type(stats).__name__}")
     return hf_args.prepare(model, inputs, named, kwargs, request_ids), Options(close_frontier, seed,
                                                                                overlap_commit, stats)
 

@@ -19,6 +19,7 @@ prediction, DFlash speculation, token healing, synced GPUs).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ import torch
 
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+MAX_ID = 256  # a handle id's length in the event schema (schemas.events.Id)
+FORK_SUFFIX = 12  # room for a fork's ".b<n>" after its request's id
 # generate's named parameters after `inputs`, in its order (GenerationMixin.generate)
 NAMED = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
          "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate")
@@ -64,6 +67,8 @@ def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, An
     """`named`: generate's named parameters as given (None where not); `kwargs` the rest;
     `request_ids` one per row of the prompt, or None (generated)."""
     kwargs = dict(kwargs)
+    if not callable(getattr(model, "generate", None)) or getattr(model, "generation_config", None) is None:
+        raise _bad(f"model must be a transformers model with generate(), not {type(model).__name__}")
     for key, why in REFUSED_MODEL_KWARGS.items():
         if kwargs.get(key) is not None:
             raise _bad(f"{key}= is not journaled: {why}")
@@ -75,7 +80,6 @@ def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, An
         raise _bad("trust_remote_code=True runs a decoding loop from a Hub repository: not journaled")
     input_ids = _prompt(model, inputs, kwargs)
     mask = _mask(kwargs.pop("attention_mask", None), input_ids)
-    rids = _request_ids(request_ids, input_ids.shape[0])
     gen_config = named.get("generation_config")
     if gen_config is not None and not _is_generation_config(gen_config):
         raise _bad(f"generation_config must be a transformers GenerationConfig, not {type(gen_config).__name__}")
@@ -105,13 +109,14 @@ def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, An
             raise _bad(f"{what} is not journaled")
     if getattr(config, "prefill_chunk_size", None) is not None:
         raise _bad("prefill_chunk_size: a chunked prefill is not journaled")
+    _check_config(config)
     if config.use_cache is False:
         raise _bad("use_cache=False recomputes every row on every call: nothing to journal")
     out: dict[str, Any] = {k: v for k, v in named.items() if v is not None}
     cache_implementation = getattr(config, "cache_implementation", None)
     if cache_implementation not in (None, "dynamic"):
         raise _bad(f"cache_implementation={cache_implementation!r} is not journaled: kvledger.hf journals "
-                   "a DynamicCache of its own")
+                   "a DynamicCache of its own (cache_implementation=None asks for one)")
     if cache_implementation == "dynamic":  # what the journaled cache is: generate must not build another
         if gen_config is not None and gen_config.cache_implementation is not None:
             out["generation_config"] = gen_config = _copy_with(gen_config, cache_implementation=None)
@@ -120,6 +125,8 @@ def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, An
     if mask is None:  # the one generate infers from pad tokens must be left padding too
         _mask(_inferred_mask(config, input_ids), input_ids)
     max_new = _new_tokens(model, config, gen_config, kwargs, input_ids.shape[1])
+    forked = max(config.num_beams or 1, config.num_return_sequences or 1) > 1
+    rids = _request_ids(request_ids, input_ids.shape[0], MAX_ID - (FORK_SUFFIX if forked else 0))
     out.update(kwargs)
     return Call(input_ids=input_ids, attention_mask=mask, config=config, max_new_tokens=max_new,
                 assisted=assisted, request_ids=rids, generate_kwargs=out)
@@ -160,8 +167,10 @@ def _prompt(model: Any, inputs: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         raise _bad(f"input_ids must be a torch tensor [batch, tokens], not {type(ids).__name__}")
     if ids.dim() != 2:
         raise _bad(f"input_ids must be [batch, tokens], not of shape {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise _bad(f"input_ids must hold integer token ids, not {ids.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32):  # what an embedding takes
+        raise _bad(f"input_ids must hold int64 (or int32) token ids, not {ids.dtype}")
+    if ids.is_meta:
+        raise _bad("input_ids on the meta device hold no token ids")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise _bad(f"input_ids of shape {tuple(ids.shape)} holds no prompt")
     vocab = _vocab(model)
@@ -188,6 +197,21 @@ def _mask(mask: Any, ids: torch.Tensor) -> torch.Tensor | None:
     return mask
 
 
+def _check_config(config: Any) -> None:
+    """The values the journal records from the config (sampling temperature, stop ids),
+    held to their types before they reach a manifest."""
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        v = getattr(config, key, None)
+        vs = v.tolist() if isinstance(v, torch.Tensor) else v
+        vs = vs if isinstance(vs, list) else [] if vs is None else [vs]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in vs):
+            raise _bad(f"{key} must be a token id or a list of them, not {v!r}"[:200])
+    t = config.temperature
+    if config.do_sample and t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool)
+                                               or not math.isfinite(t) or t <= 0):
+        raise _bad(f"temperature must be a positive finite number, not {t!r}"[:200])
+
+
 def _inferred_mask(config: Any, ids: torch.Tensor) -> torch.Tensor:
     """The mask generate makes when none is given (its _prepare_attention_mask_for_generation):
     pad tokens masked out, when the pad id is set, occurs and is no EOS id."""
@@ -198,11 +222,12 @@ def _inferred_mask(config: Any, ids: torch.Tensor) -> torch.Tensor:
     return ids.ne(pad).long()
 
 
-def _request_ids(ids: Any, batch: int) -> list[str]:
+def _request_ids(ids: Any, batch: int, longest: int) -> list[str]:
     if ids is None:
         return []
-    if isinstance(ids, (str, bytes)) or not all(isinstance(r, str) for r in ids):
-        raise _bad("request_ids must be a sequence of strings, one per row of input_ids")
+    if isinstance(ids, (str, bytes)) or not all(isinstance(r, str) and 0 < len(r) <= longest for r in ids):
+        raise _bad(f"request_ids must be a sequence of strings of 1 to {longest} characters, one per row of "
+                   "input_ids")
     out: list[str] = list(ids)
     if len(out) != batch or len(set(out)) != batch:
         raise _bad(f"{len(out)} distinct request ids for {batch} rows")

@@ -58,8 +58,10 @@ def generate(args: argparse.Namespace) -> int:
     require_context(cfg, len(prompt) + args.max_new_tokens + 1)
     model = load(args.model, args.device)
     handle = f"gen-{uuid.uuid4().hex[:12]}"
+    # the journaled DynamicCache, whatever cache the checkpoint's generation_config.json names
     kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "num_beams": args.num_beams,
-                              "do_sample": args.do_sample, "seed": args.seed if args.do_sample else None}
+                              "do_sample": args.do_sample, "seed": args.seed if args.do_sample else None,
+                              "cache_implementation": None}
     url = resolve_url(args.db)
     with Ledger.open(url, source_instance="kvledger-generate-hf") as ledger:
         first = ledger.journal.last_position()

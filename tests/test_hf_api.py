@@ -167,6 +167,17 @@ REFUSED = {
     "request_ids_numbers": {"request_ids": [1]},
     "seed_text": {"seed": "7"},
     "ledger_not_one": {"_ledger": 3},
+    "model_not_one": {"_model_obj": "gpt2"},
+    "request_id_too_long": {"request_ids": ["r" * 257]},
+    "request_id_empty": {"request_ids": [""]},
+    "request_id_no_room_for_beams": {"request_ids": ["r" * 250], "num_beams": 2},
+    "stats_not_a_dict": {"stats": []},
+    "eos_negative": {"eos_token_id": [-5]},
+    "eos_beyond_int64": {"eos_token_id": 10**30},
+    "temperature_nan": {"do_sample": True, "temperature": float("nan")},
+    "temperature_text": {"do_sample": True, "temperature": "hot"},
+    "int8_ids": {"_ids": IDS.to(torch.int8)},
+    "meta_ids": {"_ids": torch.ones((1, 3), dtype=torch.long, device="meta")},
 }
 
 
@@ -194,6 +205,7 @@ def test_what_cannot_be_journaled_is_refused_before_any_work(case, ledger_kind, 
     if kw.get("max_new_tokens") is None:
         kw.pop("max_new_tokens")
     args = () if ids is None or "inputs" in kw else (ids,)
+    model = kw.pop("_model_obj", model)
     db = tmp_path / "j.db"
     url = f"sqlite:///{db}"
     with pytest.raises(KvLedgerError) as refused:

@@ -145,3 +145,25 @@ def test_a_crafted_journal_is_a_finding_never_an_internal_error(edits, journal, 
     assert done.returncode in (0, 1, 2), done.stderr
     if done.returncode == 2:
         assert done.stderr.count("\n") == 1 and done.stderr.split(":")[0].isupper(), done.stderr
+
+
+@pytest.mark.parametrize("generation_config", ['{"cache_implementation": "static"}', '{"do_sample": true}',
+                                               '{"max_length": 5}', "[1]"])
+def test_the_checkpoints_generation_config_does_not_derail_generate(generation_config, model_dir, tmp_path, capsys):
+    """generate --runtime hf sets its own generation (greedy unless --do-sample, its
+    --max-new-tokens, the journaled DynamicCache) over what generation_config.json says;
+    one transformers cannot read is a coded line."""
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in model_dir.iterdir():
+        (d / f.name).symlink_to(f)
+    (d / "generation_config.json").write_text(generation_config)
+    done = kvledger(capsys, "generate", "--runtime", "hf", "--model", str(d), "--prompt-ids", "1,2,3",
+                    "--max-new-tokens", "6", "--db", f"sqlite:///{tmp_path}/j.db", "--json")
+    if generation_config == "[1]":
+        assert done.returncode == 2 and done.stderr.startswith("INVALID_ARGUMENT: "), done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).generate(
+        torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
+    assert json.loads(done.stdout)["output_ids"] == ref[0, 3:].tolist()
