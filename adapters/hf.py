@@ -13,22 +13,19 @@ reorders). Nothing it does touches the random generator or the tensors generate 
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from kvledger.adapters import hf_identity, hf_rows
+from kvledger.adapters import hf_args, hf_identity, hf_rows
 from kvledger.adapters.hf_journal import Plan, Tracker
 from kvledger.engine.port import CommandPort
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import SamplingPolicy
-
-ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
 class HasService(Protocol):
@@ -85,12 +82,6 @@ class _Candidates(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
-def _generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
-    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    gc.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
-    return gc
-
-
 def _ids(value: Any) -> frozenset[int]:
     if value is None:
         return frozenset()
@@ -99,19 +90,16 @@ def _ids(value: Any) -> frozenset[int]:
     return frozenset([value] if isinstance(value, int) else value)
 
 
-def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | None,
-             kwargs: dict[str, Any], seed: int | None = None) -> Plan:
-    gc = _generation_config(model, kwargs)
-    batch, width = input_ids.shape
-    if request_ids is None:
+def plan_for(model: Any, call: hf_args.Call, seed: int | None = None) -> Plan:
+    gc = call.config
+    batch, width = call.input_ids.shape
+    request_ids = call.request_ids
+    if not request_ids:
         run = uuid.uuid4().hex[:12]
         request_ids = [f"hf-{run}-{b}" for b in range(batch)]
-    request_ids = list(request_ids)
-    if len(request_ids) != batch or len(set(request_ids)) != batch:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{len(request_ids)} distinct request ids for {batch} rows")
     beams = (gc.num_beams or 1) > 1
     expand = max(gc.num_beams or 1, gc.num_return_sequences or 1)
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else max(1, (gc.max_length or 20) - width)
+    max_new = call.max_new_tokens
     eos = _ids(gc.eos_token_id)
     sampling = SamplingPolicy(kind="temperature" if gc.do_sample else "greedy",
                               temperature=float(gc.temperature or 1.0) if gc.do_sample else 1.0,
@@ -123,15 +111,52 @@ def plan_for(model: Any, input_ids: torch.Tensor, request_ids: Sequence[str] | N
                                     stop_token_ids=tuple(sorted(eos)), sampling=sampling)
 
     return Plan(request_ids=request_ids, prompt_width=width, expand=expand, beams=beams,
-                assisted=any(kwargs.get(k) is not None for k in ASSISTED), eos=eos,
+                assisted=call.assisted, eos=eos,
                 manifest_for=manifest_for, reserve_for=lambda prompt: len(prompt) + max_new + 1)
 
 
-def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor | None = None, request_ids: Sequence[str] | None = None,
-                       close_frontier: bool = True, seed: int | None = None, overlap_commit: bool = False,
-                       stats: dict[str, float] | None = None, **generate_kwargs: Any) -> Any:
-    """model.generate(input_ids=..., attention_mask=..., **generate_kwargs), journaled.
+class Options(NamedTuple):
+    """journaled_generate's own keyword arguments (the rest are generate's)."""
+
+    close_frontier: bool = True
+    seed: int | None = None
+    overlap_commit: bool = False
+    stats: dict[str, float] | None = None
+
+
+def prepare(model: Any, inputs: torch.Tensor | None = None, generation_config: Any = None,
+            logits_processor: Any = None, stopping_criteria: Any = None, prefix_allowed_tokens_fn: Any = None,
+            synced_gpus: bool | None = None, assistant_model: Any = None, streamer: Any = None,
+            negative_prompt_ids: torch.Tensor | None = None, negative_prompt_attention_mask: torch.Tensor | None = None,
+            custom_generate: Any = None, *, request_ids: Sequence[str] | None = None, close_frontier: bool = True,
+            seed: int | None = None, overlap_commit: bool = False, stats: dict[str, float] | None = None,
+            **kwargs: Any) -> tuple[hf_args.Call, Options]:
+    """journaled_generate's arguments (model.generate's signature, then its own), checked
+    before any work: what the journal cannot follow is INVALID_ARGUMENT (adapters.hf_args)."""
+    named = dict(zip(hf_args.NAMED, (generation_config, logits_processor, stopping_criteria,
+                                     prefix_allowed_tokens_fn, synced_gpus, assistant_model, streamer,
+                                     negative_prompt_ids, negative_prompt_attention_mask, custom_generate)))
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"seed must be an int in [0, 2**63), not {seed!r}")
+    if stats is not None and not isinstance(stats, dict):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"stats must be a dict to fill in, not {type(stats).__name__}")
+    return hf_args.prepare(model, inputs, named, kwargs, request_ids), Options(close_frontier, seed,
+                                                                               overlap_commit, stats)
+
+
+def journaled_generate(model: Any, *args: Any, ledger: HasService, **kwargs: Any) -> Any:
+    """model.generate(*args, **kwargs), journaled: generate's own signature (positional
+    `inputs`, `inputs=` or `input_ids=`, its generation config and defaults), plus
+    `ledger` (anything with a command `service`, such as a kvledger.Ledger) and the
+    keyword arguments `request_ids` and those of `Options` (close_frontier, seed,
+    overlap_commit, stats). kvledger.hf.journaled_generate also takes a database URL as `ledger`.
+    The arguments are checked before any work (`prepare`); then `run`."""
+    call, options = prepare(model, *args, **kwargs)
+    return run(model, call, options, ledger)
+
+
+def run(model: Any, call: hf_args.Call, options: Options, ledger: HasService) -> Any:
+    """model.generate on a checked call, journaled.
 
     One handle per batch row (named by `request_ids`, one per row of input_ids, or
     generated), forks for beams and extra return sequences. If generate raises, every
@@ -166,12 +191,12 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     seconds spent in the journal's own work (before and after each forward call, the
     closing call, finishing), and `forward_calls`. What the journal costs, apart from
     the wall time of a run, which the machine's load also moves."""
-    for key in ("cache", "past_key_values"):
-        if generate_kwargs.get(key) is not None:
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{key}= is the journaled cache's place")
-    if input_ids.dim() != 2:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "input_ids must be [batch, tokens]")
-    plan = plan_for(model, input_ids, request_ids, generate_kwargs, seed)
+    close_frontier, seed, overlap_commit, stats = options
+    input_ids, generate_kwargs = call.input_ids, dict(call.generate_kwargs)
+    if not callable(getattr(getattr(ledger, "service", None), "execute_many", None)):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"ledger= must be a kvledger.Ledger (or, through "
+                                                        f"kvledger.hf, a database URL), not {type(ledger).__name__}")
+    plan = plan_for(model, call, seed)
     tracker = Tracker(ledger.service, plan, hf_identity.cache_schema(model).num_cache_layers,
                       overlap=overlap_commit)
     tracker.keep_rows = close_frontier
@@ -214,7 +239,15 @@ def journaled_generate(model: Any, *, ledger: HasService, input_ids: torch.Tenso
     try:
         if seed is not None:
             torch.manual_seed(seed)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+        try:
+            out = model.generate(input_ids=input_ids, attention_mask=call.attention_mask, cache=cache,
+                                 **generate_kwargs)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            if tracker.started:
+                raise
+            # generate's own checks of its arguments, before its first forward call: nothing journaled
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"model.generate refused its arguments: "
+                                                            f"{type(exc).__name__}: {exc}"[:400]) from exc
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         t0, during = time.perf_counter(), spent["journal_s"]  # the closing call is all journal work
         if close_frontier:

@@ -9,6 +9,13 @@ nothing is padded), positions from the mask. A batch row no append names (a row 
 finished, a beam expanded from another) runs as a placeholder of the same shape. On the
 same model, device and dtype the rows come out bit for bit, so a digest that differs
 names an append whose recorded rows are not what this model computes.
+
+A request the model cannot run at all is set aside, never run into a shape error: rows of
+another cache geometry (layers, KV heads, head dims) or token ids outside the model's
+vocabulary (another artifact: ARTIFACT_MISMATCH), or a call whose recorded shape does not
+hold its members or is beyond any real batch (a malformed journal: MALFORMED_EVENT).
+Every request sharing a call with one set aside is set aside too: the call cannot be
+rebuilt without it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from kvledger.adapters import hf_rows
+from kvledger.adapters import hf_identity, hf_rows
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import layers_sha256
 from kvledger.worker.reexec import Mismatch
@@ -34,6 +41,14 @@ class HfReexecution:
     mismatches: list[Mismatch] = field(default_factory=list)
     skipped: set[str] = field(default_factory=set)  # handles with an append that names no call
     artifacts: set[str] = field(default_factory=set)  # model_artifact_sha256 of the journal's requests
+    unrunnable: dict[str, tuple[str, str]] = field(default_factory=dict)  # handle -> (code, why), not re-executed
+
+
+# Bounds on a rebuilt call, past any real batch: a journal's recorded shape must not
+# size an allocation (its ids and mask are size x key_extent) nor spawn threads.
+MAX_CALL_ROWS = 4096
+MAX_CALL_CELLS = 1 << 26
+MAX_THREADS = 1024
 
 
 def reexecute_hf(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
@@ -67,10 +82,36 @@ class _Rows:
     staged_at: int = 0  # the position of the first staged row
 
 
+@dataclass
+class _Model:
+    """What a request's rows must match to be recomputed by this model."""
+
+    geometry: tuple[int, int, int]  # cache layers, KV heads, head dim
+    vocab: int
+
+    @classmethod
+    def of(cls, model: Any) -> _Model:
+        cs = hf_identity.cache_schema(model)
+        return cls((cs.num_cache_layers, cs.kv_heads_per_rank, cs.head_dim),
+                   int(model.get_input_embeddings().num_embeddings))
+
+    def refuses(self, cs: Any, tokens: Iterable[int]) -> str | None:
+        geometry = (cs.num_cache_layers, cs.kv_heads_per_rank, cs.head_dim)
+        if geometry != self.geometry:
+            return ("rows of {} layers x {} KV heads x {} dims; the model's are {} x {} x {}"
+                    .format(*geometry, *self.geometry))
+        return self.outside(tokens)
+
+    def outside(self, tokens: Iterable[int]) -> str | None:
+        top = max(tokens, default=-1)
+        return f"token id {top} is outside the model's vocabulary of {self.vocab}" if top >= self.vocab else None
+
+
 def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
     out = HfReexecution()
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
+    ours = _Model.of(model)
     store: dict[str, _Rows] = {}
     starts: dict[tuple[str, str], ev.AppendStartEvent] = {}
     calls: dict[str, list[ev.AppendStartEvent]] = {}
@@ -86,15 +127,22 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
     for e in events:
         h = e.stream_id
         if isinstance(e, ev.RequestAllocateEvent):
-            cs = e.payload.manifest.cache_schema
-            out.artifacts.add(e.payload.manifest.artifact_identity.model_artifact_sha256)
-            empty = torch.zeros((cs.num_cache_layers, cs.kv_heads_per_rank, 0, cs.head_dim), dtype=dtype,
-                                device=device)
+            m = e.payload.manifest
+            out.artifacts.add(m.artifact_identity.model_artifact_sha256)
+            why = ours.refuses(m.cache_schema, m.input_identity.prompt_token_ids)
+            if why is not None:
+                out.unrunnable[h] = ("ARTIFACT_MISMATCH", why)
+                continue
+            empty = torch.zeros((*ours.geometry[:2], 0, ours.geometry[2]), dtype=dtype, device=device)
             store[h] = _Rows(empty, empty.clone())
         elif isinstance(e, ev.ForkEvent):
-            parent, n = store[e.payload.parent_handle_id], e.payload.prefix_length
+            src = e.payload.parent_handle_id
+            parent, n = store.get(src), e.payload.prefix_length
+            if parent is None:
+                out.unrunnable[h] = out.unrunnable.get(src, ("MALFORMED_EVENT", f"a fork of {src}, never allocated"))
+                continue
             store[h] = _Rows(parent.k[:, :, :n].clone(), parent.v[:, :, :n].clone())
-            padding.origin[h] = padding.origin.get(e.payload.parent_handle_id, "")
+            padding.origin[h] = padding.origin.get(src, "")
         elif isinstance(e, ev.AppendStartEvent):
             starts[(h, e.payload.txn_id)] = e
             if e.payload.call is None:
@@ -104,16 +152,62 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
             if start is None or start.payload.call is None:
                 continue
             if start.payload.call.call_id not in ran:
-                _run(model, store, calls.pop(start.payload.call.call_id), padding)
+                members = calls.pop(start.payload.call.call_id)
+                if _runnable(members, store, ours, out):
+                    _run(model, store, members, padding)
                 ran.add(start.payload.call.call_id)
-            if isinstance(e, ev.AppendPublishEvent):
+            if isinstance(e, ev.AppendPublishEvent) and h not in out.unrunnable:
                 _publish(store[h], start, e, out)
         elif isinstance(e, ev.TruncateEvent):
-            r = store[h]
-            r.k, r.v = r.k[:, :, :e.payload.new_length], r.v[:, :, :e.payload.new_length]
+            r = store.get(h)
+            if r is not None:
+                r.k, r.v = r.k[:, :, :e.payload.new_length], r.v[:, :, :e.payload.new_length]
         elif isinstance(e, ev.ReleaseEvent):
             store.pop(h, None)
     return out
+
+
+def _runnable(members: list[ev.AppendStartEvent], store: dict[str, _Rows], ours: _Model,
+              out: HfReexecution) -> bool:
+    """Whether a call can be rebuilt on this model; if not, every member is set aside
+    (named by the first reason found)."""
+    why = _call_problem(members, store, ours, out)
+    if why is None:
+        return True
+    for m in members:
+        out.unrunnable.setdefault(m.stream_id, why)
+    return False
+
+
+def _call_problem(members: list[ev.AppendStartEvent], store: dict[str, _Rows], ours: _Model,
+                  out: HfReexecution) -> tuple[str, str] | None:
+    for m in members:
+        if m.stream_id in out.unrunnable:
+            return out.unrunnable[m.stream_id]
+    call = members[0].payload.call
+    assert call is not None  # only starts that name their call are grouped
+    if call.size > MAX_CALL_ROWS or call.size * call.key_extent > MAX_CALL_CELLS or call.threads > MAX_THREADS:
+        return ("MALFORMED_EVENT", f"call {call.call_id} of {call.size} rows x {call.key_extent} key columns on "
+                                   f"{call.threads} threads is beyond any real batch")
+    width, past_cols = call.new_pad, call.key_extent - call.new_pad
+    rows: dict[int, tuple[str, int, int]] = {}  # batch row -> its handle, first position, tokens
+    for m in members:
+        p, c = m.payload, m.payload.call
+        assert c is not None
+        h, start, n = rows.get(c.index, (m.stream_id, p.interval_start, 0))
+        rows[c.index] = (h, min(start, p.interval_start), n + p.interval_count)
+        if h != m.stream_id or (c.size, c.new_pad, c.key_extent) != (call.size, width, call.key_extent):
+            return ("MALFORMED_EVENT", f"append {p.txn_id} of {m.stream_id} does not fit its recorded call "
+                                       f"{call.call_id}")
+        why = ours.outside(p.token_ids)
+        if why is not None:
+            return ("ARTIFACT_MISMATCH", why)
+    for index, (h, start, n) in rows.items():
+        r = store.get(h)
+        # rows before the call's own are committed ones, within the call's key columns
+        if r is None or index >= call.size or past_cols < 0 or n > width or start > min(past_cols, r.k.shape[2]):
+            return ("MALFORMED_EVENT", f"the appends of {h} do not fit their recorded call {call.call_id}")
+    return None
 
 
 def _publish(r: _Rows, start: ev.AppendStartEvent, e: ev.AppendPublishEvent, out: HfReexecution) -> None:

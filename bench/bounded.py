@@ -23,7 +23,7 @@ from typing import Any
 from bench import Context
 
 # One module per surface; each defines SCENARIOS (and may define GOALS for its keys).
-MODULES: list[str] = ["bench.hostile_records", "bench.hostile_serve", "bench.hostile_recorder"]
+MODULES: list[str] = ["bench.hostile_records", "bench.hostile_serve", "bench.hostile_recorder", "bench.hostile_hf"]
 
 Scenario = Callable[[Path, str, Callable[[], None]], None]
 

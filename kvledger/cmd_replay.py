@@ -200,7 +200,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             source = journal.display_url
             result = verify_journal(journal, keep=args.max_findings, expect=args.expect, key=key)
     proof = _reexecution(args) if args.reexecute else None
-    ok = result.ok and (proof is None or not (proof["mismatches"] or proof["other_artifacts"]))
+    ok = result.ok and (proof is None or not (proof["mismatches"] or proof["other_artifacts"]
+                                              or proof["not_reexecuted"]))
     if args.json:
         out = {"source": source, "events": result.events, "ok": ok, "findings": result.findings,
                "omitted": result.omitted, "stopped": result.stopped, "storage": result.storage}
@@ -223,6 +224,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                       f"{(m['recorded'] or 'none')[:16]}")
             for a in proof["other_artifacts"]:
                 print(f"ARTIFACT_MISMATCH: the journal's rows come from model {a[:16]}, not --model's")
+            for n in proof["not_reexecuted"]:
+                print(f"{n['code']}: {n['handle_id']} not re-executed: {n['reason']}")
             print(f"re-executed {proof['verified_appends']} appends ({proof['verified_rows']} rows): "
                   f"{len(proof['mismatches'])} mismatches")
     return 0 if ok else 1

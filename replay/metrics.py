@@ -14,6 +14,12 @@ at their publish (engine.evolve records them so). Times are monotonic_ns integer
 A fork child arrives at its fork. The outputs it inherits were the parent's: its
 metrics cover only the outputs it emitted itself, and the saved-work formulas (which
 start from a prefill of P prompt rows) do not apply to it; its executed rows do.
+
+Requests and forks are counted apart. A request is a handle its request_allocate
+created: the root of a fork tree. Its forks (beams, n > 1 samples, a beam taken twice)
+are that request's, not requests of their own: the window's throughput and goodput
+count requests only (one prompt with 4 beams completes one request), and the forks get
+their own figures beside them (`fork_window`), each fork naming the request it is of.
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ class SavedWork(msgspec.Struct, frozen=True, gc=False):
 
 
 # gc=False: immutable values only, so never in a cycle; a report holds one a request,
-# which the collector would otherwise scan after every replay.
-class RequestMetrics(msgspec.Struct, frozen=True, gc=False):
+# which the collector would otherwise scan after every replay. omit_defaults: fork_of
+# and forks appear only where there are forks.
+class RequestMetrics(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     handle_id: str
     request_id: str
     outcome: str | None  # "finished", "cancelled", or None while still running
@@ -66,6 +73,8 @@ class RequestMetrics(msgspec.Struct, frozen=True, gc=False):
     release_lag_ns: int | None
     slo_valid: bool  # finished, TTFT <= limit and every TBT <= limit (window's thresholds)
     saved_work: SavedWork
+    fork_of: str | None = None  # a fork: the handle of the request (the fork tree's root) it belongs to
+    forks: int = 0  # a request: the forks of its tree
 
 
 # The goodput SLO when none is declared: one pair, used by `replay` and the demo's summary.
@@ -129,7 +138,8 @@ def saved_work(p: int, g: int, executed_rows: int = 0, executed_pairs: int = 0,
 
 
 def request_metrics(s: HandleState, outcome: str | None, window: WindowSpec,
-                    work: SavedWork, inherited: int = 0) -> RequestMetrics:
+                    work: SavedWork, inherited: int = 0, *, fork_of: str | None = None,
+                    forks: int = 0) -> RequestMetrics:
     inherited = min(inherited, len(s.output_ns))  # a truncate may have cut into them
     times = s.output_ns[inherited:]
     g = len(times)
@@ -146,8 +156,20 @@ def request_metrics(s: HandleState, outcome: str | None, window: WindowSpec,
         # One output: no TBT interval exists, so that clause holds vacuously (0x05).
         slo_valid=(finished and ttft is not None and ttft <= window.slo_ttft_ns
                    and (not tbt or max(tbt) <= window.slo_tbt_ns)),
-        saved_work=work,
+        saved_work=work, fork_of=fork_of, forks=forks,
     )
+
+
+def fork_roots(handles: dict[str, HandleState]) -> dict[str, str]:
+    """Each fork's request: the root of its fork tree (a handle with no parent), for
+    every handle that has a parent. `handles` in journal order, so a parent comes first;
+    one whose parent is unknown (a partial fold) counts that parent as its root."""
+    roots: dict[str, str] = {}
+    for hid, s in handles.items():
+        parent = s.parent_handle_id
+        if parent is not None:
+            roots[hid] = roots.get(parent, parent)
+    return roots
 
 
 def window_metrics(requests: Iterable[tuple[RequestMetrics, int | None]], window: WindowSpec,

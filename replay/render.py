@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvledger.replay.ledger import PEAK_NAMES
+from kvledger.replay.metrics import RequestMetrics
 from kvledger.replay.report import Report
 from kvledger.replay.verify import VerifyResult
 
@@ -63,29 +64,28 @@ def print_report(report: Report, console: Console, source: str) -> None:
                   f"{bt.physical_byte_ns / 1e6:,.3f} byte-ms "
                   f"(from {_ms(bt.start_ns)} to {_ms(bt.end_ns)} ms)")
 
-    t = Table(title="Requests (0x05), times in ms", title_justify="left")
-    for col in ("handle", "outcome", "G", "TTFT", "TPOT", "max TBT", "E2E", "release lag", "SLO"):
-        t.add_column(col, justify="left" if col in ("handle", "outcome") else "right")
-    for r in report.requests[:MAX_ROWS]:
-        t.add_row(escape(r.handle_id), r.outcome or "running", str(r.outputs), _ms(r.ttft_ns), _ms(r.tpot_ns),
-                  _ms(max(r.tbt_ns)) if r.tbt_ns else "-", _ms(r.e2e_ns), _ms(r.release_lag_ns),
-                  "yes" if r.slo_valid else "no")
-    console.print(t)
-    _more(console, len(report.requests))
-
+    _print_metrics(console, "Requests (0x05), times in ms", report.requests, forks=True)
     w = report.window
     console.print(
         f"window [{_ms(w.start_ns)}, +{_ms(w.width_ns)}] ms, SLO TTFT <= {_ms(w.slo_ttft_ns)} ms, "
         f"TBT <= {_ms(w.slo_tbt_ns)} ms: completed {w.completed}, SLO-valid {w.slo_valid}; "
         f"throughput {_rate(w.throughput_rps, 'req/s')}, goodput {_rate(w.goodput_rps, 'req/s')}, "
-        f"fraction {'-' if w.goodput_fraction is None else f'{w.goodput_fraction:.3f}'}, "
-        f"token goodput {_rate(w.token_goodput_tps, 'tok/s')}")
+        f"fraction {_fraction(w.goodput_fraction)}, token goodput {_rate(w.token_goodput_tps, 'tok/s')}")
+    if report.forks and report.fork_window:
+        _print_metrics(console, "Forks (beams, n > 1 samples) of those requests, times in ms from each fork",
+                       report.forks, forks=False)
+        f = report.fork_window
+        console.print(
+            f"forks: {len(report.forks)} of {sum(1 for r in report.requests if r.forks)} requests, counted "
+            f"apart: completed {f.completed}, SLO-valid {f.slo_valid}; "
+            f"throughput {_rate(f.throughput_rps, 'forks/s')}, goodput {_rate(f.goodput_rps, 'forks/s')}, "
+            f"fraction {_fraction(f.goodput_fraction)}, token goodput {_rate(f.token_goodput_tps, 'tok/s')}")
 
     t = Table(title="Saved work per layer (0x03): rows and causal pairs", title_justify="left")
     for col in ("handle", "P", "G", "rows no-cache", "rows cache", "rows executed", "x",
                 "pairs no-cache", "pairs cache", "pairs executed", "x "):
         t.add_column(col, justify="left" if col == "handle" else "right")
-    for r in report.requests[:MAX_ROWS]:
+    for r in (report.requests + (report.forks or []))[:MAX_ROWS]:
         s = r.saved_work
 
         def n(v: int | None) -> str:
@@ -97,8 +97,26 @@ def print_report(report: Report, console: Console, source: str) -> None:
                   n(s.pairs_cache), n(s.executed_pairs),
                   "-" if s.pairs_ratio is None else f"{s.pairs_ratio:.2f}")
     console.print(t)
-    _more(console, len(report.requests))
+    _more(console, len(report.requests) + len(report.forks or []))
     print_kv_blocks(report, console)
+
+
+def _fraction(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _print_metrics(console: Console, title: str, rows: list[RequestMetrics], *, forks: bool) -> None:
+    """A table of requests (with their fork count) or of forks (with their request)."""
+    t = Table(title=title, title_justify="left")
+    extra = "forks" if forks else "request"
+    for col in ("handle", extra, "outcome", "G", "TTFT", "TPOT", "max TBT", "E2E", "release lag", "SLO"):
+        t.add_column(col, justify="left" if col in ("handle", "request", "outcome") else "right")
+    for r in rows[:MAX_ROWS]:
+        t.add_row(escape(r.handle_id), str(r.forks) if forks else escape(r.fork_of or "-"), r.outcome or "running",
+                  str(r.outputs), _ms(r.ttft_ns), _ms(r.tpot_ns), _ms(max(r.tbt_ns)) if r.tbt_ns else "-",
+                  _ms(r.e2e_ns), _ms(r.release_lag_ns), "yes" if r.slo_valid else "no")
+    console.print(t)
+    _more(console, len(rows))
 
 
 def print_kv_blocks(report: Report, console: Console) -> None:

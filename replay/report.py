@@ -1,13 +1,18 @@
 """The replay report: what `kvledger replay` prints, built from a projector on demand.
 
 The JSON form is one object with the keys position, handles, ledger, peaks, byte_time,
-requests, window (and trajectory, only when it was recorded; kv_blocks, only when the
-journal holds KV-event streams: replay.kv_blocks). Field order and handle
+requests, window (and trajectory, only when it was recorded; forks and fork_window, only
+when the journal holds forks; kv_blocks, only when it holds KV-event streams:
+replay.kv_blocks). `requests` and `window` are the requests' (the roots of fork trees);
+`forks` and `fork_window` the forks' (beams, n > 1 samples), each naming its request
+(replay.metrics). Field order and handle
 order (first appearance in the journal) are deterministic, so two replays of the same
 events print byte-identical JSON.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import msgspec
 
@@ -20,6 +25,7 @@ from kvledger.replay.metrics import (
     RequestMetrics,
     WindowMetrics,
     WindowSpec,
+    fork_roots,
     request_metrics,
     saved_work,
     window_metrics,
@@ -62,6 +68,9 @@ class Report(msgspec.Struct, frozen=True, omit_defaults=True):
     requests: list[RequestMetrics]
     window: WindowMetrics
     trajectory: list[LedgerPoint] | None = None
+    # the forks' own figures (beams, n > 1 samples); absent when the journal has none
+    forks: list[RequestMetrics] | None = None
+    fork_window: WindowMetrics | None = None
     # KV-event streams' block pools (replay.kv_blocks); absent when the journal has none
     kv_blocks: list[StreamReport] | None = None
 
@@ -109,8 +118,10 @@ def _build(projector: Projector, window: WindowSpec, block_bytes: int | None = N
     led = projector.ledger
     owners = led.owners
     handles = []
-    requests = []
-    finishes = []
+    roots = fork_roots(projector.handles)
+    per_root = Counter(roots.values())
+    requests: list[tuple[RequestMetrics, int | None]] = []
+    forks: list[tuple[RequestMetrics, int | None]] = []
     for hid, s in projector.handles.items():
         handles.append(handle_snapshot(s, hid in owners))
         w = projector.work.get(hid)
@@ -118,13 +129,16 @@ def _build(projector: Projector, window: WindowSpec, block_bytes: int | None = N
         inherited = projector.inherited.get(hid)
         own = len(s.outputs) - min(inherited or 0, len(s.outputs))
         work = saved_work(len(s.prompt), own, *executed, from_prefill=inherited is None)
-        r = request_metrics(s, projector.outcomes.get(hid), window, work, inherited or 0)
-        requests.append(r)
-        finishes.append((r, s.finish_ns))
+        root = roots.get(hid)
+        r = request_metrics(s, projector.outcomes.get(hid), window, work, inherited or 0, fork_of=root,
+                            forks=per_root.get(hid, 0))
+        (requests if root is None else forks).append((r, s.finish_ns))
     return Report(
         position=projector.position, handles=handles, ledger=led.values(),
-        peaks=led.peak_values(), byte_time=led.byte_time(), requests=requests,
-        window=window_metrics(finishes, window, led.start_ns, led.end_ns),
+        peaks=led.peak_values(), byte_time=led.byte_time(), requests=[r for r, _ in requests],
+        window=window_metrics(requests, window, led.start_ns, led.end_ns),
+        forks=[r for r, _ in forks] if forks else None,
+        fork_window=window_metrics(forks, window, led.start_ns, led.end_ns) if forks else None,
         trajectory=projector.trajectory,
         kv_blocks=kv_report(projector.kv.state, block_bytes) if projector.kv.state.streams else None,
     )

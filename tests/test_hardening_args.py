@@ -234,8 +234,10 @@ def test_demo_summary_counts_only_its_own_run(db_url):
     assert not result["errors"]
     assert theirs == 3 * 5  # the other run really wrote inside this run's window: 3 requests of 5 events
     assert summary["events_written"] == len(mine)
-    # every own handle that finished (the demo cancels one), no foreign one
-    assert summary["goodput"]["completed"] == result["handles"] - summary["cancelled"] > 0
+    # every own request that finished (the demo cancels one), no foreign one; its n=2 fork is not a
+    # request of its own (issue 44: this counted handles, the fork as one more completed request)
+    assert result["handles"] == result["requests"] + 1
+    assert summary["goodput"]["completed"] == result["requests"] - summary["cancelled"] > 0
     assert {e.stream_id for e in mine}.isdisjoint({"other-1", "other-2", "other-3"})
 
 

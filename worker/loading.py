@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import msgspec
@@ -13,6 +12,7 @@ from safetensors import SafetensorError
 from kvledger.schemas.canonical import digest
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.manifest import ArtifactIdentity
+from kvledger.worker import checkpoint
 from kvledger.worker.model import DEFAULT_CONFIG, ModelConfig, Transformer
 
 # The dtypes a model runs in, by the name --dtype and a cache schema's ScalarType give them.
@@ -38,7 +38,7 @@ def load_model(model_dir: str | None = None, *, device: str = "cpu", dtype: str 
             weight_transforms=() if dtype == "fp32" else (f"cast:{dtype}",))
         return model, artifact
     path = Path(model_dir)
-    read_config(path)
+    checkpoint.check(path, read_config(path))  # before any tensor is allocated
     try:
         model = Transformer.from_pretrained(path, dtype=torch_dtype, device=device)
     except (ValueError, KeyError, TypeError, OSError, SafetensorError) as exc:
@@ -51,7 +51,7 @@ def load_model(model_dir: str | None = None, *, device: str = "cpu", dtype: str 
                 h.update(block)
     artifact = ArtifactIdentity(
         model_artifact_sha256=h.hexdigest(),
-        model_config_sha256=digest(json.loads((path / "config.json").read_text())),
+        model_config_sha256=digest(checkpoint.read_json(path / "config.json")),
         weight_transforms=() if dtype == "fp32" else (f"cast:{dtype}",))
     return model, artifact
 
@@ -67,11 +67,11 @@ def require_context(cfg: ModelConfig, slots: int) -> None:
 def read_config(path: Path) -> ModelConfig:
     """The model config of a checkpoint directory, or INVALID_ARGUMENT saying why not (no
     directory, no config.json, not JSON, a missing or mistyped key, a model this code does
-    not implement). No weights are read."""
+    not implement). No weights are read: checkpoint.check holds them to this config."""
     if not path.is_dir():
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{str(path)!r} is not a model directory")
     try:
-        raw = json.loads((path / "config.json").read_bytes())
+        raw = checkpoint.read_json(path / "config.json")
         if not isinstance(raw, dict):
             raise ValueError("config.json is not a JSON object")
         return ModelConfig.from_hf_config(raw)
@@ -80,6 +80,6 @@ def read_config(path: Path) -> ModelConfig:
     except KeyError as exc:  # from_hf_config reads the required keys by name
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
                             f"{str(path)!r}: config.json lacks {exc.args[0]!r}") from None
-    except (ValueError, TypeError, OSError, RecursionError) as exc:
+    except (ValueError, TypeError, ArithmeticError, OSError, RecursionError) as exc:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT,
                             f"{str(path)!r}: unusable config.json ({type(exc).__name__}: {exc})") from None

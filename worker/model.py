@@ -9,6 +9,7 @@ returns. That keeps cache layout, paging and commit/rollback policy out of this 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -69,16 +70,24 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}")
         if d.get("mlp_bias") or (mt != "qwen2" and d.get("attention_bias")):
             raise ValueError("mlp_bias / attention_bias (bias on o_proj) are not implemented")
+        if d.get("quantization_config") is not None:
+            raise ValueError("quantized checkpoints (quantization_config) are not implemented")
+        for key in ("torch_dtype", "dtype"):  # what the weights were saved in: the loaders cast them
+            if d.get(key) not in (None, "auto", *_DTYPE_NAMES):
+                raise ValueError(f"{key} must be one of {', '.join(_DTYPE_NAMES)}, got {d[key]!r}"[:200])
 
         # transformers >= 5 writes rope_parameters={"rope_type", "rope_theta"}; older
         # configs have top-level rope_theta plus an optional rope_scaling dict.
         rp, rs = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
+        if not isinstance(rp, dict) or not isinstance(rs, dict):
+            raise ValueError("rope_parameters / rope_scaling must be JSON objects")
         rope_type = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
         if rope_type != "default" or rp.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"rope scaling {rope_type!r} / partial rotary is not implemented")
-        theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+        theta = _real(rp.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta")
 
-        n_layers, max_pos = d["num_hidden_layers"], d.get("max_position_embeddings", 2048)
+        n_layers = _size(d, "num_hidden_layers")
+        max_pos = _size(d, "max_position_embeddings", 2048)
         # A sliding window only changes the math once a sequence outgrows it.
         sw, layer_types = d.get("sliding_window"), d.get("layer_types")
         if layer_types is not None:
@@ -91,20 +100,61 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"sliding_window={sw} < max_position_embeddings={max_pos} "
                              "is not implemented (attention would differ past the window)")
 
-        def first(tok: object) -> int | None:  # Llama 3 style lists: keep the primary id
-            return tok[0] if isinstance(tok, list) and tok else (tok if isinstance(tok, int) else None)
+        vocab = _size(d, "vocab_size")
 
-        heads = d["num_attention_heads"]
+        def first(key: str) -> int | None:  # Llama 3 style lists: keep the primary id
+            tok = d.get(key)
+            ids = tok if isinstance(tok, list) else [] if tok is None else [tok]
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"{key} must be a token id below vocab_size or a list of them, got {tok!r}"[:200])
+            return ids[0] if ids else None
+
+        first("pad_token_id")  # read by transformers' loader: held to the same type
+        tied = d.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise ValueError(f"tie_word_embeddings must be true or false, got {tied!r}")
+        hidden, heads = _size(d, "hidden_size"), _size(d, "num_attention_heads")
+        kv_heads = _size(d, "num_key_value_heads", heads)
+        head_dim = _size(d, "head_dim", None)
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})")
+            head_dim = hidden // heads
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_layers=n_layers,
-            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            intermediate_size=d["intermediate_size"], rope_theta=float(theta),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), qkv_bias=mt == "qwen2",
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=max_pos,
-            eos_token_id=first(d.get("eos_token_id")), bos_token_id=first(d.get("bos_token_id")),
+            vocab_size=vocab, hidden_size=hidden, num_layers=n_layers,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            intermediate_size=_size(d, "intermediate_size"), rope_theta=theta,
+            rms_norm_eps=_real(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"), qkv_bias=mt == "qwen2",
+            tie_word_embeddings=tied, max_position_embeddings=max_pos,
+            eos_token_id=first("eos_token_id"), bos_token_id=first("bos_token_id"),
         )
+
+
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+# A size in config.json: a positive int below this (a bound on what a header can describe).
+MAX_SIZE = 1 << 40
+_REQUIRED = object()
+
+
+def _size(d: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    """d[key] as a positive int (KeyError if required and absent; None counts as absent)."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < MAX_SIZE:
+        raise ValueError(f"{key} must be a positive int below 2**40, got {v!r}"[:200])
+    return v
+
+
+def _real(v: object, key: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise ValueError(f"{key} must be a number, got {v!r}"[:200])
+    x = float(v)  # an int too large for a float raises OverflowError: an ArithmeticError the caller names
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{key} must be a positive finite number, got {v!r}"[:200])
+    return x
 
 
 DEFAULT_CONFIG = ModelConfig(
