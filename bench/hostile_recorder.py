@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.kv_events import free_ports
+
 CAP_MB = {"smoke": 32, "quick": 256, "full": 256}  # --max-held-bytes, in MiB
 SECONDS = {"smoke": 4.0, "quick": 15.0, "full": 30.0}
 # The cap, the receive queues (rcvhwm 1,000 messages each) and the commit pipeline (up to
@@ -92,15 +94,6 @@ def publish_main(pub_port: int, router_port: int, kind: str) -> None:
     ctx.term()
 
 
-def _ports() -> tuple[int, int]:
-    import socket
-
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        b.bind(("127.0.0.1", 0))
-        return int(a.getsockname()[1]), int(b.getsockname()[1])
-
-
 def _run(kind: str, tmp: Path, mode: str, ready: Callable[[], None]) -> None:
     import contextlib
     import io
@@ -108,7 +101,7 @@ def _run(kind: str, tmp: Path, mode: str, ready: Callable[[], None]) -> None:
     from kvledger.adapters import kv_events_zmq as z
     from kvledger.migrations.storage import open_or_create_journal
 
-    pub_port, router_port = _ports()
+    pub_port, router_port = free_ports()
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen(
         [sys.executable, "-c", f"from bench.hostile_recorder import publish_main; publish_main({pub_port}, "

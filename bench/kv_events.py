@@ -109,7 +109,8 @@ def publish_main(pub_port: int, router_port: int, n: int, seed: int) -> None:
     ctx.term()
 
 
-def _ports() -> tuple[int, int]:
+def free_ports() -> tuple[int, int]:
+    """Two free TCP ports on 127.0.0.1: a publisher's PUB and replay ROUTER."""
     import socket
 
     with socket.socket() as a, socket.socket() as b:
@@ -121,7 +122,7 @@ def _ports() -> tuple[int, int]:
 def _run_once(ctx: Context, n: int, journal_on: bool) -> tuple[float, int]:
     from kvledger.adapters import kv_events_zmq as z
 
-    pub_port, router_port = _ports()
+    pub_port, router_port = free_ports()
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen(
         [sys.executable, "-c", f"from bench.kv_events import publish_main; publish_main({pub_port}, {router_port}, "
