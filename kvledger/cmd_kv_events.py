@@ -59,12 +59,6 @@ def _topic(value: str) -> str:
     return value
 
 
-def _host(value: str) -> str:
-    if not value or len(value) > 253 or any(ch.isspace() or ord(ch) < 32 for ch in value):
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r} is not a host name or address")
-    return value
-
-
 MAX_HELD_BYTES = 256 << 20  # adapters.kv_events_recorder's (not imported: --help loads no recorder)
 DEFAULT_RCVHWM = 1000  # adapters.kv_events_zmq.RCVHWM
 HELD_BYTES = a.integer(0, 1 << 40)
@@ -101,10 +95,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"messages each socket queues before ZMQ pushes back on the publisher (default "
                         f"{DEFAULT_RCVHWM}); a publisher then drops, which shows as a seq hole: replayed or "
                         "journaled as a gap")
-    p.add_argument("--metrics-port", type=a.PORT, metavar="P",
-                   help="serve Prometheus /metrics on --metrics-host:P while recording (0: any free port, printed)")
-    p.add_argument("--metrics-host", type=_host, default="127.0.0.1", metavar="H",
-                   help="address to serve metrics on (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--metrics-port", type=a.PORT, metavar="P", help=a.METRICS_PORT_HELP)
+    p.add_argument("--metrics-host", type=a.host, default="127.0.0.1", metavar="H", help=a.METRICS_HOST_HELP)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(run=_cmd_record)
 
