@@ -203,11 +203,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
     metrics = None
     if args.metrics_port is not None:
-        try:
-            from kvledger.adapters.kv_events_metrics import RecorderMetrics
-        except ModuleNotFoundError:
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--metrics-port needs prometheus_client: "
-                                                            "pip install prometheus_client") from None
+        from kvledger.adapters.kv_events_metrics import RecorderMetrics
+
         metrics = RecorderMetrics()
         port = metrics.serve(args.metrics_host, args.metrics_port)
         log.info("serving metrics on http://%s:%d/metrics", args.metrics_host, port)
