@@ -128,7 +128,11 @@ RECORD_KEYS = ("received", "skipped", "skipped_codes", "too_large", "cap_gaps", 
 
 
 def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None, keys: tuple[str, ...] = ()) -> None:
-    doc = {k: getattr(s, k) for k in (*SUMMARY_KEYS, *keys)} | (extra or {})
+    _print({k: getattr(s, k) for k in (*SUMMARY_KEYS, *keys)} | (extra or {}), as_json)
+
+
+def _print(doc: dict[str, object], as_json: bool) -> None:
+    """One JSON object, or one line of key=value (a dict value as JSON)."""
     print(json.dumps(doc) if as_json else " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}"
                                                    for k, v in doc.items()))
 
@@ -184,8 +188,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             served = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
         except zmq.ZMQError as exc:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot bind {args.bind}: {exc}") from None
-    doc = msgspec.structs.asdict(served)
-    print(json.dumps(doc) if args.json else " ".join(f"{k}={v}" for k, v in doc.items()))
+    _print(msgspec.structs.asdict(served), args.json)
     return 0
 
 
