@@ -89,8 +89,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="stop after this long without a message of the topic (default: run until SIGINT/SIGTERM); "
                         "what is held then is journaled, each hole below it as a gap")
     p.add_argument("--max-held-bytes", type=HELD_BYTES, default=MAX_HELD_BYTES, metavar="N",
-                   help="bytes of batches held while a replay is pending (default 268435456, 256 MiB); past it "
-                        "the oldest hole is journaled as a gap and what follows it is journaled")
+                   help=f"bytes of batches held while a replay is pending (default {MAX_HELD_BYTES}, "
+                        f"{MAX_HELD_BYTES >> 20} MiB); past it the oldest hole is journaled as a gap and what "
+                        "follows it is journaled")
     p.add_argument("--rcvhwm", type=RCVHWM, default=DEFAULT_RCVHWM, metavar="N",
                    help=f"messages each socket queues before ZMQ pushes back on the publisher (default "
                         f"{DEFAULT_RCVHWM}); a publisher then drops, which shows as a seq hole: replayed or "
