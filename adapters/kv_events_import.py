@@ -29,13 +29,12 @@ from typing import Any
 import msgspec
 
 from kvledger.adapters.kv_events_recorder import Recorder
-from kvledger.adapters.kv_events_wire import decode_batch
+from kvledger.adapters.kv_events_wire import MAX_SEQ, decode_batch
 from kvledger.journal.contract import HeadFacts, Operation
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.schemas import kv_events as kv
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
-MAX_SEQ = (1 << 63) - 2  # the recorder's next expected seq (seq + 1) is an int64 too
 MAX_DEPTH = 32  # arrays and objects within each other (a vLLM batch needs 6)
 _LINE_KEYS = frozenset({"seq", "ts", "events", "data_parallel_rank"})
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")

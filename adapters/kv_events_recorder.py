@@ -35,7 +35,14 @@ from typing import Any  # _write's payload: the one of `cls`, a pairing its type
 
 import msgspec
 
-from kvledger.adapters.kv_events_wire import MAX_SEQ, Encoded, decode_batch_encoded, split_live, split_replay
+from kvledger.adapters.kv_events_wire import (
+    MAX_SEQ,
+    Encoded,
+    batch_seq,
+    decode_batch_encoded,
+    split_live,
+    split_replay,
+)
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.schemas import events as ev
 from kvledger.schemas import kv_events as kv
@@ -241,8 +248,7 @@ class Recorder:
 
     def message(self, seq: int, payload: bytes, batch: tuple[float, Events, int | None],
                 *, replayed: bool) -> None:
-        if not 0 <= seq <= MAX_SEQ:  # next_seq must fit the journal's int64 columns
-            raise KvLedgerError(ErrorCode.MALFORMED_EVENT, f"a batch's seq is in 0..{MAX_SEQ}, not {seq}")
+        batch_seq(seq)  # a seq from a file or a caller too; next_seq must fit the journal's int64 columns
         now = time.monotonic_ns()
         ts, events, rank = batch
         c = self._cursor(rank)

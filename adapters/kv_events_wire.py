@@ -51,8 +51,9 @@ def seq_of(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
-def _batch_seq(seq: int) -> int:
-    # only the replay's end marker is negative; the journal's int64 column holds seq + 1
+def batch_seq(seq: int) -> int:
+    """`seq`, or MALFORMED_EVENT for one no batch has: only the replay's end marker is
+    negative, and the journal's int64 column holds seq + 1."""
     if not 0 <= seq <= MAX_SEQ:
         raise _bad(f"a batch's seq is in 0..{MAX_SEQ}, not {seq}")
     return seq
@@ -61,9 +62,9 @@ def _batch_seq(seq: int) -> int:
 def split_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
     """(topic, seq, payload) of one PUB message; SGLang's form has topic b""."""
     if len(frames) == 3:
-        return frames[0], _batch_seq(seq_of(frames[1])), frames[2]
+        return frames[0], batch_seq(seq_of(frames[1])), frames[2]
     if len(frames) == 2:
-        return b"", _batch_seq(seq_of(frames[0])), frames[1]
+        return b"", batch_seq(seq_of(frames[0])), frames[1]
     raise _bad(f"a KV-event message has 2 or 3 frames, not {len(frames)}")
 
 
@@ -74,7 +75,7 @@ def split_replay(frames: list[bytes]) -> tuple[int, bytes] | None:
     seq = seq_of(frames[-2])
     if seq == -1 and not frames[-1]:
         return None
-    return _batch_seq(seq), frames[-1]
+    return batch_seq(seq), frames[-1]
 
 
 def _hash(h: Any) -> int | str:

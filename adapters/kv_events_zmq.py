@@ -126,10 +126,10 @@ def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = Non
             # next one; a committer that falls far behind holds the receiving back. While
             # a backlog is still waiting, a group is at least MIN_GROUP: each commit costs
             # an fsync and its statements, which small groups under load pay far too often.
-            if rec.ops and (len(rec.ops) >= FLUSH_OPS or rec.ops_bytes >= FLUSH_BYTES or committer.idle() and (
+            if rec.ops and (len(rec.ops) >= FLUSH_OPS or committer.idle() and (
                     len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
                 flush()
-            while rec.ops_bytes >= FLUSH_BYTES:  # a drain of held batches: committed before more is taken
+            while rec.ops_bytes >= FLUSH_BYTES:  # a burst or a drain of held batches: in parts, before more is taken
                 flush()
             if progress is not None and now > next_progress:
                 progress(rec.summary)

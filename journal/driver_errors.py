@@ -93,7 +93,7 @@ def release(proxy: Any) -> None:
     """Give a pooled connection (SQLAlchemy's raw_connection) back. The pool rolls back
     what it gets back, and when that fails (the server ended the session, or went away
     in the middle of a transaction) it logs the failure with its traceback on the
-    "sqlalchemy.pool" logger: ~30 lines on stderr before the command's coded line. The
+    "sqlalchemy.pool" logger: on stderr, before the command's coded line. The
     rollback is done here first; a connection that cannot even roll back is
     invalidated: closed without a reset, the way SQLAlchemy drops a disconnected one."""
     conn = proxy.driver_connection

@@ -1,9 +1,9 @@
 """Bounded inflation of a record's compressed data (journal.records).
 
 A record's compressed frame states how many bytes it holds, and a crafted one can state
-gigabytes in a few kilobytes (zstd inflates up to ~32,000x). What a reader inflates is
-bounded by the format's limits, never by the frame's own word or by its compressed size
-(a valid record of repeated tokens compresses over 10,000x): a record holds at most
+gigabytes in a few kilobytes. What a reader inflates is bounded by the format's limits,
+never by the frame's own word or by its compressed size (a valid record of repeated
+tokens compresses nearly as well as a crafted one): a record holds at most
 MAX_RECORD_BYTES, an item (an event, a step row or block, a receipt, a context) at most
 MAX_ITEM_BYTES and at least one byte. A frame stating up to INFLATE_AT_ONCE inflates in
 one call; a larger one a piece at a time (`Inflater`), its lists checked before any item

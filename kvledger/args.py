@@ -62,18 +62,6 @@ def integer(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def choice(*values: str) -> Callable[[str], str]:
-    """One of `values`, as argparse's `choices` would take it, refused with a code."""
-
-    def parse(value: str) -> str:
-        if value not in values:
-            raise _bad(f"{_short(value)} is not one of {', '.join(values)}")
-        return value
-
-    parse.__name__ = "choice"
-    return parse
-
-
 def millis(value: str) -> float:
     """A duration in milliseconds: finite, >= 0, and small enough to count in int64 ns."""
     try:

@@ -59,12 +59,6 @@ def _topic(value: str) -> str:
     return value
 
 
-def _host(value: str) -> str:
-    if not value or len(value) > 253 or any(ch.isspace() or ord(ch) < 32 for ch in value):
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r} is not a host name or address")
-    return value
-
-
 MAX_HELD_BYTES = 256 << 20  # adapters.kv_events_recorder's (not imported: --help loads no recorder)
 DEFAULT_RCVHWM = 1000  # adapters.kv_events_zmq.RCVHWM
 HELD_BYTES = a.integer(0, 1 << 40)
@@ -95,16 +89,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="stop after this long without a message of the topic (default: run until SIGINT/SIGTERM); "
                         "what is held then is journaled, each hole below it as a gap")
     p.add_argument("--max-held-bytes", type=HELD_BYTES, default=MAX_HELD_BYTES, metavar="N",
-                   help="bytes of batches held while a replay is pending (default 268435456, 256 MiB); past it "
-                        "the oldest hole is journaled as a gap and what follows it is journaled")
+                   help=f"bytes of batches held while a replay is pending (default {MAX_HELD_BYTES}, "
+                        f"{MAX_HELD_BYTES >> 20} MiB); past it the oldest hole is journaled as a gap and what "
+                        "follows it is journaled")
     p.add_argument("--rcvhwm", type=RCVHWM, default=DEFAULT_RCVHWM, metavar="N",
                    help=f"messages each socket queues before ZMQ pushes back on the publisher (default "
                         f"{DEFAULT_RCVHWM}); a publisher then drops, which shows as a seq hole: replayed or "
                         "journaled as a gap")
-    p.add_argument("--metrics-port", type=a.PORT, metavar="P",
-                   help="serve Prometheus /metrics on --metrics-host:P while recording (0: any free port, printed)")
-    p.add_argument("--metrics-host", type=_host, default="127.0.0.1", metavar="H",
-                   help="address to serve metrics on (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--metrics-port", type=a.PORT, metavar="P", help=a.METRICS_PORT_HELP)
+    p.add_argument("--metrics-host", type=a.host, default="127.0.0.1", metavar="H", help=a.METRICS_HOST_HELP)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(run=_cmd_record)
 
@@ -136,7 +129,11 @@ RECORD_KEYS = ("received", "skipped", "skipped_codes", "too_large", "cap_gaps", 
 
 
 def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None, keys: tuple[str, ...] = ()) -> None:
-    doc = {k: getattr(s, k) for k in (*SUMMARY_KEYS, *keys)} | (extra or {})
+    _print({k: getattr(s, k) for k in (*SUMMARY_KEYS, *keys)} | (extra or {}), as_json)
+
+
+def _print(doc: dict[str, object], as_json: bool) -> None:
+    """One JSON object, or one line of key=value (a dict value as JSON)."""
     print(json.dumps(doc) if as_json else " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}"
                                                    for k, v in doc.items()))
 
@@ -192,8 +189,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             served = s.serve(journal, args.bind, stop=stop, idle_exit=args.idle_exit)
         except zmq.ZMQError as exc:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"cannot bind {args.bind}: {exc}") from None
-    doc = msgspec.structs.asdict(served)
-    print(json.dumps(doc) if args.json else " ".join(f"{k}={v}" for k, v in doc.items()))
+    _print(msgspec.structs.asdict(served), args.json)
     return 0
 
 
@@ -211,11 +207,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
     metrics = None
     if args.metrics_port is not None:
-        try:
-            from kvledger.adapters.kv_events_metrics import RecorderMetrics
-        except ModuleNotFoundError:
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--metrics-port needs prometheus_client: "
-                                                            "pip install prometheus_client") from None
+        from kvledger.adapters.kv_events_metrics import RecorderMetrics
+
         metrics = RecorderMetrics()
         port = metrics.serve(args.metrics_host, args.metrics_port)
         log.info("serving metrics on http://%s:%d/metrics", args.metrics_host, port)

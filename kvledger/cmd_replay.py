@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--reexecute", action="store_true",
                    help="also re-run every journaled append through the model (--runtime hf --model DIR) "
                         "and compare each publication's row digest")
-    p.add_argument("--runtime", type=a.choice("hf"), default="hf",
+    p.add_argument("--runtime", choices=("hf",), default="hf",
                    help="the executor of --reexecute: hf (transformers; the journal's own worker "
                         "re-executes in `kvledger recover`)")
     p.add_argument("--model", metavar="DIR", help="the model directory --reexecute runs")
@@ -98,8 +98,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--out", type=a.output_or_stdout, metavar="FILE.jsonl",
-                   help="output file ('-': stdout); required")
+    p.add_argument("--out", type=a.output_or_stdout, required=True, metavar="FILE.jsonl",
+                   help="output file ('-': stdout)")
     p.set_defaults(run=_cmd_export)
 
     p = sub.add_parser("import", help="load an audit file into an empty journal (all or nothing)")
@@ -110,14 +110,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _source(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl",
-                   help="an audit file; no database needed (not with --db)")
-
-
-def _one_source(args: argparse.Namespace) -> None:
-    if args.db and args.journal:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--db and --journal name two sources: give one")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--db", help=DB_HELP)
+    g.add_argument("--journal", type=a.input_file, metavar="FILE.jsonl", help="an audit file; no database needed")
 
 
 # -- commands --------------------------------------------------------------------------
@@ -127,7 +122,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     from kvledger.replay import WindowSpec, replay_incremental, replay_journal, replay_jsonl, to_json
 
-    _one_source(args)
     if args.incremental and (args.journal or args.at is not None):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--incremental resumes a database "
                                                         "checkpoint: not with --journal or --at")
@@ -183,7 +177,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from kvledger.replay import verify_journal, verify_jsonl
     from kvledger.replay.anchor import read_key
 
-    _one_source(args)
     if args.key and args.expect is None:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--key checks the signature of --expect ANCHOR: give both")
     if args.expect is not None and args.journal:
@@ -265,8 +258,6 @@ def _cmd_head(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from kvledger.replay import export_jsonl
 
-    if args.out is None:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "export needs --out FILE.jsonl ('-': standard output)")
     with open_existing_journal(args.db) as journal:
         with _progress("export", journal.last_position()) as progress, a.writing(args.out):
             n = export_jsonl(journal, args.out, progress)

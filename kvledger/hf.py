@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvledger.adapters.hf import HasService, JournaledCache, prepare, run
-from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 __all__ = ["JournaledCache", "journaled_generate"]
 
@@ -32,7 +31,4 @@ def journaled_generate(model: Any, *args: Any, ledger: HasService | str, **kwarg
 
         with Ledger.open(ledger, source_instance="kvledger-hf") as opened:
             return run(model, call, options, opened)
-    if not hasattr(ledger, "service"):
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"ledger= must be a kvledger.Ledger or a database URL, "
-                                                        f"not {type(ledger).__name__}")
     return run(model, call, options, ledger)
