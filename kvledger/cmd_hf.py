@@ -40,11 +40,12 @@ def load(model_dir: str, device: str = "cpu") -> Any:
     return model.to(device).eval()
 
 
-def generate(args: argparse.Namespace) -> int:
+def generate(args: argparse.Namespace) -> tuple[str, str, list[int], list[int], int, int]:
+    """`generate --runtime hf`: (url, handle, prompt, outputs, first position, last position),
+    which the generate command prints as it prints the worker's."""
     import torch
 
     from kvledger.adapters.hf import journaled_generate
-    from kvledger.cmd_serve import print_generated
     from kvledger.journal import resolve_url
     from kvledger.ledger import Ledger
     from kvledger.worker.loading import read_config, require_context
@@ -68,7 +69,7 @@ def generate(args: argparse.Namespace) -> int:
         ids = torch.tensor([prompt], device=args.device)
         out = journaled_generate(model, ledger=ledger, input_ids=ids, request_ids=[handle], **kwargs)
         position = ledger.journal.last_position()
-    return print_generated(args, url, handle, prompt, out[0, len(prompt):].tolist(), first, position)
+    return url, handle, list(prompt), out[0, len(prompt):].tolist(), first, position
 
 
 def reexecute(args: argparse.Namespace, events: list[Any]) -> dict[str, Any]:

@@ -243,7 +243,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         if not args.model:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--runtime hf needs --model DIR")
-        return generate(args)
+        return print_generated(args, *generate(args))
     from kvledger.engine.remote import command_service
     from kvledger.migrations.storage import open_or_create_journal
     from kvledger.worker.loading import load_model, require_context
