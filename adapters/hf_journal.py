@@ -20,8 +20,9 @@ transformers keeps after its crop. The first call of assisted decoding prefills 
 prompt and verifies drafts at once: its verify starts once the prefill has published
 (a verify starts from ready logits), before either is visible.
 
-Beams: the expanded rows are forks of the first at the prompt (their prefill rows are
-checked equal to its own); a reorder_cache(beam_idx) becomes, before the next call,
+Beams: the expanded rows are forks of the first as far as their prefill rows are its
+bytes (a batched kernel may give batch rows other bits), the rest of each one's prompt
+its own append of that call; a reorder_cache(beam_idx) becomes, before the next call,
 forks where a beam is selected twice, and a reorder event over the group. Beams left
 behind stay open until the end, where each returned sequence is matched to the handle
 that holds its tokens, emits its last one and finishes; all are then released. A
@@ -43,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from kvledger.adapters import hf_rows
@@ -277,29 +279,31 @@ class Tracker:
         _check(self.port.execute_many(self._chains(steps)))
 
     def _check_expansion(self, layers: hf_rows.Layers) -> None:
-        """Beams 1..n-1 computed the same prompt rows as beam 0: they are forks of it
-        only if those rows are the same bytes."""
+        """Beams 1..n-1 computed beam 0's prompt in its call, each in bits of its own batch row:
+        a fork of beam 0 as far as those are beam 0's bytes, the rest its own append of that
+        call and row (a chunk, or a prefill if its first row differs), digested as it holds it."""
         p = self.plan
         if not any(s is None for s in self.rows):
             return
         steps: dict[str, list[c.Step]] = {}
         forks: list[c.Command | c.Relative] = []
-        for r in range(0, len(self.rows), p.expand):
-            root = self.rows[r]
-            assert root is not None and root.opens[0].digests is not None
-            for k in range(1, p.expand):
-                got = hf_rows.span_layers(layers, r + k, root.pad, len(root.prompt))
-                if got != root.opens[0].digests:
-                    raise KvLedgerError(ErrorCode.DIGEST_MISMATCH, f"beam {k} of {root.handle} holds other prompt "
-                                                                   "rows than beam 0: not a fork")
+        own: dict[str, list[c.Step]] = {}
         for r in range(0, len(self.rows), p.expand):
             root = self.rows[r]
             assert root is not None
-            self._publish(root, root.opens[0], steps)
+            prefill, n = root.opens[0], len(root.prompt)
+            self._publish(root, prefill, steps)
             for k in range(1, p.expand):
                 self.rows[r + k] = child = self._child(root)
-                forks.append(self._fork(root, child))
-        _check(self.port.execute_many([*self._chains(steps), *forks]))
+                at = child.committed = hf_rows.same_columns(layers, r, r + k, root.pad, n)
+                forks.append(self._fork(root, child, at))
+                if at < n:
+                    own[child.handle] = [self._begin(child, "chunk" if at else "prefill", root.prompt[at:],
+                                                     msgspec.structs.replace(prefill.call, index=r + k))]
+                    rest = child.opens[-1]
+                    rest.ran, rest.digests = True, hf_rows.span_layers(layers, r + k, root.pad + at, n - at)
+                    self._publish(child, rest, own)
+        _check(self.port.execute_many([*self._chains(steps), *forks, *self._chains(own)]))
 
     # -- publications ----------------------------------------------------------------------
     def _flush(self, steps: dict[str, list[c.Step]]) -> None:
@@ -375,9 +379,10 @@ class Tracker:
         return child
 
     @staticmethod
-    def _fork(parent: Seq, child: Seq) -> c.Relative:
+    def _fork(parent: Seq, child: Seq, prefix: int | None = None) -> c.Relative:
+        """A fork at `prefix`, or at all the rows the parent has committed when it runs."""
         return c.Relative(c.Fork(parent_handle_id=parent.handle, base_generation=0, base_snapshot_version=0,
-                                 child_handle_ids=(child.handle,), prefix_length=parent.committed,
+                                 child_handle_ids=(child.handle,), prefix_length=prefix,
                                  child_request_ids=(child.handle,)))
 
     def _apply_reorder(self, beam_idx: list[int]) -> list[c.Command | c.Relative]:

@@ -10,6 +10,12 @@ finished, a beam expanded from another) runs as a placeholder of the same shape.
 same model, device and dtype the rows come out bit for bit, so a digest that differs
 names an append whose recorded rows are not what this model computes.
 
+A row's columns in its call hold its rows up to the append's end, right-aligned: those
+before the call's new columns come from its cache, the others run in the call. Rows of the
+handle's own that run again (a beam forked off the first part way into the prompt that one
+call computed for both, then appending the rest) are run from the tokens the handle starts
+with, and must come out as the rows it holds: if not, its publication is a mismatch.
+
 A request the model cannot run at all is set aside, never run into a shape error: rows of
 another cache geometry (layers, KV heads, head dims) or token ids outside the model's
 vocabulary (another artifact: ARTIFACT_MISMATCH), or a call whose recorded shape does not
@@ -77,9 +83,15 @@ class _Padding:
 class _Rows:
     k: Tensor  # [L, H_kv, T, d_h]: committed rows
     v: Tensor
-    staged_k: Tensor | None = None  # this call's rows of the handle, before publication
-    staged_v: Tensor | None = None
-    staged_at: int = 0  # the position of the first staged row
+
+
+@dataclass
+class _Staged:
+    """A call's rows of one handle, before publication: positions [at, at + T)."""
+
+    k: Tensor  # [L, H_kv, T, d_h]
+    v: Tensor
+    at: int
 
 
 @dataclass
@@ -113,6 +125,8 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
     device = next(model.parameters()).device
     ours = _Model.of(model)
     store: dict[str, _Rows] = {}
+    staged: dict[str, _Staged] = {}
+    tokens: dict[str, tuple[int, ...]] = {}  # handle -> the tokens it starts with: its prompt, or its fork's
     starts: dict[tuple[str, str], ev.AppendStartEvent] = {}
     calls: dict[str, list[ev.AppendStartEvent]] = {}
     ran: set[str] = set()
@@ -120,9 +134,14 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
     events = list(events)
     # A call's members, known before it runs: the verify half of an assisted prefill call
     # starts only once the prefill published, after the point where the call is rebuilt.
+    # A beam forked off another after a call both ran in: its tokens, before its fork.
     for e in events:
         if isinstance(e, ev.AppendStartEvent) and e.payload.call is not None:
             calls.setdefault(e.payload.call.call_id, []).append(e)
+        elif isinstance(e, ev.RequestAllocateEvent):
+            tokens[e.stream_id] = e.payload.manifest.input_identity.prompt_token_ids
+        elif isinstance(e, ev.ForkEvent):
+            tokens[e.stream_id] = e.payload.token_ids
 
     for e in events:
         h = e.stream_id
@@ -153,25 +172,26 @@ def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
                 continue
             if start.payload.call.call_id not in ran:
                 members = calls.pop(start.payload.call.call_id)
-                if _runnable(members, store, ours, out):
-                    _run(model, store, members, padding)
+                if _runnable(members, store, tokens, ours, out):
+                    _run(model, store, tokens, staged, members, padding)
                 ran.add(start.payload.call.call_id)
             if isinstance(e, ev.AppendPublishEvent) and h not in out.unrunnable:
-                _publish(store[h], start, e, out)
+                _publish(store.get(h), staged.get(h), start, e, out)
         elif isinstance(e, ev.TruncateEvent):
             r = store.get(h)
             if r is not None:
                 r.k, r.v = r.k[:, :, :e.payload.new_length], r.v[:, :, :e.payload.new_length]
         elif isinstance(e, ev.ReleaseEvent):
             store.pop(h, None)
+            staged.pop(h, None)
     return out
 
 
-def _runnable(members: list[ev.AppendStartEvent], store: dict[str, _Rows], ours: _Model,
-              out: HfReexecution) -> bool:
+def _runnable(members: list[ev.AppendStartEvent], store: dict[str, _Rows], tokens: dict[str, tuple[int, ...]],
+              ours: _Model, out: HfReexecution) -> bool:
     """Whether a call can be rebuilt on this model; if not, every member is set aside
     (named by the first reason found)."""
-    why = _call_problem(members, store, ours, out)
+    why = _call_problem(members, store, tokens, ours, out)
     if why is None:
         return True
     for m in members:
@@ -179,8 +199,8 @@ def _runnable(members: list[ev.AppendStartEvent], store: dict[str, _Rows], ours:
     return False
 
 
-def _call_problem(members: list[ev.AppendStartEvent], store: dict[str, _Rows], ours: _Model,
-                  out: HfReexecution) -> tuple[str, str] | None:
+def _call_problem(members: list[ev.AppendStartEvent], store: dict[str, _Rows], tokens: dict[str, tuple[int, ...]],
+                  ours: _Model, out: HfReexecution) -> tuple[str, str] | None:
     for m in members:
         if m.stream_id in out.unrunnable:
             return out.unrunnable[m.stream_id]
@@ -203,21 +223,36 @@ def _call_problem(members: list[ev.AppendStartEvent], store: dict[str, _Rows], o
         if why is not None:
             return ("ARTIFACT_MISMATCH", why)
     for index, (h, start, n) in rows.items():
-        r = store.get(h)
-        # rows before the call's own are committed ones, within the call's key columns
-        if r is None or index >= call.size or past_cols < 0 or n > width or start > min(past_cols, r.k.shape[2]):
+        r, cached = store.get(h), _cached(start, n, width)
+        # rows before the call's own are committed ones, those in its cache within its key
+        # columns; a handle forked after the call holds none yet and has none there
+        fits = index < call.size and past_cols >= 0 and n <= width and cached <= past_cols and (
+            start <= r.k.shape[2] if r is not None else cached == 0 and h in tokens)
+        if not fits or (start > cached and len(tokens.get(h, ())) < start):  # rows run again: from its tokens
             return ("MALFORMED_EVENT", f"the appends of {h} do not fit their recorded call {call.call_id}")
+        why = ours.outside(tokens.get(h, ())[cached:start])
+        if why is not None:
+            return ("ARTIFACT_MISMATCH", why)
     return None
 
 
-def _publish(r: _Rows, start: ev.AppendStartEvent, e: ev.AppendPublishEvent, out: HfReexecution) -> None:
+def _cached(start: int, n: int, width: int) -> int:
+    """Of a row's rows before `start` (its append of n rows in a call `width` columns
+    wide), how many precede the call's new columns: the rest run again in the call."""
+    return max(0, start + n - width)
+
+
+def _publish(r: _Rows | None, st: _Staged | None, start: ev.AppendStartEvent, e: ev.AppendPublishEvent,
+             out: HfReexecution) -> None:
     p, t = e.payload, start.payload.interval_start
-    if r.staged_k is None or p.committed_length - p.accepted_count != t:
+    lo = -1 if st is None else t - st.at  # the rows the call ran again before this append
+    if r is None or st is None or lo < 0 or p.committed_length - p.accepted_count != t:
         got = "interval differs from the start"
+    elif lo and not (_same(st.k[:, :, :lo], r.k[:, :, st.at:t]) and _same(st.v[:, :, :lo], r.v[:, :, st.at:t])):
+        got = f"rows [{st.at}, {t}) run again in its call differ from the rows the handle holds"
     else:
-        lo = t - r.staged_at
-        k = r.staged_k[:, :, lo:lo + p.accepted_count]
-        v = r.staged_v[:, :, lo:lo + p.accepted_count]  # type: ignore[index]  # staged together with k
+        k = st.k[:, :, lo:lo + p.accepted_count]
+        v = st.v[:, :, lo:lo + p.accepted_count]
         got = layers_sha256(hf_rows.span_layers([(k[i][None], v[i][None]) for i in range(k.shape[0])],
                                                 0, 0, p.accepted_count))
         r.k = torch.cat((r.k[:, :, :t], k), dim=2)
@@ -228,8 +263,14 @@ def _publish(r: _Rows, start: ev.AppendStartEvent, e: ev.AppendPublishEvent, out
     out.verified_appends += 1
 
 
-def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEvent], padding: _Padding) -> None:
-    """One journaled forward call, rebuilt; each member's new rows are staged on it."""
+def _same(a: Tensor, b: Tensor) -> bool:
+    """The same bytes (torch.equal compares values: -0.0 equals 0.0, NaN nothing)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _run(model: Any, store: dict[str, _Rows], tokens: dict[str, tuple[int, ...]], staged: dict[str, _Staged],
+         members_ev: list[ev.AppendStartEvent], padding: _Padding) -> None:
+    """One journaled forward call, rebuilt; each member's rows it ran are staged."""
     call = members_ev[0].payload.call
     assert call is not None  # only starts that name their call are grouped
     by_index: dict[int, list[ev.AppendStartEvent]] = {}
@@ -247,11 +288,12 @@ def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEve
     for i, group in by_index.items():
         group.sort(key=lambda m: m.payload.interval_start)
         h = group[0].stream_id
-        tokens = [t for m in group for t in m.payload.token_ids]
+        new = [t for m in group for t in m.payload.token_ids]
         past = group[0].payload.interval_start
-        ids[i, width - len(tokens):] = torch.tensor(tokens)
-        mask[i, :extent - past - len(tokens)] = 0
-        members[i] = (h, past, len(tokens))
+        run = [*tokens.get(h, ())[_cached(past, len(new), width):past], *new]
+        ids[i, width - len(run):] = torch.tensor(run)
+        mask[i, :extent - past - len(new)] = 0
+        members[i] = (h, past, len(new))
     if past_cols == 0:  # the generation's first call: its rows' padding decides for all its calls
         padding.padded[call.call_id] = not bool(mask.all())
         for h, _, _ in members.values():
@@ -279,10 +321,11 @@ def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEve
         for layer in range(ref.shape[0]):
             k = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
             v = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
-            for i, (h, past, _) in members.items():
-                r = store[h]
-                k[i, :, past_cols - past:] = r.k[layer, :, :past]
-                v[i, :, past_cols - past:] = r.v[layer, :, :past]
+            for i, (h, past, n) in members.items():
+                cached = _cached(past, n, width)
+                if cached:
+                    k[i, :, past_cols - cached:] = store[h].k[layer, :, :cached]
+                    v[i, :, past_cols - cached:] = store[h].v[layer, :, :cached]
             layers.append((k, v))
     cache = DynamicCache(ddp_cache_data=layers or None, config=cfg)
     device = next(model.parameters()).device
@@ -290,7 +333,7 @@ def _run(model: Any, store: dict[str, _Rows], members_ev: list[ev.AppendStartEve
           position_ids=positions.to(device), cache=cache, use_cache=True, logits_to_keep=1)
     written: list[Any] = cache.layers  # DynamicLayers: keys and values [B, H_kv, T, d_h]
     for i, (h, past, n) in members.items():
-        r = store[h]
-        r.staged_k = torch.stack([layer.keys[i, :, extent - n:] for layer in written])
-        r.staged_v = torch.stack([layer.values[i, :, extent - n:] for layer in written])
-        r.staged_at = past
+        cached = _cached(past, n, width)
+        first = extent - (past - cached) - n  # the column of the first row it ran
+        staged[h] = _Staged(torch.stack([layer.keys[i, :, first:] for layer in written]),
+                            torch.stack([layer.values[i, :, first:] for layer in written]), cached)

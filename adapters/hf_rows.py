@@ -38,6 +38,19 @@ def span_layers(layers: Layers, row: int, start: int, count: int) -> list[str]:
     return per_layer
 
 
+def same_columns(layers: Layers, row: int, other: int, start: int, count: int) -> int:
+    """How many of the columns [start, start+count) batch rows `row` and `other` hold as
+    the same bytes in every layer's K and V: the first column that differs, or count."""
+    differs = torch.zeros(count, dtype=torch.bool)
+    for k, v in layers:
+        for t in (k, v):
+            a = t[row, :, start:start + count].contiguous().view(torch.uint8)  # [H_kv, n, d_h bytes]
+            b = t[other, :, start:start + count].contiguous().view(torch.uint8)
+            differs |= (a != b).any(dim=2).any(dim=0).cpu()
+    hit = differs.nonzero()
+    return int(hit[0]) if len(hit) else count
+
+
 def column_layers(layers: Layers, rows: Sequence[int], column: int) -> list[list[str]]:
     """span_layers(layers, r, column, 1) for many rows at once (a decode step)."""
     if not rows:

@@ -115,7 +115,7 @@ class Fork(_Command, frozen=True):
     base_generation: N
     base_snapshot_version: N
     child_handle_ids: Ids
-    prefix_length: N
+    prefix_length: N | None  # None, in a Relative fork only: the parent's committed length
     child_request_ids: Ids = ()  # default: "<parent request>.<i>"
 
 
@@ -254,9 +254,9 @@ class DecodeSteps(msgspec.Struct, frozen=True, gc=False):
 
 def bind_current(cmd: Command, state_of: Callable[[str], HandleState | None]) -> Command:
     """`cmd` with its base taken from the current state of the handles it acts on, as
-    `state_of` gives it (a fork: its parent's, forked at the committed length; an append
-    start: the handle's cache ABI unless it names one; a chain: its first step's, the
-    later ones follow from it; a reorder: each row's)."""
+    `state_of` gives it (a fork: its parent's, forked at the prefix it names, else at the
+    committed length; an append start: the handle's cache ABI unless it names one; a
+    chain: its first step's, the later ones follow from it; a reorder: each row's)."""
     replace = msgspec.structs.replace
     if isinstance(cmd, Reorder):
         return replace(cmd, bases=tuple((s.generation, s.snapshot_version)
@@ -275,7 +275,8 @@ def bind_current(cmd: Command, state_of: Callable[[str], HandleState | None]) ->
     if isinstance(cmd, (Finish, Release, CancelRequest)):
         return replace(cmd, base_generation=g)
     if isinstance(cmd, Fork):
-        return replace(cmd, base_generation=g, base_snapshot_version=v, prefix_length=s.committed_length)
+        prefix = s.committed_length if cmd.prefix_length is None else cmd.prefix_length
+        return replace(cmd, base_generation=g, base_snapshot_version=v, prefix_length=prefix)
     raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{type(cmd).__name__} cannot be relative")
 
 

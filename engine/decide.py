@@ -271,6 +271,9 @@ def _emit(states: States, cmd: c.EmitOutput) -> list[Draft]:
 
 
 def _fork(states: States, cmd: c.Fork) -> list[Draft]:
+    if cmd.prefix_length is None:
+        raise reject(E.INVALID_ARGUMENT, "Fork.prefix_length must be named: only a Relative fork leaves it "
+                                         "to the parent's committed length")
     s = _existing(states, cmd.parent_handle_id)
     _fence(s, cmd.base_generation, cmd.base_snapshot_version)
     _owned(s, allow_finished=True)

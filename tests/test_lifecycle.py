@@ -300,10 +300,17 @@ def test_relative_commands_take_the_state_their_batch_leaves_and_stay_fenced(led
     emit = c.EmitOutput(handle_id="R", base_generation=None, base_snapshot_version=None, output_index=0,
                         token_id=9)
     fork = c.Fork(parent_handle_id="R", base_generation=0, base_snapshot_version=0,
-                  child_handle_ids=("R.1",), prefix_length=0, child_request_ids=("R.1",))
-    results = service.execute_many([c.Relative(x) for x in (start, publish, emit, fork)])
+                  child_handle_ids=("R.1",), prefix_length=None, child_request_ids=("R.1",))
+    # a fork that names its prefix is bound to the parent's state and forks there
+    at = msgspec.structs.replace(fork, child_handle_ids=("R.2",), prefix_length=2, child_request_ids=("R.2",))
+    results = service.execute_many([c.Relative(x) for x in (start, publish, emit, fork, at)])
     assert all(not isinstance(r, KvLedgerError) for r in results), results
     assert ledger.state("R").outputs == (9,) and ledger.state("R.1").committed_length == 4
+    assert ledger.state("R.2").committed_length == 2 and ledger.state("R.2").outputs == ()
+    [beyond, unnamed] = service.execute_many([
+        c.Relative(msgspec.structs.replace(at, child_handle_ids=("R.3",), prefix_length=5, child_request_ids=())),
+        msgspec.structs.replace(fork, child_handle_ids=("R.4",), base_snapshot_version=1)])
+    assert beyond.code is ErrorCode.FORK_BEYOND_COMMITTED and unnamed.code is ErrorCode.INVALID_ARGUMENT
     [unknown, absolute] = service.execute_many([
         c.Relative(c.Finish(handle_id="nope", base_generation=None)),
         c.Relative(c.Allocate(handle_id="R", manifest=make_manifest(request_id="R"), reserved_capacity=8))])

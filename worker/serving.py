@@ -756,7 +756,7 @@ class Worker:
                 self.store.fork(parent, k, self.store.pending[parent])
 
         return self._simple(lv, c.Fork(parent_handle_id=lv.handle, base_generation=0, base_snapshot_version=0,
-                                       child_handle_ids=tuple(kids), prefix_length=0,
+                                       child_handle_ids=tuple(kids), prefix_length=None,
                                        child_request_ids=tuple(kids)), ok=ok)
 
     def _drop(self, h: str, exc: Exception) -> None:
