@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvledger.worker import placement
+from kvledger.journal import tuning
 
 
 def _version(dist: str) -> str | None:
@@ -61,8 +61,9 @@ def machine_info(ctx: Any) -> dict[str, Any]:
     return {
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "affinity_cpus": placement.usable_cpus(),  # as the process started, before any pinning
-        "io_cpu": placement.io_cpu(),  # takes the disk's interrupts: writers run there (kvledger.worker.placement)
+        "affinity_cpus": tuning.usable_cpus(),  # as the process started, before any pinning
+        "io_cpu": tuning.io_cpu(),  # takes the disk's interrupts: writers run there (kvledger.journal.tuning)
+        "tuning": tuning.enabled(),  # KVLEDGER_TUNING
         "memory_gb": _memory_gb(),
         "platform": platform.platform(),
         "python": platform.python_version(),

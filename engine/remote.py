@@ -17,9 +17,7 @@ the child finishes the batch it received and exits when it sees the pipe closed.
 
 Frames on the child's stdin/stdout: a 4-byte big-endian length, then msgpack. The
 database URL travels in the first frame, never in argv, so `ps` shows no credentials.
-Each side polls the pipe for a while before it sleeps in read() (journal.writers.poll):
-a frame sent to a process asleep on another CPU costs its sender the wake-up, tens of µs
-in a VM.
+Each side polls the pipe for a while before it sleeps in read() (journal.tuning.poll).
 """
 
 from __future__ import annotations
@@ -37,11 +35,10 @@ import msgspec
 from kvledger.engine import commands as c
 from kvledger.engine.decode_lane import split_steps
 from kvledger.engine.evolve import fold
-from kvledger.engine.heap import freeze_heap
 from kvledger.engine.port import CommandPort, CommitHook, RejectHook
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
-from kvledger.journal import writers
+from kvledger.journal import tuning
 from kvledger.journal.contract import Journal
 from kvledger.journal.sql import SqlJournal, open_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -111,7 +108,7 @@ class RemoteService(BatchSurface):
         self.pid = self._proc.pid
         # Placed from here: the child inherits this thread's mask, which may be the
         # model's (off the I/O CPU), and would not see the CPUs it may move to.
-        writers.place(self.pid)
+        tuning.pin_writer(self.pid)
         self._out, self._in = self._proc.stdin.fileno(), self._proc.stdout.fileno()
         try:
             send(self._out, self._encode(_Hello(journal.url.render_as_string(hide_password=False),
@@ -123,7 +120,7 @@ class RemoteService(BatchSurface):
 
     def _answer(self) -> _Reply:
         try:
-            frame, why = receive(self._in, writers.SPIN_S), "exited"
+            frame, why = receive(self._in, tuning.SPIN_S), "exited"
         except (EOFError, OSError) as exc:
             frame, why = None, str(exc)
         if frame is None:
@@ -244,9 +241,9 @@ def send(fd: int, payload: bytes) -> None:
 
 def receive(fd: int, spin_s: float = 0.0) -> bytes | None:
     """One frame, or None at end of stream; with `spin_s`, the pipe is polled that long
-    before the read sleeps (journal.writers.poll)."""
+    before the read sleeps (journal.tuning.poll)."""
     if spin_s:
-        writers.poll(fd, spin_s=spin_s)
+        tuning.poll(fd, spin_s=spin_s)
     head = _read_exact(fd, _LENGTH.size, eof_ok=True)
     return None if head is None else _read_exact(fd, _LENGTH.unpack(head)[0], eof_ok=False)
 
@@ -289,10 +286,10 @@ def serve(fd_in: int, fd_out: int) -> None:
     # built for it (Operation.step holds their values), which is not free.
     keep: list[CommitHook] = [lambda receipt, events: committed.__setitem__(receipt.operation_id, events)]
     service.on_reject.append(lambda cmd, exc: refused.append(cmd))
-    freeze_heap()  # what start-up loaded, before the first frame
+    tuning.freeze_heap()  # what start-up loaded, before the first frame
     send(fd_out, encode(_Reply()))
     with journal:
-        while (frame := receive(fd_in, writers.SPIN_S)) is not None:
+        while (frame := receive(fd_in, tuning.SPIN_S)) is not None:
             committed.clear()
             refused.clear()
             try:

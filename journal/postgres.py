@@ -19,7 +19,7 @@ binary arrays faster than array literals.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from itertools import chain, repeat
 from typing import Any, ClassVar
@@ -28,7 +28,7 @@ import psycopg
 from psycopg.adapt import Dumper
 from psycopg.pq import Format
 
-from kvledger.journal import faults, writers
+from kvledger.journal import faults, tuning
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
 from kvledger.journal.records import stab
 from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns
@@ -423,33 +423,11 @@ def _register_arrays(conn: Any) -> None:
 
 
 class PollingConnection(psycopg.Connection[Any]):
-    """psycopg's connection, which polls its socket for the server's reply a while
-    (journal.writers.poll) before it sleeps in poll(2): every statement is a round trip,
-    and a reply that finds its client asleep on a halted vCPU waits for the wake-up. The
-    service-alone bench on PostgreSQL, alternated four times: median 15,437 tokens/s
-    polling against 12,291 (docs/PERFORMANCE.md, step 26). psycopg consumes a generator
-    that yields what it waits for; `_polled` passes it through, polling first where it
-    waits to read."""
+    """psycopg's connection, which polls its socket for the server's reply before it
+    sleeps (journal.tuning.polled)."""
 
     def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:  # psycopg's arguments moved in 3.2: passed through
-        return super().wait(_polled(gen, self.pgconn.socket), *args, **kwargs)
-
-
-_READ = 1  # psycopg's Wait.R (selectors.EVENT_READ) in every psycopg 3
-
-
-def _polled(gen: Generator[Any, Any, Any], fd: int) -> Generator[Any, Any, Any]:
-    try:
-        state = next(gen)
-    except StopIteration as done:  # nothing to wait for
-        return done.value
-    while True:
-        if state == _READ:
-            writers.poll(fd)
-        try:
-            state = gen.send((yield state))
-        except StopIteration as done:
-            return done.value
+        return super().wait(tuning.polled(gen, self.pgconn.socket), *args, **kwargs)
 
 
 def polling_connect(dialect: Any, record: Any, cargs: Any, cparams: Any) -> PollingConnection:

@@ -31,7 +31,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.pool import NullPool, StaticPool
 
-from kvledger.journal import faults, writers
+from kvledger.journal import faults, tuning
 from kvledger.journal.contract import (
     Guard,
     HeadFacts,
@@ -287,7 +287,7 @@ class SqlJournal(Journal):
             raise
         if self._committer is None:
             self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-commit",
-                                                 initializer=writers.place)
+                                                 initializer=tuning.pin_writer)
         committed = self._lock.committing = self._committer.submit(self.sql.end, cur, True)
         waited = False
 

@@ -156,12 +156,14 @@ def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    from kvledger.journal import tuning
     from kvledger.logs import configure, default_level
 
     args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(argv)  # the argument types raise coded errors (kvledger.args)
         configure(args.log_level or default_level())  # logs go to stderr: stdout is for results (--json)
+        tuning.check()  # a KVLEDGER_TUNING that is neither on nor off is refused, not guessed
         a.check_outputs(args)
         _check_extras(args)
         run: Callable[[argparse.Namespace], int] = args.run  # set by each command's register()

@@ -116,8 +116,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from kvledger.cmd_telemetry import demo_telemetry, finish_demo_telemetry
     from kvledger.demo import run_demo
+    from kvledger.journal import tuning
     from kvledger.migrations.storage import open_or_create_journal
-    from kvledger.worker import placement
 
     url = resolve_url(args.db)
     run_id = uuid.uuid4().hex[:8]
@@ -153,7 +153,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "seconds": round(result["seconds"], 3),
         "tokens_per_s": round(result["tokens"] / result["seconds"], 1) if result["seconds"] else None,
         "errors": result["errors"], **summary,
-        "writer": {"kind": args.writer, "torch_threads": torch.get_num_threads(), **placement.describe()},
+        "writer": {"kind": args.writer, "torch_threads": torch.get_num_threads(), **tuning.describe()},
     }
     if telemetry_out is not None:
         out["telemetry"] = telemetry_out

@@ -13,9 +13,7 @@ in the journal database resumes to exactly the state a full replay reaches.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -294,23 +292,3 @@ _HOOKS: dict[type[ev.Event], _Hook] = {
 
 
 _KV = frozenset(ev.KV_EVENT_CLASSES)
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """The fold keeps every handle's state alive and makes no reference cycles, so the
-    cyclic collector would only rescan a growing projection again and again (about a
-    tenth of a replay's time, and a third of building a report from it). Paused for
-    the fold and the report, restored after. What they made is long-lived by
-    construction: it goes to the oldest generation at once (freeze, then unfreeze), where
-    a young pass right after would have traversed every tuple of every handle to free
-    nothing (~6 ms of a 100,000-token replay)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.freeze()
-            gc.unfreeze()
-            gc.enable()

@@ -18,6 +18,7 @@ import msgspec
 
 from kvledger.engine.state import HandleState
 from kvledger.engine.view import ServiceStateView, view_of
+from kvledger.journal.tuning import collector_paused
 from kvledger.replay.kv_blocks import StreamReport
 from kvledger.replay.kv_blocks import report as kv_report
 from kvledger.replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
@@ -30,7 +31,7 @@ from kvledger.replay.metrics import (
     saved_work,
     window_metrics,
 )
-from kvledger.replay.projector import Projector, collector_paused
+from kvledger.replay.projector import Projector
 from kvledger.schemas.canonical import digest
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from kvledger.journal.contract import ChainAt, HeadFacts, Journal
 from kvledger.journal.steps import FoldItem
+from kvledger.journal.tuning import collector_paused
 from kvledger.replay.metrics import WindowSpec
-from kvledger.replay.projector import Projector, collector_paused
+from kvledger.replay.projector import Projector
 from kvledger.replay.report import Report, build
 from kvledger.replay.sources import fold_items, jsonl_events
 from kvledger.schemas.codec import decode_event

@@ -16,7 +16,7 @@ import msgspec
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
-from kvledger.journal import writers
+from kvledger.journal import tuning
 from kvledger.schemas import events as ev
 from kvledger.schemas.telemetry import (
     ALLOCATOR,
@@ -238,7 +238,7 @@ class Exporter:
             return exc, audit
 
     def _run(self) -> None:
-        writers.place()  # it writes files: beside the journal's writers, off the model's CPU
+        tuning.pin_writer()  # it writes files: beside the journal's writers, off the model's CPU
         while True:
             try:
                 chunk = self._q.get(timeout=self.linger)

@@ -153,7 +153,7 @@ def test_binary_arrays_round_trip(pg_admin):
 
 def test_the_journal_polls_its_connection_for_replies(pg_url):
     """The journal's PostgreSQL connection polls its socket for the server's reply before
-    it sleeps (journal.postgres.PollingConnection, journal.writers.poll), and statements,
+    it sleeps (journal.postgres.PollingConnection, journal.tuning.polled), and statements,
     a commit and a refusal all go through it as before."""
     from kvledger.journal.postgres import PollingConnection
 
@@ -164,42 +164,3 @@ def test_the_journal_polls_its_connection_for_replies(pg_url):
         [again] = j.append([allocate_op("h", "other")])
         assert isinstance(again, Rejection) and again.code == ErrorCode.HANDLE_EXISTS.value
         assert j.last_position() == r.last_global_position
-
-
-def test_polled_passes_the_generator_through():
-    """_polled yields what the wrapped generator waits for, sends it what the waiter
-    found, and returns its result, also when it has nothing to wait for."""
-    import os
-
-    from kvledger.journal.postgres import _polled
-
-    def talk():
-        got = yield 2  # write
-        got2 = yield 1  # read
-        return (got, got2)
-
-    def nothing():
-        return "done"
-        yield  # a generator
-
-    r, w = os.pipe()
-    try:
-        os.write(w, b"x")  # readable: the poll before the read returns at once
-        g = _polled(talk(), r)
-        assert next(g) == 2
-        assert g.send("w") == 1
-        try:
-            g.send("r")
-        except StopIteration as end:
-            assert end.value == ("w", "r")
-        else:
-            raise AssertionError("the wrapped generator's end was not passed through")
-        try:
-            next(_polled(nothing(), r))
-        except StopIteration as end:
-            assert end.value == "done"
-        else:
-            raise AssertionError("an empty wait was not passed through")
-    finally:
-        os.close(r)
-        os.close(w)

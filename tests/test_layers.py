@@ -59,7 +59,7 @@ def test_no_module_imports_a_layer_above_or_beside_it():
 def test_the_rule_catches_a_wrong_import():
     """What the rule reads: each of these would be refused in that layer's folder."""
     assert violations("schemas", "schemas/x.py", "from kvledger.engine.state import HandleState\n")
-    assert violations("journal", "journal/x.py", "import kvledger.worker.placement\n")
+    assert violations("journal", "journal/x.py", "import kvledger.worker.serving\n")
     assert violations("engine", "engine/x.py", "def f():\n    from kvledger.worker import model\n")
     assert violations("replay", "replay/x.py", "from kvledger.worker.serving import Worker\n")  # a peer
     assert violations("worker", "worker/x.py", "from kvledger import Ledger\n")

@@ -21,6 +21,7 @@ from kvledger.cli import main
 from kvledger.demo import run_demo
 from kvledger.engine import commands as c
 from kvledger.engine.service import CommandService
+from kvledger.journal import tuning
 from kvledger.migrations.storage import init_database, open_or_create_journal
 from kvledger.replay.reconcile import reconcile
 from kvledger.replay.sources import journal_events, jsonl_bodies
@@ -28,7 +29,6 @@ from kvledger.replay.verify import verify_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.telemetry import IDENTITY_LABELS, Mutation, record_decoder
 from kvledger.telemetry.producer import Telemetry
-from kvledger.worker import placement
 from kvledger.worker.serving import use_threads
 
 from factories import make_manifest
@@ -63,7 +63,7 @@ def test_demo_telemetry_reconciles_with_its_journal(db_url, tmp_path, one_thread
     """With torch's whole pool, and with one thread, where the worker overlaps each
     commit with the model call and builds its next batch before applying the last
     (Worker.lookahead): receipts reach the observers an iteration later."""
-    if one_thread and placement.usable_cpus() < 2:
+    if one_thread and tuning.usable_cpus() < 2:
         pytest.skip("one usable CPU: a one-thread pool leaves no core to overlap with")
     path = tmp_path / "telemetry.jsonl"
     threads = torch.get_num_threads()
@@ -447,7 +447,7 @@ def test_demo_cli_writes_telemetry_that_reconciles(tmp_path, capsys, writer):
     assert out["telemetry"]["metrics_port"] > 0
     ran = out["writer"]
     assert ran["kind"] == writer and ran["torch_threads"] == (
-        max(1, min(threads, placement.usable_cpus() - 1)) if writer == "process" else threads)
+        max(1, min(threads, tuning.usable_cpus() - 1)) if writer == "process" else threads)
     if ran["io_cpu"] is not None:  # placed: the model's thread kept off the writer's CPU
         assert writer == "process" and ran["io_cpu"] not in ran["model_cpus"]
     assert b"kvledger_telemetry_dropped_records_total" in scrape.read_bytes()

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from kvledger.engine import commands as c
-from kvledger.engine.heap import freeze_heap
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
+from kvledger.journal import tuning
 from kvledger.schemas.canonical import layers_sha256
 from kvledger.schemas.events import AppendKind, ForwardCall
 from kvledger.schemas.manifest import (
@@ -42,7 +42,6 @@ from kvledger.schemas.manifest import (
     new_manifest,
 )
 from kvledger.schemas.receipts import Receipt
-from kvledger.worker import placement
 from kvledger.worker.executor import CallShape, Member, run_call
 from kvledger.worker.kvstore import KVStore
 from kvledger.worker.loading import DTYPE_NAMES, require_context
@@ -165,7 +164,7 @@ class Worker:
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
                  capacity: int = 512, device: str = "cpu", pipeline: bool | None = None,
                  retries: int = 1, lookahead: bool | None = None) -> None:
-        freeze_heap()  # the process's first worker: what start-up loaded, before serving
+        tuning.freeze_heap()  # the process's first worker: what start-up loaded, before serving
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
         require_context(self.cfg, capacity)  # before the store's preallocation
@@ -767,16 +766,16 @@ class Worker:
 def use_threads(n: int) -> int:
     """Set torch's CPU thread pool to n threads. When that leaves a core for a journal
     writer, the calling (model) thread moves off the CPU that takes the disk's interrupts,
-    so the core left is that one (kvledger.worker.placement); with every core in the pool it may
+    so the core left is that one (kvledger.journal.tuning.pin_model); with every core in the pool it may
     run anywhere again. Returns n."""
     torch.set_num_threads(n)
-    placement.pin_model(_leaves_a_core(n))
+    tuning.pin_model(_leaves_a_core(n))
     return n
 
 
 def _leaves_a_core(threads: int) -> bool:
     """A torch pool of this size leaves a CPU free for the journal's writer."""
-    return threads < placement.usable_cpus()
+    return threads < tuning.usable_cpus()
 
 
 def leave_a_core() -> int:
@@ -784,7 +783,7 @@ def leave_a_core() -> int:
     process (kvledger.engine.remote) to run on; returns the thread count now set. The writer's
     commit then overlaps the model call instead of preempting it. What the model gives
     up (2 cores, default model): nothing at batch 1, 10-25% of its rate at batch 16."""
-    return use_threads(max(1, min(torch.get_num_threads(), placement.usable_cpus() - 1)))
+    return use_threads(max(1, min(torch.get_num_threads(), tuning.usable_cpus() - 1)))
 
 
 def _accepted(prev_logits: Tensor, rows: Tensor, drafts: tuple[int, ...]) -> int:
