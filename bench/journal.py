@@ -26,6 +26,9 @@ Durable settings throughout: SQLite WAL + synchronous=FULL (set on eventsourcing
 connections too, and checked), PostgreSQL fsync=on. Several short runs per figure,
 interleaved across systems (alternating order); a ratio is the median of the per-run
 ratios kvledger / other (see bench.paired_ratio), an absolute rate the best run.
+
+Also the cost of one disarmed fault point (journal.faults, six per append, armed only by
+`kvledger crash-test`): `fault_point_disarmed_ns`, the best of a few timed loops.
 """
 
 from __future__ import annotations
@@ -382,6 +385,18 @@ def measure(system: System, batches: list[list[int]]) -> float:
     return sum(len(b) for b in batches) / elapsed
 
 
+def fault_point_ns(calls: int, repeats: int = 3) -> float:
+    """Nanoseconds one disarmed `journal.faults.fault` call costs (best of `repeats`)."""
+    import timeit
+
+    from kvledger.journal import faults
+
+    faults.configure(None)
+    best = min(timeit.repeat("fault('before_update')", globals={"fault": faults.fault}, number=calls,
+                             repeat=repeats))
+    return best / calls * 1e9
+
+
 def run(ctx: Context) -> dict[str, Any]:
     handles = ctx.size(smoke=128, quick=1024, full=1024)
     n_batches = ctx.size(smoke=2, quick=40, full=120)  # per repeat, batches of 64
@@ -461,4 +476,5 @@ def run(ctx: Context) -> dict[str, Any]:
     out["event_body_bytes"] = len(EVENT_BODY)
     out["receipt_body_bytes"] = len(RECEIPT_BODY)
     out["handles"] = handles
+    out["fault_point_disarmed_ns"] = round(fault_point_ns(ctx.size(smoke=10_000, quick=500_000, full=2_000_000)), 1)
     return out

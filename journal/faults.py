@@ -1,10 +1,10 @@
 """Named fault points in the journal's write path, for crash and race testing.
 
-The write path (journal.sql) calls `fault(NAME)` at each point below. Off by default:
-`fault` then tests one module-level boolean and returns, which costs no measurable
-time (about 45 ns a call; `python -c 'from journal import faults; faults._bench()'`, and
-an A/B of SqlJournal.append with the calls stripped shows no difference). A point
-fires only when a rule names it.
+The write path (journal.sql) calls `fault(NAME)` at each point below, and `kvledger
+crash-test` arms them (docs/CRASH.md). Off by default: `fault` then tests one
+module-level boolean and returns, which costs no measurable time (`python -m bench
+--only journal` reports it as fault_point_disarmed_ns). A point fires only when a rule
+names it.
 
     before_update   writer lock held, receipts looked up; no head row changed yet
     after_update    every guarded head update done; no event row inserted yet
@@ -36,10 +36,6 @@ Crash tests also note each transaction's operation ids just before it is sent, t
 check afterwards that it committed all or nothing: `KVLEDGER_INTENTS_LOG=PATH` (or
 `record_intents(PATH)`) appends one JSON list per `SqlJournal.append` to PATH. Off by
 default (one module-level test, like `fault`).
-
-`UNGUARDED` is a test-only mutant: the guarded head update and the head checks ignore
-their guard (the conditional write disabled). The linearizability tests set it to
-prove their checker notices; nothing else may.
 """
 
 from __future__ import annotations
@@ -56,7 +52,6 @@ ALIASES = {"after_insert": "before_commit"}
 EXIT_CODE = 86
 
 ACTIVE = False  # any rule armed: the only thing `fault` reads when off
-UNGUARDED = False  # test-only mutant, see the module docstring
 INTENTS: str | None = None  # where intend() notes transactions, see the module docstring
 
 hits: Counter[str] = Counter()  # hits per point since configure (only while ACTIVE)
@@ -176,13 +171,6 @@ def configure(spec: str | list[Rule] | None, *, seed: int = 0, log: str | None =
     ACTIVE = bool(rules)
 
 
-def reset() -> None:
-    """Disarm every rule and the mutant."""
-    global UNGUARDED
-    configure(None)
-    UNGUARDED = False
-
-
 def armed() -> list[Rule]:
     return [r for rules in _rules.values() for r in rules]
 
@@ -196,12 +184,3 @@ def _from_env() -> None:
 
 
 _from_env()
-
-
-def _bench(n: int = 2_000_000) -> None:  # pragma: no cover - manual benchmark
-    """The cost of a disarmed fault point, per call."""
-    import timeit
-
-    configure(None)
-    per = timeit.timeit("fault('before_update')", globals={"fault": fault}, number=n) / n
-    print(f"disarmed fault(): {per * 1e9:.1f} ns per call")

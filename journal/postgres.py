@@ -193,19 +193,13 @@ class PostgresStatements(Statements):
         "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING h.handle_id"
     )
 
-    # test-only mutant (journal.faults.UNGUARDED): the same update with its guard ignored
-    UNGUARDED_UPDATE_SET = GUARDED_UPDATE_SET.replace(
-        " AND h.generation = v.g AND h.snapshot_version = v.s AND h.stream_position = v.p", "")
-    assert UNGUARDED_UPDATE_SET != GUARDED_UPDATE_SET
-
     points_heads = False  # insert_record sets every head's last_record in one statement
 
     def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]],
                        last_record: int | None = None) -> set[str]:
         if not rows:
             return set()
-        cur.execute(self.UNGUARDED_UPDATE_SET if faults.UNGUARDED else self.GUARDED_UPDATE_SET,
-                    _guarded_update_params(rows))
+        cur.execute(self.GUARDED_UPDATE_SET, _guarded_update_params(rows))
         return {r[0] for r in cur.fetchall()}
 
     def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]:
@@ -224,8 +218,6 @@ class PostgresStatements(Statements):
     def check_heads(self, cur: Any, rows: list[tuple[str, Guard]]) -> set[str]:
         if not rows:
             return set()
-        if faults.UNGUARDED:  # test-only mutant
-            return {h for h, _ in rows}
         h, g, s, p = zip(*[(h, g.generation, g.snapshot_version, g.stream_position) for h, g in rows])
         cur.execute(
             "SELECT h.handle_id FROM kvl_heads h JOIN unnest(%b, %b, %b, %b) AS v(h, g, s, p) "

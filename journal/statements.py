@@ -159,19 +159,13 @@ class Statements(abc.ABC):
         "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (handle_id) DO NOTHING"
     )
-    # test-only mutant (journal.faults.UNGUARDED): the same update with its guard ignored
-    UNGUARDED_UPDATE = (
-        "UPDATE kvl_heads SET generation = ?, snapshot_version = ?, stream_position = ?, "
-        "committed_length = ?, lifecycle = ? "
-        "WHERE handle_id = ? AND ? IS NOT NULL AND ? IS NOT NULL AND ? IS NOT NULL"
-    )
     CHECK_HEAD = (
         "SELECT 1 FROM kvl_heads WHERE handle_id = ? AND generation = ? "
         "AND snapshot_version = ? AND stream_position = ?"
     )
 
     SET_LIFECYCLE, SET_LIFECYCLE_AND_RECORD = "lifecycle = ? ", "lifecycle = ?, last_record = ? "
-    assert SET_LIFECYCLE in GUARDED_UPDATE and SET_LIFECYCLE in UNGUARDED_UPDATE
+    assert SET_LIFECYCLE in GUARDED_UPDATE
 
     # Where set, guarded_update also points each head at the record the commit will write
     # (`last_record`), and insert_record then leaves those heads alone: the 64 head rows a
@@ -186,7 +180,7 @@ class Statements(abc.ABC):
         are redone one by one to learn which guards failed. `last_record`: the last
         position of the record this commit will write, if known, stored as each
         updated head's last_record."""
-        sql = self.UNGUARDED_UPDATE if faults.UNGUARDED else self.GUARDED_UPDATE
+        sql = self.GUARDED_UPDATE
         at: tuple[int, ...] = ()
         if last_record is not None:
             sql, at = sql.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD), (last_record,)
@@ -218,8 +212,6 @@ class Statements(abc.ABC):
         return ok
 
     def check_heads(self, cur: Any, rows: list[tuple[str, Guard]]) -> set[str]:
-        if faults.UNGUARDED:  # test-only mutant
-            return {h for h, _ in rows}
         sql, ok = self.q(self.CHECK_HEAD), set()
         for handle_id, g in rows:
             cur.execute(sql, (handle_id, g.generation, g.snapshot_version, g.stream_position))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import torch
 
 from kvledger.engine.remote import command_service
 from kvledger.journal import SqlJournal
+from kvledger.scenario import Action, Script
 from kvledger.worker.loading import load_model
 from kvledger.worker.serving import RequestSpec, Worker
 
@@ -21,31 +22,39 @@ if TYPE_CHECKING:
 SCENARIOS = ("long", "fork", "cancel", "truncate", "repair", "speculate", "fault", "plain")
 
 
-def demo_workload(requests: int, max_new_tokens: int, seed: int, vocab: int,
-                  run_id: str = "") -> list[RequestSpec]:
+class Workload(NamedTuple):
+    specs: list[RequestSpec]
+    script: Script  # what the demo's client does to them while they run
+
+
+def demo_workload(requests: int, max_new_tokens: int, seed: int, vocab: int, run_id: str = "") -> Workload:
     """`requests` ragged requests arriving four per iteration. The scenarios sit at
     evenly spread indexes, so every N >= 8 plays them all: one long prompt (prefilled in
     chunks), one fork (n=2, sampled) whose two rows then swap (a beam-style reorder), one
-    cancellation, one truncate, one repair, one speculative request, and one whose
-    first decode call fails once (injected) and is retried."""
+    cancellation, one truncate, one repair, one speculative request, and one after whose
+    first output a decode call fails once (injected) and is retried."""
     rng = random.Random(seed)
     g = max_new_tokens
     step = max(1, requests // len(SCENARIOS))
     roles = {k * step: role for k, role in enumerate(SCENARIOS[:requests])}
-    specs = []
+    specs, actions = [], []
     for i in range(requests):
         role = roles.get(i, "plain")
         plen = 160 if role == "long" else rng.randint(4, 48)
+        rid = f"req-{run_id or seed}-{i:03d}"
         specs.append(RequestSpec(
-            request_id=f"req-{run_id or seed}-{i:03d}", prompt=tuple(rng.randrange(vocab) for _ in range(plen)),
+            request_id=rid, prompt=tuple(rng.randrange(vocab) for _ in range(plen)),
             max_new_tokens=g, arrival_step=i // 4, seed=seed * 1000 + i,
             n=2 if role == "fork" else 1, temperature=0.8 if role == "fork" else 0.0,
-            reorder=(1, 0) if role == "fork" else (), reorder_after=min(2, g),
-            cancel_after=max(1, g // 4) if role == "cancel" else None,
-            truncate_after=max(3, g // 2) if role == "truncate" else None,
-            repair=role == "repair", speculate=3 if role == "speculate" else 0,
-            fault_after=min(1, g - 1) if role == "fault" else None))
-    return specs
+            speculate=3 if role == "speculate" else 0))
+        actions += {
+            "fork": [Action(rid, "reorder", after=min(2, g), permutation=(1, 0))],
+            "cancel": [Action(rid, "cancel", after=max(1, g // 4))],
+            "truncate": [Action(rid, "truncate", after=max(3, g // 2), rows=2)],
+            "repair": [Action(rid, "repair")],
+            "fault": [Action(rid, "fault", after=min(1, g - 1))],
+        }.get(role, [])
+    return Workload(specs, Script(tuple(actions)))
 
 
 class DemoResult(TypedDict):
@@ -69,7 +78,7 @@ def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 1
     (the caller closes it). `writer`: see kvledger.engine.remote.command_service."""
     torch.manual_seed(seed)
     model, artifact = load_model(model_dir, device=device)
-    specs = demo_workload(requests, max_new_tokens, seed, model.cfg.vocab_size, run_id)
+    specs, script = demo_workload(requests, max_new_tokens, seed, model.cfg.vocab_size, run_id)
     capacity = max(len(s.prompt) for s in specs) + max_new_tokens + 1
     with command_service(journal, writer=writer, source_instance=source_instance) as service:
         worker = Worker(model, service=service, artifact=artifact, capacity=capacity, device=device)
@@ -79,7 +88,7 @@ def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 1
             worker.submit(s)
         first = journal.last_position()
         t0 = time.perf_counter()
-        outputs = worker.run(on_step=on_step)
+        outputs = script.play(worker, on_step=on_step)
         elapsed = time.perf_counter() - t0
     return {
         "outputs": outputs,

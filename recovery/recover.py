@@ -26,9 +26,9 @@ The algorithm (docs/CRASH.md):
 Request parameters come from the manifest: prompt, request_policy.max_new_tokens,
 sampling kind/temperature/seed. A fork child is a live handle of its own: it inherits
 its parent's manifest and samples with seed + child_index + 1 (the worker's rule).
-Client actions of the demo (cancel after k outputs, truncate, speculation, repair, the
-n of a parallel-sampling request) are not request state and are not replayed: a
-recovered request simply runs to max_new_tokens.
+What a client asked of a running request (Worker.cancel, truncate, reorder, repair) and
+its speculation and the n of a parallel-sampling request are not request state and are
+not replayed: a recovered request simply runs to max_new_tokens.
 
 Run recovery only after the writer has stopped. Running it beside a live writer is
 safe (every write is fenced by the conditional write) but aborts the writer's

@@ -19,6 +19,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
 from factories import make_manifest
+from mutants import unguard
 
 PROMPT = (5, 6, 7, 8)
 CAPACITY = 24
@@ -141,12 +142,12 @@ def racer(url: str, process: int, handles: list[str], n_ops: int, seed: int, his
 
 
 def _race(url, process, handles, n_ops, seed, log, go, mutant, fault, p_fork, p_refresh) -> None:
-    if mutant:
-        faults.UNGUARDED = True
     if fault:
         faults.configure(fault)
     rng = random.Random(seed)
     with open_or_create_journal(url) as j:
+        if mutant:
+            unguard(j)
         service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}")
         log(type="ready", op=f"p{process}")
         _await(go)
@@ -310,10 +311,10 @@ def scripted_fork(url: str, history: str, ready, go, mutant: bool) -> None:
     the cached view. Real journal: the guard fails, the service re-reads and commits
     on the new head. Mutant: the stale check passes and the fork commits on a base
     that no longer exists."""
-    if mutant:
-        faults.UNGUARDED = True
     log = _Log(history)
     with open_or_create_journal(url) as j:
+        if mutant:
+            unguard(j)
         service = CommandService(RecordingJournal(j, log), source_instance="scripted-fork")
         s = service.state("H")
         ready.set()

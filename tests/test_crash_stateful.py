@@ -222,7 +222,7 @@ def _factory(backend, tmp_path_factory, request):
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_crash_and_reopen_keeps_exactly_the_acknowledged_prefix(backend, ctx, tmp_path_factory, request):
-    faults.reset()
+    faults.configure(None)
     SEEN.clear()
     cls = machine(_factory(backend, tmp_path_factory, request), ctx)
     run_state_machine_as_test(cls, settings=settings(

@@ -1,7 +1,8 @@
 """The main job's journal holds every mutation kvledger exists for, at any request count;
 the two that need the worker's own handling (a failed forward call, a beam-style
 reorder) are real: a failure ends the call's appends and they run again, a reorder
-moves each handle's K/V rows with it."""
+moves each handle's K/V rows with it. The demo's client (kvledger.scenario) asks for
+them through the worker's public API only."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvledger.cli import main
 from kvledger.demo import SCENARIOS
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import verify_journal
+from kvledger.scenario import Action, Script
 from kvledger.worker.kvstore import KVStore
 from kvledger.worker.model import DEFAULT_CONFIG
 from kvledger.worker.reexec import reexecute
@@ -83,18 +85,20 @@ def test_a_reordered_fork_group_decodes_what_it_would_have(model, db_url, tmp_pa
     """Sampling is seeded per handle and output index, so a reorder changes no output:
     if the store's rows did not follow the permutation, the swapped beams would attend
     over each other's K/V and sample something else."""
-    def spec(reorder):
-        return RequestSpec(request_id="beam", prompt=_tokens(9, seed=2), max_new_tokens=10, n=2,
-                           temperature=0.8, seed=5, reorder=reorder, reorder_after=3)
-
-    plain, _ = run_workload(f"sqlite:///{tmp_path}/plain.db", [spec(())], model)
-    out, events = run_workload(db_url, [spec((1, 0))], model)
+    spec = RequestSpec(request_id="beam", prompt=_tokens(9, seed=2), max_new_tokens=10, n=2, temperature=0.8,
+                       seed=5)
+    plain, _ = run_workload(f"sqlite:///{tmp_path}/plain.db", [spec], model)
+    out, events = run_workload(db_url, [spec], model,
+                               script=Script((Action("beam", "reorder", after=3, permutation=(1, 0)),)))
     assert out == plain and out["beam"] != out["beam.1"]
     moves = [e for e in events if e.event_type == "reorder"]
     assert {(e.stream_id, e.payload.row_index) for e in moves} == {("beam", 1), ("beam.1", 0)}
     assert all(e.payload.permutation == (1, 0) and e.payload.rows == ("beam", "beam.1") for e in moves)
-    # the reorder came after three outputs of each row, in one operation
+    # the reorder came once each row had three outputs, in one operation
     assert len({e.operation_id for e in moves}) == 1
+    outputs = {h: [e for e in events if e.stream_id == h and e.event_type == "output_emit"
+                   and e.global_position < moves[0].global_position] for h in ("beam", "beam.1")}
+    assert all(len(v) >= 3 for v in outputs.values())
     with open_or_create_journal(db_url) as j:
         assert verify_journal(j).findings == []
     r = reexecute(model, events, capacity=64)
@@ -105,11 +109,9 @@ def test_a_failed_forward_call_ends_its_appends_and_they_run_again(model, db_url
     """The injected fault raises after the call staged its rows: every append of that
     call ends in a failure event, its rows are dropped, and it runs again; the outputs
     are those of a run without the fault, and re-execution reproduces every row."""
-    specs = [RequestSpec(request_id=f"r{i}", prompt=_tokens(5 + 3 * i, seed=i), max_new_tokens=6,
-                         fault_after=2 if i == 1 else None) for i in range(3)]
-    clean, _ = run_workload(f"sqlite:///{tmp_path}/clean.db", [RequestSpec(
-        request_id=s.request_id, prompt=s.prompt, max_new_tokens=s.max_new_tokens) for s in specs], model)
-    out, events = run_workload(db_url, specs, model)
+    specs = [RequestSpec(request_id=f"r{i}", prompt=_tokens(5 + 3 * i, seed=i), max_new_tokens=6) for i in range(3)]
+    clean, _ = run_workload(f"sqlite:///{tmp_path}/clean.db", specs, model)
+    out, events = run_workload(db_url, specs, model, script=Script((Action("r1", "fault", after=2),)))
     assert out == clean
     failures = [e for e in events if e.event_type == "failure"]
     assert {e.stream_id for e in failures} == {"r0", "r1", "r2"}  # one decode call held all three
@@ -132,8 +134,8 @@ def test_a_request_whose_calls_keep_failing_is_cancelled_and_released(model, tmp
     _, artifact = load_model()
     with open_or_create_journal(url) as j:
         w = Worker(model, service=CommandService(j), artifact=artifact, capacity=32, retries=0)
-        w.submit(RequestSpec(request_id="g", prompt=_tokens(6), max_new_tokens=4, fault_after=1))
-        w.run()
+        w.submit(RequestSpec(request_id="g", prompt=_tokens(6), max_new_tokens=4))
+        Script((Action("g", "fault", after=1),)).play(w)
         assert len(w.errors) == 1 and "g: forward call failed 1 times" in w.errors[0]  # not served
         types = [e.event_type for e in j.read_all()]
         assert types[-3:] == ["failure", "cancel_request", "release"]

@@ -19,15 +19,16 @@ from kvledger.schemas.receipts import Receipt
 
 import crash_workers as cw
 from factories import allocate_op, guard_of, publish_op
+from mutants import unguard
 
 IN_TXN = ["before_update", "mid_batch", "after_update", "before_commit"]
 
 
 @pytest.fixture(autouse=True)
 def _disarm():
-    faults.reset()
+    faults.configure(None)
     yield
-    faults.reset()
+    faults.configure(None)
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +184,11 @@ def test_environment_arms_faults_in_a_new_process(db_url, tmp_path):
 
 
 def test_mutant_ignores_the_guard_and_verify_sees_the_stale_write(db_url):
-    """The test-only mutant (the conditional write disabled) lets a stale read-only check
-    (a fork's parent) and a stale write commit: the guarded update is the only fence
-    (records keep no per-event unique stream position). What it lets through is still
-    seen: the stale write repeats a stream position, and `verify` says so."""
+    """The mutant (tests/mutants.py: the conditional write disabled) lets a stale
+    read-only check (a fork's parent) and a stale write commit: the guarded update is
+    the only fence (records keep no per-event unique stream position). What it lets
+    through is still seen: the stale write repeats a stream position, and `verify` says
+    so."""
     _seed(db_url)
     with open_or_create_journal(db_url) as j:
         stale = guard_of(j.head("A"))
@@ -195,12 +197,11 @@ def test_mutant_ignores_the_guard_and_verify_sees_the_stale_write(db_url):
         forkish = Operation("fork-op", "fp", child.writes, (Check("A", stale),), child.manifests)
         [refused] = j.append([forkish])
         assert refused.code == ErrorCode.STALE_BASE
-        faults.UNGUARDED = True
+        unguard(j)  # from here on, for this connection
         [won] = j.append([forkish])
         assert isinstance(won, Receipt)  # committed against a base that no longer exists
         [stale_write] = j.append([publish_op("A", stale, "stale-write")])
         assert isinstance(stale_write, Receipt)
-        faults.UNGUARDED = False
         found = verify_journal(j)
     repeated = [f for f in found.findings if f.code == "STREAM_POSITION_GAP"]
     assert [(f.stream_id, f.global_position) for f in repeated] == [("A", stale_write.last_global_position)]

@@ -1,7 +1,7 @@
 """Racing workers on shared handles, checked two ways (linear time and Wing & Gong):
 real histories from 4 to 8 processes pass, including ones where a process is killed
 mid-operation or loses a commit acknowledgement; with the conditional write disabled
-(the test-only mutant) the checkers report violations."""
+(tests/mutants.py) the checkers report violations."""
 
 from __future__ import annotations
 

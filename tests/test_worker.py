@@ -14,6 +14,7 @@ from kvledger.demo import demo_workload
 from kvledger.engine.remote import command_service
 from kvledger.engine.service import CommandService
 from kvledger.migrations.storage import open_or_create_journal
+from kvledger.scenario import Action, Script
 from kvledger.worker.executor import Member, run_call, shape_of
 from kvledger.worker.kvstore import KVStore
 from kvledger.worker.loading import load_model
@@ -164,7 +165,8 @@ def test_staged_rows_are_invisible_and_a_stale_publication_changes_nothing(model
     other.close()
 
 
-def run_workload(url, specs, model, *, journal_on=True, pipeline=None, writer="thread"):
+def run_workload(url, specs, model, *, journal_on=True, pipeline=None, writer="thread", script=None):
+    """Serve `specs` to the end, `script` playing its client actions."""
     _, artifact = load_model()
     capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
     with open_or_create_journal(url) as j:
@@ -172,15 +174,15 @@ def run_workload(url, specs, model, *, journal_on=True, pipeline=None, writer="t
             w = Worker(model, service=service, artifact=artifact, capacity=capacity, pipeline=pipeline)
             for s in specs:
                 w.submit(s)
-            out = w.run()
+            out = (script or Script()).play(w)
         assert w.errors == []
         events = list(j.read_all())
     return out, events
 
 
 def test_demo_journal_reexecutes_bit_for_bit(model, db_url):
-    specs = demo_workload(16, 8, seed=3, vocab=model.cfg.vocab_size)
-    out, events = run_workload(db_url, specs, model)
+    specs, script = demo_workload(16, 8, seed=3, vocab=model.cfg.vocab_size)
+    out, events = run_workload(db_url, specs, model, script=script)
     kinds = {e.payload.kind for e in events if e.event_type == "append_start"}
     assert kinds == {"prefill", "chunk", "decode", "repair", "verify"}
     assert {e.event_type for e in events} >= {"fork", "truncate", "reorder", "failure", "cancel_request",
@@ -196,11 +198,11 @@ def test_reexecution_uses_the_recorded_thread_count(model, tmp_path):
     bits: each call records its count (ForwardCall.threads) and re-execution runs with
     it, whatever the re-executing process has set. Without the record it would not
     reproduce (the second half shows the test can fail)."""
-    specs = demo_workload(8, 6, seed=4, vocab=model.cfg.vocab_size)
+    specs, script = demo_workload(8, 6, seed=4, vocab=model.cfg.vocab_size)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        _, events = run_workload(f"sqlite:///{tmp_path}/t.db", specs, model)
+        _, events = run_workload(f"sqlite:///{tmp_path}/t.db", specs, model, script=script)
         torch.set_num_threads(2)
         r = reexecute(model, events, capacity=256)
         assert r.verified_rows > 100 and r.mismatches == []
@@ -219,11 +221,11 @@ def test_paths_keep_greedy_outputs(model, tmp_path):
     """Speculation, truncate-and-redo, repair and journaling itself change no greedy output."""
     prompts = [_tokens(n, seed=10 + n) for n in (6, 11, 30)]
     plain = [RequestSpec(request_id=f"p{i}", prompt=p, max_new_tokens=12) for i, p in enumerate(prompts)]
-    variants = [RequestSpec(request_id=f"p{i}", prompt=p, max_new_tokens=12, speculate=3 if i == 0 else 0,
-                            truncate_after=5 if i == 1 else None, repair=i == 2)
+    variants = [RequestSpec(request_id=f"p{i}", prompt=p, max_new_tokens=12, speculate=3 if i == 0 else 0)
                 for i, p in enumerate(prompts)]
+    script = Script((Action("p1", "truncate", after=5), Action("p2", "repair")))
     a, _ = run_workload(f"sqlite:///{tmp_path}/a.db", plain, model)
-    b, events = run_workload(f"sqlite:///{tmp_path}/b.db", variants, model)
+    b, events = run_workload(f"sqlite:///{tmp_path}/b.db", variants, model, script=script)
     c, _ = run_workload(f"sqlite:///{tmp_path}/c.db", plain, model, journal_on=False)
     assert a == b == c
     verify = [e for e in events if e.event_type == "append_publish" and e.payload.accepted_count > 1
@@ -250,9 +252,9 @@ def test_fork_gives_two_sampled_branches(model, tmp_path):
 def test_pipelined_commits_give_the_same_outputs_and_rows(model, tmp_path):
     """The loop that overlaps each commit with the next model call (the default on a GPU)
     journals the same outputs, and its rows re-execute bit for bit."""
-    specs = demo_workload(12, 8, seed=5, vocab=model.cfg.vocab_size)
-    sync, _ = run_workload(f"sqlite:///{tmp_path}/s.db", specs, model, pipeline=False)
-    piped, events = run_workload(f"sqlite:///{tmp_path}/p.db", specs, model, pipeline=True)
+    specs, script = demo_workload(12, 8, seed=5, vocab=model.cfg.vocab_size)
+    sync, _ = run_workload(f"sqlite:///{tmp_path}/s.db", specs, model, pipeline=False, script=script)
+    piped, events = run_workload(f"sqlite:///{tmp_path}/p.db", specs, model, pipeline=True, script=script)
     greedy = {s.request_id for s in specs if s.temperature == 0}
     assert {h: o for h, o in piped.items() if h in greedy} == {h: o for h, o in sync.items() if h in greedy}
     r = reexecute(model, events, capacity=256)
@@ -265,9 +267,9 @@ def test_a_writer_process_journals_the_same_run(model, db_url, tmp_path):
     clean and its rows re-execute bit for bit."""
     from kvledger.replay import verify_journal
 
-    specs = demo_workload(12, 8, seed=6, vocab=model.cfg.vocab_size)
-    here, _ = run_workload(f"sqlite:///{tmp_path}/t.db", specs, model)
-    there, events = run_workload(db_url, specs, model, pipeline=True, writer="process")
+    specs, script = demo_workload(12, 8, seed=6, vocab=model.cfg.vocab_size)
+    here, _ = run_workload(f"sqlite:///{tmp_path}/t.db", specs, model, script=script)
+    there, events = run_workload(db_url, specs, model, pipeline=True, writer="process", script=script)
     greedy = {s.request_id for s in specs if s.temperature == 0}
     assert {h: o for h, o in there.items() if h in greedy} == {h: o for h, o in here.items() if h in greedy}
     r = reexecute(model, events, capacity=256)

@@ -18,6 +18,7 @@ from kvledger.demo import demo_workload
 from kvledger.engine.remote import command_service
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import verify_journal
+from kvledger.scenario import Script
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.worker.loading import load_model
 from kvledger.worker.reexec import reexecute
@@ -42,7 +43,7 @@ def _strip(value):
     return value
 
 
-def _run(url, specs, model, *, lookahead, writer="thread", on_step=None):
+def _run(url, specs, model, *, lookahead, writer="thread", on_step=None, script=None):
     _, artifact = load_model()
     capacity = max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs) + 1
     with open_or_create_journal(url) as j, command_service(j, writer=writer) as service:
@@ -50,7 +51,7 @@ def _run(url, specs, model, *, lookahead, writer="thread", on_step=None):
                    lookahead=lookahead)
         for s in specs:
             w.submit(s)
-        out = w.run(on_step=on_step)
+        out = (script or Script()).play(w, on_step=on_step)
         events = list(j.read_all())
         assert verify_journal(j).findings == []
     return w, out, events
@@ -61,9 +62,9 @@ def test_lookahead_journals_what_a_waiting_worker_journals(model, db_url, tmp_pa
     """Every scenario of the demo (chunked prefill, fork and reorder, cancel, truncate,
     repair, speculation, an injected fault and its retry): the same outputs, the same
     events in each stream, and rows that re-execute bit for bit."""
-    specs = demo_workload(12, 8, seed=7, vocab=model.cfg.vocab_size)
-    waited, a, before = _run(f"sqlite:///{tmp_path}/w.db", specs, model, lookahead=False)
-    ahead, b, after = _run(db_url, specs, model, lookahead=True, writer=writer)
+    specs, script = demo_workload(12, 8, seed=7, vocab=model.cfg.vocab_size)
+    waited, a, before = _run(f"sqlite:///{tmp_path}/w.db", specs, model, lookahead=False, script=script)
+    ahead, b, after = _run(db_url, specs, model, lookahead=True, writer=writer, script=script)
     assert waited.errors == ahead.errors == []
     assert a == b
     assert {e.event_type for e in after} >= {"fork", "reorder", "truncate", "failure", "cancel_request"}

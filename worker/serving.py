@@ -58,17 +58,7 @@ class RequestSpec(msgspec.Struct, frozen=True):
     seed: int = 0
     arrival_step: int = 0
     n: int = 1  # parallel samples: n - 1 forks at the prompt
-    cancel_after: int | None = None  # cancel once this many outputs exist
-    truncate_after: int | None = None  # roll back `truncate_rows` rows once, at this many outputs
-    truncate_rows: int = 2
-    repair: bool = False  # close the final output frontier before release
     speculate: int = 0  # drafts per verify (prompt lookup); greedy only
-    # n > 1: once every row of the fork group has `reorder_after` outputs, its rows take this
-    # permutation (new row i <- old row reorder[i]), as a beam search's beam_idx would say
-    reorder: tuple[int, ...] = ()
-    reorder_after: int = 1
-    fault_after: int | None = None  # fault injection: the forward call of the append planned at
-    #                                 this many outputs raises once, as a device error would
 
 
 @dataclass
@@ -80,10 +70,8 @@ class Live:
     logits: Tensor | None = None  # next-token logits of the newest publication
     greedy: int | None = None  # their argmax, when the call computed it
     forked: bool = False
-    truncated: bool = False
     done: str | None = None  # finish reason, "cancelled", or None while running
     abi: str = ""  # cache ABI digest of the handle (chain steps name it without reading state)
-    faulted: bool = False  # the injected fault has fired
     failures: int = 0  # appends of this handle that ended in a failure event
 
 
@@ -120,10 +108,6 @@ class _Inflight:
 def _command(e: Entry | _Chain) -> c.Command:
     cmd = e.first if isinstance(e, _Chain) else e[0]
     return cmd.command if isinstance(cmd, c.Relative) else cmd
-
-
-class InjectedFault(RuntimeError):
-    """The forward call failed because a request asked for it (RequestSpec.fault_after)."""
 
 
 class _Chain:
@@ -187,7 +171,11 @@ class Worker:
         # is cancelled.
         self.failed: list[tuple[Planned, str]] = []
         self.retries = retries
-        self._to_reorder: list[Live] = []  # fork groups whose requested reorder is still to come
+        # What clients asked for (cancel, truncate, reorder, repair): applied at the next build.
+        self._cancels: dict[str, str] = {}  # handle -> reason
+        self._truncates: dict[str, int] = {}  # handle -> new length
+        self._reorders: list[tuple[tuple[str, ...], tuple[int, ...]]] = []  # (rows, permutation)
+        self._repairs: set[str] = set()  # handles whose final output is processed before release
         self.step_no = 0
         self.errors: list[str] = []
         self.calls = 0
@@ -214,6 +202,45 @@ class Worker:
     # -- public --------------------------------------------------------------------
     def submit(self, spec: RequestSpec) -> None:
         self.pending.append(spec)
+
+    # What a client asks of a request between iterations; each takes effect at the next one.
+    def cancel(self, handle: str, reason: str = "client cancelled") -> None:
+        """Cancel a request (or one row of a fork group): a call it has running is
+        aborted (its rows are dropped; the journal's cancel aborts its append), then its
+        handle is released. A request not arrived yet is dropped; one done stays so."""
+        waiting = len(self.pending)
+        self.pending = [s for s in self.pending if s.request_id != handle]
+        if len(self.pending) == waiting:
+            self._cancels[handle] = reason
+
+    def truncate(self, handle: str, new_length: int) -> None:
+        """Roll a running request back to its first `new_length` cache rows: a call it
+        has running is aborted, the outputs past the cut are dropped, the output at
+        `new_length` stays as the frontier and decoding goes on from it. The cut keeps
+        the prompt and falls at or before the newest output (ValueError otherwise)."""
+        lv = self.live.get(handle)
+        if lv is None or lv.done is not None:
+            raise ValueError(f"{handle} is not running")
+        p, n = len(lv.spec.prompt), len(lv.outputs)
+        if not p <= new_length < p + n:
+            raise ValueError(f"{handle}: truncate to {new_length} rows must keep its {p} prompt rows and "
+                             f"its first output (at most {p + n - 1} rows: {n} outputs)")
+        self._truncates[handle] = new_length
+
+    def reorder(self, rows: Sequence[str], permutation: Sequence[int]) -> None:
+        """Permute a fork group's rows (new row i <- old row permutation[i]), as a beam
+        search's beam_idx does; the group is named by its first row. The journal commits
+        the permutation, then each handle's K/V rows move with it. Dropped if a row is
+        done by then."""
+        if sorted(permutation) != list(range(len(rows))) or len(set(rows)) != len(rows):
+            raise ValueError(f"{list(permutation)} is not a permutation of {len(rows)} distinct rows")
+        self._reorders.append((tuple(rows), tuple(permutation)))
+
+    def repair(self, handle: str) -> None:
+        """Close the request's output frontier before its release: once it finishes, a
+        repair append processes its final output (one K/V row per layer, logits
+        discarded), so its last snapshot holds every output. Ask before it finishes."""
+        self._repairs.add(handle)
 
     def run(self, on_step: Callable[[Worker], None] | None = None, max_steps: int = 100_000) -> dict[str, list[int]]:
         """Iterate until every request is done. With `lookahead`, an iteration's commit
@@ -273,13 +300,14 @@ class Worker:
         batch: list[Entry | _Chain] = []
         nxt: list[Planned] = []
         self._chains = {}
+        self._interrupt(batch, nxt)
         for prev in self.ran:
             self._publish(prev, batch, nxt)
         self.ran = []
         for p, why in self.failed:
             self._fail(p, why, batch, nxt)
         self.failed = []
-        self._reorder_groups(batch)
+        self._reorder_rows(batch)
         for lv, state in self._adopted:
             self._resume(lv, state, batch, nxt)
         self._adopted = []
@@ -415,8 +443,6 @@ class Worker:
         if spec.n > 1 and not lv.forked and not lv.outputs:
             lv.forked = True
             kids = [f"{lv.handle}.{i}" for i in range(1, spec.n)]
-            if spec.reorder:
-                self._to_reorder.append(lv)
             batch.append(self._fork(lv, kids))
             self._structural = True
             for i, k in enumerate(kids, 1):
@@ -456,25 +482,10 @@ class Worker:
                 self._chains.pop(lv.handle)
             else:
                 batch.append(self._simple(lv, finish))
-            if spec.repair:
+            if lv.handle in self._repairs:
                 nxt.append(Planned(lv.handle, _txn(), "repair", self._length(lv), (token,)))
             else:
                 batch.append(self._release(lv))
-        elif spec.cancel_after is not None and len(lv.outputs) >= spec.cancel_after:
-            lv.done = "cancelled"
-            batch.append(self._simple(lv, c.CancelRequest(handle_id=lv.handle, base_generation=0,
-                                                          reason="client cancelled")))
-            batch.append(self._release(lv))
-        elif spec.truncate_after is not None and not lv.truncated and len(lv.outputs) >= spec.truncate_after:
-            lv.truncated = True
-            self._structural = True
-            new_len = max(len(spec.prompt), self._length(lv) - spec.truncate_rows)
-            keep = new_len - len(spec.prompt) + 1  # the output at new_len stays as the frontier
-            lv.outputs = lv.outputs[:keep]  # a new list: Worker._hold keeps the old one
-            batch.append(self._simple(lv, c.Truncate(handle_id=lv.handle, base_generation=0,
-                                                     base_snapshot_version=0, new_length=new_len),
-                                      ok=lambda r: self.store.truncate(lv.handle, new_len)))
-            nxt.append(Planned(lv.handle, _txn(), "decode", new_len, (lv.outputs[-1],)))
         else:
             nxt.append(Planned(lv.handle, _txn(), "decode", self._length(lv), (token,)))
 
@@ -539,20 +550,52 @@ class Worker:
                                                           reason="forward call failed")))
         batch.append(self._release(lv))
 
-    def _reorder_groups(self, batch: list[Entry | _Chain]) -> None:
-        """A fork group's requested reorder, once every row has `reorder_after` outputs.
-        The journal commits the permutation; the store's rows follow it when it has."""
-        for lv in list(self._to_reorder):
-            spec = lv.spec
-            rows = (lv.handle, *(f"{lv.handle}.{i}" for i in range(1, spec.n)))
-            group = [self.live[h] for h in rows]
-            if any(g.done is not None for g in group):
-                self._to_reorder.remove(lv)  # a row finished first: nothing left to reorder
+    def _interrupt(self, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
+        """The cancels and truncates asked for since the last build. A call the handle
+        has running is aborted first: its staged rows are dropped, and nothing it
+        computed is published or sampled from."""
+        for h in [*self._cancels, *(h for h in self._truncates if h not in self._cancels)]:
+            lv = self.live.get(h)
+            if lv is None or lv.done is not None:
                 continue
-            if any(len(g.outputs) < spec.reorder_after for g in group):
+            running = [r.planned for r in self.ran if r.planned.handle == h] + \
+                [p for p, _ in self.failed if p.handle == h]
+            if running:
+                self.ran = [r for r in self.ran if r.planned.handle != h]
+                self.failed = [f for f in self.failed if f[0].handle != h]
+                self.store.discard(h)
+            if h in self._cancels:
+                lv.done = "cancelled"  # the journal's cancel aborts the open append
+                batch.append(self._simple(lv, c.CancelRequest(handle_id=h, base_generation=0,
+                                                              reason=self._cancels[h])))
+                batch.append(self._release(lv))
                 continue
-            self._to_reorder.remove(lv)
-            perm = spec.reorder
+            batch += [(c.Fail(handle_id=h, txn_id=p.txn, outcome="aborted", code="TXN_ABORTED",
+                              detail="truncated by the client"), None, None) for p in running if p.txn]
+            self._cut(lv, self._truncates[h], batch, nxt)
+        self._cancels, self._truncates = {}, {}
+
+    def _cut(self, lv: Live, new_len: int, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
+        """Truncate the handle to `new_len` rows and decode on from the output there, the
+        frontier (as engine.evolve.cut: outputs past it go; a cut into the prompt
+        leaves the rest of the prompt to prefill)."""
+        keep = max(0, new_len - len(lv.spec.prompt) + 1)
+        lv.outputs = lv.outputs[:keep]  # a new list: Worker._hold keeps the old one
+        lv.logits, lv.greedy = None, None
+        self._structural = True
+        h = lv.handle
+        batch.append(self._simple(lv, c.Truncate(handle_id=h, base_generation=0, base_snapshot_version=0,
+                                                 new_length=new_len),
+                                  ok=lambda r: self.store.truncate(h, new_len)))
+        if lv.outputs and new_len >= len(lv.spec.prompt):
+            nxt.append(Planned(h, _txn(), "decode", new_len, (lv.outputs[-1],)))
+
+    def _reorder_rows(self, batch: list[Entry | _Chain]) -> None:
+        """The reorders asked for since the last build. The journal commits each
+        permutation; the store's rows follow it once it has."""
+        for rows, perm in self._reorders:
+            if any(h not in self.live or self.live[h].done is not None for h in rows):
+                continue  # a row finished first: nothing left to reorder
             for h in rows:
                 self._chains.pop(h, None)  # the reorder comes after their chains
             self._structural = True
@@ -560,8 +603,9 @@ class Worker:
             def reordered(r: Receipt | None, rows: tuple[str, ...] = rows, perm: tuple[int, ...] = perm) -> None:
                 self.store.reorder(rows, perm)
 
-            batch.append((c.Relative(c.Reorder(group_id=lv.handle, rows=rows, bases=(), permutation=perm)),
+            batch.append((c.Relative(c.Reorder(group_id=rows[0], rows=rows, bases=(), permutation=perm)),
                           reordered, None))
+        self._reorders = []
 
     def _start(self, p: Planned, call: ForwardCall) -> Entry | None:
         """The append_start of a planned append: a step of its handle's open chain (None
@@ -603,12 +647,6 @@ class Worker:
         verify = planned[0].kind == "verify"
         logits = run_call(self.model, self.store, members, shape, all_rows=verify)
         self.calls += 1
-        for p, ok in zip(planned, real):
-            lv = self.live[p.handle]
-            due = lv.spec.fault_after
-            if ok and due is not None and not lv.faulted and len(lv.outputs) >= due:
-                lv.faulted = True  # after the call staged its rows, which must then be dropped
-                raise InjectedFault(f"injected fault in the {p.kind} call of {p.handle}")
         accepted = {}
         for b, p in enumerate(planned):
             if real[b]:
@@ -642,11 +680,10 @@ class Worker:
         publication when they are ready. The next step continues it like any request:
         prefill the rest of the prompt, decode the emitted frontier, sample from the
         ready logits, finish at max_new_tokens, release a finished or cancelled handle.
-        Client actions (fork, truncate, reorder, cancel, speculation, injected faults) are not
-        replayed."""
+        What its client asked before the crash (truncate, reorder, cancel, repair) is not
+        replayed, nor are its forks and speculation."""
         h, n = state.handle_id, state.committed_length
-        lv = Live(h, spec, spec.seed, outputs=list(state.outputs), forked=True, truncated=True,
-                  faulted=True,
+        lv = Live(h, spec, spec.seed, outputs=list(state.outputs), forked=True,
                   logits=logits if state.logits_ready else None, abi=state.cache_abi_sha256)
         if state.lifecycle != "ACTIVE":
             lv.done = state.lifecycle.lower()
@@ -678,17 +715,7 @@ class Worker:
         elif state.committed_length < len(spec.prompt) and not lv.outputs:
             pass  # _plan_prefill continues the prompt from the committed rows
         else:
-            # Rows committed but no logits to choose from: recompute the last row.
-            from kvledger.engine.evolve import cut
-
-            new_len = state.committed_length - 1
-            lv.outputs = list(cut(state, new_len)["outputs"])
-            self._structural = True
-            batch.append(self._simple(lv, c.Truncate(handle_id=h, base_generation=0, base_snapshot_version=0,
-                                                     new_length=new_len),
-                                      ok=lambda r: self.store.truncate(h, new_len)))
-            if new_len >= len(spec.prompt):
-                nxt.append(Planned(h, _txn(), "decode", new_len, (lv.outputs[-1],)))
+            self._cut(lv, state.committed_length - 1, batch, nxt)  # no logits to choose from: redo the last row
 
     # -- helpers -------------------------------------------------------------------
     def manifest(self, spec: RequestSpec) -> Manifest:
@@ -746,6 +773,7 @@ class Worker:
         return (c.Relative(cmd), ok, None)
 
     def _release(self, lv: Live) -> Entry:
+        self._repairs.discard(lv.handle)
         return self._simple(lv, c.Release(handle_id=lv.handle, base_generation=None),
                             ok=lambda r: self.store.release(lv.handle))
 
