@@ -21,6 +21,7 @@ from kvledger.schemas.manifest import (
     CacheSchema,
     Manifest,
     PositionContract,
+    RequestPolicy,
     RopeConfig,
     SamplingPolicy,
     ScalarType,
@@ -93,6 +94,6 @@ def manifest(model: Any, *, request_id: str, prompt: tuple[int, ...], max_new_to
              max_context_tokens: int, stop_token_ids: tuple[int, ...], sampling: SamplingPolicy) -> Manifest:
     return new_manifest(namespace=NAMESPACE, request_id=request_id, prompt=prompt,
                         artifact=artifact_identity(model), cache_schema=cache_schema(model),
-                        max_new_tokens=max_new_tokens, max_context_tokens=max_context_tokens,
-                        position_contract=position_contract(model), stop_token_ids=stop_token_ids,
-                        sampling=sampling)
+                        policy=RequestPolicy(max_new_tokens=max_new_tokens, max_context_tokens=max_context_tokens,
+                                             stop_token_ids=stop_token_ids, sampling=sampling),
+                        position_contract=position_contract(model))

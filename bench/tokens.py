@@ -78,6 +78,7 @@ def _manifest(request_id: str, layers: int, prompt: tuple[int, ...], max_new: in
         ArtifactIdentity,
         CacheSchema,
         PositionContract,
+        RequestPolicy,
         RopeConfig,
         ScalarType,
         new_manifest,
@@ -89,7 +90,7 @@ def _manifest(request_id: str, layers: int, prompt: tuple[int, ...], max_new: in
         artifact=ArtifactIdentity(model_artifact_sha256="a" * 64, model_config_sha256="c" * 64),
         cache_schema=CacheSchema(num_cache_layers=layers, kv_heads_per_rank=8, head_dim=128, key_dtype=fp16,
                                  value_dtype=fp16, num_query_heads=32),
-        max_new_tokens=max_new, max_context_tokens=len(prompt) + max_new + 1,
+        policy=RequestPolicy(max_new_tokens=max_new, max_context_tokens=len(prompt) + max_new + 1),
         position_contract=PositionContract(rope=RopeConfig(theta=10000.0)))
 
 

@@ -16,6 +16,7 @@ from kvledger.schemas.manifest import (
     CacheSchema,
     Manifest,
     PositionContract,
+    RequestPolicy,
     RopeConfig,
     ScalarType,
     b_token,
@@ -59,8 +60,9 @@ def make_manifest(request_id: str = "req-1", prompt: tuple[int, ...] = (11, 22, 
         namespace=namespace, request_id=request_id, prompt=prompt,
         artifact=ArtifactIdentity(model_artifact_sha256="a" * 64, model_config_sha256="c" * 64,
                                   adapter_set=adapters),
-        cache_schema=schema or cache_schema(), max_new_tokens=max_new_tokens,
-        max_context_tokens=len(prompt) + 64 if max_context_tokens is None else max_context_tokens,
+        cache_schema=schema or cache_schema(),
+        policy=RequestPolicy(max_new_tokens=max_new_tokens, max_context_tokens=len(prompt) + 64
+                             if max_context_tokens is None else max_context_tokens),
         position_contract=PositionContract(rope=RopeConfig(theta=10000.0)))
 
 

@@ -103,15 +103,7 @@ class KvBlocks:
 
     def _batch(self, s: KvStream, e: ev.KvEventsBatchEvent) -> None:
         p = e.payload
-        if s.ts is not None and p.ts > s.ts:
-            dt = p.ts - s.ts
-            for pool in s.pools.values():
-                pool.block_seconds += len(pool.blocks) * dt
-        if s.ts is None or p.ts > s.ts:
-            s.ts = p.ts
-        s.epoch, s.seq = p.epoch, p.seq
-        s.batches += 1
-        s.events += len(p.events)
+        self._advance(s, p)
         pos = e.global_position
         for k in p.events:
             if isinstance(k, kv.BlockStored):
@@ -153,6 +145,20 @@ class KvBlocks:
             else:  # PoolCreated: a new, empty pool
                 self._clear(s, None)
                 s.uncertain = False
+
+    @staticmethod
+    def _advance(s: KvStream, p: kv.KvEventsBatch) -> None:
+        """The stream's clock, seq and counts move to this batch; each resident block is
+        charged the time since the previous one."""
+        if s.ts is not None and p.ts > s.ts:
+            dt = p.ts - s.ts
+            for pool in s.pools.values():
+                pool.block_seconds += len(pool.blocks) * dt
+        if s.ts is None or p.ts > s.ts:
+            s.ts = p.ts
+        s.epoch, s.seq = p.epoch, p.seq
+        s.batches += 1
+        s.events += len(p.events)
 
     @staticmethod
     def _pool(s: KvStream, key: str) -> Pool:

@@ -133,36 +133,58 @@ def load_history(paths: Iterable[str | Path]) -> list[Op]:
 
 def check_linear(ops: list[Op], facts: Facts, initial: Mapping[str, Head | None] | None = None) -> list[Violation]:
     out: list[Violation] = []
-    writes = [o for o in ops if not o.is_read]
     present: list[Op] = []
-    for o in writes:
-        r, evs = facts.receipts.get(o.key), facts.events.get(o.key, [])
-        whole = r is not None and evs == list(zip(range(r["first"], r["last"] + 1), r["event_ids"]))
-        if o.status == "ok":
-            ack = o.receipt or {}
-            if r is None:
-                out.append(Violation("lost", f"acknowledged {o.f} {o.key} is not in the journal", o.key))
-            elif not whole:
-                out.append(Violation("partial", f"{o.key}: events {evs} != receipt "
-                                     f"[{r['first']}, {r['last']}] {r['event_ids']}", o.key))
-            elif (list(ack.get("event_ids", ())), ack.get("first"), ack.get("last")) != \
-                    (list(r["event_ids"]), r["first"], r["last"]):
-                out.append(Violation("lost", f"{o.key}: the journal's receipt differs from the "
-                                     "acknowledged one", o.key))
-            else:
-                present.append(o)
-        elif o.status == "fail":
-            if r is not None or evs:
-                out.append(Violation("fail_present", f"{o.f} {o.key} was refused ({o.error}) but "
-                                     "the journal holds it", o.key))
-        else:  # info: all or nothing
-            if r is None and not evs:
-                continue
-            if not whole:
-                out.append(Violation("partial", f"info {o.key}: half visible: events {evs}", o.key))
-            else:
-                present.append(o)
-    # real-time order of completed writes is kept in global_position
+    for o in ops:
+        if o.is_read:
+            continue
+        found = _in_journal(o, facts)
+        if isinstance(found, Violation):
+            out.append(found)
+        elif found:
+            present.append(o)
+    out += _real_time(present, facts)
+    out += _guards(present, facts, initial)
+    out += _stale_reads(ops, present)
+    return out
+
+
+def _in_journal(o: Op, facts: Facts) -> bool | Violation:
+    """Whether write `o` is in the journal, whole; a Violation where what the journal
+    holds contradicts its outcome (an ok one lost or partial, a fail one present, an
+    info one half visible)."""
+    r, evs = facts.receipts.get(o.key), facts.events.get(o.key, [])
+    whole = r is not None and evs == list(zip(range(r["first"], r["last"] + 1), r["event_ids"]))
+    if o.status == "ok":
+        return _acknowledged(o, r, evs, whole)
+    if o.status == "fail":
+        if r is not None or evs:
+            return Violation("fail_present", f"{o.f} {o.key} was refused ({o.error}) but "
+                             "the journal holds it", o.key)
+        return False
+    # info: all or nothing
+    if r is None and not evs:
+        return False
+    return True if whole else Violation("partial", f"info {o.key}: half visible: events {evs}", o.key)
+
+
+def _acknowledged(o: Op, r: ReceiptFacts | None, evs: list[tuple[int, str]], whole: bool) -> bool | Violation:
+    """An ok write is in the journal, whole, with the receipt its client was given."""
+    ack = o.receipt or {}
+    if r is None:
+        return Violation("lost", f"acknowledged {o.f} {o.key} is not in the journal", o.key)
+    if not whole:
+        return Violation("partial", f"{o.key}: events {evs} != receipt "
+                         f"[{r['first']}, {r['last']}] {r['event_ids']}", o.key)
+    if (list(ack.get("event_ids", ())), ack.get("first"), ack.get("last")) != \
+            (list(r["event_ids"]), r["first"], r["last"]):
+        return Violation("lost", f"{o.key}: the journal's receipt differs from the "
+                         "acknowledged one", o.key)
+    return True
+
+
+def _real_time(present: list[Op], facts: Facts) -> list[Violation]:
+    """The real-time order of completed writes is kept in global_position."""
+    out: list[Violation] = []
     # an ok operation has its completion time
     done = sorted(((o.complete, o) for o in present if o.status == "ok" and o.complete is not None),
                   key=lambda d: d[0])
@@ -177,7 +199,12 @@ def check_linear(ops: list[Op], facts: Facts, initial: Mapping[str, Head | None]
             out.append(Violation("real_time", f"{o.key} began after {best[i - 1][1]} was acknowledged "
                                  f"but committed before it (position {facts.receipts[o.key]['first']} "
                                  f"<= {best[i - 1][0]})", o.key))
-    # the journal order is a legal sequential history of guarded steps
+    return out
+
+
+def _guards(present: list[Op], facts: Facts, initial: Mapping[str, Head | None] | None) -> list[Violation]:
+    """The journal order is a legal sequential history of guarded steps."""
+    out: list[Violation] = []
     heads: dict[str, Head | None] = dict(initial or {})
     for o in sorted(present, key=lambda o: facts.receipts[o.key]["first"]):
         for s in o.steps:
@@ -188,20 +215,13 @@ def check_linear(ops: list[Op], facts: Facts, initial: Mapping[str, Head | None]
                                      f"but the head was {cur}", o.key, s.handle))
             if s.new is not None:
                 heads[s.handle] = s.new
-    # no read misses a write acknowledged before the read began
-    newest: dict[str, list[tuple[int, int, str]]] = {}  # handle -> (complete, stream position, op)
-    for o in present:
-        if o.status == "ok" and o.complete is not None:
-            for s in o.steps:
-                if s.new is not None:
-                    newest.setdefault(s.handle, []).append((o.complete, s.new[2], o.key))
-    index: dict[str, tuple[list[int], list[tuple[int, str]]]] = {}
-    for h, rows in newest.items():
-        rows.sort()
-        acc: list[tuple[int, str]] = []
-        for _, p, k in rows:
-            acc.append(max(acc[-1], (p, k)) if acc else (p, k))
-        index[h] = ([c for c, _, _ in rows], acc)
+    return out
+
+
+def _stale_reads(ops: list[Op], present: list[Op]) -> list[Violation]:
+    """No read misses a write acknowledged before the read began."""
+    out: list[Violation] = []
+    index = _newest_acknowledged(present)
     for o in ops:
         if o.value is None or o.status != "ok":  # o.value: o.is_read
             continue
@@ -215,6 +235,25 @@ def check_linear(ops: list[Op], facts: Facts, initial: Mapping[str, Head | None]
                                      f"{acc[i - 1][1]} (stream position {acc[i - 1][0]}) was acknowledged",
                                      o.key, h))
     return out
+
+
+def _newest_acknowledged(present: list[Op]) -> dict[str, tuple[list[int], list[tuple[int, str]]]]:
+    """Per handle: the completion times of its ok writes, sorted, and beside each the
+    newest stream position (and its op) acknowledged by then."""
+    newest: dict[str, list[tuple[int, int, str]]] = {}  # handle -> (complete, stream position, op)
+    for o in present:
+        if o.status == "ok" and o.complete is not None:
+            for s in o.steps:
+                if s.new is not None:
+                    newest.setdefault(s.handle, []).append((o.complete, s.new[2], o.key))
+    index: dict[str, tuple[list[int], list[tuple[int, str]]]] = {}
+    for h, rows in newest.items():
+        rows.sort()
+        acc: list[tuple[int, str]] = []
+        for _, p, k in rows:
+            acc.append(max(acc[-1], (p, k)) if acc else (p, k))
+        index[h] = ([c for c, _, _ in rows], acc)
+    return index
 
 
 # -- Wing & Gong with memoization ------------------------------------------------------

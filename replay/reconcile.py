@@ -39,57 +39,41 @@ after its after_position, up to the trailer's last_position when there is one.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple, TypedDict, Unpack
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
 from kvledger.engine.evolve import evolve
 from kvledger.engine.state import HandleState
-from kvledger.replay.metric_proof import Sample, family, parse_scrape, prove, scrape_position
+from kvledger.replay.metric_proof import Proof, Sample, family, parse_scrape, prove, scrape_position
+from kvledger.replay.reconcile_record import (
+    MAX_POINTERS,
+    C,
+    Finding,
+    Findings,
+    Journaled,
+    Rec,
+    check_mutation,
+    check_observation,
+    source_of,
+)
 from kvledger.replay.service_fold import ServiceFold
 from kvledger.schemas import events as ev
 from kvledger.schemas.telemetry import (
     ALLOCATOR,
-    FINDING_CLASS,
     IDENTITY_LABELS,
-    INFO_CODES,
     REFUSED,
     RESIDENCY,
     SERVICE,
-    AllocatorObservation,
     Header,
     Mutation,
-    ReconcileCode,
     Record,
-    ResidencyObservation,
     Trailer,
     event_outcome,
     event_snapshots,
     record_decoder,
 )
-
-C = ReconcileCode
-_FREEING = ("finish", "cancel_request")  # terminal, but the handle still owns its memory
-_MAX_POINTERS = 20  # lines/ids listed per finding; `count` says how many there were
-
-
-class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
-    code: str
-    finding_class: str
-    severity: str  # "error" or "info"
-    message: str
-    lines: tuple[int, ...] = ()  # telemetry file lines
-    record_ids: tuple[str, ...] = ()  # telemetry event_id of those records
-    positions: tuple[int, ...] = ()  # journal global positions
-    event_ids: tuple[str, ...] = ()  # journal event ids
-    source: str | None = None  # "source_instance/source_component"
-    sequences: tuple[int, ...] = ()  # local_sequence numbers concerned (a gap: first, last)
-    metric: str | None = None
-    scrape_lines: tuple[int, ...] = ()
-    count: int | None = None
-    labels: str | None = None  # a metric's label set, as Prometheus writes it
-    claimed: float | None = None  # a metric's value in the scrape
-    proven: float | None = None  # and what the journal proves
 
 
 class Summary(msgspec.Struct, frozen=True):
@@ -125,30 +109,6 @@ class ReconcileResult(msgspec.Struct, frozen=True):
         return not self.errors
 
 
-class _J(NamedTuple):
-    """What reconcile keeps of one journal event (not the payload)."""
-
-    position: int
-    event_type: str
-    stream_id: str
-    request_id: str
-    operation_id: str | None
-    generation: int
-    source_instance: str
-    monotonic_ns: int
-    wall: int
-    base: int | None
-    result: int | None
-    committed: int | None
-    outcome: str
-    # the handle after this event (None when the stream cannot be folded)
-    gen_after: int | None
-    committed_after: int | None
-    lifecycle_after: str | None
-    b_token: int | None
-    tiers: tuple[str, ...]
-
-
 class _Scope(NamedTuple):
     """The journal events a scrape's service counted: its source's, in (after, upto]."""
 
@@ -158,8 +118,8 @@ class _Scope(NamedTuple):
     fold: ServiceFold
 
 
-def _fold(events: Iterable[ev.Event], scope: _Scope | None = None) -> tuple[dict[str, _J], list[str], int]:
-    index: dict[str, _J] = {}
+def _fold(events: Iterable[ev.Event], scope: _Scope | None = None) -> tuple[dict[str, Journaled], list[str], int]:
+    index: dict[str, Journaled] = {}
     order: list[str] = []
     states: dict[str, HandleState] = {}
     broken: set[str] = set()
@@ -176,7 +136,7 @@ def _fold(events: Iterable[ev.Event], scope: _Scope | None = None) -> tuple[dict
             except Exception:  # noqa: BLE001 - a corrupt stream is verify's finding, not ours
                 broken.add(e.stream_id)
         base, result, committed = event_snapshots(e)
-        index[e.event_id] = _J(
+        index[e.event_id] = Journaled(
             e.global_position, e.event_type, e.stream_id, e.request_id, e.operation_id,
             e.handle_generation, e.source_instance, e.monotonic_ns, e.observed_wall_time, base, result,
             committed, event_outcome(e),
@@ -188,43 +148,35 @@ def _fold(events: Iterable[ev.Event], scope: _Scope | None = None) -> tuple[dict
     return index, order, last
 
 
-class _Rec(NamedTuple):
-    line: int
-    rec: Mutation | AllocatorObservation | ResidencyObservation
+@dataclass
+class _Telemetry:
+    """The telemetry lines, deduplicated: the header (and its line), the trailer, each record once."""
+
+    header: tuple[int, Header] | None = None
+    trailer: Trailer | None = None
+    records: list[Rec] = field(default_factory=list)
+    lines: int = 0
+    duplicates: int = 0
+
+    @property
+    def hdr(self) -> Header | None:
+        return self.header[1] if self.header is not None else None
+
+    @property
+    def complete(self) -> bool:
+        """A header declares the stream unsampled: absence can be concluded."""
+        return self.header is not None and self.header[1].sample_rate >= 1.0
 
 
-class _FindingExtras(TypedDict, total=False):
-    source: str | None
-    sequences: tuple[int, ...]
-    metric: str | None
-    scrape_lines: tuple[int, ...]
-    count: int | None
-    labels: str | None
-    claimed: float | None
-    proven: float | None
+@dataclass
+class _Pairs:
+    """Records matched to the journal events they name."""
 
-
-class _Findings:
-    def __init__(self) -> None:
-        self.items: list[Finding] = []
-
-    def add(self, code: ReconcileCode, message: str, *, recs: Iterable[_Rec] = (),
-            journal: Iterable[_J | None] = (), ids: Iterable[str] = (), lines: tuple[int, ...] | None = None,
-            **kw: Unpack[_FindingExtras]) -> None:
-        recs = list(recs)
-        js = [j for j in journal if j is not None]
-        if lines is None:  # the telemetry lines of the records
-            lines = tuple(r.line for r in recs)[:_MAX_POINTERS]
-        self.items.append(Finding(
-            code=code.value, finding_class=FINDING_CLASS[code],
-            severity="info" if code in INFO_CODES else "error", message=message,
-            lines=lines, record_ids=tuple(r.rec.event_id for r in recs)[:_MAX_POINTERS],
-            positions=tuple(j.position for j in js)[:_MAX_POINTERS],
-            event_ids=tuple(ids)[:_MAX_POINTERS], **kw))
-
-
-def _src(rec: Mutation | AllocatorObservation | ResidencyObservation) -> str:
-    return f"{rec.source_instance}/{rec.source_component}"
+    paired: set[str] = field(default_factory=set)  # mutation records' event ids
+    observed: set[tuple[str, str]] = field(default_factory=set)  # (component, cause event id)
+    mutations: int = 0
+    refused: int = 0
+    observations: int = 0
 
 
 def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int, bytes]],
@@ -242,36 +194,54 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
     samples = parse_scrape(scrape) if scrape is not None else None
     scope, why = _metrics_scope(decoded, samples)
     index, order, last_position = _fold(journal_events, scope)
-    out = _Findings()
+    out = Findings()
+    tel = _deduplicate(out, decoded, index)
+    _check_sequences(out, tel)
+    pairs = _pair(out, tel, index, last_position)
+    in_scope = _check_absence(out, tel, pairs, index, order, last_position)
+    proof = None
+    if samples is not None:
+        proof = _check_metrics(out, samples, scope, why, index, tel.records)
+    hdr = tel.hdr
+    summary = Summary(
+        journal_events=len(order), in_scope=in_scope, telemetry_lines=tel.lines, mutations=pairs.mutations,
+        refused=pairs.refused, observations=pairs.observations, duplicates=tel.duplicates,
+        paired=len(pairs.paired), complete=tel.complete, sample_rate=hdr.sample_rate if hdr is not None else None,
+        metric_series=len(samples) if samples is not None else None,
+        metric_values_proven=proof.checked if proof is not None else None,
+        metric_position=scope.upto if scope is not None else None,
+        metrics_labels_only=proof.labels_only if proof is not None else (),
+        metrics_scope=why or None)
+    return ReconcileResult(summary, out.items)
 
-    # -- deduplicate ---------------------------------------------------------------------
-    header: tuple[int, Header] | None = None
-    trailer: Trailer | None = None
-    first: dict[str, _Rec] = {}
-    records: list[_Rec] = []
-    lines = duplicates = 0
+
+def _deduplicate(out: Findings, decoded: list[tuple[int, Record | str]], index: dict[str, Journaled]) -> _Telemetry:
+    """The first header and trailer, and each record once: a second delivery of the same
+    content is counted (info), one of different content is a finding."""
+    tel = _Telemetry()
+    first: dict[str, Rec] = {}
     for line, rec in decoded:
-        lines += 1
+        tel.lines += 1
         if isinstance(rec, str):
             out.add(C.MALFORMED_RECORD, f"not a telemetry record: {rec}", lines=(line,))
             continue
         if isinstance(rec, Header):
-            if header is None:
-                header = (line, rec)
-            elif rec != header[1]:
-                out.add(C.MALFORMED_RECORD, f"a second, different header (first at line {header[0]})",
+            if tel.header is None:
+                tel.header = (line, rec)
+            elif rec != tel.header[1]:
+                out.add(C.MALFORMED_RECORD, f"a second, different header (first at line {tel.header[0]})",
                         lines=(line,))
             continue
         if isinstance(rec, Trailer):
-            trailer = rec if trailer is None else trailer
+            tel.trailer = rec if tel.trailer is None else tel.trailer
             continue
-        r = _Rec(line, rec)
+        r = Rec(line, rec)
         seen = first.get(rec.event_id)
         if seen is None:
             first[rec.event_id] = r
-            records.append(r)
+            tel.records.append(r)
         elif seen.rec == rec:
-            duplicates += 1
+            tel.duplicates += 1
             out.add(C.DUPLICATE_DELIVERY, f"record {rec.event_id} delivered again with the same "
                                           f"content (line {seen.line}): deduplicated, counted once",
                     recs=(seen, r), journal=(index.get(rec.event_id),), ids=_ids(index, rec.event_id))
@@ -280,18 +250,18 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
             out.add(C.CORRUPT_DUPLICATE, f"record {rec.event_id} delivered again with different "
                                          f"content ({', '.join(diff)}) than line {seen.line}",
                     recs=(seen, r), journal=(index.get(rec.event_id),), ids=_ids(index, rec.event_id))
+    return tel
 
-    hdr = header[1] if header is not None else None
-    complete = hdr is not None and hdr.sample_rate >= 1.0
 
-    # -- each source's local sequence and monotonic clock ------------------------------
-    by_source: dict[str, list[_Rec]] = {}
-    for r in records:
-        by_source.setdefault(_src(r.rec), []).append(r)
+def _check_sequences(out: Findings, tel: _Telemetry) -> None:
+    """Each source's local sequence and monotonic clock."""
+    by_source: dict[str, list[Rec]] = {}
+    for r in tel.records:
+        by_source.setdefault(source_of(r.rec), []).append(r)
     for source, recs in by_source.items():
         recs.sort(key=lambda r: (r.rec.local_sequence, r.line))
         expected = 1
-        prev: _Rec | None = None
+        prev: Rec | None = None
         for r in recs:
             seq = r.rec.local_sequence
             if prev is not None and seq == prev.rec.local_sequence:
@@ -299,33 +269,39 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
                                                f"records: the source's counter went back",
                         recs=(prev, r), source=source, sequences=(seq,))
             else:
-                if complete and seq > expected:
-                    missing = f"{expected}" if seq == expected + 1 else f"{expected}..{seq - 1}"
-                    out.add(C.SEQUENCE_GAP, f"{source}: local_sequence {missing} missing "
-                                            f"({seq - expected} record(s) lost between these)",
-                            recs=(prev, r) if prev is not None else (r,), source=source,
-                            sequences=(expected, seq - 1), count=seq - expected)
-                if prev is not None and r.rec.monotonic_ns < prev.rec.monotonic_ns:
-                    out.add(C.NEGATIVE_DURATION, f"{source}: monotonic clock runs backwards by "
-                                                 f"{prev.rec.monotonic_ns - r.rec.monotonic_ns} ns "
-                                                 f"from sequence {prev.rec.local_sequence} to {seq}",
-                            recs=(prev, r), source=source)
+                _check_step(out, source, prev, r, expected, tel.complete)
             expected = max(expected, seq + 1)
             prev = r
 
-    # -- records against the journal -----------------------------------------------------
-    paired: set[str] = set()
-    observed: set[tuple[str, str]] = set()  # (component, cause event id)
-    mutations = refused = observations = 0
-    block_size = hdr.block_size if hdr is not None else None
-    for r in records:
+
+def _check_step(out: Findings, source: str, prev: Rec | None, r: Rec, expected: int, complete: bool) -> None:
+    """One record after the previous one of its source: no sequence skipped, the clock not back."""
+    seq = r.rec.local_sequence
+    if complete and seq > expected:
+        missing = f"{expected}" if seq == expected + 1 else f"{expected}..{seq - 1}"
+        out.add(C.SEQUENCE_GAP, f"{source}: local_sequence {missing} missing "
+                                f"({seq - expected} record(s) lost between these)",
+                recs=(prev, r) if prev is not None else (r,), source=source,
+                sequences=(expected, seq - 1), count=seq - expected)
+    if prev is not None and r.rec.monotonic_ns < prev.rec.monotonic_ns:
+        out.add(C.NEGATIVE_DURATION, f"{source}: monotonic clock runs backwards by "
+                                     f"{prev.rec.monotonic_ns - r.rec.monotonic_ns} ns "
+                                     f"from sequence {prev.rec.local_sequence} to {seq}",
+                recs=(prev, r), source=source)
+
+
+def _pair(out: Findings, tel: _Telemetry, index: dict[str, Journaled], last_position: int) -> _Pairs:
+    """Records against the journal: each names an event the journal published, and agrees with it."""
+    pairs = _Pairs()
+    block_size = tel.hdr.block_size if tel.hdr is not None else None
+    for r in tel.records:
         rec = r.rec
         if isinstance(rec, Mutation):
-            mutations += 1
+            pairs.mutations += 1
             j = index.get(rec.event_id)
             if j is None:
                 if rec.outcome == REFUSED:
-                    refused += 1
+                    pairs.refused += 1
                     continue
                 behind = (f"; the journal ends at position {last_position}, before the commit the "
                           f"record follows ({rec.journal_watermark}): is it a complete copy?"
@@ -334,80 +310,79 @@ def reconcile(journal_events: Iterable[ev.Event], telemetry: Iterable[tuple[int,
                 out.add(C.UNPUBLISHED_SUCCESS, f"{rec.event_type} of {rec.handle_id} claimed "
                                                f"{rec.outcome}, but the journal never published "
                                                f"event {rec.event_id}{behind}", recs=(r,),
-                        source=_src(rec))
+                        source=source_of(rec))
                 continue
-            paired.add(rec.event_id)
-            _check_mutation(out, r, rec, j)
+            pairs.paired.add(rec.event_id)
+            check_mutation(out, r, rec, j)
         else:
-            observations += 1
+            pairs.observations += 1
             j = index.get(rec.caused_by_event_id)
             if j is None:
                 out.add(C.UNPUBLISHED_CAUSE, f"{rec.event_type} of {rec.handle_id} follows event "
                                              f"{rec.caused_by_event_id}, which the journal never "
-                                             f"published", recs=(r,), source=_src(rec))
+                                             f"published", recs=(r,), source=source_of(rec))
                 continue
-            observed.add((rec.source_component, rec.caused_by_event_id))
-            _check_observation(out, r, rec, j, block_size)
+            pairs.observed.add((rec.source_component, rec.caused_by_event_id))
+            check_observation(out, r, rec, j, block_size)
+    return pairs
 
-    # -- what the journal published and the telemetry never said -------------------------
-    in_scope = 0
-    unseen = 0
-    if header is not None and hdr is not None:  # hdr: header[1]
-        end = trailer.last_position if trailer is not None else last_position
-        observers = [k for k in (ALLOCATOR, RESIDENCY) if k in hdr.components]
-        for eid in order:
-            j = index[eid]
-            if j.source_instance != hdr.source_instance or not hdr.after_position < j.position <= end:
-                continue
-            in_scope += 1
-            expect = [SERVICE] if SERVICE in hdr.components else []
-            if j.event_type in hdr.observed_event_types:
-                expect += observers
-            for component in expect:
-                have = eid in paired if component == SERVICE else (component, eid) in observed
-                if have:
-                    continue
-                if not complete:
-                    unseen += 1
-                    continue
-                what = "record" if component == SERVICE else "observation"
-                out.add(C.LOST_AUDIT, f"{j.event_type} of {j.stream_id} at position {j.position} "
-                                      f"was published, but {hdr.source_instance}/{component} has no "
-                                      f"{what} of it", journal=(j,), ids=(eid,),
-                        source=f"{hdr.source_instance}/{component}")
-        if not complete and unseen:
-            out.add(C.SAMPLED_NO_ABSENCE, f"{unseen} expected record(s) of {in_scope} in-scope "
-                                          f"journal events are missing from a stream sampled at "
-                                          f"{hdr.sample_rate}: absence is not concluded",
-                    lines=(header[0],), count=unseen)
-    else:
-        known = {r.rec.source_instance for r in records}
-        unseen = sum(1 for eid in order if index[eid].source_instance in known and eid not in paired)
+
+def _check_absence(out: Findings, tel: _Telemetry, pairs: _Pairs, index: dict[str, Journaled], order: list[str],
+                   last_position: int) -> int:
+    """What the journal published and the telemetry never said; the journal events in the
+    telemetry's declared scope."""
+    if tel.header is None:
+        known = {r.rec.source_instance for r in tel.records}
+        unseen = sum(1 for eid in order if index[eid].source_instance in known and eid not in pairs.paired)
         if unseen:
             out.add(C.SAMPLED_NO_ABSENCE, f"no header declares this telemetry complete: {unseen} "
                                           f"journal event(s) without a record prove nothing",
                     count=unseen)
+        return 0
+    line, hdr = tel.header
+    end = tel.trailer.last_position if tel.trailer is not None else last_position
+    in_scope = unseen = 0
+    for eid in order:
+        j = index[eid]
+        if j.source_instance != hdr.source_instance or not hdr.after_position < j.position <= end:
+            continue
+        in_scope += 1
+        for component in _missing(hdr, j, eid, pairs):
+            if not tel.complete:
+                unseen += 1
+                continue
+            what = "record" if component == SERVICE else "observation"
+            out.add(C.LOST_AUDIT, f"{j.event_type} of {j.stream_id} at position {j.position} "
+                                  f"was published, but {hdr.source_instance}/{component} has no "
+                                  f"{what} of it", journal=(j,), ids=(eid,),
+                    source=f"{hdr.source_instance}/{component}")
+    if not tel.complete and unseen:
+        out.add(C.SAMPLED_NO_ABSENCE, f"{unseen} expected record(s) of {in_scope} in-scope "
+                                      f"journal events are missing from a stream sampled at "
+                                      f"{hdr.sample_rate}: absence is not concluded",
+                lines=(line,), count=unseen)
+    return in_scope
 
-    proof = None
-    if samples is not None:
-        _check_labels(out, samples, index, records)
-        proof = prove(samples, scope.fold if scope is not None else None)
-        for d in proof.drifts:
-            out.add(C.METRIC_CONTRADICTS_JOURNAL,
-                    f"metric {d.metric}{d.labels} is {d.claimed:g} in the scrape; the journal proves {d.proven:g} "
-                    f"({why})", metric=d.metric, scrape_lines=d.lines[:_MAX_POINTERS], labels=d.labels,
-                    claimed=d.claimed, proven=d.proven)
 
-    summary = Summary(
-        journal_events=len(order), in_scope=in_scope, telemetry_lines=lines, mutations=mutations,
-        refused=refused, observations=observations, duplicates=duplicates, paired=len(paired),
-        complete=complete, sample_rate=hdr.sample_rate if hdr is not None else None,
-        metric_series=len(samples) if samples is not None else None,
-        metric_values_proven=proof.checked if proof is not None else None,
-        metric_position=scope.upto if scope is not None else None,
-        metrics_labels_only=proof.labels_only if proof is not None else (),
-        metrics_scope=why or None)
-    return ReconcileResult(summary, out.items)
+def _missing(hdr: Header, j: Journaled, eid: str, pairs: _Pairs) -> list[str]:
+    """The components the header says report journal event `eid` and that did not."""
+    expect = [SERVICE] if SERVICE in hdr.components else []
+    if j.event_type in hdr.observed_event_types:
+        expect += [k for k in (ALLOCATOR, RESIDENCY) if k in hdr.components]
+    return [c for c in expect if not (eid in pairs.paired if c == SERVICE else (c, eid) in pairs.observed)]
+
+
+def _check_metrics(out: Findings, samples: list[Sample], scope: _Scope | None, why: str,
+                   index: dict[str, Journaled], records: list[Rec]) -> Proof:
+    """A scrape: no identity as a label, and each value the journal proves."""
+    _check_labels(out, samples, index, records)
+    proof = prove(samples, scope.fold if scope is not None else None)
+    for d in proof.drifts:
+        out.add(C.METRIC_CONTRADICTS_JOURNAL,
+                f"metric {d.metric}{d.labels} is {d.claimed:g} in the scrape; the journal proves {d.proven:g} "
+                f"({why})", metric=d.metric, scrape_lines=d.lines[:MAX_POINTERS], labels=d.labels,
+                claimed=d.claimed, proven=d.proven)
+    return proof
 
 
 def _metrics_scope(decoded: list[tuple[int, Record | str]],
@@ -433,7 +408,7 @@ def _metrics_scope(decoded: list[tuple[int, Record | str]],
             f"{where}")
 
 
-def _ids(index: dict[str, _J], eid: str) -> tuple[str, ...]:
+def _ids(index: dict[str, Journaled], eid: str) -> tuple[str, ...]:
     return (eid,) if eid in index else ()
 
 
@@ -443,108 +418,7 @@ def _diff(a: msgspec.Struct, b: msgspec.Struct) -> list[str]:
     return [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
 
 
-def _check_mutation(out: _Findings, r: _Rec, rec: Mutation, j: _J) -> None:  # rec: r.rec
-    eid = rec.event_id
-    if rec.handle_generation < j.generation:
-        out.add(C.STALE_GENERATION, f"{rec.event_type} of {rec.handle_id} names generation "
-                                    f"{rec.handle_generation}; the journal decided it at generation "
-                                    f"{j.generation}", recs=(r,), journal=(j,), ids=(eid,), source=_src(rec))
-        return
-    expected = {"event_type": j.event_type, "handle_id": j.stream_id, "request_id": j.request_id,
-                "operation_id": j.operation_id, "handle_generation": j.generation,
-                "base_snapshot": j.base, "result_snapshot": j.result, "outcome": j.outcome}
-    if rec.committed_length is not None:
-        expected["committed_length"] = j.committed
-    wrong = [f"{k} {getattr(rec, k)!r} != {v!r}" for k, v in expected.items() if getattr(rec, k) != v]
-    if wrong:
-        out.add(C.TELEMETRY_CONTRADICTS_JOURNAL, f"record of {eid} disagrees with the journal: "
-                                                 f"{'; '.join(wrong)}", recs=(r,), journal=(j,), ids=(eid,),
-                source=_src(rec))
-    if rec.journal_watermark is None or j.position > rec.journal_watermark:
-        out.add(C.UNPUBLISHED_SUCCESS, f"{rec.event_type} of {rec.handle_id} claimed {rec.outcome} "
-                                       f"after the commit through position {rec.journal_watermark}, "
-                                       f"but the journal published it later, at {j.position}",
-                recs=(r,), journal=(j,), ids=(eid,), source=_src(rec))
-    elif rec.source_instance == j.source_instance and rec.monotonic_ns < j.monotonic_ns:
-        out.add(C.UNPUBLISHED_SUCCESS, f"{rec.event_type} of {rec.handle_id} was claimed "
-                                       f"{j.monotonic_ns - rec.monotonic_ns} ns before the event was "
-                                       f"even stamped (same source clock)", recs=(r,), journal=(j,),
-                ids=(eid,), source=_src(rec))
-    elif rec.source_instance != j.source_instance and rec.observed_wall_time < j.wall:
-        out.add(C.NEGATIVE_DURATION, f"record of {eid} from {rec.source_instance} is "
-                                     f"{j.wall - rec.observed_wall_time} ns (wall clock) older than the "
-                                     f"event it describes from {j.source_instance}: wall clocks of two "
-                                     f"sources cannot order them", recs=(r,), journal=(j,), ids=(eid,),
-                source=_src(rec))
-
-
-def _check_observation(out: _Findings, r: _Rec, rec: AllocatorObservation | ResidencyObservation, j: _J,
-                       block_size: int | None) -> None:  # rec: r.rec
-    cause = rec.caused_by_event_id
-    src = _src(rec)
-    if rec.handle_id != j.stream_id:
-        out.add(C.TELEMETRY_CONTRADICTS_JOURNAL, f"{rec.event_type} of {rec.handle_id} names cause "
-                                                 f"{cause}, an event of {j.stream_id}", recs=(r,),
-                journal=(j,), ids=(cause,), source=src)
-        return
-    if rec.observed_wall_time < j.wall:
-        out.add(C.NEGATIVE_DURATION, f"{rec.event_type} of {rec.handle_id} is "
-                                     f"{j.wall - rec.observed_wall_time} ns (wall clock) older than the "
-                                     f"{j.event_type} it follows: a negative duration between two "
-                                     f"sources; order them by causality, not wall time",
-                recs=(r,), journal=(j,), ids=(cause,), source=src)
-    if j.gen_after is None or j.committed_after is None or j.b_token is None:
-        return  # the journal stream does not fold (all three None): verify reports why
-    if rec.handle_generation != j.gen_after:
-        code = C.STALE_GENERATION if rec.handle_generation < j.gen_after else C.TELEMETRY_CONTRADICTS_JOURNAL
-        out.add(code, f"{rec.event_type} of {rec.handle_id} names generation {rec.handle_generation}; "
-                      f"after {j.event_type} the journal has it at generation {j.gen_after}",
-                recs=(r,), journal=(j,), ids=(cause,), source=src)
-        return
-    committed = j.committed_after
-    retained = j.event_type in _FREEING and j.lifecycle_after != "RELEASED" and committed > 0
-    if isinstance(rec, AllocatorObservation):
-        if retained and (rec.slots == 0 or rec.blocks == 0 or rec.used_slots == 0):
-            out.add(C.FINISH_COUNTED_AS_FREE, f"allocator shows {rec.handle_id} free ({rec.blocks} "
-                                              f"blocks, {rec.slots} slots, {rec.used_slots} used) after "
-                                              f"{j.event_type}, but the handle still owns {committed} "
-                                              f"committed rows until release", recs=(r,), journal=(j,),
-                    ids=(cause,), source=src)
-            return
-        wrong = []
-        if rec.used_slots != committed:
-            wrong.append(f"used_slots {rec.used_slots} != committed_length {committed}")
-        if rec.slots < rec.used_slots:
-            wrong.append(f"slots {rec.slots} < used_slots {rec.used_slots}")
-        if rec.blocks != -(-rec.slots // rec.block_size):
-            wrong.append(f"blocks {rec.blocks} != ceil({rec.slots} / {rec.block_size})")
-        if block_size is not None and rec.block_size != block_size:
-            wrong.append(f"block_size {rec.block_size} != declared {block_size}")
-        if wrong:
-            out.add(C.ALLOCATOR_DRIFT, f"allocator after {j.event_type} of {rec.handle_id}: "
-                                       f"{'; '.join(wrong)}", recs=(r,), journal=(j,), ids=(cause,),
-                    source=src)
-    elif isinstance(rec, ResidencyObservation):
-        total = sum(rec.resident_payload_bytes.values())
-        if retained and total == 0:
-            out.add(C.FINISH_COUNTED_AS_FREE, f"residency shows 0 payload bytes for {rec.handle_id} "
-                                              f"after {j.event_type}, but the handle still owns "
-                                              f"{committed} committed rows until release", recs=(r,),
-                    journal=(j,), ids=(cause,), source=src)
-            return
-        wrong = []
-        for tier, got in sorted(rec.resident_payload_bytes.items()):
-            want = committed * j.b_token * j.tiers.count(tier)
-            if got != want:
-                wrong.append(f"{tier}: {got} B != {committed} x {j.b_token} B x "
-                             f"{j.tiers.count(tier)} cop{'y' if j.tiers.count(tier) == 1 else 'ies'} = {want} B")
-        if wrong:
-            out.add(C.RESIDENCY_DRIFT, f"residency after {j.event_type} of {rec.handle_id}: "
-                                       f"{'; '.join(wrong)}", recs=(r,), journal=(j,), ids=(cause,),
-                    source=src)
-
-
-def _check_labels(out: _Findings, samples: list[Sample], index: dict[str, _J], records: list[_Rec]) -> None:
+def _check_labels(out: Findings, samples: list[Sample], index: dict[str, Journaled], records: list[Rec]) -> None:
     """Label values that carry identity grow with traffic: one finding per (family,
     label), pointing at the scrape lines."""
     known: set[str] = set(index)
@@ -567,7 +441,7 @@ def _check_labels(out: _Findings, samples: list[Sample], index: dict[str, _J], r
         out.add(C.UNBOUNDED_LABEL, f"metric {fam} label {label!r} {why}: {len(values)} value(s) in "
                                    f"this scrape, one series each, growing with traffic; keep "
                                    f"identity in traces, audit records or logs",
-                metric=fam, scrape_lines=tuple(lines[:_MAX_POINTERS]), count=len(values))
+                metric=fam, scrape_lines=tuple(lines[:MAX_POINTERS]), count=len(values))
 
 
 __all__ = ["Finding", "ReconcileResult", "Summary", "reconcile"]

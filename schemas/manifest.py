@@ -113,14 +113,10 @@ def new_manifest(
     prompt: tuple[int, ...],
     artifact: ArtifactIdentity,
     cache_schema: CacheSchema,
-    max_new_tokens: int,
-    max_context_tokens: int | None = None,
+    policy: RequestPolicy,
     position_contract: PositionContract = PositionContract(),  # noqa: B008 - frozen Struct: a shared default is safe
-    stop_token_ids: tuple[int, ...] = (),
-    sampling: SamplingPolicy = SamplingPolicy(),  # noqa: B008 - frozen Struct: a shared default is safe
 ) -> Manifest:
-    """The manifest of a new request: its own lineage, the prompt digest computed, and a
-    context limit of prompt + max_new_tokens unless one is declared."""
+    """The manifest of a new request: its own lineage and the prompt digest computed."""
     prompt = tuple(prompt)
     return Manifest(
         request_identity=RequestIdentity(namespace=namespace, request_id=request_id, lineage_id=request_id),
@@ -129,10 +125,7 @@ def new_manifest(
                                      prompt_token_ids_sha256=prompt_token_ids_sha256(prompt)),
         cache_schema=cache_schema,
         position_contract=position_contract,
-        request_policy=RequestPolicy(
-            max_context_tokens=len(prompt) + max_new_tokens if max_context_tokens is None
-            else max_context_tokens,
-            max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, sampling=sampling),
+        request_policy=policy,
     )
 
 
@@ -179,36 +172,52 @@ def manifest_sha256(m: Manifest) -> str:
 
 def validate_manifest(m: Manifest) -> None:
     """Reject a manifest whose declared facts contradict each other (spec 0x01 validation)."""
-
-    def bad(msg: str) -> KvLedgerError:
-        return KvLedgerError(ErrorCode.INVALID_MANIFEST, msg)
-
-    inp, cs, pol = m.input_identity, m.cache_schema, m.request_policy
     if m.schema_version != MANIFEST_SCHEMA_VERSION:
         raise KvLedgerError(
             ErrorCode.UNKNOWN_SCHEMA_VERSION, f"manifest schema_version {m.schema_version}"
         )
+    _check_prompt(m.input_identity)
+    _check_cache_schema(m.cache_schema)
+    _check_policy(len(m.input_identity.prompt_token_ids), m.request_policy)
+    _check_digests(m)
+
+
+def _bad(msg: str) -> KvLedgerError:
+    return KvLedgerError(ErrorCode.INVALID_MANIFEST, msg)
+
+
+def _check_prompt(inp: InputIdentity) -> None:
     if prompt_token_ids_sha256(inp.prompt_token_ids) != inp.prompt_token_ids_sha256:
         raise KvLedgerError(ErrorCode.DIGEST_MISMATCH, "prompt_token_ids_sha256 does not match the prompt")
     if not inp.prompt_token_ids:
-        raise bad("empty prompt")
+        raise _bad("empty prompt")
     if min(inp.prompt_token_ids) < 0:
-        raise bad("negative token id in prompt")
+        raise _bad("negative token id in prompt")
+
+
+def _check_cache_schema(cs: CacheSchema) -> None:
     for name in ("num_cache_layers", "kv_heads_per_rank", "head_dim"):
         if getattr(cs, name) <= 0:
-            raise bad(f"cache_schema.{name} must be positive")
+            raise _bad(f"cache_schema.{name} must be positive")
     for name in ("key_dtype", "value_dtype"):
         if getattr(cs, name).bytes_per_scalar <= 0:
-            raise bad(f"cache_schema.{name}.bytes_per_scalar must be positive")
+            raise _bad(f"cache_schema.{name}.bytes_per_scalar must be positive")
     if cs.num_query_heads and cs.num_query_heads % cs.kv_heads_per_rank:
-        raise bad("num_query_heads must be a multiple of kv_heads_per_rank")
+        raise _bad("num_query_heads must be a multiple of kv_heads_per_rank")
     shard = cs.parallel_shard
     if not 0 <= shard.tp_rank < shard.tp_size:
-        raise bad("parallel_shard.tp_rank outside [0, tp_size)")
+        raise _bad("parallel_shard.tp_rank outside [0, tp_size)")
+
+
+def _check_policy(prompt_len: int, pol: RequestPolicy) -> None:
     if pol.max_new_tokens < 0 or pol.max_context_tokens <= 0:
-        raise bad("request_policy limits must be positive")
-    if len(inp.prompt_token_ids) + pol.max_new_tokens > pol.max_context_tokens:
-        raise bad("prompt + max_new_tokens exceeds max_context_tokens")
+        raise _bad("request_policy limits must be positive")
+    if prompt_len + pol.max_new_tokens > pol.max_context_tokens:
+        raise _bad("prompt + max_new_tokens exceeds max_context_tokens")
+
+
+def _check_digests(m: Manifest) -> None:
+    inp = m.input_identity
     for h in (
         m.artifact_identity.model_artifact_sha256,
         m.artifact_identity.model_config_sha256,
@@ -216,4 +225,4 @@ def validate_manifest(m: Manifest) -> None:
         inp.cache_isolation_salt_sha256,
     ):
         if _SHA256_HEX.fullmatch(h) is None:
-            raise bad(f"not a lowercase SHA-256 hex digest: {h!r}")
+            raise _bad(f"not a lowercase SHA-256 hex digest: {h!r}")

@@ -113,6 +113,21 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """A safetensors file's tensors (name -> dtype, shape), once its header is shown to
     describe the file exactly: every extent inside the data, as long as its shape and
     dtype say, no overlap, no byte uncovered."""
+    data, doc = _header_json(f)
+    extents: list[tuple[int, int]] = []
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, t in doc.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, extent = _tensor(f, name, t, data)
+        extents.append(extent)
+        out[name] = (dtype, shape)
+    _check_covered(f, extents, data)
+    return out
+
+
+def _header_json(f: Path) -> tuple[int, dict[str, Any]]:
+    """The size of the file's data section and its header, a JSON object."""
     try:
         with open(f, "rb") as fh:
             size = fh.seek(0, 2)
@@ -132,28 +147,30 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise _bad(f"{str(f)!r}: the safetensors header is not JSON (truncated or corrupt)") from None
     if not isinstance(doc, dict):
         raise _bad(f"{str(f)!r}: the safetensors header is not a JSON object")
-    data = size - 8 - n
-    extents: list[tuple[int, int]] = []
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, t in doc.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(t, dict):
-            raise _bad(f"{str(f)!r}: tensor {name!r} is not described")
-        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
-        if dtype not in DTYPE_BYTES:
-            raise _bad(f"{str(f)!r}: tensor {name!r} has dtype {dtype!r}, not a float a model runs in "
-                       f"({', '.join(DTYPE_BYTES)})")
-        if not (isinstance(shape, list) and len(shape) <= 8 and all(_count(d) for d in shape)
-                and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
-            raise _bad(f"{str(f)!r}: tensor {name!r} has a malformed shape or extent")
-        begin, end = offsets
-        if not begin <= end <= data:
-            raise _bad(f"{str(f)!r} is truncated: tensor {name!r} ends at byte {end} of {data} data bytes")
-        if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise _bad(f"{str(f)!r}: tensor {name!r} of shape {shape} ({dtype}) spans {end - begin} bytes")
-        extents.append((begin, end))
-        out[name] = (dtype, tuple(shape))
+    return size - 8 - n, doc
+
+
+def _tensor(f: Path, name: str, t: object, data: int) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """One tensor's dtype, shape and byte extent, once they agree and lie inside the data."""
+    if not isinstance(t, dict):
+        raise _bad(f"{str(f)!r}: tensor {name!r} is not described")
+    dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise _bad(f"{str(f)!r}: tensor {name!r} has dtype {dtype!r}, not a float a model runs in "
+                   f"({', '.join(DTYPE_BYTES)})")
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(_count(d) for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
+        raise _bad(f"{str(f)!r}: tensor {name!r} has a malformed shape or extent")
+    begin, end = offsets
+    if not begin <= end <= data:
+        raise _bad(f"{str(f)!r} is truncated: tensor {name!r} ends at byte {end} of {data} data bytes")
+    if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+        raise _bad(f"{str(f)!r}: tensor {name!r} of shape {shape} ({dtype}) spans {end - begin} bytes")
+    return dtype, tuple(shape), (begin, end)
+
+
+def _check_covered(f: Path, extents: list[tuple[int, int]], data: int) -> None:
+    """The extents tile the data section: no overlap, no gap, nothing after the last."""
     at = 0
     for begin, end in sorted(extents):
         if begin != at:
@@ -161,7 +178,6 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         at = end
     if at != data:
         raise _bad(f"{str(f)!r}: {data - at} bytes after the last tensor (not a safetensors file as written)")
-    return out
 
 
 def _count(v: object) -> bool:

@@ -64,69 +64,27 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         silently producing different logits.
         """
         mt = d.get("model_type")
-        if mt not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {mt!r} (expected llama, mistral or qwen2)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}")
-        if d.get("mlp_bias") or (mt != "qwen2" and d.get("attention_bias")):
-            raise ValueError("mlp_bias / attention_bias (bias on o_proj) are not implemented")
-        if d.get("quantization_config") is not None:
-            raise ValueError("quantized checkpoints (quantization_config) are not implemented")
-        for key in ("torch_dtype", "dtype"):  # what the weights were saved in: the loaders cast them
-            if d.get(key) not in (None, "auto", *_DTYPE_NAMES):
-                raise ValueError(f"{key} must be one of {', '.join(_DTYPE_NAMES)}, got {d[key]!r}"[:200])
-
-        # transformers >= 5 writes rope_parameters={"rope_type", "rope_theta"}; older
-        # configs have top-level rope_theta plus an optional rope_scaling dict.
-        rp, rs = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
-        if not isinstance(rp, dict) or not isinstance(rs, dict):
-            raise ValueError("rope_parameters / rope_scaling must be JSON objects")
-        rope_type = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
-        if rope_type != "default" or rp.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"rope scaling {rope_type!r} / partial rotary is not implemented")
-        theta = _real(rp.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta")
-
+        _check_supported(d, mt)
+        theta = _rope_theta(d)
         n_layers = _size(d, "num_hidden_layers")
         max_pos = _size(d, "max_position_embeddings", 2048)
-        # A sliding window only changes the math once a sequence outgrows it.
-        sw, layer_types = d.get("sliding_window"), d.get("layer_types")
-        if layer_types is not None:
-            sliding = "sliding_attention" in layer_types
-        elif mt == "qwen2":
-            sliding = bool(d.get("use_sliding_window")) and d.get("max_window_layers", 0) < n_layers
-        else:
-            sliding = mt == "mistral"
-        if sliding and sw is not None and sw < max_pos:
-            raise ValueError(f"sliding_window={sw} < max_position_embeddings={max_pos} "
-                             "is not implemented (attention would differ past the window)")
-
+        _check_window(d, mt, n_layers, max_pos)
         vocab = _size(d, "vocab_size")
-
-        def first(key: str) -> int | None:  # Llama 3 style lists: keep the primary id
-            tok = d.get(key)
-            ids = tok if isinstance(tok, list) else [] if tok is None else [tok]
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"{key} must be a token id below vocab_size or a list of them, got {tok!r}"[:200])
-            return ids[0] if ids else None
-
-        first("pad_token_id")  # read by transformers' loader: held to the same type
+        _first_token_id(d, "pad_token_id", vocab)  # read by transformers' loader: held to the same type
         tied = d.get("tie_word_embeddings", False)
         if not isinstance(tied, bool):
             raise ValueError(f"tie_word_embeddings must be true or false, got {tied!r}")
         hidden, heads = _size(d, "hidden_size"), _size(d, "num_attention_heads")
         kv_heads = _size(d, "num_key_value_heads", heads)
-        head_dim = _size(d, "head_dim", None)
-        if head_dim is None:
-            if hidden % heads:
-                raise ValueError(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})")
-            head_dim = hidden // heads
+        head_dim = _head_dim(d, hidden, heads)
         return cls(
             vocab_size=vocab, hidden_size=hidden, num_layers=n_layers,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             intermediate_size=_size(d, "intermediate_size"), rope_theta=theta,
             rms_norm_eps=_real(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"), qkv_bias=mt == "qwen2",
             tie_word_embeddings=tied, max_position_embeddings=max_pos,
-            eos_token_id=first("eos_token_id"), bos_token_id=first("bos_token_id"),
+            eos_token_id=_first_token_id(d, "eos_token_id", vocab),
+            bos_token_id=_first_token_id(d, "bos_token_id", vocab),
         )
 
 
@@ -155,6 +113,66 @@ def _real(v: object, key: str) -> float:
     if not math.isfinite(x) or x <= 0:
         raise ValueError(f"{key} must be a positive finite number, got {v!r}"[:200])
     return x
+
+
+def _check_supported(d: dict[str, Any], mt: object) -> None:
+    """Refuse an architecture, activation, bias, quantization or dtype ModelConfig does not run."""
+    if mt not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported model_type {mt!r} (expected llama, mistral or qwen2)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}")
+    if d.get("mlp_bias") or (mt != "qwen2" and d.get("attention_bias")):
+        raise ValueError("mlp_bias / attention_bias (bias on o_proj) are not implemented")
+    if d.get("quantization_config") is not None:
+        raise ValueError("quantized checkpoints (quantization_config) are not implemented")
+    for key in ("torch_dtype", "dtype"):  # what the weights were saved in: the loaders cast them
+        if d.get(key) not in (None, "auto", *_DTYPE_NAMES):
+            raise ValueError(f"{key} must be one of {', '.join(_DTYPE_NAMES)}, got {d[key]!r}"[:200])
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    """The RoPE base, once the config is shown to ask for plain (unscaled, full) RoPE."""
+    # transformers >= 5 writes rope_parameters={"rope_type", "rope_theta"}; older
+    # configs have top-level rope_theta plus an optional rope_scaling dict.
+    rp, rs = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
+    if not isinstance(rp, dict) or not isinstance(rs, dict):
+        raise ValueError("rope_parameters / rope_scaling must be JSON objects")
+    rope_type = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
+    if rope_type != "default" or rp.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope scaling {rope_type!r} / partial rotary is not implemented")
+    return _real(rp.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta")
+
+
+def _check_window(d: dict[str, Any], mt: object, n_layers: int, max_pos: int) -> None:
+    """A sliding window only changes the math once a sequence outgrows it."""
+    sw, layer_types = d.get("sliding_window"), d.get("layer_types")
+    if layer_types is not None:
+        sliding = "sliding_attention" in layer_types
+    elif mt == "qwen2":
+        sliding = bool(d.get("use_sliding_window")) and d.get("max_window_layers", 0) < n_layers
+    else:
+        sliding = mt == "mistral"
+    if sliding and sw is not None and sw < max_pos:
+        raise ValueError(f"sliding_window={sw} < max_position_embeddings={max_pos} "
+                         "is not implemented (attention would differ past the window)")
+
+
+def _first_token_id(d: dict[str, Any], key: str, vocab: int) -> int | None:
+    """Llama 3 style lists: keep the primary id."""
+    tok = d.get(key)
+    ids = tok if isinstance(tok, list) else [] if tok is None else [tok]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        raise ValueError(f"{key} must be a token id below vocab_size or a list of them, got {tok!r}"[:200])
+    return ids[0] if ids else None
+
+
+def _head_dim(d: dict[str, Any], hidden: int, heads: int) -> int:
+    head_dim = _size(d, "head_dim", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})")
+        head_dim = hidden // heads
+    return int(head_dim)
 
 
 DEFAULT_CONFIG = ModelConfig(

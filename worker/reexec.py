@@ -53,19 +53,85 @@ def reexecute(model: Transformer, events: Iterable[ev.Event], *, slots: int = 64
 
 
 def _reexecute(model: Transformer, events: Iterable[ev.Event], slots: int, capacity: int) -> Reexecution:
-    dtype = next(model.parameters()).dtype
-    store = KVStore(model.cfg, slots=slots + 1, capacity=capacity, dtype=dtype,
-                    device=next(model.parameters()).device)
-    store.open(SCRATCH, capacity)
-    out = Reexecution(store)
-    starts: dict[tuple[str, str], ev.AppendStartEvent] = {}  # (handle, txn)
-    calls: dict[str, list[ev.AppendStartEvent]] = {}
-    ran: set[str] = set()
+    replay = _Replay(model, slots, capacity)
+    for e in events:
+        replay.feed(e)
+    return replay.out
 
-    def run(call_id: str) -> None:
-        members_ev = calls.pop(call_id)
+
+class _Replay:
+    """The store and the appends in flight while a journal is re-executed, event by event."""
+
+    def __init__(self, model: Transformer, slots: int, capacity: int) -> None:
+        self.model = model
+        dtype = next(model.parameters()).dtype
+        self.store = KVStore(model.cfg, slots=slots + 1, capacity=capacity, dtype=dtype,
+                             device=next(model.parameters()).device)
+        self.store.open(SCRATCH, capacity)
+        self.out = Reexecution(self.store)
+        self.starts: dict[tuple[str, str], ev.AppendStartEvent] = {}  # (handle, txn)
+        self.calls: dict[str, list[ev.AppendStartEvent]] = {}
+        self.ran: set[str] = set()
+
+    def feed(self, e: ev.Event) -> None:
+        h, store, logits = e.stream_id, self.store, self.out.logits
+        if isinstance(e, ev.RequestAllocateEvent):
+            store.open(h, e.payload.reserved_capacity)
+        elif isinstance(e, ev.ForkEvent):
+            store.fork(e.payload.parent_handle_id, h, e.payload.prefix_length)
+            if e.payload.parent_handle_id in logits and e.payload.logits_ready:
+                logits[h] = logits[e.payload.parent_handle_id]
+        elif isinstance(e, ev.AppendStartEvent):
+            self.start(e)
+        elif isinstance(e, (ev.AppendPublishEvent, ev.FailureEvent)):
+            self.end(e)
+        elif isinstance(e, ev.OutputEmitEvent):
+            logits.pop(h, None)
+        elif isinstance(e, ev.TruncateEvent):
+            store.truncate(h, e.payload.new_length)
+            logits.pop(h, None)
+        elif isinstance(e, ev.ReleaseEvent):
+            store.release(h)
+            logits.pop(h, None)
+
+    def start(self, e: ev.AppendStartEvent) -> None:
+        self.starts[(e.stream_id, e.payload.txn_id)] = e
+        if e.payload.call is None:
+            self.out.skipped.add(e.stream_id)
+        else:
+            self.calls.setdefault(e.payload.call.call_id, []).append(e)
+
+    def end(self, e: ev.AppendPublishEvent | ev.FailureEvent) -> None:
+        """An append's end: its call runs (once, at the first end of its members), then
+        a failure discards the rows and a publication is checked against them."""
+        h = e.stream_id
+        start = self.starts.pop((h, e.payload.txn_id), None)
+        if start is None or start.payload.call is None:
+            return
+        if start.payload.call.call_id not in self.ran:
+            self.run(start.payload.call.call_id)
+        if isinstance(e, ev.FailureEvent):
+            self.store.discard(h)
+            return
+        self.publish(start, e)
+
+    def publish(self, start: ev.AppendStartEvent, e: ev.AppendPublishEvent) -> None:
+        h, p, store, out = e.stream_id, e.payload, self.store, self.out
+        t = start.payload.interval_start
+        got = (layers_sha256(store.rows_sha256(h, t, p.accepted_count))
+               if p.committed_length - p.accepted_count == t else "interval differs from the start")
+        if got != p.rows_sha256:
+            out.mismatches.append(Mismatch(h, p.txn_id, e.global_position, p.rows_sha256, got))
+        out.verified_rows += p.accepted_count
+        store.staged(h, p.committed_length)
+        store.commit(h, p.committed_length)
+        if start.payload.kind == "verify" or not p.logits_ready:
+            out.logits.pop(h, None)
+
+    def run(self, call_id: str) -> None:
+        members_ev = self.calls.pop(call_id)
         call = members_ev[0].payload.call
-        assert call is not None  # calls holds only starts that name their call (below)
+        assert call is not None  # calls holds only starts that name their call (start)
         by_index = {e.payload.call.index: e for e in members_ev if e.payload.call is not None}
         members = []
         for i in range(call.size):
@@ -77,56 +143,11 @@ def _reexecute(model: Transformer, events: Iterable[ev.Event], slots: int, capac
         verify = any(e.payload.kind == "verify" for e in members_ev)
         if call.threads and call.threads != torch.get_num_threads():
             torch.set_num_threads(call.threads)
-        logits = run_call(model, store, members, CallShape(call.size, call.new_pad, call.key_extent),
+        logits = run_call(self.model, self.store, members, CallShape(call.size, call.new_pad, call.key_extent),
                           all_rows=verify)
-        for b in range(len(members)):
-            e = by_index.get(b)
-            if e is None:
-                continue
-            if not verify:
-                out.logits[e.stream_id] = logits[b, -1]
-        ran.add(call_id)
-
-    for e in events:
-        h = e.stream_id
-        if isinstance(e, ev.RequestAllocateEvent):
-            store.open(h, e.payload.reserved_capacity)
-        elif isinstance(e, ev.ForkEvent):
-            store.fork(e.payload.parent_handle_id, h, e.payload.prefix_length)
-            if e.payload.parent_handle_id in out.logits and e.payload.logits_ready:
-                out.logits[h] = out.logits[e.payload.parent_handle_id]
-        elif isinstance(e, ev.AppendStartEvent):
-            starts[(h, e.payload.txn_id)] = e
-            if e.payload.call is None:
-                out.skipped.add(h)
-            else:
-                calls.setdefault(e.payload.call.call_id, []).append(e)
-        elif isinstance(e, (ev.AppendPublishEvent, ev.FailureEvent)):
-            start = starts.pop((h, e.payload.txn_id), None)
-            if start is None or start.payload.call is None:
-                continue
-            if start.payload.call.call_id not in ran:
-                run(start.payload.call.call_id)
-            if isinstance(e, ev.FailureEvent):
-                store.discard(h)
-                continue
-            p = e.payload
-            t = start.payload.interval_start
-            got = (layers_sha256(store.rows_sha256(h, t, p.accepted_count))
-                   if p.committed_length - p.accepted_count == t else "interval differs from the start")
-            if got != p.rows_sha256:
-                out.mismatches.append(Mismatch(h, p.txn_id, e.global_position, p.rows_sha256, got))
-            out.verified_rows += p.accepted_count
-            store.staged(h, p.committed_length)
-            store.commit(h, p.committed_length)
-            if start.payload.kind == "verify" or not p.logits_ready:
-                out.logits.pop(h, None)
-        elif isinstance(e, ev.OutputEmitEvent):
-            out.logits.pop(h, None)
-        elif isinstance(e, ev.TruncateEvent):
-            store.truncate(h, e.payload.new_length)
-            out.logits.pop(h, None)
-        elif isinstance(e, ev.ReleaseEvent):
-            store.release(h)
-            out.logits.pop(h, None)
-    return out
+        if not verify:
+            for b in range(len(members)):
+                e = by_index.get(b)
+                if e is not None:
+                    self.out.logits[e.stream_id] = logits[b, -1]
+        self.ran.add(call_id)

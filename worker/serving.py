@@ -35,6 +35,7 @@ from kvledger.schemas.manifest import (
     CacheSchema,
     Manifest,
     PositionContract,
+    RequestPolicy,
     RopeConfig,
     SamplingPolicy,
     ScalarType,
@@ -726,12 +727,13 @@ class Worker:
             cache_schema=CacheSchema(num_cache_layers=cfg.num_layers, kv_heads_per_rank=cfg.num_kv_heads,
                                      head_dim=cfg.head_dim, key_dtype=dt, value_dtype=dt,
                                      num_query_heads=cfg.num_heads),
-            max_new_tokens=spec.max_new_tokens,
-            max_context_tokens=len(spec.prompt) + spec.max_new_tokens + 1,  # +1: room for a repair
-            position_contract=PositionContract(rope=RopeConfig(theta=cfg.rope_theta)),
-            stop_token_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,),
-            sampling=SamplingPolicy(kind="greedy" if spec.temperature == 0 else "temperature",
-                                    temperature=spec.temperature or 1.0, seed=spec.seed))
+            policy=RequestPolicy(
+                max_new_tokens=spec.max_new_tokens,
+                max_context_tokens=len(spec.prompt) + spec.max_new_tokens + 1,  # +1: room for a repair
+                stop_token_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,),
+                sampling=SamplingPolicy(kind="greedy" if spec.temperature == 0 else "temperature",
+                                        temperature=spec.temperature or 1.0, seed=spec.seed)),
+            position_contract=PositionContract(rope=RopeConfig(theta=cfg.rope_theta)))
 
     def _length(self, lv: Live) -> int:
         """Rows the handle will hold once the appends already planned commit."""
