@@ -37,7 +37,9 @@ def _said(event) -> tuple:
 
 def _strip(value):
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in _RUN_SPECIFIC}
+        # the txn ids a cancel aborts are run-specific like txn_id; how many it aborts is not
+        return {k: len(v) if k == "aborted_txn_ids" else _strip(v)
+                for k, v in value.items() if k not in _RUN_SPECIFIC}
     if isinstance(value, list):
         return [_strip(v) for v in value]
     return value
