@@ -7,7 +7,10 @@ file, its export, `replay --json`, `verify --json` and every receipt.
 - fixtures/journal_format5 (commit 09b1099): format 5, a decode chain's fingerprint
   derived from its events and the record's lists inside its zstd frame;
 - fixtures/journal_format6 (commit 978a13f): format 6, decode steps as msgpack rows (18
-  of them), records without a step in format 5.
+  of them), records without a step in format 5;
+- fixtures/journal_format7 (commit 842dc4f): format 7 as written before the decode batch
+  became one value (issue 45), 20 step rows: what a change of the writer must still read
+  and export byte for byte.
 
 Same revision (0006), so nothing migrates: verify is clean, replay and export print what
 the old code printed, every old receipt is found by its operation id (what makes a
@@ -33,7 +36,8 @@ TABLES = ("kvl_heads", "kvl_manifests", "kvl_checkpoints", "kvl_records", "kvl_r
 # without a fingerprint, its step rows
 OLD = {"format3": (FIXTURES / "journal_format3", [3] * 8, 0, 0),
        "format5": (FIXTURES / "journal_format5", [5] * 8, 18, 0),
-       "format6": (FIXTURES / "journal_format6", [5, 6, 6, 6, 6, 6, 6, 5], 0, 18)}
+       "format6": (FIXTURES / "journal_format6", [5, 6, 6, 6, 6, 6, 6, 5], 0, 18),
+       "format7": (FIXTURES / "journal_format7", [5, 7, 7, 7, 5, 7, 7, 5], 0, 20)}
 
 
 @pytest.fixture(params=list(OLD))
