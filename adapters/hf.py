@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -124,24 +123,20 @@ class Options(NamedTuple):
     stats: dict[str, float] | None = None
 
 
-def prepare(model: Any, inputs: torch.Tensor | None = None, generation_config: Any = None,
-            logits_processor: Any = None, stopping_criteria: Any = None, prefix_allowed_tokens_fn: Any = None,
-            synced_gpus: bool | None = None, assistant_model: Any = None, streamer: Any = None,
-            negative_prompt_ids: torch.Tensor | None = None, negative_prompt_attention_mask: torch.Tensor | None = None,
-            custom_generate: Any = None, *, request_ids: Sequence[str] | None = None, close_frontier: bool = True,
-            seed: int | None = None, overlap_commit: bool = False, stats: dict[str, float] | None = None,
-            **kwargs: Any) -> tuple[hf_args.Call, Options]:
+OWN = frozenset(Options._fields)  # journaled_generate's keywords that generate does not take
+
+
+def prepare(model: Any, *args: Any, **kwargs: Any) -> tuple[hf_args.Call, Options]:
     """journaled_generate's arguments (model.generate's signature, then its own), checked
     before any work: what the journal cannot follow is INVALID_ARGUMENT (adapters.hf_args)."""
-    named = dict(zip(hf_args.NAMED, (generation_config, logits_processor, stopping_criteria,
-                                     prefix_allowed_tokens_fn, synced_gpus, assistant_model, streamer,
-                                     negative_prompt_ids, negative_prompt_attention_mask, custom_generate)))
+    bound = hf_args.bind(args, kwargs, OWN)
+    options = Options(**bound.own)
+    seed, stats = options.seed, options.stats
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"seed must be an int in [0, 2**63), not {seed!r}")
     if stats is not None and not isinstance(stats, dict):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"stats must be a dict to fill in, not {type(stats).__name__}")
-    return hf_args.prepare(model, inputs, named, kwargs, request_ids), Options(close_frontier, seed,
-                                                                               overlap_commit, stats)
+    return hf_args.prepare(model, bound.inputs, bound.named, bound.kwargs, bound.request_ids), options
 
 
 def journaled_generate(model: Any, *args: Any, ledger: HasService, **kwargs: Any) -> Any:
@@ -204,14 +199,44 @@ def run(model: Any, call: hf_args.Call, options: Options, ledger: HasService) ->
     if plan.beams and plan.eos:
         generate_kwargs["stopping_criteria"] = StoppingCriteriaList(
             [*(generate_kwargs.get("stopping_criteria") or []), _Candidates(tracker)])
+    _check_window(model, cache, input_ids.shape[1] + max(plan.reserve_for(()) - 1, 0))
+    spent = {"journal_s": 0.0, "forward_calls": 0.0}
+    hooks = _hook(model, tracker, spent)
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = _generate(model, tracker, input_ids=input_ids, attention_mask=call.attention_mask, cache=cache,
+                        **generate_kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        t0, during = time.perf_counter(), spent["journal_s"]  # the closing call is all journal work
+        if close_frontier:
+            _close(model, tracker, sequences)
+    except BaseException as exc:
+        tracker.abort(exc)
+        raise
+    finally:
+        for h in hooks:
+            h.remove()
+        if stats is not None:
+            stats.update(spent)
+    tracker.finish(sequences)
+    if stats is not None:
+        stats["journal_s"] = during + time.perf_counter() - t0
+    return out
+
+
+def _check_window(model: Any, cache: JournaledCache, longest: int) -> None:
+    """Refuses a run longer than a sliding layer's window: a sliding layer drops old
+    rows, and column positions would no longer be the rows' own."""
     window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
-    longest = input_ids.shape[1] + max(plan.reserve_for(()) - 1, 0)
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers) and window and longest > window:
-        # a sliding layer drops old rows: column positions would no longer be the rows' own
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"up to {longest} tokens exceed the sliding window "
                                                         f"of {window}: not journaled")
 
-    spent = {"journal_s": 0.0, "forward_calls": 0.0}
+
+def _hook(model: Any, tracker: Tracker, spent: dict[str, float]) -> list[Any]:
+    """Hooks around the model's forward that tell the tracker where each call of
+    generate's cache begins and ends, adding the journal's own time to `spent`."""
 
     def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if kwargs.get("cache") is not tracker.cache:  # the closing call swaps in its own cache
@@ -234,36 +259,20 @@ def run(model: Any, call: hf_args.Call, options: Options, ledger: HasService) ->
             finally:
                 spent["journal_s"] += time.perf_counter() - t0
 
-    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
-             model.register_forward_hook(after, with_kwargs=True)]
+    return [model.register_forward_pre_hook(before, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True)]
+
+
+def _generate(model: Any, tracker: Tracker, **kwargs: Any) -> Any:
+    """model.generate(**kwargs); its refusal of its own arguments, before its first
+    forward call (nothing journaled), is INVALID_ARGUMENT."""
     try:
-        if seed is not None:
-            torch.manual_seed(seed)
-        try:
-            out = model.generate(input_ids=input_ids, attention_mask=call.attention_mask, cache=cache,
-                                 **generate_kwargs)
-        except (ValueError, TypeError, NotImplementedError) as exc:
-            if tracker.started:
-                raise
-            # generate's own checks of its arguments, before its first forward call: nothing journaled
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"model.generate refused its arguments: "
-                                                            f"{type(exc).__name__}: {exc}"[:400]) from exc
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        t0, during = time.perf_counter(), spent["journal_s"]  # the closing call is all journal work
-        if close_frontier:
-            _close(model, tracker, sequences)
-    except BaseException as exc:
-        tracker.abort(exc)
-        raise
-    finally:
-        for h in hooks:
-            h.remove()
-        if stats is not None:
-            stats.update(spent)
-    tracker.finish(sequences)
-    if stats is not None:
-        stats["journal_s"] = during + time.perf_counter() - t0
-    return out
+        return model.generate(**kwargs)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        if tracker.started:
+            raise
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"model.generate refused its arguments: "
+                                                        f"{type(exc).__name__}: {exc}"[:400]) from exc
 
 
 @torch.inference_mode()

@@ -20,8 +20,9 @@ prediction, DFlash speculation, token healing, synced GPUs).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,11 +63,68 @@ class Call:
     generate_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+class Bound(NamedTuple):
+    """journaled_generate's arguments sorted out: generate's prompt, its named
+    parameters (None where not given), its other keywords, and the wrapper's own."""
+
+    inputs: Any
+    named: dict[str, Any]
+    kwargs: dict[str, Any]
+    request_ids: Any
+    own: dict[str, Any]
+
+
+def bind(args: tuple[Any, ...], kwargs: dict[str, Any], own: Iterable[str]) -> Bound:
+    """Bind positional `args` (after the model) to generate's parameters in its order
+    (`inputs`, then NAMED), as Python binds a signature: too many of them, or one also
+    given by keyword, is a TypeError. `request_ids` and the names in `own` are the
+    wrapper's keywords, never generate's."""
+    params = ("inputs", *NAMED)
+    if len(args) > len(params):
+        raise TypeError(f"journaled_generate takes the model and at most {len(params)} positional arguments "
+                        f"(generate's), not {len(args)}")
+    given = dict(zip(params, args))
+    rest = dict(kwargs)
+    for name in params:
+        if name in rest:
+            if name in given:
+                raise TypeError(f"journaled_generate got multiple values for argument {name!r}")
+            given[name] = rest.pop(name)
+    request_ids = rest.pop("request_ids", None)
+    mine = {k: rest.pop(k) for k in own if k in rest}
+    return Bound(given.get("inputs"), {k: given.get(k) for k in NAMED}, rest, request_ids, mine)
+
+
 def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, Any],
             request_ids: Any = None) -> Call:
     """`named`: generate's named parameters as given (None where not); `kwargs` the rest;
     `request_ids` one per row of the prompt, or None (generated)."""
     kwargs = dict(kwargs)
+    _refuse_callers_loops(model, named, kwargs)
+    input_ids = _prompt(model, inputs, kwargs)
+    mask = _mask(kwargs.pop("attention_mask", None), input_ids)
+    gen_config = named.get("generation_config")
+    if gen_config is not None and not _is_generation_config(gen_config):
+        raise _bad(f"generation_config must be a transformers GenerationConfig, not {type(gen_config).__name__}")
+    config, mode = _merged(model, named, kwargs, input_ids, mask)
+    assisted = named.get("assistant_model") is not None or any(getattr(config, k, None) is not None
+                                                                for k in ASSISTED[1:])
+    _check_mode(config, mode, assisted, input_ids)
+    out: dict[str, Any] = {k: v for k, v in named.items() if v is not None}
+    gen_config = _own_cache(config, gen_config, kwargs, out)
+    if mask is None:  # the one generate infers from pad tokens must be left padding too
+        _mask(_inferred_mask(config, input_ids), input_ids)
+    max_new = _new_tokens(model, config, gen_config, kwargs, input_ids.shape[1])
+    forked = max(config.num_beams or 1, config.num_return_sequences or 1) > 1
+    rids = _request_ids(request_ids, input_ids.shape[0], MAX_ID - (FORK_SUFFIX if forked else 0))
+    out.update(kwargs)
+    return Call(input_ids=input_ids, attention_mask=mask, config=config, max_new_tokens=max_new,
+                assisted=assisted, request_ids=rids, generate_kwargs=out)
+
+
+def _refuse_callers_loops(model: Any, named: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Not a generate() to journal, or arguments that replace what the journal follows:
+    the model itself, the refused model kwargs, a decoding loop of the caller's or a Hub's."""
     if not callable(getattr(model, "generate", None)) or getattr(model, "generation_config", None) is None:
         raise _bad(f"model must be a transformers model with generate(), not {type(model).__name__}")
     for key, why in REFUSED_MODEL_KWARGS.items():
@@ -78,24 +136,26 @@ def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, An
         raise _bad("synced_gpus=True (ZeRO-3/FSDP across processes) is not journaled")
     if kwargs.get("trust_remote_code"):
         raise _bad("trust_remote_code=True runs a decoding loop from a Hub repository: not journaled")
-    input_ids = _prompt(model, inputs, kwargs)
-    mask = _mask(kwargs.pop("attention_mask", None), input_ids)
-    gen_config = named.get("generation_config")
-    if gen_config is not None and not _is_generation_config(gen_config):
-        raise _bad(f"generation_config must be a transformers GenerationConfig, not {type(gen_config).__name__}")
-    assistant = named.get("assistant_model")
+
+
+def _merged(model: Any, named: dict[str, Any], kwargs: dict[str, Any], input_ids: torch.Tensor,
+            mask: torch.Tensor | None) -> tuple[Any, str]:
+    """generate's merged config and its generation mode, by generate's own checks."""
     try:
         # generate's own steps, private but the one place transformers keeps each rule: the
         # merge of a call's config with the model's and its defaults, the mode, its checks
-        config, model_kwargs = model._prepare_generation_config(gen_config, **kwargs)
-        mode_enum = config.get_generation_mode(assistant)
+        config, model_kwargs = model._prepare_generation_config(named.get("generation_config"), **kwargs)
+        mode_enum = config.get_generation_mode(named.get("assistant_model"))
         model._validate_model_kwargs({**model_kwargs, "input_ids": input_ids, "attention_mask": mask})
         model._validate_generation_mode(mode_enum, config, {k: named[k] for k in ("assistant_model", "streamer")
                                                             if named.get(k) is not None})
     except (ValueError, TypeError, AttributeError) as exc:
         raise _bad(f"generate's arguments: {_short(exc)}") from None
-    mode = str(getattr(mode_enum, "value", mode_enum))
-    assisted = assistant is not None or any(getattr(config, k, None) is not None for k in ASSISTED[1:])
+    return config, str(getattr(mode_enum, "value", mode_enum))
+
+
+def _check_mode(config: Any, mode: str, assisted: bool, input_ids: torch.Tensor) -> None:
+    """The decoding modes the journal follows, and the config values it records."""
     if mode not in JOURNALED_MODES:
         raise _bad(f"generation mode {mode!r} is not journaled (transformers "
                    "runs it from a Hub repository); greedy, sampling, beam search and assisted decoding are")
@@ -112,7 +172,12 @@ def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, An
     _check_config(config)
     if config.use_cache is False:
         raise _bad("use_cache=False recomputes every row on every call: nothing to journal")
-    out: dict[str, Any] = {k: v for k, v in named.items() if v is not None}
+
+
+def _own_cache(config: Any, gen_config: Any, kwargs: dict[str, Any], out: dict[str, Any]) -> Any:
+    """The journaled cache is generate's cache: another implementation is refused, and
+    a "dynamic" one asked for is dropped from the arguments (in `out` and `kwargs`) so
+    generate builds none. Returns the caller's generation config as generate will see it."""
     cache_implementation = getattr(config, "cache_implementation", None)
     if cache_implementation not in (None, "dynamic"):
         raise _bad(f"cache_implementation={cache_implementation!r} is not journaled: kvledger.hf journals "
@@ -122,14 +187,7 @@ def prepare(model: Any, inputs: Any, named: dict[str, Any], kwargs: dict[str, An
             out["generation_config"] = gen_config = _copy_with(gen_config, cache_implementation=None)
         if kwargs.get("cache_implementation") is not None or gen_config is None:
             kwargs["cache_implementation"] = None
-    if mask is None:  # the one generate infers from pad tokens must be left padding too
-        _mask(_inferred_mask(config, input_ids), input_ids)
-    max_new = _new_tokens(model, config, gen_config, kwargs, input_ids.shape[1])
-    forked = max(config.num_beams or 1, config.num_return_sequences or 1) > 1
-    rids = _request_ids(request_ids, input_ids.shape[0], MAX_ID - (FORK_SUFFIX if forked else 0))
-    out.update(kwargs)
-    return Call(input_ids=input_ids, attention_mask=mask, config=config, max_new_tokens=max_new,
-                assisted=assisted, request_ids=rids, generate_kwargs=out)
+    return gen_config
 
 
 def _is_generation_config(value: Any) -> bool:

@@ -120,71 +120,95 @@ class _Model:
 
 
 def _reexecute(model: Any, events: Iterable[ev.Event]) -> HfReexecution:
-    out = HfReexecution()
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    ours = _Model.of(model)
-    store: dict[str, _Rows] = {}
-    staged: dict[str, _Staged] = {}
-    tokens: dict[str, tuple[int, ...]] = {}  # handle -> the tokens it starts with: its prompt, or its fork's
-    starts: dict[tuple[str, str], ev.AppendStartEvent] = {}
-    calls: dict[str, list[ev.AppendStartEvent]] = {}
-    ran: set[str] = set()
-    padding = _Padding()
     events = list(events)
-    # A call's members, known before it runs: the verify half of an assisted prefill call
-    # starts only once the prefill published, after the point where the call is rebuilt.
-    # A beam forked off another after a call both ran in: its tokens, before its fork.
+    state = _Reexecution(model, _Model.of(model))
+    state.know_calls(events)
     for e in events:
-        if isinstance(e, ev.AppendStartEvent) and e.payload.call is not None:
-            calls.setdefault(e.payload.call.call_id, []).append(e)
-        elif isinstance(e, ev.RequestAllocateEvent):
-            tokens[e.stream_id] = e.payload.manifest.input_identity.prompt_token_ids
-        elif isinstance(e, ev.ForkEvent):
-            tokens[e.stream_id] = e.payload.token_ids
-
-    for e in events:
-        h = e.stream_id
         if isinstance(e, ev.RequestAllocateEvent):
-            m = e.payload.manifest
-            out.artifacts.add(m.artifact_identity.model_artifact_sha256)
-            why = ours.refuses(m.cache_schema, m.input_identity.prompt_token_ids)
-            if why is not None:
-                out.unrunnable[h] = ("ARTIFACT_MISMATCH", why)
-                continue
-            empty = torch.zeros((*ours.geometry[:2], 0, ours.geometry[2]), dtype=dtype, device=device)
-            store[h] = _Rows(empty, empty.clone())
+            state.allocate(e)
         elif isinstance(e, ev.ForkEvent):
-            src = e.payload.parent_handle_id
-            parent, n = store.get(src), e.payload.prefix_length
-            if parent is None:
-                out.unrunnable[h] = out.unrunnable.get(src, ("MALFORMED_EVENT", f"a fork of {src}, never allocated"))
-                continue
-            store[h] = _Rows(parent.k[:, :, :n].clone(), parent.v[:, :, :n].clone())
-            padding.origin[h] = padding.origin.get(src, "")
+            state.fork(e)
         elif isinstance(e, ev.AppendStartEvent):
-            starts[(h, e.payload.txn_id)] = e
+            state.starts[(e.stream_id, e.payload.txn_id)] = e
             if e.payload.call is None:
-                out.skipped.add(h)
+                state.out.skipped.add(e.stream_id)
         elif isinstance(e, (ev.AppendPublishEvent, ev.FailureEvent)):
-            start = starts.pop((h, e.payload.txn_id), None)
-            if start is None or start.payload.call is None:
-                continue
-            if start.payload.call.call_id not in ran:
-                members = calls.pop(start.payload.call.call_id)
-                if _runnable(members, store, tokens, ours, out):
-                    _run(model, store, tokens, staged, members, padding)
-                ran.add(start.payload.call.call_id)
-            if isinstance(e, ev.AppendPublishEvent) and h not in out.unrunnable:
-                _publish(store.get(h), staged.get(h), start, e, out)
+            state.end(e)
         elif isinstance(e, ev.TruncateEvent):
-            r = store.get(h)
+            r = state.store.get(e.stream_id)
             if r is not None:
                 r.k, r.v = r.k[:, :, :e.payload.new_length], r.v[:, :, :e.payload.new_length]
         elif isinstance(e, ev.ReleaseEvent):
-            store.pop(h, None)
-            staged.pop(h, None)
-    return out
+            state.store.pop(e.stream_id, None)
+            state.staged.pop(e.stream_id, None)
+    return state.out
+
+
+@dataclass
+class _Reexecution:
+    """The proof's state as it reads the journal: each handle's committed rows, the rows
+    its last call staged, the calls' members and which of them ran."""
+
+    model: Any
+    ours: _Model
+    out: HfReexecution = field(default_factory=HfReexecution)
+    store: dict[str, _Rows] = field(default_factory=dict)
+    staged: dict[str, _Staged] = field(default_factory=dict)
+    tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)  # handle -> its prompt, or its fork's
+    starts: dict[tuple[str, str], ev.AppendStartEvent] = field(default_factory=dict)
+    calls: dict[str, list[ev.AppendStartEvent]] = field(default_factory=dict)
+    ran: set[str] = field(default_factory=set)
+    padding: _Padding = field(default_factory=_Padding)
+
+    def know_calls(self, events: list[ev.Event]) -> None:
+        """A call's members, known before it runs: the verify half of an assisted prefill call
+        starts only once the prefill published, after the point where the call is rebuilt.
+        A beam forked off another after a call both ran in: its tokens, before its fork."""
+        for e in events:
+            if isinstance(e, ev.AppendStartEvent) and e.payload.call is not None:
+                self.calls.setdefault(e.payload.call.call_id, []).append(e)
+            elif isinstance(e, ev.RequestAllocateEvent):
+                self.tokens[e.stream_id] = e.payload.manifest.input_identity.prompt_token_ids
+            elif isinstance(e, ev.ForkEvent):
+                self.tokens[e.stream_id] = e.payload.token_ids
+
+    def allocate(self, e: ev.RequestAllocateEvent) -> None:
+        m = e.payload.manifest
+        self.out.artifacts.add(m.artifact_identity.model_artifact_sha256)
+        why = self.ours.refuses(m.cache_schema, m.input_identity.prompt_token_ids)
+        if why is not None:
+            self.out.unrunnable[e.stream_id] = ("ARTIFACT_MISMATCH", why)
+            return
+        param = next(self.model.parameters())
+        empty = torch.zeros((*self.ours.geometry[:2], 0, self.ours.geometry[2]), dtype=param.dtype,
+                            device=param.device)
+        self.store[e.stream_id] = _Rows(empty, empty.clone())
+
+    def fork(self, e: ev.ForkEvent) -> None:
+        h, src = e.stream_id, e.payload.parent_handle_id
+        parent, n = self.store.get(src), e.payload.prefix_length
+        if parent is None:
+            self.out.unrunnable[h] = self.out.unrunnable.get(src, ("MALFORMED_EVENT",
+                                                                   f"a fork of {src}, never allocated"))
+            return
+        self.store[h] = _Rows(parent.k[:, :, :n].clone(), parent.v[:, :, :n].clone())
+        self.padding.origin[h] = self.padding.origin.get(src, "")
+
+    def end(self, e: ev.AppendPublishEvent | ev.FailureEvent) -> None:
+        """An append's end: its call runs (once, at its first member's end), and a
+        publication's rows are checked against what the call computed."""
+        h = e.stream_id
+        start = self.starts.pop((h, e.payload.txn_id), None)
+        if start is None or start.payload.call is None:
+            return
+        call_id = start.payload.call.call_id
+        if call_id not in self.ran:
+            members = self.calls.pop(call_id)
+            if _runnable(members, self.store, self.tokens, self.ours, self.out):
+                _run(self.model, self.store, self.tokens, self.staged, members, self.padding)
+            self.ran.add(call_id)
+        if isinstance(e, ev.AppendPublishEvent) and h not in self.out.unrunnable:
+            _publish(self.store.get(h), self.staged.get(h), start, e, self.out)
 
 
 def _runnable(members: list[ev.AppendStartEvent], store: dict[str, _Rows], tokens: dict[str, tuple[int, ...]],

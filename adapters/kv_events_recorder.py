@@ -31,7 +31,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Iterable
-from typing import Any  # _write's payload: the one of `cls`, a pairing its type cannot state
+from typing import Any
 
 import msgspec
 
@@ -372,8 +372,7 @@ class Recorder:
             gap = kv.KvEventsGap(c.epoch, seq, seq, f"the batch's events are {events.size} bytes of JSON, over "
                                  f"the journal's event limit of {MAX_EVENT_BYTES}",
                                  code=ErrorCode.FIELD_TOO_LARGE.value, size_bytes=events.size)
-            self._write(c, f"{c.epoch}:gap:{seq}", f"refused:{seq}:{fp.hex()}", ev.KvEventsGapEvent, gap,
-                        seq + 1, c.epoch, received)
+            self._write(c, f"{c.epoch}:gap:{seq}", f"refused:{seq}:{fp.hex()}", gap, seq + 1, received)
             s.gaps += 1
             s.gap_seqs += 1
             s.too_large += 1
@@ -386,8 +385,7 @@ class Recorder:
         else:
             body, count, size = events, len(events), 0
         payload = kv.KvEventsBatch(c.epoch, seq, ts, body, rank, replayed)
-        self._write(c, f"{c.epoch}:{seq}", fp.hex(), ev.KvEventsBatchEvent, payload, seq + 1, c.epoch, received,
-                    size)
+        self._write(c, f"{c.epoch}:{seq}", fp.hex(), payload, seq + 1, received, size)
         s.batches += 1
         s.events += count
         s.replayed += replayed
@@ -398,30 +396,37 @@ class Recorder:
             return 0
         first = c.next_seq
         payload = kv.KvEventsGap(c.epoch, first, last, reason)
-        self._write(c, f"{c.epoch}:gap:{first}", f"gap:{first}:{last}", ev.KvEventsGapEvent, payload, last + 1,
-                    c.epoch, time.monotonic_ns())
+        self._write(c, f"{c.epoch}:gap:{first}", f"gap:{first}:{last}", payload, last + 1, time.monotonic_ns())
         self.summary.gaps += 1
         self.summary.gap_seqs += last - first + 1
         return last - first + 1
 
     def _restart(self, c: Cursor, seq: int) -> None:
         payload = kv.KvEventsRestart(c.epoch + 1, c.next_seq - 1, seq, "seq went backwards")
-        self._write(c, f"{c.epoch + 1}:restart", f"restart:{c.next_seq}:{seq}", ev.KvEventsRestartEvent,
-                    payload, 0, c.epoch + 1, time.monotonic_ns())
+        self._write(c, f"{c.epoch + 1}:restart", f"restart:{c.next_seq}:{seq}", payload, 0, time.monotonic_ns())
         for held in list(c.held):
             self._unhold(c, held)
         c.recent.clear()
         c.order.clear()
         self.summary.restarts += 1
 
-    def _write(self, c: Cursor, what: str, fingerprint: str, cls: type[ev.KvStreamEvent], payload: Any,
-               next_seq: int, epoch: int, received: int, size: int = 0) -> None:
-        position = c.position + 1
-        self.ops.append(_Pending(c.sid, c.key, c.guard(), what, fingerprint, cls, payload,
+    def _write(self, c: Cursor, what: str, fingerprint: str, payload: _Payload, next_seq: int, received: int,
+               size: int = 0) -> None:
+        """Decides one event of `payload`'s kind, in `payload.epoch`; the stream's next seq
+        after it is `next_seq`."""
+        position, epoch = c.position + 1, payload.epoch
+        self.ops.append(_Pending(c.sid, c.key, c.guard(), what, fingerprint, EVENT_OF[type(payload)], payload,
                                  HeadFacts(c.sid, epoch, next_seq, position, 0, LIFECYCLE, "", ""),
                                  time.monotonic_ns(), time.time_ns(), received, size))
         c.epoch, c.next_seq, c.position = epoch, next_seq, position
         self.summary.last_seq = next_seq - 1
+
+
+_Payload = kv.KvEventsBatch | kv.KvEventsGap | kv.KvEventsRestart
+# the event each decided payload becomes
+EVENT_OF: dict[type[_Payload], type[ev.KvStreamEvent]] = {
+    kv.KvEventsBatch: ev.KvEventsBatchEvent, kv.KvEventsGap: ev.KvEventsGapEvent,
+    kv.KvEventsRestart: ev.KvEventsRestartEvent}
 
 
 class _Pending(msgspec.Struct, array_like=True, gc=False):
@@ -434,7 +439,7 @@ class _Pending(msgspec.Struct, array_like=True, gc=False):
     what: str
     fingerprint: str
     cls: type[ev.KvStreamEvent]
-    payload: Any
+    payload: Any  # the one of `cls`, a pairing its type cannot state
     head: HeadFacts
     monotonic_ns: int
     wall_ns: int

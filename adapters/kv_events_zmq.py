@@ -29,7 +29,7 @@ import zmq
 
 from kvledger.adapters.kv_events_recorder import MAX_HELD_BYTES, Recorder, Summary, Taken
 
-__all__ = ["Committed", "Stop", "Summary", "install_signals", "record"]
+__all__ = ["Committed", "RecordOptions", "Stop", "Summary", "install_signals", "record"]
 from kvledger.adapters.kv_events_wire import seq_bytes
 from kvledger.journal.contract import Journal, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -56,97 +56,146 @@ class Stop:
         self.stopped = True
 
 
-def record(journal: Journal, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-           idle_exit: float | None = None, progress: Callable[[Summary], None] | None = None,
-           stop: Stop | None = None, dialect: str = "auto", max_held_bytes: int = MAX_HELD_BYTES,
-           rcvhwm: int = RCVHWM, watch: Callable[[Recorder, Committed], None] | None = None) -> Summary:
-    """Record until `stop` (or `idle_exit` seconds without a message of the topic); what
-    is held then is journaled (Recorder.stop). `watch` is handed the Recorder and the
-    committed state once, before the first message (metrics read them)."""
-    stop = stop or Stop()
-    heads = journal.heads()
-    rec = Recorder(endpoint, topic, heads, replayable=replay_endpoint is not None, max_held_bytes=max_held_bytes,
-                   frames={"vllm": 3, "sglang": 2}.get(dialect))
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, rcvhwm)
-    sub.setsockopt(zmq.LINGER, 0)
-    # Every topic: the Recorder counts the others (and SGLang's [seq, payload] has none).
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    dealer = None
-    poller = zmq.Poller()
-    poller.register(sub, zmq.POLLIN)
-    if replay_endpoint is not None:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, rcvhwm)
-        dealer.connect(replay_endpoint)
-        poller.register(dealer, zmq.POLLIN)
-    last_message = time.monotonic()
-    replay_deadline = 0.0
-    next_progress = time.monotonic() + PROGRESS_EVERY_S
+class RecordOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What `record` listens to and how much it holds: the replay socket (None: no
+    replay), the topic, the seconds without a message of it before it returns (None:
+    until stopped), the publisher's dialect, the Recorder's byte cap on held batches and
+    each socket's queue."""
+
+    replay_endpoint: str | None = None
+    topic: str = ""
+    idle_exit: float | None = None
+    dialect: str = "auto"
+    max_held_bytes: int = MAX_HELD_BYTES
+    rcvhwm: int = RCVHWM
+
+
+def record(journal: Journal, endpoint: str, options: RecordOptions | None = None, *, stop: Stop | None = None,
+           progress: Callable[[Summary], None] | None = None,
+           watch: Callable[[Recorder, Committed], None] | None = None) -> Summary:
+    """Record until `stop` (or `options.idle_exit` seconds without a message of the topic);
+    what is held then is journaled (Recorder.stop). `progress` gets the summary every
+    PROGRESS_EVERY_S; `watch` is handed the Recorder and the committed state once, before
+    the first message (metrics read them)."""
+    stop, options = stop or Stop(), options or RecordOptions()
+    rec = Recorder(endpoint, options.topic, journal.heads(), replayable=options.replay_endpoint is not None,
+                   max_held_bytes=options.max_held_bytes, frames={"vllm": 3, "sglang": 2}.get(options.dialect))
+    sockets = _Sockets(endpoint, options.replay_endpoint, options.rcvhwm)
     committed = Committed(msgspec.structs.replace(rec.summary))
-    committer = _Committer(journal, rec.summary, committed)
+    loop = _Loop(rec, _Committer(journal, rec.summary, committed), sockets)
     if watch is not None:
         watch(rec, committed)
-    say_live, say_replayed = _Say("live"), _Say("replayed")
-
-    def flush() -> None:
-        taken = rec.take_group(most_bytes=FLUSH_BYTES)
-        if taken.ops:
-            committer.submit(taken)
-
     try:
+        loop.run(stop, options.idle_exit, progress)
+        rec.stop()
+        while rec.ops:
+            loop.flush()
+        loop.committer.close()
+    finally:
+        loop.committer.close(raise_error=False)
+        sockets.close()
+    return rec.summary
+
+
+class _Sockets:
+    """A SUB on the publisher, taking every topic (the Recorder counts the others, and
+    SGLang's [seq, payload] has none), and a DEALER on its replay ROUTER if there is one."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None, rcvhwm: int) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.dealer: zmq.Socket[bytes] | None = None
+        self.poller = zmq.Poller()
+        self.poller.register(self.sub, zmq.POLLIN)
+        if replay_endpoint is not None:
+            self.dealer = self.ctx.socket(zmq.DEALER)
+            self.dealer.setsockopt(zmq.LINGER, 0)
+            self.dealer.setsockopt(zmq.RCVHWM, rcvhwm)
+            self.dealer.connect(replay_endpoint)
+            self.poller.register(self.dealer, zmq.POLLIN)
+
+    def close(self) -> None:
+        self.sub.close(0)
+        if self.dealer is not None:
+            self.dealer.close(0)
+        self.ctx.term()
+
+
+class _Loop:
+    """The receiving thread: asks for a replay when the Recorder wants one, hands what
+    arrives to the Recorder, and the decided batches to the committer in groups."""
+
+    def __init__(self, rec: Recorder, committer: _Committer, sockets: _Sockets) -> None:
+        self.rec, self.committer, self.sockets = rec, committer, sockets
+        self.say_live, self.say_replayed = _Say("live"), _Say("replayed")
+        self.replay_deadline = 0.0
+
+    def run(self, stop: Stop, idle_exit: float | None, progress: Callable[[Summary], None] | None) -> None:
+        rec = self.rec
+        last_message = time.monotonic()
+        next_progress = time.monotonic() + PROGRESS_EVERY_S
         while not stop.stopped:
-            now = time.monotonic()
-            if dealer is not None:
-                if rec.replay_wanted is not None and not rec.replay_pending:
-                    dealer.send_multipart([b"", seq_bytes(rec.replay_wanted)])
-                    rec.replay_sent()
-                    replay_deadline = now + REPLAY_TIMEOUT_S
-                elif rec.replay_pending and now > replay_deadline:
-                    rec.replay_done("the replay socket sent no end marker in time")
-            # Decided batches wait for the committer: look again soon, without spinning on
-            # the GIL the committer's statements need.
-            ready = dict(poller.poll(1 if rec.ops else 100))
-            got = 0
+            self.ask_replay(time.monotonic())
             received = rec.summary.received
-            if sub in ready:
-                got += _receive(sub, rec.live, say_live)
-            if dealer is not None and dealer in ready:
-                got += _receive(dealer, rec.replayed, say_replayed)
-                replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
+            got = self.receive()
             now = time.monotonic()
             if got and not rec.summary.first_message_ns:
                 rec.summary.first_message_ns = time.monotonic_ns()
             if rec.summary.received != received:
                 last_message = now  # idle: no message of the topic (another topic's keep nothing alive)
-            # Group commit: whatever was decided while the previous commit ran goes in the
-            # next one; a committer that falls far behind holds the receiving back. While
-            # a backlog is still waiting, a group is at least MIN_GROUP: each commit costs
-            # an fsync and its statements, which small groups under load pay far too often.
-            if rec.ops and (len(rec.ops) >= FLUSH_OPS or committer.idle() and (
-                    len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
-                flush()
-            while rec.ops_bytes >= FLUSH_BYTES:  # a burst or a drain of held batches: in parts, before more is taken
-                flush()
+            self.commit(got)
             if progress is not None and now > next_progress:
                 progress(rec.summary)
                 next_progress = now + PROGRESS_EVERY_S
             if idle_exit is not None and now - last_message > idle_exit:
                 break
-        rec.stop()
-        while rec.ops:
-            flush()
-        committer.close()
-    finally:
-        committer.close(raise_error=False)
-        sub.close(0)
-        if dealer is not None:
-            dealer.close(0)
-        ctx.term()
-    return rec.summary
+
+    def ask_replay(self, now: float) -> None:
+        rec, dealer = self.rec, self.sockets.dealer
+        if dealer is None:
+            return
+        if rec.replay_wanted is not None and not rec.replay_pending:
+            dealer.send_multipart([b"", seq_bytes(rec.replay_wanted)])
+            rec.replay_sent()
+            self.replay_deadline = now + REPLAY_TIMEOUT_S
+        elif rec.replay_pending and now > self.replay_deadline:
+            rec.replay_done("the replay socket sent no end marker in time")
+
+    def receive(self) -> int:
+        """The messages that arrived, handed to the Recorder; how many."""
+        rec, sub, dealer = self.rec, self.sockets.sub, self.sockets.dealer
+        now = time.monotonic()
+        # Decided batches wait for the committer: look again soon, without spinning on
+        # the GIL the committer's statements need.
+        ready = dict(self.sockets.poller.poll(1 if rec.ops else 100))
+        got = 0
+        if sub in ready:
+            got += _receive(sub, rec.live, self.say_live)
+        if dealer is not None and dealer in ready:
+            got += _receive(dealer, rec.replayed, self.say_replayed)
+            self.replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
+        return got
+
+    def commit(self, got: int) -> None:
+        """Group commit: whatever was decided while the previous commit ran goes in the
+        next one; a committer that falls far behind holds the receiving back. While a
+        backlog is still waiting, a group is at least MIN_GROUP: each commit costs an
+        fsync and its statements, which small groups under load pay far too often."""
+        rec = self.rec
+        if rec.ops and (len(rec.ops) >= FLUSH_OPS or self.committer.idle() and (
+                len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
+            self.flush()
+        while rec.ops_bytes >= FLUSH_BYTES:  # a burst or a drain of held batches: in parts, before more is taken
+            self.flush()
+
+    def flush(self) -> None:
+        taken = self.rec.take_group(most_bytes=FLUSH_BYTES)
+        if taken.ops:
+            self.committer.submit(taken)
 
 
 class Committed:

@@ -125,9 +125,9 @@ def _run(kind: str, tmp: Path, mode: str, ready: Callable[[], None]) -> None:
             ready()
             threading.Thread(target=go, daemon=True).start()
             with contextlib.redirect_stderr(io.StringIO()):  # the junk frames' skip lines
-                summary = z.record(journal, f"tcp://127.0.0.1:{pub_port}",
-                                   replay_endpoint=f"tcp://127.0.0.1:{router_port}", topic="kv", stop=stop,
-                                   max_held_bytes=CAP_MB[mode] << 20)
+                options = z.RecordOptions(replay_endpoint=f"tcp://127.0.0.1:{router_port}", topic="kv",
+                                          max_held_bytes=CAP_MB[mode] << 20)
+                summary = z.record(journal, f"tcp://127.0.0.1:{pub_port}", options, stop=stop)
         if summary.batches == 0:
             raise RuntimeError(f"nothing recorded: {summary}")
         print(f"{kind}: {summary.batches} batches, {summary.gaps} gaps ({summary.cap_gaps} by the cap), "

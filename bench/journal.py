@@ -402,6 +402,22 @@ def run(ctx: Context) -> dict[str, Any]:
     n_batches = ctx.size(smoke=2, quick=40, full=120)  # per repeat, batches of 64
     n_single = ctx.size(smoke=4, quick=200, full=600)  # per repeat, one per commit
     repeats = ctx.size(smoke=1, quick=7, full=9)  # short runs, many: best-of is robust to bursts
+    systems, unavailable = _open_systems(ctx, handles)
+    try:
+        rates = _rates(ctx, systems, handles, (n_batches, n_single, repeats))
+    finally:
+        for system in systems.values():
+            system.close()
+    out = _figures(rates, unavailable)
+    out["event_body_bytes"] = len(EVENT_BODY)
+    out["receipt_body_bytes"] = len(RECEIPT_BODY)
+    out["handles"] = handles
+    out["fault_point_disarmed_ns"] = round(fault_point_ns(ctx.size(smoke=10_000, quick=500_000, full=2_000_000)), 1)
+    return out
+
+
+def _open_systems(ctx: Context, handles: int) -> tuple[dict[tuple[str, str], System], dict[tuple[str, str], str]]:
+    """Each (backend, system) that opens here, and why each of the others could not."""
     factories: dict[tuple[str, str], Callable[[], System]] = {
         ("sqlite", "kvledger"): lambda: Kvledger(ctx, "sqlite", handles),
         ("sqlite", "raw"): lambda: RawSqlite(ctx, handles),
@@ -411,7 +427,6 @@ def run(ctx: Context) -> dict[str, Any]:
         ("postgres", "raw_plain"): lambda: RawPostgres(ctx, handles, pipeline=False),
         ("postgres", "eventsourcing"): lambda: EventsourcingPostgres(ctx, handles),
     }
-    out: dict[str, Any] = {}
     systems: dict[tuple[str, str], System] = {}
     unavailable: dict[tuple[str, str], str] = {}
     try:
@@ -423,28 +438,43 @@ def run(ctx: Context) -> dict[str, Any]:
                        else f"{key[1]} on {key[0]} unavailable: {exc}")
                 ctx.log(f"journal: {why}")
                 unavailable[(key[0], key[1].removesuffix("_pipelined").removesuffix("_plain"))] = why
-        rates: dict[tuple[str, str, str], list[float]] = {}
-        cursor = {key: 0 for key in systems}
-
-        def take(key: tuple[str, str], size: int, count: int) -> list[list[int]]:
-            b = batches_round_robin(handles, size, count, cursor[key])
-            cursor[key] = (cursor[key] + size * count) % handles
-            return b
-
-        for key, system in systems.items():  # warm up: caches, prepared statements
-            measure(system, take(key, BATCH, max(1, n_batches // 10)))
-            measure(system, take(key, 1, max(1, n_single // 10)))
-        for rep in range(repeats):
-            ctx.log(f"journal: repeat {rep + 1}/{repeats}")
-            order = list(systems.items())  # interleaved, alternating order: same noise for all
-            for (backend, name), system in (order if rep % 2 == 0 else order[::-1]):
-                for mode, size, count in (("batch", BATCH, n_batches), ("single", 1, n_single)):
-                    r = measure(system, take((backend, name), size, count))
-                    rates.setdefault((backend, name, mode), []).append(r)
-    finally:
+    except BaseException:
         for system in systems.values():
             system.close()
+        raise
+    return systems, unavailable
 
+
+def _rates(ctx: Context, systems: dict[tuple[str, str], System], handles: int,
+           sizes: tuple[int, int, int]) -> dict[tuple[str, str, str], list[float]]:
+    """Events per second of each (backend, system, mode) in each repeat; `sizes`: the
+    batches and the single commits per repeat, and the repeats."""
+    n_batches, n_single, repeats = sizes
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    cursor = {key: 0 for key in systems}
+
+    def take(key: tuple[str, str], size: int, count: int) -> list[list[int]]:
+        b = batches_round_robin(handles, size, count, cursor[key])
+        cursor[key] = (cursor[key] + size * count) % handles
+        return b
+
+    for key, system in systems.items():  # warm up: caches, prepared statements
+        measure(system, take(key, BATCH, max(1, n_batches // 10)))
+        measure(system, take(key, 1, max(1, n_single // 10)))
+    for rep in range(repeats):
+        ctx.log(f"journal: repeat {rep + 1}/{repeats}")
+        order = list(systems.items())  # interleaved, alternating order: same noise for all
+        for (backend, name), system in (order if rep % 2 == 0 else order[::-1]):
+            for mode, size, count in (("batch", BATCH, n_batches), ("single", 1, n_single)):
+                r = measure(system, take((backend, name), size, count))
+                rates.setdefault((backend, name, mode), []).append(r)
+    return rates
+
+
+def _figures(rates: dict[tuple[str, str, str], list[float]],
+             unavailable: dict[tuple[str, str], str]) -> dict[str, Any]:
+    """The report's rates and ratios, and `missing`: each figure not measured, and why."""
+    out: dict[str, Any] = {}
     for mode in ("batch", "single"):  # raw on PostgreSQL: the better protocol, per repeat
         variants = [rates[("postgres", n, mode)] for n in ("raw_pipelined", "raw_plain")
                     if ("postgres", n, mode) in rates]
@@ -454,18 +484,13 @@ def run(ctx: Context) -> dict[str, Any]:
     for (backend, name, mode), r in sorted(best.items()):
         out[f"{backend}_{name}_{mode}_per_s"] = round(r, 1)
     out["runs_per_s"] = {f"{b}_{n}_{m}": [round(x) for x in v] for (b, n, m), v in sorted(rates.items())}
-
-    def ratio(backend: str, other: str, mode: str) -> float | None:
-        a, b = rates.get((backend, "kvledger", mode)), rates.get((backend, other, mode))
-        return paired_ratio(a, b)
-
     missing: dict[str, str] = {}  # a figure that could not be measured, and why
     for backend in ("sqlite", "postgres"):
         why = unavailable.get((backend, "kvledger"))
         for other in ("raw", "eventsourcing"):
             for key, mode in ((f"journal_vs_{other}_{backend}", "batch"),
                               (f"journal_vs_{other}_{backend}_single", "single")):
-                out[key] = ratio(backend, other, mode)
+                out[key] = paired_ratio(rates.get((backend, "kvledger", mode)), rates.get((backend, other, mode)))
                 if out[key] is None:
                     missing[key] = why or unavailable.get((backend, other), "not measured")
     pg = best.get(("postgres", "kvledger", "batch"))
@@ -473,8 +498,4 @@ def run(ctx: Context) -> dict[str, Any]:
     if pg is None:
         missing["postgres_batched_events_per_s"] = unavailable.get(("postgres", "kvledger"), "not measured")
     out["missing"] = missing
-    out["event_body_bytes"] = len(EVENT_BODY)
-    out["receipt_body_bytes"] = len(RECEIPT_BODY)
-    out["handles"] = handles
-    out["fault_point_disarmed_ns"] = round(fault_point_ns(ctx.size(smoke=10_000, quick=500_000, full=2_000_000)), 1)
     return out

@@ -148,8 +148,8 @@ def _run_once(ctx: Context, n: int, journal_on: bool) -> tuple[float, int]:
         else:
             journal = _NoJournal()
         with journal:
-            summary = z.record(journal, f"tcp://127.0.0.1:{pub_port}",
-                               replay_endpoint=f"tcp://127.0.0.1:{router_port}", topic="kv", idle_exit=2.0)
+            summary = z.record(journal, f"tcp://127.0.0.1:{pub_port}", z.RecordOptions(
+                replay_endpoint=f"tcp://127.0.0.1:{router_port}", topic="kv", idle_exit=2.0))
     finally:
         assert proc.stdin is not None
         proc.stdin.close()

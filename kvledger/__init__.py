@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvledger.ledger import Ledger, full_layers
+    from kvledger.ledger import CacheLayout, Ledger, full_layers
     from kvledger.migrations.storage import init_database, open_or_create_journal
 
-__all__ = ["Ledger", "full_layers", "init_database", "open_or_create_journal"]
+__all__ = ["CacheLayout", "Ledger", "full_layers", "init_database", "open_or_create_journal"]
 __version__ = "0.1.0"
 
-_WHERE = {"Ledger": "kvledger.ledger", "full_layers": "kvledger.ledger",
+_WHERE = {"CacheLayout": "kvledger.ledger", "Ledger": "kvledger.ledger", "full_layers": "kvledger.ledger",
           "init_database": "kvledger.migrations.storage",
           "open_or_create_journal": "kvledger.migrations.storage"}
 

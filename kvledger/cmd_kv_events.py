@@ -224,9 +224,10 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
     try:
         with open_or_create_journal(args.db) as journal:
-            summary = z.record(journal, args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
-                               idle_exit=args.idle_exit, progress=progress, stop=stop, dialect=args.dialect,
-                               max_held_bytes=args.max_held_bytes, rcvhwm=args.rcvhwm,
+            options = z.RecordOptions(replay_endpoint=args.replay_endpoint, topic=args.topic,
+                                      idle_exit=args.idle_exit, dialect=args.dialect,
+                                      max_held_bytes=args.max_held_bytes, rcvhwm=args.rcvhwm)
+            summary = z.record(journal, args.endpoint, options, stop=stop, progress=progress,
                                watch=None if metrics is None else metrics.watch)
             extra = None if args.block_bytes is None else \
                 _resident_bytes(journal, args.endpoint, args.topic, args.block_bytes)

@@ -115,7 +115,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from kvledger.cmd_telemetry import demo_telemetry, finish_demo_telemetry
-    from kvledger.demo import run_demo
+    from kvledger.demo import DemoOptions, run_demo
     from kvledger.journal import tuning
     from kvledger.migrations.storage import open_or_create_journal
 
@@ -137,9 +137,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         if bar:
             bar.start()
         try:
-            result = run_demo(journal, requests=args.requests, max_new_tokens=args.max_new_tokens,
-                              seed=args.seed, model_dir=args.model, device=args.device, on_step=on_step,
-                              run_id=run_id, source_instance=source, telemetry=telemetry, writer=args.writer)
+            options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                  run_id=run_id, model_dir=args.model, device=args.device, source_instance=source,
+                                  writer=args.writer)
+            result = run_demo(journal, options, on_step=on_step, telemetry=telemetry)
         finally:
             if bar:
                 bar.stop()

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
+import msgspec
 import torch
 
 from kvledger.engine.remote import command_service
@@ -69,19 +70,33 @@ class DemoResult(TypedDict):
     errors: list[str]
 
 
+class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """A demo run: its workload (demo_workload's requests, new tokens, seed and run id)
+    and where it is served (the model's directory, None: the built-in one; the device;
+    the service's source instance; its writer, see kvledger.engine.remote.command_service)."""
+
+    requests: int = 32
+    max_new_tokens: int = 16
+    seed: int = 0
+    run_id: str = ""
+    model_dir: str | None = None
+    device: str = "cpu"
+    source_instance: str = "kvledger-demo"
+    writer: str = "thread"
+
+
 # SqlJournal, not the Journal contract: a writer process reopens the journal by its URL
-def run_demo(journal: SqlJournal, *, requests: int = 32, max_new_tokens: int = 16, seed: int = 0,
-             model_dir: str | None = None, device: str = "cpu", on_step: Callable[[Worker], None] | None = None,
-             source_instance: str = "kvledger-demo", run_id: str = "", telemetry: Telemetry | None = None,
-             writer: str = "thread") -> DemoResult:
-    """`telemetry`: an kvledger.telemetry.producer.Telemetry to attach to the service and worker
-    (the caller closes it). `writer`: see kvledger.engine.remote.command_service."""
-    torch.manual_seed(seed)
-    model, artifact = load_model(model_dir, device=device)
-    specs, script = demo_workload(requests, max_new_tokens, seed, model.cfg.vocab_size, run_id)
-    capacity = max(len(s.prompt) for s in specs) + max_new_tokens + 1
-    with command_service(journal, writer=writer, source_instance=source_instance) as service:
-        worker = Worker(model, service=service, artifact=artifact, capacity=capacity, device=device)
+def run_demo(journal: SqlJournal, options: DemoOptions | None = None, *,
+             on_step: Callable[[Worker], None] | None = None, telemetry: Telemetry | None = None) -> DemoResult:
+    """`on_step` is called with the worker after each of its steps; `telemetry`: a
+    kvledger.telemetry.producer.Telemetry to attach to the service and worker (the caller closes it)."""
+    o = options or DemoOptions()
+    torch.manual_seed(o.seed)
+    model, artifact = load_model(o.model_dir, device=o.device)
+    specs, script = demo_workload(o.requests, o.max_new_tokens, o.seed, model.cfg.vocab_size, o.run_id)
+    capacity = max(len(s.prompt) for s in specs) + o.max_new_tokens + 1
+    with command_service(journal, writer=o.writer, source_instance=o.source_instance) as service:
+        worker = Worker(model, service=service, artifact=artifact, capacity=capacity, device=o.device)
         if telemetry is not None:
             telemetry.attach(service, worker)
         for s in specs:

@@ -19,6 +19,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import cast
 
+import msgspec
+
 from kvledger.engine import commands as c
 from kvledger.engine.decide import full_layers
 from kvledger.engine.port import Clock
@@ -33,6 +35,16 @@ from kvledger.schemas.manifest import Manifest
 from kvledger.schemas.receipts import Receipt
 
 Base = tuple[int, int]  # (generation, snapshot_version)
+
+
+class CacheLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an append's rows sit in the cache, where not the defaults: the cache ABI
+    (None: the handle's), each token's cache position (None: start, start + 1, ...) and
+    the key extent its attention mask covers (None: start + the tokens)."""
+
+    cache_abi_sha256: str | None = None
+    cache_positions: Sequence[int] | None = None
+    mask_key_extent: int | None = None
 
 
 class Ledger:
@@ -100,19 +112,21 @@ class Ledger:
         return self.execute(cmd)
 
     def begin_append(self, handle_id: str, *, txn_id: str, kind: AppendKind, base: Base, start: int,
-                     token_ids: Sequence[int], cache_abi_sha256: str | None = None,
-                     cache_positions: Sequence[int] | None = None, mask_key_extent: int | None = None,
+                     token_ids: Sequence[int], layout: CacheLayout | None = None,
                      operation_id: str | None = None) -> Receipt:
-        abi = cache_abi_sha256 or self.state(handle_id, refresh=False).cache_abi_sha256
+        """Open an append of `token_ids` at `start`; `layout` where its rows sit in the
+        cache when not the defaults (CacheLayout)."""
+        layout = layout or CacheLayout()
+        abi = layout.cache_abi_sha256 or self.state(handle_id, refresh=False).cache_abi_sha256
         with _arguments():
             n = len(token_ids)
             cmd = c.BeginAppend(
                 handle_id=handle_id, txn_id=txn_id, kind=kind, base_generation=base[0],
                 base_snapshot_version=base[1], interval_start=start, interval_count=n,
                 token_ids=tuple(token_ids),
-                cache_positions=tuple(cache_positions) if cache_positions is not None
+                cache_positions=tuple(layout.cache_positions) if layout.cache_positions is not None
                 else tuple(range(start, start + n)),
-                mask_key_extent=start + n if mask_key_extent is None else mask_key_extent,
+                mask_key_extent=start + n if layout.mask_key_extent is None else layout.mask_key_extent,
                 cache_abi_sha256=abi, operation_id=operation_id)
         return self.execute(cmd)
 

@@ -280,7 +280,7 @@ def check_child(url: str, specs: list[RequestSpec], ack_path: str, baseline: dic
                    unacknowledged_commits=len(set(receipts) - {a["op"] for a in acks}))
         out["verify_before"] = verify_findings(j)
         # 2. recovery, then the client resubmits what was never acknowledged as allocated
-        rep = recover(j, model=model, artifact=artifact)
+        rep = recover(j, served=(model, artifact))
         out["recovery"] = {k: v for k, v in rep.to_dict().items() if k != "outputs"}
         missing = [s for s in specs if j.head(s.request_id) is None]
         out["resubmitted"] = [s.request_id for s in missing]
@@ -303,7 +303,7 @@ def check_child(url: str, specs: list[RequestSpec], ack_path: str, baseline: dic
                 mismatches.append(_mismatch(model, s, outputs, want))
         out["output_mismatches"] = mismatches
         # 4. a second recovery changes nothing
-        again = recover(j, model=model, artifact=artifact)
+        again = recover(j, served=(model, artifact))
         out["second_recover_writes"] = again.events_written
         # 5. the projection checkpoint resumes to what a full replay gives
         window = WindowSpec(slo_ttft_ns=10**9, slo_tbt_ns=10**9)

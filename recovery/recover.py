@@ -110,13 +110,13 @@ def verify_findings(journal: Journal) -> list[PlainFinding]:
     return [msgspec.to_builtins(f) for f in verify_journal(journal).findings]
 
 
-def recover(journal: Journal, *, model: Transformer | None = None, artifact: ArtifactIdentity | None = None,
+def recover(journal: Journal, *, served: tuple[Transformer, ArtifactIdentity] | None = None,
             model_dir: str | None = None,
             device: str = "cpu", continue_requests: bool = True, verify_after: bool = True,
             source_instance: str = SOURCE, display: str | None = None) -> RecoveryReport:
-    """Recover `journal` after a crash (see the module docstring). `model`/`artifact`:
-    an already loaded model (load_model's pair); otherwise `model_dir` is loaded (None:
-    the default small random model) in the dtype the handles' cache schema names."""
+    """Recover `journal` after a crash (see the module docstring). `served`: an already
+    loaded model and its artifact (load_model's pair); otherwise `model_dir` is loaded
+    (None: the default small random model) in the dtype the handles' cache schema names."""
     t0 = time.perf_counter()
     display = display or journal.display_url
     report = RecoveryReport(display, journal.last_position())
@@ -137,7 +137,7 @@ def recover(journal: Journal, *, model: Transformer | None = None, artifact: Art
     manifests = {h: _manifest(journal, states[h], streams) for h in live}
     loaded = None
     if continue_requests:
-        loaded = _model(model, artifact, model_dir, device, manifests)
+        loaded = served or _model(model_dir, device, manifests)
         _check_abi(*loaded, states, manifests)
 
     # In-doubt operations: appends started but neither published nor failed.
@@ -240,13 +240,7 @@ def _live_states(service: CommandService, live: list[str], *, refresh: bool = Fa
     return states
 
 
-def _model(model: Transformer | None, artifact: ArtifactIdentity | None, model_dir: str | None, device: str,
-           manifests: dict[str, Manifest]) -> tuple[Transformer, ArtifactIdentity]:
-    if model is not None:
-        if artifact is None:  # a worker stamps every manifest with it
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "recover: pass the model with its artifact "
-                                                            "(load_model's pair)")
-        return model, artifact
+def _model(model_dir: str | None, device: str, manifests: dict[str, Manifest]) -> tuple[Transformer, ArtifactIdentity]:
     from kvledger.worker.loading import DTYPES, load_model
 
     dtypes = {m.cache_schema.key_dtype.name for m in manifests.values()}

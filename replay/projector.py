@@ -25,6 +25,7 @@ from kvledger.journal.steps import FoldItem, StepRun, StepValues
 from kvledger.replay.kv_blocks import KvBlocks, KvBlockState
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
 from kvledger.replay.runs import RunFold
+from kvledger.replay.work import Work
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json, sha256_hex
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -33,15 +34,6 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 # HandleState) is in FORMAT by its JSON schema, so a checkpoint written by other code is
 # ignored and the projection rebuilt, never misread.
 MEANING = 1
-
-
-class Work(msgspec.Struct, array_like=True):
-    """Model work the journal proves was executed for one handle: rows and causal
-    query-key pairs of its published appends (0x03)."""
-
-    rows: int = 0
-    pairs: int = 0
-    publishes: int = 0
 
 
 class ProjectionState(msgspec.Struct, kw_only=True):
@@ -145,8 +137,7 @@ class Projector:
                     )
                 cls = e.__class__
                 if cls is StepRun:
-                    if applied is not None:  # what this call applied so far, before the run goes in
-                        self.position, self.last_event_id = position, applied.event_id
+                    self._keep(position, applied)  # what this call applied so far, before the run goes in
                     runs.hold(self, e)  # type: ignore[arg-type]  # the class, checked
                     position, applied = self.position, None
                     continue
@@ -158,8 +149,7 @@ class Projector:
                     if trajectory is None and self._step(e):  # type: ignore[arg-type]  # the class, checked
                         position, applied = pos + 2, e
                         continue
-                    if applied is not None:  # what this call applied so far, before the events go in
-                        self.position, self.last_event_id = position, applied.event_id
+                    self._keep(position, applied)  # what this call applied so far, before the events go in
                     self._feed(e.events())  # type: ignore[union-attr]  # the class, checked above
                     position, applied = self.position, None
                     continue
@@ -195,10 +185,12 @@ class Projector:
                     trajectory.append(LedgerPoint(pos, t, e.event_type, sid,  # type: ignore[union-attr]  # as above
                                                   ls.values()))
         finally:
-            # Whatever was applied is applied: a failure names the position it reached.
-            if applied is not None:
-                self.position = position
-                self.last_event_id = applied.event_id
+            self._keep(position, applied)  # whatever was applied is applied: a failure names where it got to
+
+    def _keep(self, position: int, applied: Any) -> None:
+        """Store the loop's position and last applied event (None: it applied nothing)."""
+        if applied is not None:
+            self.position, self.last_event_id = position, applied.event_id
 
     def _step(self, x: StepValues) -> bool:
         """A decode step's three events applied at once: the state, side tables and

@@ -25,16 +25,30 @@ tests/test_replay_steps.py holds the result to the fold of the same journal's ev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from msgspec.structs import replace
 
-from kvledger.engine.state import OpenTxn, grown
-from kvledger.journal.steps import StepColumns, StepRun, counter_of
+from kvledger.engine.state import HandleState, OpenTxn, grown
+from kvledger.journal.steps import FoldItem, StepColumns, StepRun, counter_of
+from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint
+from kvledger.replay.work import Work
 
-if TYPE_CHECKING:
-    from kvledger.replay.projector import Projector
+
+class Folding(Protocol):
+    """What a run fold reads and moves of the projector it folds for
+    (replay.projector.Projector, which imports this module: named here by its shape)."""
+
+    position: int
+    last_event_id: str | None
+    handles: dict[str, HandleState]
+    work: dict[str, Work]
+    ledger: LedgerAccumulator
+    trajectory: list[LedgerPoint] | None
+
+    def _feed(self, events: Iterable[FoldItem]) -> None: ...
 
 # Per-handle arrays, by slot: the txn its next step must publish (prefix id, counter);
 # the interval of the txn it had when armed (its first step's Work: each later step's
@@ -50,6 +64,23 @@ _B_TOKEN, _COPIES, _LENGTH, _SLICE, _TOTAL = 1 << 24, 16, 1 << 24, 512, 1 << 61
 # The columns of held runs that a slice takes, in the order _together names them.
 _HELD = ("stream", "ptxn_prefix", "stxn_prefix", "ptxn", "stxn", "committed", "mono", "workspace", "token", "position",
          "snapshot")
+
+
+class _Slice(NamedTuple):
+    """Steps `_checked` took, a column each: their handles' slots, the txn each starts
+    (prefix id, counter), committed length after and before it, clock, workspace, token,
+    stream position and snapshot version."""
+
+    slots: np.ndarray
+    stxn_prefix: np.ndarray
+    stxn: np.ndarray
+    committed: np.ndarray
+    before: np.ndarray
+    mono: np.ndarray
+    workspace: np.ndarray
+    token: np.ndarray
+    position: np.ndarray
+    snapshot: np.ndarray
 
 
 class RunFold:
@@ -85,7 +116,7 @@ class RunFold:
 
     # -- a run ---------------------------------------------------------------------
 
-    def apply(self, p: Projector, run: StepRun) -> None:
+    def apply(self, p: Folding, run: StepRun) -> None:
         """Fold `run`, its first step at p.position + 1."""
         c = run.columns
         if c is None or p.trajectory is not None:
@@ -105,9 +136,9 @@ class RunFold:
             k = min(len(s) if ok.all() else int(np.argmin(ok)), _SLICE)
             if k:
                 b = i + k
-                self._fold(p, run.global_position + 3 * i, s[:k], stxn_prefix[i:b], c.stxn[i:b], c.committed[i:b],
-                           before[:k], c.mono[i:b], c.workspace[i:b], c.token[i:b], c.position[i:b], c.snapshot[i:b],
-                           order if k == len(s) else None)
+                taken = _Slice(s[:k], stxn_prefix[i:b], c.stxn[i:b], c.committed[i:b], before[:k], c.mono[i:b],
+                               c.workspace[i:b], c.token[i:b], c.position[i:b], c.snapshot[i:b])
+                self._fold(p, run.global_position + 3 * i, taken, order if k == len(s) else None)
                 p.position = run.global_position + 3 * b - 1
                 p.last_event_id = run.event_id if b == run.count else run.values()[b - 1].event_id
                 i = b
@@ -123,7 +154,7 @@ class RunFold:
     # ~40 array calls per 64 steps. Consecutive runs are held and folded together, a
     # handle's later steps checked against its earlier ones in the same arrays.
 
-    def hold(self, p: Projector, run: StepRun) -> None:
+    def hold(self, p: Folding, run: StepRun) -> None:
         """Take `run` (its first step at p.position + 1), to be folded with the runs held
         before it at `settle`; the projector's position moves past it now."""
         if self.held and (run.global_position != self.held[-1].last_position + 1
@@ -139,7 +170,7 @@ class RunFold:
         self.held_steps += run.count
         p.position, p.last_event_id = run.last_position, run.event_id
 
-    def settle(self, p: Projector) -> None:
+    def settle(self, p: Folding) -> None:
         """Fold the held runs: together when every step of them is one `apply` would take
         (each handle's steps checked against its previous one), else the first alone and
         the rest again (a generation's first steps publish its prefill: a handle that owns
@@ -157,7 +188,7 @@ class RunFold:
             self.apply(p, run)
             last_id = p.last_event_id
 
-    def _together(self, p: Projector, held: list[StepRun]) -> bool:
+    def _together(self, p: Folding, held: list[StepRun]) -> bool:
         """Fold consecutive runs in one slice if `_checked` takes every step; False, having
         folded nothing, if it does not."""
         ls = p.ledger
@@ -182,8 +213,8 @@ class RunFold:
         ok, before, order = self._checked(p, slots, ptxn_prefix, ptxn, stxn_prefix, stxn, committed)
         if not ok.all():
             return False
-        self._fold(p, held[0].global_position, slots, stxn_prefix, stxn, committed, before, mono, workspace, token,
-                   position, snapshot, order)
+        self._fold(p, held[0].global_position, _Slice(slots, stxn_prefix, stxn, committed, before, mono, workspace,
+                                                      token, position, snapshot), order)
         p.position, p.last_event_id = held[-1].last_position, held[-1].event_id
         return True
 
@@ -205,7 +236,7 @@ class RunFold:
     def _ids(self, prefixes: list[str]) -> np.ndarray:
         return np.array([self._prefix_of(x) for x in prefixes], np.int64)
 
-    def _checked(self, p: Projector, slots: np.ndarray, ptxn_prefix: np.ndarray, ptxn: np.ndarray,
+    def _checked(self, p: Folding, slots: np.ndarray, ptxn_prefix: np.ndarray, ptxn: np.ndarray,
                  stxn_prefix: np.ndarray, stxn: np.ndarray, committed: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Which steps of a slice `Projector._step` would take as `apply` folds them, each
@@ -225,12 +256,11 @@ class RunFold:
               & (committed < _LENGTH))
         return ok, before, order
 
-    def _fold(self, p: Projector, first_position: int, slots: np.ndarray, stxn_prefix: np.ndarray, stxn: np.ndarray,
-              committed: np.ndarray, before: np.ndarray, mono: np.ndarray, workspace: np.ndarray, token: np.ndarray,
-              position: np.ndarray, snapshot: np.ndarray, order: np.ndarray | None = None) -> None:
+    def _fold(self, p: Folding, first_position: int, taken: _Slice, order: np.ndarray | None = None) -> None:
         """A slice whose every step `_checked` took, the first at `first_position`: the
         ledger, and each handle's last step (what its next one is checked against); the
         rest waits for flush. `order`: the slice's steps by handle, if known."""
+        slots, stxn_prefix, stxn, committed, before, mono, workspace, token, position, snapshot = taken
         p.ledger.grow(first_position, committed, before, self.b_token[slots], self.tiers[slots], mono, workspace)
         if order is None:
             order = np.argsort(slots, kind="stable")
@@ -242,7 +272,7 @@ class RunFold:
 
     # -- handles -------------------------------------------------------------------
 
-    def flush(self, p: Projector) -> None:
+    def flush(self, p: Folding) -> None:
         """Every handle's state, Work and Owner as its steps so far leave them."""
         self.settle(p)
         if self.pending:
@@ -262,8 +292,6 @@ class RunFold:
                           committed[lasts].tolist(), positions[lasts].tolist(), snapshots[lasts].tolist(),
                           before.tolist())
             tokens, clocks = tokens.tolist(), clocks.tolist()
-            from kvledger.replay.projector import Work  # it imports this module
-
             handles, work, owners, names = p.handles, p.work, p.ledger.owners, self.prefixes
             for slot, prefix, counter, n, start, lo, last, length, position, snapshot, summed in columns:
                 sid, hi = self.sids[slot], last + 1
@@ -288,7 +316,7 @@ class RunFold:
         self.armed[:] = False
         self.live.clear()
 
-    def _armed(self, p: Projector, slots: np.ndarray) -> bool:
+    def _armed(self, p: Folding, slots: np.ndarray) -> bool:
         """Arm the slots' handles not yet armed (`_arm`); whether all of them are."""
         armed = self.armed[slots]
         if armed.all():
@@ -297,7 +325,7 @@ class RunFold:
             self._arm(p, u)
         return bool(self.armed[slots].all())
 
-    def _arm(self, p: Projector, u: int) -> None:
+    def _arm(self, p: Folding, u: int) -> None:
         """Slot `u`'s handle, taken here from its folded state, if `_step` would take its
         next step (an open append in engine.ids' form, owned, of a positive B_token)."""
         sid = self.sids[u]

@@ -10,7 +10,8 @@ Pure: events in, integers and histograms out; no prometheus_client, no clock.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvledger.schemas import events as ev
 
@@ -82,67 +83,15 @@ class ServiceFold:
     def apply(self, events: Iterable[ev.Event], position: int | None = None) -> None:
         """Fold committed events; `position`: the commit's last global position, when the
         events do not carry theirs yet (a service's hook sees them as it wrote them)."""
-        handles = self.handles
         moved = False
         last: ev.Event | None = None
         for e in events:
             last = e
             self.events[e.event_type] += 1
-            sid = e.stream_id
-            h = handles.get(sid)
-            p = e.payload  # its class is the event type's (the envelope's tag): branch on it
-            if isinstance(p, ev.OutputEmit):
-                if h is None:
-                    continue
-                now = e.monotonic_ns
-                if h.last_output is None:
-                    if h.arrival is not None:
-                        self.ttft.observe(max(0, now - h.arrival) / 1e9)
-                else:
-                    self.itl.observe(max(0, now - h.last_output) / 1e9)
-                h.last_output = now
-            elif isinstance(p, ev.AppendStart):
-                self.attempts[p.kind] += 1
-                if h is not None and h.state == 0:
-                    h.state = 1
-                    self.waiting -= 1
-                    self.running += 1
-            elif isinstance(p, ev.AppendPublish):
-                self.outcomes["success"] += 1
-                if h is not None:
-                    self._own(h, p.committed_length)
-                    moved = True
-            elif isinstance(p, ev.RequestAllocate):
-                handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
-                                       p.copy_tiers, e.monotonic_ns)
-                self.waiting += 1
-            elif isinstance(p, ev.Fork):
-                h = handles[sid] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
-                                           p.copy_tiers, None)
-                h.state, h.last_output = 1, e.monotonic_ns
-                self.running += 1
-                self._own(h, p.prefix_length)
+            p = e.payload  # its class is the event type's (the envelope's tag): dispatch on it
+            on = _ON.get(p.__class__)
+            if on is not None and on(self, e, p):
                 moved = True
-            elif isinstance(p, ev.Failure):
-                self.outcomes[p.outcome] += 1
-            elif h is None:
-                continue  # allocated before this fold started: counted, not tracked
-            elif isinstance(p, ev.Truncate):
-                if h.owning:
-                    self._own(h, p.new_length)
-                    moved = True
-            elif isinstance(p, (ev.CancelRequest, ev.Finish)):
-                if isinstance(p, ev.CancelRequest) and p.aborted_txn_ids:
-                    self.outcomes["cancelled"] += len(p.aborted_txn_ids)
-                self._terminal(h)
-            elif isinstance(p, ev.Release):
-                self._terminal(h)
-                if h.owning:
-                    self._logical -= h.committed * h.b_token
-                    self._reserved -= h.copies * h.capacity_bytes
-                    self._allocator -= h.copies * h.allocator
-                    moved = True
-                del handles[sid]
         if position is None and last is not None:
             position = last.global_position
         if position is not None:
@@ -151,6 +100,85 @@ class ServiceFold:
             kv = self.kv
             kv["logical"], kv["reserved"] = self._logical, self._reserved
             kv["physical"] = self._reserved + self._allocator
+
+    # -- per payload class: True when the byte ledgers moved ----------------------
+    # A handle allocated before this fold started is counted in `events`, not tracked.
+
+    def _emit(self, e: ev.Event, p: ev.OutputEmit) -> bool:
+        h = self.handles.get(e.stream_id)
+        if h is None:
+            return False
+        now = e.monotonic_ns
+        if h.last_output is None:
+            if h.arrival is not None:
+                self.ttft.observe(max(0, now - h.arrival) / 1e9)
+        else:
+            self.itl.observe(max(0, now - h.last_output) / 1e9)
+        h.last_output = now
+        return False
+
+    def _start(self, e: ev.Event, p: ev.AppendStart) -> bool:
+        self.attempts[p.kind] += 1
+        h = self.handles.get(e.stream_id)
+        if h is not None and h.state == 0:
+            h.state = 1
+            self.waiting -= 1
+            self.running += 1
+        return False
+
+    def _publish(self, e: ev.Event, p: ev.AppendPublish) -> bool:
+        self.outcomes["success"] += 1
+        h = self.handles.get(e.stream_id)
+        if h is None:
+            return False
+        self._own(h, p.committed_length)
+        return True
+
+    def _allocate(self, e: ev.Event, p: ev.RequestAllocate) -> bool:
+        self.handles[e.stream_id] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
+                                            p.copy_tiers, e.monotonic_ns)
+        self.waiting += 1
+        return False
+
+    def _fork(self, e: ev.Event, p: ev.Fork) -> bool:
+        h = self.handles[e.stream_id] = _Handle(p.b_token, p.reserved_capacity, p.allocator_bytes_per_copy,
+                                                p.copy_tiers, None)
+        h.state, h.last_output = 1, e.monotonic_ns
+        self.running += 1
+        self._own(h, p.prefix_length)
+        return True
+
+    def _failure(self, e: ev.Event, p: ev.Failure) -> bool:
+        self.outcomes[p.outcome] += 1
+        return False
+
+    def _truncate(self, e: ev.Event, p: ev.Truncate) -> bool:
+        h = self.handles.get(e.stream_id)
+        if h is None or not h.owning:
+            return False
+        self._own(h, p.new_length)
+        return True
+
+    def _end(self, e: ev.Event, p: ev.CancelRequest | ev.Finish) -> bool:
+        h = self.handles.get(e.stream_id)
+        if h is None:
+            return False
+        if isinstance(p, ev.CancelRequest) and p.aborted_txn_ids:
+            self.outcomes["cancelled"] += len(p.aborted_txn_ids)
+        self._terminal(h)
+        return False
+
+    def _release(self, e: ev.Event, p: ev.Release) -> bool:
+        h = self.handles.pop(e.stream_id, None)
+        if h is None:
+            return False
+        self._terminal(h)
+        if not h.owning:
+            return False
+        self._logical -= h.committed * h.b_token
+        self._reserved -= h.copies * h.capacity_bytes
+        self._allocator -= h.copies * h.allocator
+        return True
 
     def _own(self, h: _Handle, committed: int) -> None:
         if not h.owning:
@@ -167,6 +195,21 @@ class ServiceFold:
             self.running -= 1
         h.state = 2
 
+
+# Keyed by the payload's class: each fold takes an event whose payload is of that class
+# (Any: the dispatch pairs them); the other classes (reorders, KV events) only count.
+_ON: dict[type, Callable[[ServiceFold, Any, Any], bool]] = {
+    ev.OutputEmit: ServiceFold._emit,
+    ev.AppendStart: ServiceFold._start,
+    ev.AppendPublish: ServiceFold._publish,
+    ev.RequestAllocate: ServiceFold._allocate,
+    ev.Fork: ServiceFold._fork,
+    ev.Failure: ServiceFold._failure,
+    ev.Truncate: ServiceFold._truncate,
+    ev.CancelRequest: ServiceFold._end,
+    ev.Finish: ServiceFold._end,
+    ev.Release: ServiceFold._release,
+}
 
 __all__ = ["APPEND_KINDS", "APPEND_OUTCOMES", "EVENT_TYPES", "ITL_BUCKETS", "JOURNAL_OUTCOMES", "LEDGERS",
            "TTFT_BUCKETS", "Histogram", "ServiceFold"]

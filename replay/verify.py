@@ -8,7 +8,8 @@ applied (a publish of a transaction that never started, anything after release) 
 reported and skipped, so one bad line does not hide the rest of the journal.
 
 Codes reuse schemas.errors names where the invariant is the same rule the command
-path enforces (STALE_BASE, APPEND_HOLE, ABI_MISMATCH, ...); the others are below.
+path enforces (STALE_BASE, APPEND_HOLE, ABI_MISMATCH, ...); the others are in
+replay.findings, the rules per event type in replay.verify_rules.
 
 A database is audited in layers, all read in one snapshot (Journal.snapshot): the
 database's own storage check (STORAGE_CORRUPT), then per row the stored form (types,
@@ -28,99 +29,85 @@ from typing import Any
 
 import msgspec
 
-from kvledger.engine.evolve import cut, evolve
+from kvledger.engine.evolve import evolve
 from kvledger.engine.heads import head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import HeadFacts, Journal, StoredDamage, StoredEvent, StoredReceipt
 from kvledger.replay import anchor as anchors
+from kvledger.replay.findings import (
+    ANCHOR_MISMATCH,
+    B_TOKEN_MISMATCH,
+    COLUMN_MISMATCH,
+    COMMITTED_EXCEEDS_LOGICAL,
+    COMMITTED_LENGTH_MISMATCH,
+    COUNT_MISMATCH,
+    DUPLICATE_EVENT_ID,
+    DUPLICATE_TXN,
+    EVENT_AFTER_RELEASE,
+    FAILURE_CHANGES_STATE,
+    FAILURE_WITHOUT_START,
+    GENERATION_MISMATCH,
+    GENERATION_REGRESSION,
+    HEAD_MISMATCH,
+    KEEP,
+    KV_EPOCH_ORDER,
+    KV_SEQ_ORDER,
+    MALFORMED_RECEIPT,
+    MANIFEST_MISSING,
+    NON_CANONICAL,
+    OPEN_TXN_AT_CLOSE,
+    OPERATION_NOT_CONTIGUOUS,
+    OUTPUT_INDEX_GAP,
+    POSITION_GAP,
+    PUBLISH_WITHOUT_START,
+    RECEIPT_MISMATCH,
+    RECEIPT_MISSING,
+    RECLAIMABLE_EXCEEDS_RESIDENT,
+    RELEASE_LENGTH_MISMATCH,
+    REORDER_MISMATCH,
+    REQUEST_MISMATCH,
+    RESERVED_BELOW_COMMITTED,
+    SNAPSHOT_DISCONTINUITY,
+    STOP_AFTER,
+    STORAGE_CORRUPT,
+    STORED_TYPE_MISMATCH,
+    STREAM_POSITION_GAP,
+    TAMPERED,
+    TIME_REGRESSION,
+    UNKNOWN_STREAM,
+    VISIBLE_BEYOND_COMMITTED,
+    WORK_AFTER_FINISH,
+    Finding,
+    VerifyResult,
+)
 from kvledger.replay.kv_blocks import kv_head_facts
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.replay.stored import column_problems, names, position_of, receipt_problems, short
+from kvledger.replay.verify_rules import EventRules
 from kvledger.schemas import events as ev
 from kvledger.schemas import kv_events as kv
-from kvledger.schemas.canonical import canonical_json, sha256_hex
 from kvledger.schemas.codec import decode_event, noncanonical
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-from kvledger.schemas.manifest import (
-    b_token,
-    cache_abi_sha256,
-    manifest_sha256,
-    prefix_identity_sha256,
-    validate_manifest,
-)
 from kvledger.schemas.receipts import Receipt
 
-# Verify-only codes (the rest are schemas.errors.ErrorCode values).
-TAMPERED = "TAMPERED"  # a stored record is not what was committed (chain, CRC, positions, lookup rows)
-POSITION_GAP = "POSITION_GAP"  # global positions not 1, 2, 3, ...
-STREAM_POSITION_GAP = "STREAM_POSITION_GAP"
-DUPLICATE_EVENT_ID = "DUPLICATE_EVENT_ID"
-OPERATION_NOT_CONTIGUOUS = "OPERATION_NOT_CONTIGUOUS"  # one commit = consecutive positions
-UNKNOWN_STREAM = "UNKNOWN_STREAM"  # an event before its stream's allocate or fork
-PUBLISH_WITHOUT_START = "PUBLISH_WITHOUT_START"
-DUPLICATE_TXN = "DUPLICATE_TXN"
-FAILURE_WITHOUT_START = "FAILURE_WITHOUT_START"
-FAILURE_CHANGES_STATE = "FAILURE_CHANGES_STATE"  # a failure must leave its base visible
-COMMITTED_LENGTH_MISMATCH = "COMMITTED_LENGTH_MISMATCH"
-COMMITTED_EXCEEDS_LOGICAL = "COMMITTED_EXCEEDS_LOGICAL"
-VISIBLE_BEYOND_COMMITTED = "VISIBLE_BEYOND_COMMITTED"
-RESERVED_BELOW_COMMITTED = "RESERVED_BELOW_COMMITTED"
-RECLAIMABLE_EXCEEDS_RESIDENT = "RECLAIMABLE_EXCEEDS_RESIDENT"
-RELEASE_LENGTH_MISMATCH = "RELEASE_LENGTH_MISMATCH"
-GENERATION_REGRESSION = "GENERATION_REGRESSION"
-GENERATION_MISMATCH = "GENERATION_MISMATCH"
-SNAPSHOT_DISCONTINUITY = "SNAPSHOT_DISCONTINUITY"
-EVENT_AFTER_RELEASE = "EVENT_AFTER_RELEASE"
-WORK_AFTER_FINISH = "WORK_AFTER_FINISH"
-OPEN_TXN_AT_CLOSE = "OPEN_TXN_AT_CLOSE"
-OUTPUT_INDEX_GAP = "OUTPUT_INDEX_GAP"
-COUNT_MISMATCH = "COUNT_MISMATCH"  # finish/truncate counters vs the fold
-REQUEST_MISMATCH = "REQUEST_MISMATCH"
-REORDER_MISMATCH = "REORDER_MISMATCH"
-B_TOKEN_MISMATCH = "B_TOKEN_MISMATCH"
-TIME_REGRESSION = "TIME_REGRESSION"  # one source's monotonic clock ran backwards
-RECEIPT_MISMATCH = "RECEIPT_MISMATCH"
-RECEIPT_MISSING = "RECEIPT_MISSING"
-HEAD_MISMATCH = "HEAD_MISMATCH"
-MANIFEST_MISSING = "MANIFEST_MISSING"
-COLUMN_MISMATCH = "COLUMN_MISMATCH"  # an indexed column disagrees with the row's body
-STORED_TYPE_MISMATCH = "STORED_TYPE_MISMATCH"  # e.g. a body stored as TEXT, not bytes
-MALFORMED_RECEIPT = "MALFORMED_RECEIPT"  # a receipt body that does not decode
-STORAGE_CORRUPT = "STORAGE_CORRUPT"  # the database's own integrity check failed
-KV_SEQ_ORDER = "KV_SEQ_ORDER"  # a KV-event stream's seqs not 0, 1, 2, ... in each epoch (gaps journaled)
-KV_EPOCH_ORDER = "KV_EPOCH_ORDER"  # a KV-event stream's epoch not 0, then +1 at each restart
-ANCHOR_MISMATCH = "ANCHOR_MISMATCH"  # the journal does not extend the anchor given (verify --expect)
-NON_CANONICAL = ErrorCode.NON_CANONICAL_EVENT.value
-
-KEEP = 100  # findings kept for the report; the rest are counted
-STOP_AFTER = 10_000  # findings after which verify stops reading
+# The public API as before the split: the finding codes are replay.findings'.
+__all__ = [
+    "Checker", "ANCHOR_MISMATCH", "B_TOKEN_MISMATCH", "COLUMN_MISMATCH", "COMMITTED_EXCEEDS_LOGICAL",
+    "COMMITTED_LENGTH_MISMATCH", "COUNT_MISMATCH", "DUPLICATE_EVENT_ID", "DUPLICATE_TXN",
+    "EVENT_AFTER_RELEASE", "FAILURE_CHANGES_STATE", "FAILURE_WITHOUT_START", "Finding", "GENERATION_MISMATCH",
+    "GENERATION_REGRESSION", "HEAD_MISMATCH", "KEEP", "KV_EPOCH_ORDER", "KV_SEQ_ORDER", "MALFORMED_RECEIPT",
+    "MANIFEST_MISSING", "NON_CANONICAL", "OPEN_TXN_AT_CLOSE", "OPERATION_NOT_CONTIGUOUS", "OUTPUT_INDEX_GAP",
+    "POSITION_GAP", "PUBLISH_WITHOUT_START", "RECEIPT_MISMATCH", "RECEIPT_MISSING",
+    "RECLAIMABLE_EXCEEDS_RESIDENT", "RELEASE_LENGTH_MISMATCH", "REORDER_MISMATCH", "REQUEST_MISMATCH",
+    "RESERVED_BELOW_COMMITTED", "SNAPSHOT_DISCONTINUITY", "STOP_AFTER", "STORAGE_CORRUPT",
+    "STORED_TYPE_MISMATCH", "STREAM_POSITION_GAP", "TAMPERED", "TIME_REGRESSION", "UNKNOWN_STREAM",
+    "VISIBLE_BEYOND_COMMITTED", "VerifyResult", "WORK_AFTER_FINISH", "verify_bodies", "verify_journal",
+    "verify_jsonl"
+]
 
 # Payload fields only a state-changing event carries: on a failure they claim a change.
 _STATE_FIELDS = ("result_snapshot_version", "committed_length", "accepted_count", "layers", "layers_complete",
                  "new_length", "result_generation", "released_length")
-
-
-class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
-    code: str
-    message: str
-    global_position: int | None = None
-    event_id: str | None = None
-    stream_id: str | None = None
-    event_type: str | None = None
-    line: int | None = None
-
-
-class VerifyResult(msgspec.Struct, frozen=True):
-    events: int
-    findings: list[Finding]  # the first ones (Checker's `keep`)
-    omitted: int = 0  # findings counted beyond those
-    stopped: str | None = None  # why reading stopped early, if it did
-    storage: str | None = None  # the database storage check that ran, or why it was skipped
-    anchor: str | None = None  # with an expected anchor: what the check found
-
-    @property
-    def ok(self) -> bool:
-        return not self.findings and not self.omitted and self.stopped is None
 
 
 class _Op(msgspec.Struct):
@@ -141,11 +128,9 @@ class Checker:
         self.keep = keep
         self.states: dict[str, HandleState] = {}
         self.events = 0
-        self._manifest_lookup = manifest_lookup
         self._next = 1
         self._ids: set[str] = set()
         self._stream_pos: dict[str, int] = {}
-        self._txns: dict[str, set[str]] = {}
         self._last: dict[str, tuple[int, str]] = {}  # stream -> its last (position, event id)
         self._clock: dict[tuple[str, str], int] = {}
         self._ops: dict[str, _Op] = {}
@@ -153,6 +138,7 @@ class Checker:
         self._e: ev.Event | None = None
         self._line: int | None = None
         self.kv: dict[str, tuple[int, int, int]] = {}  # KV-event stream -> (epoch, next seq, position)
+        self._rules = EventRules(self.states, self._find, manifest_lookup)
 
     # -- input ---------------------------------------------------------------------
 
@@ -248,6 +234,17 @@ class Checker:
 
     def check(self, e: ev.Event) -> None:
         self._e = e
+        self._envelope(e)
+        if isinstance(e, ev.KV_EVENT_CLASSES):
+            return self._kv(e)  # type: ignore[arg-type]  # narrowed by the tuple
+        s = self.states.get(e.stream_id)
+        if not self._handle_may_take(s, e) or not self._rules.check(s, e):
+            return None
+        return self._apply(s, e)
+
+    def _envelope(self, e: ev.Event) -> None:
+        """What every event's envelope keeps: its global and stream positions, a unique id,
+        its operation contiguous, its source's clock never backwards."""
         pos, sid = e.global_position, e.stream_id
         if pos != self._next:
             self._find(POSITION_GAP, f"global position {pos}, expected {self._next}")
@@ -267,28 +264,35 @@ class Checker:
                                         f"previous {self._clock[clock_key]} from {e.source_instance}")
         self._clock[clock_key] = max(e.monotonic_ns, self._clock.get(clock_key, 0))
 
-        if isinstance(e, ev.KV_EVENT_CLASSES):
-            return self._kv(e)  # type: ignore[arg-type]  # narrowed by the tuple
-        s = self.states.get(sid)
+    def _handle_may_take(self, s: HandleState | None, e: ev.Event) -> bool:
+        """Whether `e` may go to its handle (state `s`) at all: one exists unless the event
+        creates it, it is not released; its generation and request, checked."""
+        sid = e.stream_id
         creates = isinstance(e, (ev.RequestAllocateEvent, ev.ForkEvent))
-        if s is None and not creates:
-            return self._find(UNKNOWN_STREAM, f"{e.event_type} on {sid} before its request_allocate or fork")
-        if s is not None and creates:
-            return self._find("HANDLE_EXISTS", f"{e.event_type} of {sid}, which already exists")
-        if s is not None:
-            if s.lifecycle == "RELEASED":
-                return self._find(EVENT_AFTER_RELEASE, f"{e.event_type} on {sid} after its release")
-            if e.handle_generation < s.generation:
-                self._find(GENERATION_REGRESSION, f"decided against generation {e.handle_generation}; "
-                                                  f"{sid} is at {s.generation}")
-            elif e.handle_generation > s.generation:
-                self._find(GENERATION_MISMATCH, f"decided against generation {e.handle_generation}; "
-                                                f"{sid} is at {s.generation}")
-            if e.request_id != s.request_id:
-                self._find(REQUEST_MISMATCH, f"request {e.request_id} on {sid}, which belongs to "
-                                             f"{s.request_id}")
-        if not _CHECKS[type(e)](self, s, e):
-            return None
+        if s is None:
+            if not creates:
+                self._find(UNKNOWN_STREAM, f"{e.event_type} on {sid} before its request_allocate or fork")
+            return creates
+        if creates:
+            self._find("HANDLE_EXISTS", f"{e.event_type} of {sid}, which already exists")
+            return False
+        if s.lifecycle == "RELEASED":
+            self._find(EVENT_AFTER_RELEASE, f"{e.event_type} on {sid} after its release")
+            return False
+        if e.handle_generation < s.generation:
+            self._find(GENERATION_REGRESSION, f"decided against generation {e.handle_generation}; "
+                                              f"{sid} is at {s.generation}")
+        elif e.handle_generation > s.generation:
+            self._find(GENERATION_MISMATCH, f"decided against generation {e.handle_generation}; "
+                                            f"{sid} is at {s.generation}")
+        if e.request_id != s.request_id:
+            self._find(REQUEST_MISMATCH, f"request {e.request_id} on {sid}, which belongs to "
+                                         f"{s.request_id}")
+        return True
+
+    def _apply(self, s: HandleState | None, e: ev.Event) -> None:
+        """Fold `e` into its handle's state, checking what the new state holds."""
+        sid = e.stream_id
         try:
             new = evolve(s, e)
         except Exception as exc:  # noqa: BLE001 - the finding is the point
@@ -302,7 +306,7 @@ class Checker:
                 self._find(RESERVED_BELOW_COMMITTED, f"{sid} commits {new.committed_length} rows in "
                                                      f"{new.reserved_capacity} reserved slots")
         self.states[sid] = new
-        self._last[sid] = (pos, e.event_id)
+        self._last[sid] = (e.global_position, e.event_id)
         if e.operation_id is not None:
             self._ops[e.operation_id].handles[sid] = (new.generation, new.snapshot_version,
                                                       new.stream_position, new.committed_length)
@@ -361,221 +365,6 @@ class Checker:
             op.event_ids.append(e.event_id)
         self._prev_op = op_id
 
-    # -- per event type: return False when the event must not be applied -----------
-
-    def _allocate(self, s: None, e: ev.RequestAllocateEvent) -> bool:
-        p, m = e.payload, e.payload.manifest
-        try:
-            validate_manifest(m)
-        except KvLedgerError as exc:
-            self._find(exc.code.value, exc.message)
-        for name, want, got in (("manifest_sha256", manifest_sha256(m), p.manifest_sha256),
-                                ("cache_abi_sha256", cache_abi_sha256(m), p.cache_abi_sha256),
-                                ("prefix_identity_sha256", prefix_identity_sha256(m),
-                                 p.prefix_identity_sha256)):
-            if want != got:
-                self._find("DIGEST_MISMATCH", f"{name} {got[:12]} does not match the manifest ({want[:12]})")
-        if b_token(m.cache_schema) != p.b_token:
-            self._find(B_TOKEN_MISMATCH, f"b_token {p.b_token}, the cache schema gives "
-                                         f"{b_token(m.cache_schema)}")
-        if e.request_id != m.request_identity.request_id:
-            self._find(REQUEST_MISMATCH, f"request {e.request_id}, manifest names "
-                                         f"{m.request_identity.request_id}")
-        if self._manifest_lookup is not None:
-            stored = self._manifest_lookup(p.manifest_sha256)
-            if stored is None:
-                self._find(MANIFEST_MISSING, f"manifest {p.manifest_sha256[:12]} is not stored")
-            elif (not isinstance(stored, bytes) or sha256_hex(stored) != p.manifest_sha256
-                  or stored != canonical_json(m)):
-                self._find("DIGEST_MISMATCH", f"stored manifest {p.manifest_sha256[:12]} does not match "
-                                              "its digest or the event's manifest")
-        return True
-
-    def _fork(self, s: None, e: ev.ForkEvent) -> bool:
-        p = e.payload
-        parent = self.states.get(p.parent_handle_id)
-        if parent is None:
-            self._find(UNKNOWN_STREAM, f"fork from unknown parent {p.parent_handle_id}")
-            return True
-        if parent.lifecycle == "RELEASED":
-            self._find(EVENT_AFTER_RELEASE, f"fork from {p.parent_handle_id} after its release")
-        if (p.parent_generation, p.parent_snapshot_version) != (parent.generation, parent.snapshot_version):
-            self._find("STALE_BASE", f"fork names parent ({p.parent_generation}, "
-                                     f"{p.parent_snapshot_version}), "
-                                     f"parent is at ({parent.generation}, {parent.snapshot_version})")
-        if p.prefix_length > parent.committed_length:
-            self._find(VISIBLE_BEYOND_COMMITTED, f"fork at {p.prefix_length}, parent committed "
-                                                 f"{parent.committed_length}")
-        elif (p.token_ids != parent.prompt + cut(parent, p.prefix_length)["outputs"]
-              or p.prompt_length != len(parent.prompt)):
-            self._find("FRONTIER_MISMATCH", "fork tokens differ from the parent's at the cut")
-        for name in ("manifest_sha256", "cache_abi_sha256", "prefix_identity_sha256"):
-            if getattr(p, name) != getattr(parent, name):
-                self._find("DIGEST_MISMATCH", f"fork {name} differs from the parent's")
-        if (p.b_token, p.num_layers) != (parent.b_token, parent.num_layers):
-            self._find(B_TOKEN_MISMATCH, "fork b_token or layer count differs from the parent's")
-        return True
-
-    def _start(self, s: HandleState, e: ev.AppendStartEvent) -> bool:
-        p = e.payload
-        t, n = p.interval_start, p.interval_count
-        seen = self._txns.setdefault(e.stream_id, set())
-        if p.txn_id in seen:
-            self._find(DUPLICATE_TXN, f"transaction {p.txn_id} started twice on {e.stream_id}")
-        seen.add(p.txn_id)
-        if p.cache_abi_sha256 != s.cache_abi_sha256:
-            self._find("ABI_MISMATCH", f"rows for ABI {p.cache_abi_sha256[:12]}, handle has "
-                                       f"{s.cache_abi_sha256[:12]}")
-        self._active(s, e, allow_finished=p.kind == "repair")
-        if p.base_snapshot_version != s.snapshot_version:
-            self._find("STALE_BASE", f"started at snapshot {p.base_snapshot_version}, handle is at "
-                                     f"{s.snapshot_version}")
-        if t > s.committed_length:
-            self._find("APPEND_HOLE", f"interval starts at {t}, committed length is {s.committed_length}")
-        elif t < s.committed_length:
-            self._find("POSITION_MASK_MISMATCH", f"interval starts at {t}, inside committed "
-                                                 f"[0, {s.committed_length})")
-        if len(p.token_ids) != n or p.cache_positions != tuple(range(t, t + n)):
-            self._find("POSITION_MASK_MISMATCH", f"token ids or cache positions do not cover [{t}, {t + n})")
-        if p.mask_key_extent > t + n:
-            self._find(VISIBLE_BEYOND_COMMITTED, f"mask key extent {p.mask_key_extent} sees past the "
-                                                 f"committed rows and this call's [{t}, {t + n})")
-        elif p.mask_key_extent < t + n:
-            self._find("POSITION_MASK_MISMATCH", f"mask key extent {p.mask_key_extent} < {t + n}")
-        if t + n > s.reserved_capacity:
-            self._find("CAPACITY_EXCEEDED", f"[{t}, {t + n}) exceeds reserved capacity {s.reserved_capacity}")
-        if p.kind == "verify":
-            if t != s.logical_length:
-                self._find("FRONTIER_MISMATCH", f"verify drafts start at {t}, the request holds "
-                                                f"{s.logical_length} tokens")
-        elif p.token_ids != s.logical_tokens(t, t + n) or t + n > s.logical_length:
-            self._find("FRONTIER_MISMATCH", f"token ids differ from the request's tokens at [{t}, {t + n})")
-        return True
-
-    def _publish(self, s: HandleState, e: ev.AppendPublishEvent) -> bool:
-        p = e.payload
-        txn = s.open_txn(p.txn_id)
-        if txn is None:
-            if p.txn_id in s.aborted_txn_ids:
-                self._find("TXN_ABORTED", f"publish of {p.txn_id} after its failure")
-            else:
-                self._find(PUBLISH_WITHOUT_START, f"publish of {p.txn_id}, which no append_start opened")
-            return False
-        self._active(s, e, allow_finished=txn.kind == "repair")
-        if p.base_snapshot_version != s.snapshot_version or txn.base_snapshot_version != s.snapshot_version:
-            self._find("STALE_BASE", f"publish from snapshot {p.base_snapshot_version} (started at "
-                                     f"{txn.base_snapshot_version}); handle is at {s.snapshot_version}")
-        if p.result_snapshot_version != p.base_snapshot_version + 1:
-            self._find(SNAPSHOT_DISCONTINUITY,
-                       f"snapshot {p.base_snapshot_version} -> {p.result_snapshot_version}")
-        accepted = p.accepted_count
-        if accepted > txn.interval_count:
-            self._find("REJECTED_SUFFIX", f"accepts {accepted} of {txn.interval_count} staged rows")
-        elif txn.kind != "verify" and accepted != txn.interval_count:
-            self._find(COMMITTED_LENGTH_MISMATCH,
-                       f"{txn.kind} commits {accepted} of {txn.interval_count} staged rows")
-        if p.layers_complete != s.num_layers:
-            self._find("PARTIAL_LAYER_SET", f"{p.layers_complete} layers with complete K and V over the "
-                                            f"published rows != all {s.num_layers}")
-        if p.committed_length != txn.interval_start + accepted:
-            self._find(COMMITTED_LENGTH_MISMATCH, f"committed length {p.committed_length} != "
-                                                  f"{txn.interval_start} + {accepted} accepted")
-        return True
-
-    def _failure(self, s: HandleState, e: ev.FailureEvent) -> bool:
-        p = e.payload
-        txn = s.open_txn(p.txn_id)
-        if txn is None:
-            self._find(FAILURE_WITHOUT_START, f"failure of {p.txn_id}, which is not open")
-            return False
-        if p.base_snapshot_version != txn.base_snapshot_version:
-            self._find(FAILURE_CHANGES_STATE, f"failure claims base {p.base_snapshot_version}; "
-                                              f"{p.txn_id} started at {txn.base_snapshot_version}")
-        return True
-
-    def _emit(self, s: HandleState, e: ev.OutputEmitEvent) -> bool:
-        p = e.payload
-        self._active(s, e)
-        if p.snapshot_version > s.snapshot_version:
-            self._find(VISIBLE_BEYOND_COMMITTED, f"output from snapshot {p.snapshot_version}; newest "
-                                                 f"published is {s.snapshot_version}")
-        elif p.snapshot_version < s.snapshot_version:
-            self._find("STALE_BASE", f"output from snapshot {p.snapshot_version}, handle is at "
-                                     f"{s.snapshot_version}")
-        elif not s.logits_ready:
-            self._find("OUTPUT_NOT_READY", "output without logits of a published call")
-        if p.output_index != len(s.outputs):
-            self._find(OUTPUT_INDEX_GAP, f"output index {p.output_index}, next is {len(s.outputs)}")
-        return True
-
-    def _truncate(self, s: HandleState, e: ev.TruncateEvent) -> bool:
-        p = e.payload
-        self._active(s, e)
-        self._snapshot_step(s, p.base_snapshot_version, p.result_snapshot_version)
-        if p.new_length > s.committed_length:
-            self._find("TRUNCATE_GROWS", f"truncate to {p.new_length} > committed {s.committed_length}")
-        elif p.output_count != len(cut(s, p.new_length)["outputs"]):
-            self._find(COUNT_MISMATCH, f"truncate keeps {p.output_count} outputs")
-        return True
-
-    def _reorder(self, s: HandleState, e: ev.ReorderEvent) -> bool:
-        p = e.payload
-        self._active(s, e)
-        n = len(p.rows)
-        if sorted(p.permutation) != list(range(n)) or len(set(p.rows)) != n:
-            self._find("NOT_A_PERMUTATION", f"{list(p.permutation)} over {n} rows")
-        elif e.stream_id not in p.rows or p.row_index != p.permutation.index(p.rows.index(e.stream_id)):
-            self._find(REORDER_MISMATCH, f"row index {p.row_index} does not follow the permutation")
-        return True
-
-    def _cancel(self, s: HandleState, e: ev.CancelRequestEvent) -> bool:
-        self._active(s, e)
-        self._snapshot_step(s, e.payload.base_snapshot_version, e.payload.result_snapshot_version)
-        self._no_open(s)
-        return True
-
-    def _finish(self, s: HandleState, e: ev.FinishEvent) -> bool:
-        p = e.payload
-        self._active(s, e)
-        if (p.output_count, p.committed_length) != (len(s.outputs), s.committed_length):
-            self._find(COUNT_MISMATCH, f"finish records {p.output_count} outputs / "
-                                       f"{p.committed_length} rows; "
-                                       f"the fold has {len(s.outputs)} / {s.committed_length}")
-        self._no_open(s)
-        return True
-
-    def _release(self, s: HandleState, e: ev.ReleaseEvent) -> bool:
-        p = e.payload
-        if s.lifecycle == "ACTIVE":
-            self._find("RELEASE_BEFORE_FINISH", f"release of {e.stream_id} before finish or cancel")
-        self._snapshot_step(s, p.base_snapshot_version, p.result_snapshot_version)
-        if p.result_generation <= s.generation:
-            self._find(GENERATION_REGRESSION,
-                       f"release moves generation {s.generation} -> {p.result_generation}")
-        if p.released_length > s.committed_length:
-            self._find(RECLAIMABLE_EXCEEDS_RESIDENT, f"releases {p.released_length} rows; "
-                                                     f"{s.committed_length} are resident")
-        elif p.released_length < s.committed_length:
-            self._find(RELEASE_LENGTH_MISMATCH, f"releases {p.released_length} of {s.committed_length} rows")
-        self._no_open(s)
-        return True
-
-    # -- shared ----------------------------------------------------------------------
-
-    def _active(self, s: HandleState, e: ev.Event, *, allow_finished: bool = False) -> None:
-        if s.lifecycle == "CANCELLED" or (s.lifecycle == "FINISHED" and not allow_finished):
-            self._find(WORK_AFTER_FINISH, f"{e.event_type} on {e.stream_id}, which is {s.lifecycle.lower()}")
-
-    def _snapshot_step(self, s: HandleState, base: int, result: int) -> None:
-        if base != s.snapshot_version:
-            self._find("STALE_BASE", f"base snapshot {base}, handle is at {s.snapshot_version}")
-        if result != base + 1:
-            self._find(SNAPSHOT_DISCONTINUITY, f"snapshot {base} -> {result}")
-
-    def _no_open(self, s: HandleState) -> None:
-        if s.open_txns:
-            self._find(OPEN_TXN_AT_CLOSE, f"transactions {[t.txn_id for t in s.open_txns]} still open: "
-                                          "each must end in a publish or a failure first")
 
     def _find(self, code: str, message: str) -> None:
         assert self._e is not None  # called from check(), which sets it
@@ -658,23 +447,6 @@ class Checker:
             if sid not in self.states and sid not in self.kv:
                 self.add(Finding(HEAD_MISMATCH, f"head row of {sid}, which has no events",
                                  stream_id=sid))
-
-
-# Keyed by the event's class: each check takes an event of that class (Any: the dispatch
-# pairs them) and its handle's state (None only for an allocate).
-_CHECKS: dict[type[ev.Event], Callable[[Checker, Any, Any], bool]] = {
-    ev.RequestAllocateEvent: Checker._allocate,
-    ev.ForkEvent: Checker._fork,
-    ev.AppendStartEvent: Checker._start,
-    ev.AppendPublishEvent: Checker._publish,
-    ev.FailureEvent: Checker._failure,
-    ev.OutputEmitEvent: Checker._emit,
-    ev.TruncateEvent: Checker._truncate,
-    ev.ReorderEvent: Checker._reorder,
-    ev.CancelRequestEvent: Checker._cancel,
-    ev.FinishEvent: Checker._finish,
-    ev.ReleaseEvent: Checker._release,
-}
 
 
 def verify_bodies(bodies: Iterable[tuple[int | None, bytes]], *,

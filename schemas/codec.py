@@ -38,6 +38,24 @@ def decode_event(data: bytes | str) -> Event:
 
 
 def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
+    """An event the typed decoder refused or read at an older version: the refusal's
+    stable code, or the event upcast to the current version."""
+    raw = _json_object(data)
+    event_type, version = _kind(raw)
+    if version == CURRENT_VERSION[event_type]:
+        raise _validation_error(typed_error)
+    upgraded: dict[str, Any] = {**raw, "payload": _upcast(raw, event_type, version),
+                                "schema_version": CURRENT_VERSION[event_type]}
+    try:
+        event: Event = msgspec.convert(upgraded, Event)  # a Union is no type[T]: typed here
+        return event
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+    except RecursionError:
+        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "JSON nested too deeply") from None
+
+
+def _json_object(data: bytes | str) -> dict[str, Any]:
     try:
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
@@ -46,6 +64,11 @@ def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
         raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "an event must be a JSON object")
+    return raw
+
+
+def _kind(raw: dict[str, Any]) -> tuple[str, int]:
+    """The event's type and schema version, each one this kvledger knows."""
     event_type = raw.get("event_type")
     if not isinstance(event_type, (str, type(None))):  # a list or object is not even hashable
         raise KvLedgerError(ErrorCode.MALFORMED_EVENT,
@@ -63,13 +86,16 @@ def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
             ErrorCode.UNKNOWN_SCHEMA_VERSION,
             f"{event_type} schema_version {version} is newer than this kvledger knows ({current})",
         )
-    if version == current:
-        raise _validation_error(typed_error)
+    return event_type, version
+
+
+def _upcast(raw: dict[str, Any], event_type: str, version: int) -> dict[str, Any]:
+    """An older version's payload, upcast one version at a time to the current one."""
     payload = raw.get("payload")
     if not isinstance(payload, dict):
         raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "payload must be a JSON object")
     try:
-        for v in range(version, current):
+        for v in range(version, CURRENT_VERSION[event_type]):
             step = UPCASTERS.get((event_type, v))
             if step is None:
                 raise KvLedgerError(
@@ -82,14 +108,7 @@ def _decode_slow(data: bytes | str, typed_error: Exception | None) -> Event:
         raise KvLedgerError(
             ErrorCode.MALFORMED_EVENT, f"{event_type} v{version} payload cannot be upcast: {exc}"
         ) from None
-    upgraded: dict[str, Any] = {**raw, "payload": payload, "schema_version": current}
-    try:
-        event: Event = msgspec.convert(upgraded, Event)  # a Union is no type[T]: typed here
-        return event
-    except msgspec.ValidationError as exc:
-        raise _validation_error(exc) from None
-    except RecursionError:
-        raise KvLedgerError(ErrorCode.MALFORMED_EVENT, "JSON nested too deeply") from None
+    return payload
 
 
 def noncanonical(body: bytes, event: Event) -> str | None:

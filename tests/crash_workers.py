@@ -11,6 +11,8 @@ import random
 import time
 from pathlib import Path
 
+import msgspec
+
 from kvledger.engine import commands as c
 from kvledger.engine.service import CommandService
 from kvledger.journal import faults
@@ -127,13 +129,24 @@ def _choose(rng: random.Random, s, key: str, p_fork: float = 0.15):
     return None
 
 
-def racer(url: str, process: int, handles: list[str], n_ops: int, seed: int, history: str, go: str,
-          mutant: bool = False, fault: str | None = None, p_fork: float = 0.15, p_refresh: float = 0.3) -> None:
-    """Issue n_ops random operations on the shared handles, recording each as invoke
+class Race(msgspec.Struct, frozen=True, kw_only=True):
+    """A racing history's workload: the shared handles, the operations each racer issues,
+    whether the journal's guard is off (tests/mutants.py), and how often a racer forks
+    and refreshes its cached view."""
+
+    handles: tuple[str, ...]
+    n_ops: int
+    mutant: bool = False
+    p_fork: float = 0.15
+    p_refresh: float = 0.3
+
+
+def racer(url: str, process: int, race: Race, seed: int, history: str, go: str, fault: str | None = None) -> None:
+    """Issue race.n_ops random operations on the shared handles, recording each as invoke
     then ok / fail / info with monotonic timestamps (comparable across processes)."""
     log = _Log(history)
     try:
-        _race(url, process, handles, n_ops, seed, log, go, mutant, fault, p_fork, p_refresh)
+        _race(url, process, race, seed, log, go, fault)
     except BaseException:
         import traceback
 
@@ -141,17 +154,18 @@ def racer(url: str, process: int, handles: list[str], n_ops: int, seed: int, his
         raise
 
 
-def _race(url, process, handles, n_ops, seed, log, go, mutant, fault, p_fork, p_refresh) -> None:
+def _race(url: str, process: int, race: Race, seed: int, log: _Log, go: str, fault: str | None) -> None:
     if fault:
         faults.configure(fault)
     rng = random.Random(seed)
+    handles, p_fork, p_refresh = race.handles, race.p_fork, race.p_refresh
     with open_or_create_journal(url) as j:
-        if mutant:
+        if race.mutant:
             unguard(j)
         service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}")
         log(type="ready", op=f"p{process}")
         _await(go)
-        for n in range(n_ops):
+        for n in range(race.n_ops):
             key = f"p{process}-{n}-{seed}"
             h = rng.choice(handles)  # fork children stay out: contention is on the shared handles
             if rng.random() < 0.2:
@@ -208,10 +222,9 @@ def _lines(path: str, prefix: bytes) -> int:
         return 0
 
 
-def run_history(ctx, url: str, workdir: Path, *, handles: list[str], processes: int, n_ops: int, seed: int,
-                kill: bool = False, fault: tuple[int, str] | None = None, mutant: bool = False,
-                p_fork: float = 0.15, p_refresh: float = 0.3) -> dict:
-    """One racing history: `processes` racers on `handles`, released together once all
+def run_history(ctx, url: str, workdir: Path, race: Race, *, processes: int, seed: int, kill: bool = False,
+                fault: tuple[int, str] | None = None) -> dict:
+    """One racing history: `processes` racers on `race.handles`, released together once all
     are connected; with `kill` one of them is SIGKILLed at a random moment after its
     first operation began; `fault` = (process, rule) arms a fault in one racer.
     Returns the history files and what happened to each process."""
@@ -221,8 +234,7 @@ def run_history(ctx, url: str, workdir: Path, *, handles: list[str], processes: 
     procs = []
     for i in range(processes):
         rule = fault[1] if fault and fault[0] == i else None
-        p = ctx.Process(target=racer, args=(url, i, handles, n_ops, seed * 100 + i, files[i], go, mutant,
-                                            rule, p_fork, p_refresh))
+        p = ctx.Process(target=racer, args=(url, i, race, seed * 100 + i, files[i], go, rule))
         p.start()
         procs.append(p)
     deadline = time.monotonic() + 120

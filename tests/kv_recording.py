@@ -35,7 +35,7 @@ def recording(url: str, dialect: str, *, record: dict[str, Any] | None = None,
               **kw: Any) -> Iterator[tuple[Publisher, dict[str, Any]]]:
     """A reference publisher and an in-process recorder on it (stopped, then the
     publisher closed, on exit); the dict gets the recorder's summary (or its error).
-    `record`: more arguments of kv_events_zmq.record."""
+    `record`: more fields of kv_events_zmq.RecordOptions."""
     pub = Publisher(dialect, **kw)
     stop = z.Stop()
     out: dict[str, Any] = {}
@@ -43,8 +43,9 @@ def recording(url: str, dialect: str, *, record: dict[str, Any] | None = None,
     def run() -> None:
         with open_journal(url) as j:
             try:
-                out["summary"] = z.record(j, pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                                          stop=stop, **{"topic": pub.topic.decode(), **(record or {})})
+                options = z.RecordOptions(**{"replay_endpoint": pub.replay_endpoint, "topic": pub.topic.decode(),
+                                             **(record or {})})
+                out["summary"] = z.record(j, pub.endpoint, options, stop=stop)
             except BaseException as exc:  # noqa: BLE001 - handed to the test, which asserts on it
                 out["error"] = exc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvledger import Ledger, full_layers
+from kvledger import CacheLayout, Ledger, full_layers
 from kvledger.engine import commands as c
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import layers_sha256
@@ -54,9 +54,9 @@ def open_decode_at(led, txn):
 def test_position_mask_mismatch(ledger):
     b = base(ledger, "H")
     expect(ledger, E.POSITION_MASK_MISMATCH, ledger.begin_append, "H", txn_id="x", kind="decode",
-           base=b, start=4, token_ids=(55,), cache_positions=(3,))
+           base=b, start=4, token_ids=(55,), layout=CacheLayout(cache_positions=(3,)))
     expect(ledger, E.POSITION_MASK_MISMATCH, ledger.begin_append, "H", txn_id="x", kind="decode",
-           base=b, start=4, token_ids=(55,), mask_key_extent=4)
+           base=b, start=4, token_ids=(55,), layout=CacheLayout(mask_key_extent=4))
     expect(ledger, E.POSITION_MASK_MISMATCH, ledger.begin_append, "H", txn_id="x", kind="decode",
            base=b, start=3, token_ids=(44,))  # overwrites a committed slot
 
@@ -66,7 +66,8 @@ def test_abi_mismatch(ledger):
     from kvledger.schemas.manifest import cache_abi_sha256
 
     expect(ledger, E.ABI_MISMATCH, ledger.begin_append, "H", txn_id="x", kind="decode",
-           base=base(ledger, "H"), start=4, token_ids=(55,), cache_abi_sha256=cache_abi_sha256(other))
+           base=base(ledger, "H"), start=4, token_ids=(55,),
+           layout=CacheLayout(cache_abi_sha256=cache_abi_sha256(other)))
 
 
 def test_partial_layer_set(ledger):

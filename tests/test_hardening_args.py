@@ -219,13 +219,13 @@ def _foreign_request(ledger: Ledger, handle: str) -> None:
 
 def test_demo_summary_counts_only_its_own_run(db_url):
     from kvledger.cmd_serve import summarize
-    from kvledger.demo import run_demo
+    from kvledger.demo import DemoOptions, run_demo
 
     with open_or_create_journal(db_url) as journal, Ledger.open(db_url, source_instance="other-demo") as other:
         first = journal.last_position()
         _foreign_request(other, "other-1")  # the other run wrote before, during ...
-        result = run_demo(journal, requests=6, max_new_tokens=4, seed=1, run_id="mine",
-                          source_instance="kvledger-demo-mine",
+        result = run_demo(journal, DemoOptions(requests=6, max_new_tokens=4, seed=1, run_id="mine",
+                                               source_instance="kvledger-demo-mine"),
                           on_step=lambda w: w.step_no == 2 and _foreign_request(other, "other-2"))
         _foreign_request(other, "other-3")  # ... and after this run
         summary = summarize(journal, first, 1000.0, 250.0, "kvledger-demo-mine")

@@ -116,8 +116,8 @@ def test_racing_histories_are_linearizable(ctx, db_url, tmp_path):
     def history(hid: int, fault: tuple[int, str] | None, kill: bool) -> None:
         handles = [f"H{hid}-{k}" for k in range(3)]
         initial = cw.allocate_handles(db_url, handles)
-        run = cw.run_history(ctx, db_url, tmp_path, handles=handles, processes=4 + hid % 5, n_ops=7, seed=hid,
-                             kill=kill, fault=fault)
+        run = cw.run_history(ctx, db_url, tmp_path, cw.Race(handles=tuple(handles), n_ops=7),
+                             processes=4 + hid % 5, seed=hid, kill=kill, fault=fault)
         ops, facts, linear, wgl, stats = _check(db_url, run, handles, initial)
         if linear or wgl:
             bad.append((hid, [v.message for v in linear + wgl][:3]))
@@ -214,8 +214,8 @@ def test_mutant_racing_histories_fail_the_checker(ctx, db_url, tmp_path, request
     for hid in range(40):
         handles = [f"M{hid}-{k}" for k in range(3)]
         initial = cw.allocate_handles(url, handles)
-        run = cw.run_history(ctx, url, tmp_path, handles=handles, processes=6, n_ops=8, seed=1000 + hid,
-                             mutant=True, p_fork=0.4, p_refresh=0.0)
+        race = cw.Race(handles=tuple(handles), n_ops=8, mutant=True, p_fork=0.4, p_refresh=0.0)
+        run = cw.run_history(ctx, url, tmp_path, race, processes=6, seed=1000 + hid)
         _, _, linear, wgl, _ = _check(url, run, handles, initial)
         found["histories"] += 1
         found["linear"] += len(linear)

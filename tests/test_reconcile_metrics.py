@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvledger.cli import main
-from kvledger.demo import run_demo
+from kvledger.demo import DemoOptions, run_demo
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay.metric_proof import family, parse_scrape
 from kvledger.replay.reconcile import reconcile
@@ -171,7 +171,7 @@ def test_a_scrape_taken_mid_run_is_proven_at_the_position_it_names(tmp_path):
             scrapes.append(telemetry.metrics.scrape().decode())
 
     with open_or_create_journal(url) as journal:
-        run_demo(journal, requests=8, max_new_tokens=4, seed=1, telemetry=telemetry, on_step=scrape)
+        run_demo(journal, DemoOptions(requests=8, max_new_tokens=4, seed=1), telemetry=telemetry, on_step=scrape)
         telemetry.close()
         final = journal.last_position()
         for text in scrapes:

@@ -69,7 +69,7 @@ def baseline(served, tmp_path_factory):
 
 def test_nothing_to_recover_writes_nothing(db_url, served):
     with open_or_create_journal(db_url) as j:
-        r = recover(j, model=served[0], artifact=served[1])
+        r = recover(j, served=served)
         assert r.ok and r.events_written == 0 and r.live_handles == [] and r.verify_findings == []
 
 
@@ -80,7 +80,7 @@ def test_recovery_finishes_an_abandoned_run_with_the_same_outputs(db_url, served
     model, artifact = served
     with open_or_create_journal(db_url) as j:
         open_before = sum(len(fold(j.read_stream(h)).open_txns) for h in j.heads())
-        r = recover(j, model=model, artifact=artifact)
+        r = recover(j, served=(model, artifact))
         assert r.ok, r.to_dict()
         assert r.verify_findings == [] and r.verify_after == [] and r.digest_mismatches == []
         assert len(r.aborted) == open_before > 0
@@ -92,7 +92,7 @@ def test_recovery_finishes_an_abandoned_run_with_the_same_outputs(db_url, served
         got = _outputs(j, [s.request_id for s in specs if s.request_id in heads])
         assert got and all(v == baseline[h.split("-")[1]] for h, v in got.items())
         # the aborts have deterministic operation ids: a second run writes nothing
-        again = recover(j, model=model, artifact=artifact)
+        again = recover(j, served=(model, artifact))
         assert again.ok and again.events_written == 0 and again.live_handles == []
         for handle, txn in r.aborted:
             receipt = j.receipt(f"recover-abort-{handle}-{txn}")
@@ -112,7 +112,7 @@ def test_a_fork_child_is_recovered_as_its_own_handle_and_samples_the_same(db_url
     _serve(db_url, [spec], served, steps=4)  # prefill, fork, a few sampled outputs
     with open_or_create_journal(db_url) as j:
         assert j.head("f.1") is not None
-        r = recover(j, model=served[0], artifact=served[1])
+        r = recover(j, served=served)
         assert r.ok and set(r.continued) == {"f", "f.1"}
         assert _outputs(j, ["f", "f.1"]) == whole
 
@@ -123,7 +123,7 @@ def test_a_journal_from_another_model_is_refused_before_anything_is_written(db_u
     with open_or_create_journal(db_url) as j:
         before = j.last_position()
         with pytest.raises(KvLedgerError) as info:
-            recover(j, model=other[0], artifact=other[1])
+            recover(j, served=other)
         assert info.value.code is ErrorCode.ABI_MISMATCH
         assert j.last_position() == before
 
@@ -147,7 +147,7 @@ def test_a_digest_that_does_not_recompute_stops_recovery(served, tmp_path):
     (tmp_path / "j.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     with open_or_create_journal(dst) as j:
         import_jsonl(j, tmp_path / "j.jsonl")
-        r = recover(j, model=served[0], artifact=served[1])
+        r = recover(j, served=served)
         assert not r.ok and r.digest_mismatches and r.continued == []
         assert {m["handle_id"] for m in r.digest_mismatches} == {"d-0"}
         assert any(j.heads()[h].lifecycle != "RELEASED" for h in j.heads())  # nothing continued

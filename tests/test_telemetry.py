@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.cli import main
-from kvledger.demo import run_demo
+from kvledger.demo import DemoOptions, run_demo
 from kvledger.engine import commands as c
 from kvledger.engine.service import CommandService
 from kvledger.journal import tuning
@@ -73,7 +73,7 @@ def test_demo_telemetry_reconciles_with_its_journal(db_url, tmp_path, one_thread
         # the pool alone, not use_threads: no thread is moved (placement is process state)
         torch.set_num_threads(1 if one_thread else threads)
         try:
-            result = run_demo(journal, requests=6, max_new_tokens=3, seed=1, telemetry=telemetry)
+            result = run_demo(journal, DemoOptions(requests=6, max_new_tokens=3, seed=1), telemetry=telemetry)
         finally:
             torch.set_num_threads(threads)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
@@ -257,7 +257,7 @@ def test_killed_sink_loses_only_counted_records(tmp_path):
             sink.killed.set()
 
     with open_or_create_journal(url) as journal:
-        result = run_demo(journal, requests=6, max_new_tokens=4, seed=2, telemetry=telemetry, on_step=kill)
+        result = run_demo(journal, DemoOptions(requests=6, max_new_tokens=4, seed=2), telemetry=telemetry, on_step=kill)
         telemetry.close()
         sink.close()
         assert result["errors"] == []

@@ -308,7 +308,7 @@ def test_tuning_off_freezes_nothing_pauses_nothing_and_polls_nothing(tmp_path, s
 
 _DEMO = """
 import gc, json
-from kvledger.demo import run_demo
+from kvledger.demo import DemoOptions, run_demo
 from kvledger.journal import tuning
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.replay import export_jsonl
@@ -316,8 +316,8 @@ from kvledger.worker.serving import leave_a_core
 
 leave_a_core()  # as `kvledger demo --writer process` does: the model thread leaves the I/O CPU
 with open_or_create_journal("{url}") as j:
-    result = run_demo(j, requests=8, max_new_tokens=6, seed=5, run_id="same",
-                      source_instance="kvledger-demo-same", writer="process")
+    result = run_demo(j, DemoOptions(requests=8, max_new_tokens=6, seed=5, run_id="same",
+                                     source_instance="kvledger-demo-same", writer="process"))
     export_jsonl(j, "{out}")
 print(json.dumps({{"errors": result["errors"], "frozen": gc.get_freeze_count(),
                   "io_cpu": tuning.describe()["io_cpu"]}}))
