@@ -24,11 +24,11 @@ from kvledger.journal.contract import (
     ChainAt,
     HeadFacts,
     Integrity,
-    Snapshot,
     StoredDamage,
     StoredEvent,
     StoredReceipt,
 )
+from kvledger.journal.port import Snapshot
 from kvledger.journal.records import (
     GENESIS,
     PREV_INDEXED,

@@ -36,15 +36,14 @@ from kvledger.journal.contract import (
     Guard,
     HeadFacts,
     ImportTables,
-    Journal,
     Operation,
     Rejection,
-    Snapshot,
     StreamWrite,
     guard_of,
 )
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
+from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.records import (
     EVENTS_FORMAT,
     FORMAT,

@@ -72,6 +72,78 @@ def test_the_rule_catches_a_wrong_import():
                                                    "from kvledger.schemas import events\n")
 
 
+# -- the journal's port: what engine/ and replay/ may see of the journal -----------------
+
+# The journal modules engine/ and replay/ may import: the port, the values it takes and
+# gives, the package's entry points (opening a journal) and the process's machine tuning.
+# Never how a backend stores things (records, step rows, blocks, id keys, SQL).
+PORT = {
+    "kvledger.journal",  # the package: open_journal, Journal, Operation, ...
+    "kvledger.journal.port",
+    "kvledger.journal.contract",
+    "kvledger.journal.tuning",
+}
+# Imports of journal internals that exist today and are to go (issue 45: the decode batch
+# moves the step encoding out of the engine and replay). This list may only shrink: an
+# entry that no longer matches an import fails test_the_port_allowlist_is_not_stale.
+ALLOWED = {
+    ("engine/decode_lane.py", "kvledger.journal.steps"),  # StepValues, counter_of, row_parts
+    ("engine/remote.py", "kvledger.journal.sql"),  # SqlJournal, open_journal
+    ("engine/service.py", "kvledger.journal.steps"),  # VERSIONS
+    ("replay/projector.py", "kvledger.journal.steps"),  # FoldItem, StepRun, StepValues
+    ("replay/runs.py", "kvledger.journal.steps"),  # StepColumns, StepRun, counter_of
+}
+
+
+def journal_imports(source: str) -> set[str]:
+    """The kvledger.journal modules a source imports (anywhere: in a function, under
+    TYPE_CHECKING), a `from kvledger.journal import steps` read as the module it names."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "kvledger.journal":
+                names = [f"kvledger.journal.{a.name}" if (ROOT / "journal" / f"{a.name}.py").exists()
+                         else node.module for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n == "kvledger.journal" or n.startswith("kvledger.journal.")}
+    return found
+
+
+def port_violations(path: str, source: str) -> set[tuple[str, str]]:
+    return {(path, m) for m in journal_imports(source) if m not in PORT}
+
+
+def _engine_and_replay_violations() -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for layer in ("engine", "replay"):
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            found |= port_violations(str(path.relative_to(ROOT)), path.read_text())
+    return found
+
+
+def test_engine_and_replay_import_only_the_journal_port():
+    assert _engine_and_replay_violations() - ALLOWED == set()
+
+
+def test_the_port_allowlist_is_not_stale():
+    """An allowlisted import that is gone must leave the list, so it only shrinks."""
+    assert ALLOWED - _engine_and_replay_violations() == set()
+
+
+def test_the_port_rule_catches_an_internal_import():
+    assert port_violations("engine/x.py", "from kvledger.journal.records import decode_record\n")
+    assert port_violations("replay/x.py", "def f():\n    from kvledger.journal import steps\n")
+    assert port_violations("replay/x.py", "import kvledger.journal.blocks\n")
+    assert port_violations("engine/x.py", "if TYPE_CHECKING:\n    from kvledger.journal.sql import SqlJournal\n")
+    assert not port_violations("engine/x.py", "from kvledger.journal.port import Journal\n"
+                                              "from kvledger.journal.contract import Operation\n"
+                                              "from kvledger.journal import open_journal, tuning\n")
+
+
 def test_importing_the_api_loads_no_heavy_dependency():
     code = ("import sys, kvledger\n"
             "from kvledger import Ledger\n"
