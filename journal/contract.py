@@ -18,7 +18,7 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
 
 if TYPE_CHECKING:
-    from kvledger.journal.steps import StepValues  # it imports this module
+    from kvledger.journal.step_values import StepValues
 
 
 # gc=False on the write path's structs: see kvledger.engine.commands._Command.

@@ -62,7 +62,7 @@ from kvledger.journal.contract import (
     StoredEvent,
     StoredReceipt,
 )
-from kvledger.journal.steps import FoldItem, StepColumns, StepRun, StepValues
+from kvledger.journal.step_values import FoldItem, StepColumns, StepRun, StepValues
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
 

@@ -34,16 +34,9 @@ import msgspec
 import zstandard
 
 from kvledger.journal import inflate
-from kvledger.journal.steps import (
-    MARK,
-    ROW_ERRORS,
-    BadRow,
-    StepReader,
-    StepRun,
-    StepValues,
-    block_runs,
-    lower_hex,
-)
+from kvledger.journal.step_reader import BadRow, StepReader, block_runs
+from kvledger.journal.step_rows import MARK, ROW_ERRORS
+from kvledger.journal.step_values import StepRun, StepValues, lower_hex
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
@@ -613,7 +606,7 @@ def block_records(bodies: Sequence[bytes], fold: bool = False) -> list[Record | 
     """decode_record of each body that a commit of decode steps alone writes (a block and
     its context, in format 7), None for the others and for anything amiss in one, which
     decode_record then reads and names. The blocks of one shape are read together, a few
-    array calls for all of them (journal.steps.block_runs), and without the general
+    array calls for all of them (journal.step_reader.block_runs), and without the general
     path's lists and loops (a record at a time, ~40 array calls a block: docs/COMPACT.md,
     step 23)."""
     found: list[Record | None] = [None] * len(bodies)

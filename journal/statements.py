@@ -32,7 +32,7 @@ from kvledger.journal.records import (
     unpack_manifest,
     unpack_prev,
 )
-from kvledger.journal.steps import StepRun, StepValues
+from kvledger.journal.step_values import StepRun, StepValues
 from kvledger.schemas.codec import decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
