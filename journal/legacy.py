@@ -21,8 +21,18 @@ import msgspec
 
 from kvledger.journal import inflate
 from kvledger.journal.inflate import compress, decompressor
-from kvledger.journal.readback import FORMATS, Damage, Record, RecordParts, Steps, cut, expand_receipts, partial_run
+from kvledger.journal.readback import (
+    FORMATS,
+    Damage,
+    Record,
+    RecordParts,
+    Steps,
+    cut,
+    expand_receipts,
+    partial_run,
+)
 from kvledger.journal.step_reader import BadRow, StepReader
+from kvledger.journal.step_rows import ROW_ERRORS, decode_context
 
 
 class Header4(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -111,6 +121,8 @@ def _record(fmt: int, events: list[bytes], receipts: list[bytes], eager: bool) -
         if isinstance(expanded, str):
             return Damage(None, f"its receipts do not fit its events: {expanded}", events)
         return Record(events, expanded)
+    if fmt == 5 and receipts and _is_context(receipts[-1]):  # a format 7 record relabelled 5 (same frame)
+        return Damage(None, "its last receipt is a record's Context: not a format 5 record", events)
     return Record(events, receipts, compact=fmt >= 3)
 
 
@@ -128,3 +140,11 @@ def row_run(reader: StepReader, steps: Steps, items: list[bytes], span: tuple[in
                       steps.json(i + bad.offset))
     steps.add(i, j, run)
     return index + 3 * (j - i)
+
+
+def _is_context(item: bytes) -> bool:
+    try:
+        decode_context(item)
+    except ROW_ERRORS:
+        return False
+    return True

@@ -29,9 +29,9 @@ from kvledger.journal.step_reader import BadRow, StepReader, block_runs
 from kvledger.journal.step_rows import MARK, ROW_ERRORS
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
-# 7: format 6 (journal.legacy) with a run of decode steps as one block of columns
+# 7: format 6 (journal.legacy) with a run of decode steps as one block of columns. Every
+# record is written in it, with its Context whether or not it holds a step.
 FORMAT = 7
-EVENTS_FORMAT = 5  # what a record with no step row is written in
 GENESIS = bytes(32)  # the chain before the first record
 
 
@@ -55,8 +55,9 @@ _FORMAT7 = b"\x94\x07"
 _MARK = bytes([MARK])
 
 
-def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int = EVENTS_FORMAT) -> bytes:
-    """A record of `fmt` (2 to 5) with the receipts in its stored form (3 to 5: compact_receipt)."""
+def encode_record(events: Sequence[bytes], receipts: Sequence[bytes], fmt: int) -> bytes:
+    """A record of `fmt` with the receipts in its stored form (3 and later: compact_receipt;
+    6 and 7: then the Context). The journal writes FORMAT; tests forge the others."""
     crc = zlib.crc32
     return pack_record(RecordParts(
         fmt, list(map(len, events)), list(map(crc, events)), list(map(len, receipts)), list(map(crc, receipts)),
@@ -242,6 +243,8 @@ def audit_items(h: RecordParts, problem: str | None, eager: bool, fold: bool) ->
         if isinstance(found, Damage):
             return found
         index, i = found, j
+    if not blocks and not steps.runs:  # format 6 was written only for a record with a step row
+        return Damage(None, "a format 6 record without a step row", steps.json())
     if not all(ok[n:-1]):
         return Damage(None, problem or "a receipt's bytes do not match their CRC", steps.json())
     if reader is None:

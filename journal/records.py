@@ -66,7 +66,6 @@ from kvledger.journal.readback import (
     expand_receipts,
 )
 from kvledger.journal.record_format import (
-    EVENTS_FORMAT,
     FORMAT,
     GENESIS,
     block_records,
@@ -77,7 +76,6 @@ from kvledger.journal.record_format import (
 from kvledger.journal.record_format import Frame as _Header5
 
 __all__ = [
-    "EVENTS_FORMAT",
     "FORMAT",
     "FORMATS",
     "GENESIS",

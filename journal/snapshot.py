@@ -41,7 +41,8 @@ from kvledger.journal.records import (
     stable_key,
     unpack_prev,
 )
-from kvledger.journal.statements import Row, Statements, T
+from kvledger.journal.statements import Statements, T
+from kvledger.journal.verify_reads import Row
 
 PAGE = 5000
 
