@@ -6,8 +6,8 @@ decode chain's fingerprint derived from its events. Formats 1 to 4 keep their li
 msgpack header (`Header4`). Format 5 moved the lists inside the zstd frame, the frame
 format 7 still has (journal.record_format reads it); its items are events' JSON alone
 (`audit_events`). Format 6 stored decode steps as msgpack rows, one an item
-(journal.step_rows.Step, read by journal.step_reader.StepReader.run); its records are
-audited with format 7's, which holds the same items plus blocks.
+(journal.step_rows.Step, read by `RowReader`); its records are audited with format 7's,
+which holds the same items plus blocks.
 
 `pack_header4` writes formats 2 to 4 for tests that forge an old record; the journal never
 calls it.
@@ -16,6 +16,8 @@ calls it.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -32,7 +34,12 @@ from kvledger.journal.readback import (
     partial_run,
 )
 from kvledger.journal.step_reader import BadRow, StepReader
-from kvledger.journal.step_rows import ROW_ERRORS, decode_context
+from kvledger.journal.step_rows import ROW_ERRORS, _decode_row, _decode_step, decode_context
+from kvledger.journal.step_values import _HALF, _MASK, StepColumns, StepRun, StepValues
+from kvledger.schemas import events as ev
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where a run is read: the API's import loads no numpy
 
 
 class Header4(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -131,6 +138,7 @@ def row_run(reader: StepReader, steps: Steps, items: list[bytes], span: tuple[in
     """Format 6: the rows items[i:j] (span), whose CRCs held, read as one run into `steps`;
     the index of the event after them, or the damage (the steps before it kept)."""
     i, j = span
+    assert isinstance(reader, RowReader)  # audit_items reads a format 6 record with one
     try:
         run = reader.run(items[i:j], index, fold)
     except BadRow as bad:
@@ -148,3 +156,101 @@ def _is_context(item: bytes) -> bool:
     except ROW_ERRORS:
         return False
     return True
+
+
+class RowReader(StepReader):
+    """A format 6 record's reader: its step rows (journal.step_rows.Step, msgpack, one an
+    item) as StepReader reads format 7's blocks."""
+
+    def events(self, row: bytes, at: int) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
+        """The three events of `row`, whose publication is the record's event `at`
+        (counted from 0). Raises ValueError or msgspec's errors for a row that does not
+        rebuild."""
+        return self.values(row, at).events()
+
+    def values(self, row: bytes, at: int) -> StepValues:
+        """The values of a format 6 `row` (see events), its differences resolved."""
+        return self._values(_decode_step(row), at)
+
+    def run(self, rows: list[bytes], at: int, columns: bool = True) -> StepRun:
+        """Consecutive rows of the record, the first its event `at`, read together: with
+        `columns`, their columns for a fold and their values on request; otherwise their
+        values now. Raises BadRow for the first row that does not rebuild."""
+        start, ctx = self._last, self.context
+        if columns:
+            try:
+                cols, self._last, event_id = self._columns(rows)
+            except ROW_ERRORS:
+                pass  # not in the columns' form (a difference stored unsigned, say) or damaged: row by row
+            else:
+                again = self._at(start)
+                return StepRun(ctx.first_position + at, len(rows), cols, event_id,
+                               lambda: [again.values(row, at + 3 * i) for i, row in enumerate(rows)])
+        # Row by row, which names a damaged row as a single read would.
+        values: list[StepValues] = []
+        for i, row in enumerate(rows):
+            try:
+                values.append(self.values(row, at + 3 * i))
+            except ROW_ERRORS as exc:
+                raise BadRow(i, values, exc) from None
+        return StepRun(ctx.first_position + at, len(rows), None, values[-1].event_id, values)
+
+    def _columns(self, rows: list[bytes]) -> tuple[StepColumns, tuple[int, int, int, int, int, int, int], str]:
+        """What `values` gives for each row, as columns of what a fold reads, the reader's
+        state after the last row and its event id. Raises what `values` would (a value
+        out of int64, the columns' range or a clock past int64 also raises: `run` then reads row by row)."""
+        import numpy as np
+
+        ctx, last, n = self.context, self._last, len(rows)
+        cols = list(zip(*map(_decode_row, rows)))
+        nstreams, nprefixes = len(ctx.streams), len(ctx.prefixes)
+        (ptxn_prefix, ptxn), (stxn_prefix, stxn) = zip(*cols[8]), zip(*cols[9])
+        calls = [c for c in cols[18] if c is not None]
+        _check(cols[5], nprefixes)
+        if calls:
+            _check([c.prefix for c in calls], nprefixes)
+        a, i64 = np.array, np.int64
+        mono = _running(a(cols[3], i64), last[1])
+        if int(mono.max()) >= _HALF:  # a clock a fold cannot hold in int64: read row by row
+            raise OverflowError("a monotonic clock past int64")
+        ptxn_n, stxn_n = _running(a(ptxn, i64), last[4]), _running(a(stxn, i64), last[5])
+        op = (last[3] + sum(cols[6])) & _MASK
+        wall = (last[2] + sum(cols[3]) + sum(cols[4])) & _MASK
+        state = ((last[0] + 3 * n + sum(cols[2])) & _MASK, int(mono[-1]), wall, op, int(ptxn_n[-1]), int(stxn_n[-1]),
+                 (last[6] + sum(c.counter for c in calls)) & _MASK)
+        columns = StepColumns(
+            _indexes(cols[0], nstreams), a(cols[1], i64), mono.view(i64), a(cols[10], i64), a(cols[11], i64),
+            a(cols[14], i64), a(cols[17], i64), _indexes(ptxn_prefix, nprefixes), ptxn_n,
+            _indexes(stxn_prefix, nprefixes), stxn_n, ctx.streams, ctx.prefixes)
+        gaps = cols[7][-1]
+        return columns, state, f"{ctx.prefixes[cols[5][-1]]}{(op + gaps[0] + gaps[1] + gaps[2]) & _MASK:016x}"
+
+
+def _check(values: Sequence[int], size: int) -> bool:
+    """Whether `values` index a list of `size` as a list index takes them (negative
+    from the end): IndexError for one out of range, as the list would raise; False
+    when one is negative."""
+    if not values:
+        return True
+    low = min(values)
+    if low < -size or max(values) >= size:
+        raise IndexError("a row's index is out of its record's table")
+    return low >= 0
+
+
+def _indexes(values: Sequence[int], size: int) -> np.ndarray:
+    """`values` as indexes into a list of `size` (checked by `_check`), none negative."""
+    import numpy as np
+
+    a = np.array(values, np.int64)
+    return a if _check(values, size) else a % size
+
+
+def _running(diffs: np.ndarray, start: int) -> np.ndarray:
+    """Values stored as differences from the one before, the first from `start`, modulo
+    2**64 (uint64 sums wrap exactly so)."""
+    import numpy as np
+
+    values = diffs.view(np.uint64)  # in place: the caller's array is its own
+    values[:1] += np.uint64(start)  # an array's sum wraps silently; a scalar's warns
+    return values.cumsum(out=values)

@@ -23,7 +23,7 @@ import zstandard
 
 from kvledger.journal import inflate
 from kvledger.journal.inflate import compress, decompressor
-from kvledger.journal.legacy import pack_header4, row_run
+from kvledger.journal.legacy import RowReader, pack_header4, row_run
 from kvledger.journal.readback import FORMATS, Damage, Record, RecordParts, Steps, cut, partial_run
 from kvledger.journal.step_reader import BadRow, StepReader, block_runs
 from kvledger.journal.step_rows import MARK, ROW_ERRORS
@@ -201,7 +201,7 @@ def audit_items(h: RecordParts, problem: str | None, eager: bool, fold: bool) ->
     why = problem or "its context's bytes do not match their CRC"
     if ok[-1]:
         try:
-            reader = StepReader(parts[-1])
+            reader = (StepReader if h.format == 7 else RowReader)(parts[-1])
         except ROW_ERRORS as exc:
             why = f"its context does not decode: {exc}"
     steps = Steps(parts[:n], reader)  # type: ignore[arg-type]  # used only once a row needs it

@@ -11,6 +11,10 @@ One transaction per `append` call:
      with a failed guard writes nothing (savepoint when an operation spans handles);
   4. insert events with their global positions, receipts and manifests;
   5. commit. Nothing is acknowledged before the commit returns.
+
+journal.batching decides what it can before the statements (validation, chains, rounds,
+guarded updates), journal.record_rows builds the commit's record, journal.connection
+opens the engine.
 """
 
 from __future__ import annotations

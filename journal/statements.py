@@ -41,8 +41,8 @@ from kvledger.schemas.events import Event
 
 _json_encode = msgspec.json.Encoder().encode
 
-T = TypeVar("T")
 # Cursors and connections are the driver's (sqlite3, psycopg): typed Any at that boundary.
+T = TypeVar("T")
 # (global_position, event_id, stream_id, stream_position, event_type, schema_version,
 #  operation_id, body)
 EventRow = tuple[int, str, str, int, str, int, str | None, bytes]

@@ -96,7 +96,7 @@ def decode_context(data: bytes) -> Context:
 # A row as a tuple of Step's fields, checked as Step is: a run's rows transpose into columns.
 _ROW = tuple.__class_getitem__(tuple(f.type for f in msgspec.structs.fields(Step)))
 _decode_row = msgspec.msgpack.Decoder(_ROW).decode
-# What a row that does not rebuild raises (StepReader.values, StepReader.run).
+# What a row that does not rebuild raises (journal.legacy.RowReader.values and .run).
 ROW_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError, TypeError, OverflowError)
 
 

@@ -31,8 +31,9 @@ stores a record's run of steps as one block of the same values, column by column
 (journal.blocks), so that a fold reads a run as arrays rather than decoding it row by
 row. Both are read; what a reader gives is the same for either.
 
-This module writes them (StepWriter); journal.step_values holds a step's values,
-journal.step_rows the stored layout and journal.step_reader reads it back. The names
+This module writes them (StepWriter, format 7 only); journal.step_values holds a step's
+values, journal.step_rows the stored layout, journal.step_reader reads blocks back and
+journal.legacy.RowReader format 6's rows. The names
 the other layers and the tests import from here stay importable from here.
 """
 
