@@ -36,7 +36,7 @@ import zmq
 
 from kvledger.adapters.kv_events_wire import END_SEQ, encode_batch, seq_bytes
 from kvledger.adapters.kv_events_zmq import Stop
-from kvledger.journal.contract import Journal
+from kvledger.journal.port import Journal
 from kvledger.replay.kv_blocks import KvBlocks, kv_head, resident
 from kvledger.schemas import events as ev
 from kvledger.schemas.errors import ErrorCode, KvLedgerError

@@ -31,7 +31,8 @@ from kvledger.adapters.kv_events_recorder import MAX_HELD_BYTES, Recorder, Summa
 
 __all__ = ["Committed", "RecordOptions", "Stop", "Summary", "install_signals", "record"]
 from kvledger.adapters.kv_events_wire import seq_bytes
-from kvledger.journal.contract import Journal, Rejection
+from kvledger.journal.contract import Rejection
+from kvledger.journal.port import Journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 log = logging.getLogger("kvledger.kv_events")

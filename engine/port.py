@@ -14,7 +14,7 @@ from typing import Protocol, Self, runtime_checkable
 
 from kvledger.engine import commands as c
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import Journal
+from kvledger.journal.port import Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.receipts import Receipt

@@ -39,7 +39,7 @@ from kvledger.engine.port import CommandPort, CommitHook, RejectHook
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.journal import tuning
-from kvledger.journal.contract import Journal
+from kvledger.journal.port import Journal
 from kvledger.journal.sql import SqlJournal, open_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event

@@ -26,7 +26,8 @@ from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import Check, Journal, Operation, Rejection, StreamWrite
+from kvledger.journal.contract import Check, Operation, Rejection, StreamWrite
+from kvledger.journal.port import Journal
 from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json

@@ -1,20 +1,25 @@
 """The durable journal: the conditional-write append, reads by stream and by global
-position, receipts, manifests and projection checkpoints, on SQLite and PostgreSQL."""
+position, receipts, manifests and projection checkpoints, on SQLite and PostgreSQL.
 
+journal.port says what a backend does, journal.backends lists the backends, and this
+package's names are the entry points the layers above use."""
+
+from kvledger.journal.backends import BACKENDS, open_journal
 from kvledger.journal.contract import (
     Check,
     Guard,
     HeadFacts,
-    Journal,
     Operation,
     Rejection,
     StreamWrite,
 )
-from kvledger.journal.sql import SqlJournal, make_engine, open_journal
+from kvledger.journal.port import Journal
+from kvledger.journal.sql import SqlJournal, make_engine
 from kvledger.journal.tables import SCHEMA_REVISION
 from kvledger.journal.url import DEFAULT_URL, parse_url, redact, resolve_url
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_URL",
     "SCHEMA_REVISION",
     "Check",

@@ -4,7 +4,7 @@ step 21).
 Format 6 stored each decode step as a msgpack row, one item with one CRC: replaying a
 record of 64 steps decoded 64 rows, cut and checked 64 items, and moved every value
 through Python before numpy saw it (~2.5 µs of a replayed token's ~4.5). Format 7 stores a
-run of consecutive steps as one item: the same values (journal.steps.Step, as the
+run of consecutive steps as one item: the same values (journal.step_rows.Step, as the
 thirty int64s below) column by column, each column as wide as its values need, then the
 row digests, then a CRC-32 a step. A reader checks the item's one CRC and reads each width
 group with one `numpy.frombuffer`. The CRC column is read only when the item's CRC fails:
@@ -25,8 +25,8 @@ The thirty values, ordered so that a run's checks are slices:
            txn, start txn, call counter
 Without a call its columns are 0 (NO_CALL); without a digest its bytes are.
 
-journal.steps imports this module where a block is written or read: the journal's API
-imports no numpy (tests/test_layers.py).
+journal.steps and journal.step_reader import this module where a block is written or read:
+the journal's API imports no numpy (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvledger.journal.steps import MARK, Row
+from kvledger.journal.step_rows import MARK, Row
 
 VALUES = 30
 HEADER = 5 + VALUES

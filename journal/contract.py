@@ -1,4 +1,5 @@
-"""The journal contract: what every backend must do, independent of SQL.
+"""The values a journal takes and gives, independent of any backend (journal.port says
+what a backend does with them).
 
 One operation = the events of one or more streams (handles) that commit together or
 not at all. `append` takes many operations and commits them in one transaction
@@ -8,10 +9,8 @@ rejected while the others commit. The guarded head update is the linearization p
 
 from __future__ import annotations
 
-import abc
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -19,7 +18,7 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
 
 if TYPE_CHECKING:
-    from kvledger.journal.steps import FoldItem, StepValues  # it imports this module
+    from kvledger.journal.step_values import StepValues
 
 
 # gc=False on the write path's structs: see kvledger.engine.commands._Command.
@@ -170,126 +169,3 @@ class ImportTables(msgspec.Struct, frozen=True):
     heads: Mapping[str, HeadFacts]
     receipts: Sequence[Receipt]
     manifests: Sequence[tuple[str, bytes]] = ()
-
-
-class Snapshot(abc.ABC):
-    """Every read of one audit, in one database snapshot: a writer committing meanwhile
-    is either wholly visible or not at all, so events, receipts and heads agree."""
-
-    @abc.abstractmethod
-    def events(self) -> Iterator[StoredEvent | StoredDamage]:
-        """Event rows in global_position order, fetched in pages; what a stored record's
-        audit finds wrong (its chain, CRCs, positions, lookup rows) where it finds it."""
-
-    @abc.abstractmethod
-    def receipts(self) -> Iterator[StoredReceipt]: ...
-
-    @abc.abstractmethod
-    def heads(self) -> dict[str, HeadFacts]: ...
-
-    @abc.abstractmethod
-    def manifest(self, manifest_sha256: str) -> Any:
-        """The stored manifest body (bytes unless damaged), or None."""
-
-    @abc.abstractmethod
-    def integrity(self) -> Integrity:
-        """The database's own storage check (SQLite quick_check, PostgreSQL amcheck)."""
-
-    @abc.abstractmethod
-    def chain_at(self, position: int | None = None) -> ChainAt:
-        """The record chain at `position` (None: at the journal's end): what an anchor
-        (`kvledger head`) records and `verify --expect` compares."""
-
-
-class Journal(abc.ABC):
-    """Abstract recorder. Implementations: journal.sql.SqlJournal (SQLite, PostgreSQL)."""
-
-    display_url: str  # the journal's location for messages, password redacted
-
-    @abc.abstractmethod
-    def append(self, operations: Sequence[Operation]) -> list[Receipt | Rejection]:
-        """Commit every operation whose guards hold, in one transaction, in order.
-        Results are positional. Nothing is acknowledged before the commit returns."""
-
-    def append_deferred(self, operations: Sequence[Operation]) -> Callable[[], list[Receipt | Rejection]]:
-        """`append` in two halves: the transaction's statements run now, and the returned
-        function waits until the commit is durable and returns append's results. In
-        between the caller may compute (a worker runs its next model call while the fsync
-        happens), but must call it, from the same thread, before using this journal again.
-        Nothing is acknowledged before it returns. This default commits at once."""
-        results = self.append(operations)
-        return lambda: results
-
-    @abc.abstractmethod
-    def read_stream(self, handle_id: str, after: int = 0) -> list[Event]:
-        """Events of one handle with stream_position > after, in order."""
-
-    @abc.abstractmethod
-    def read_all(self, after: int = 0, limit: int | None = None) -> Iterator[Event]:
-        """Events with global_position > after, in global order."""
-
-    def read_fold(self, after: int = 0) -> Iterator[FoldItem]:
-        """read_all for a projector: a backend that stores decode steps as rows (record
-        format 6) may give such a step as its StepValues in place of its three events,
-        or consecutive steps of a record as one StepRun."""
-        return self.read_all(after)
-
-    @abc.abstractmethod
-    def read_raw(self, after: int = 0, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
-        """(global_position, stored bytes), exactly as written: for export and audit."""
-
-    @abc.abstractmethod
-    def head(self, handle_id: str) -> HeadFacts | None: ...
-
-    @abc.abstractmethod
-    def heads(self, *, prefix_identity_sha256: str | None = None) -> dict[str, HeadFacts]: ...
-
-    def existing(self, handle_ids: Sequence[str]) -> set[str]:
-        """Which of `handle_ids` have a stream (every stream has a head). A backend may
-        answer in one read; the command service asks before it allocates handles it has
-        not seen, rather than reading each one's stream."""
-        return {h for h in handle_ids if self.head(h) is not None}
-
-    @abc.abstractmethod
-    def receipt(self, operation_id: str) -> Receipt | None: ...
-
-    @abc.abstractmethod
-    def last_position(self) -> int: ...
-
-    @abc.abstractmethod
-    def manifest(self, manifest_sha256: str) -> bytes | None: ...
-
-    @abc.abstractmethod
-    def save_checkpoint(self, name: str, position: int, state: bytes) -> None: ...
-
-    @abc.abstractmethod
-    def load_checkpoint(self, name: str) -> tuple[int, bytes] | None: ...
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- audit copies (replay/import, verify) --------------------------------------
-
-    @abc.abstractmethod
-    def import_events(self, events: Iterable[tuple[Event, bytes]],
-                      tables: Callable[[], ImportTables]) -> None:
-        """Load an exported journal into this empty one in one transaction: each stored
-        body verbatim at its envelope's global position, then the head rows, receipts
-        and manifests `tables()` derived from those events once they are all read.
-        `events` is consumed inside the transaction (a stream need not fit in memory);
-        whatever it raises rolls everything back. A journal that already has events,
-        heads or receipts is refused (INVALID_ARGUMENT) before `events` is touched."""
-
-    @abc.abstractmethod
-    def snapshot(self) -> contextlib.AbstractContextManager[Snapshot]:
-        """One read-only snapshot of the whole journal, for verify."""
-
-    @abc.abstractmethod
-    def read_receipts(self) -> Iterator[Receipt]:
-        """Every stored receipt, in order of first global position."""

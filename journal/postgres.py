@@ -30,8 +30,10 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults, tuning
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.journal.record_rows import RecordRow
 from kvledger.journal.records import stab
-from kvledger.journal.statements import EventRow, ReceiptRow, RecordRow, Row, Statements, T, _head_columns
+from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T, _head_columns
+from kvledger.journal.verify_reads import Row
 
 _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}

@@ -24,11 +24,11 @@ from kvledger.journal.contract import (
     ChainAt,
     HeadFacts,
     Integrity,
-    Snapshot,
     StoredDamage,
     StoredEvent,
     StoredReceipt,
 )
+from kvledger.journal.port import Snapshot
 from kvledger.journal.records import (
     GENESIS,
     PREV_INDEXED,
@@ -41,7 +41,8 @@ from kvledger.journal.records import (
     stable_key,
     unpack_prev,
 )
-from kvledger.journal.statements import Row, Statements, T
+from kvledger.journal.statements import Statements, T
+from kvledger.journal.verify_reads import Row
 
 PAGE = 5000
 

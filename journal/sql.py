@@ -11,162 +11,61 @@ One transaction per `append` call:
      with a failed guard writes nothing (savepoint when an operation spans handles);
   4. insert events with their global positions, receipts and manifests;
   5. commit. Nothing is acknowledged before the commit returns.
+
+journal.batching decides what it can before the statements (validation, chains, rounds,
+guarded updates), journal.record_rows builds the commit's record, journal.connection
+opens the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
 import msgspec
-from sqlalchemy import create_engine, event
-from sqlalchemy.engine import URL, Engine
-from sqlalchemy.pool import NullPool, StaticPool
+from sqlalchemy.engine import URL
 
 from kvledger.journal import faults, tuning
-from kvledger.journal.contract import (
-    Guard,
-    HeadFacts,
-    ImportTables,
-    Journal,
-    Operation,
-    Rejection,
-    Snapshot,
-    StreamWrite,
-    guard_of,
+from kvledger.journal.batching import (
+    apply_round,
+    chains,
+    conflict,
+    leaves_phantoms,
+    phantom_base,
+    refused_after,
+    rounds,
+    stored_receipt,
+    validate,
 )
+from kvledger.journal.connection import ConnectionLock, make_engine
+from kvledger.journal.contract import Guard, HeadFacts, ImportTables, Operation, Rejection, StreamWrite
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
-from kvledger.journal.records import (
-    EVENTS_FORMAT,
-    FORMAT,
-    PREV_NONE,
-    compact_parts,
-    counted_keys,
-    encode_record,
-    id_keys,
-    id_runs,
-    manifest_ref,
-    pack_manifest,
-    pack_prev,
-)
-from kvledger.journal.records import chain as link
-from kvledger.journal.statements import EventRow, RecordRow, Statements, T
-from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
-from kvledger.journal.steps import FoldItem, Row, StepWriter
-from kvledger.journal.tables import (
-    JOURNAL_TABLES,
-    REVISIONS,
-    SCHEMA_REVISION,
-    VERSION_TABLE,
-    too_new,
-)
+from kvledger.journal.keys import PREV_NONE, counted_keys, id_keys, id_runs
+from kvledger.journal.manifests import pack_manifest
+from kvledger.journal.port import Journal, Snapshot
+from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
+from kvledger.journal.statements import EventRow, Statements, T
+from kvledger.journal.step_values import FoldItem
+from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, too_new
 from kvledger.journal.url import parse_url, redact
-from kvledger.schemas.codec import MAX_EVENT_BYTES, encode_event
-from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-from kvledger.schemas.events import CURRENT_VERSION, Event, RequestAllocate
-from kvledger.schemas.receipts import (
-    HandleResult,
-    Receipt,
-    receipt_decoder,
-    receipt_encoder,
-)
+from kvledger.schemas.events import Event
+from kvledger.schemas.receipts import Receipt, receipt_decoder, receipt_encoder
 
 READ_PAGE = 5000
 IMPORT_PAGE_BYTES = 16 << 20  # an import inserts events in pages of at most this many body bytes
-
-
-def make_engine(url: URL) -> Engine:
-    if url.drivername.startswith("sqlite"):
-        memory = url.database in (None, "", ":memory:")
-        engine = create_engine(
-            url,
-            poolclass=StaticPool if memory else NullPool,
-            connect_args={"check_same_thread": False, "timeout": 60},
-        )
-        event.listen(engine, "connect", _sqlite_pragmas)
-        return engine
-    from kvledger.journal.postgres import polling_connect
-
-    engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
-    event.listen(engine, "do_connect", polling_connect)
-    return engine
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    # Takes effect on a new file only (an existing one keeps its pages). The journal is
-    # compressed records in overflow chains and small index rows: 1 KB pages leave a
-    # quarter of the slack 4 KB ones do: 264 against 308 bytes a decoded token, for about
-    # 8% of the write rate and no measured replay cost (docs/COMPACT.md, step 5). Before
-    # WAL: WAL fixes the page size.
-    cur.execute("PRAGMA page_size=1024")
-    # WAL lets readers run beside the writer; FULL fsyncs the WAL at every commit, which
-    # is what makes an acknowledged commit survive power loss (kill -9 alone can't tell).
-    _retry_busy(lambda: cur.execute("PRAGMA journal_mode=WAL"))
-    cur.execute("PRAGMA synchronous=FULL")
-    cur.execute("PRAGMA busy_timeout=60000")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
-
-
-def _retry_busy(fn: Callable[[], Any], seconds: float = 60.0) -> Any:
-    """Switching a new file to WAL needs an exclusive lock, and SQLite refuses it at once
-    (SQLITE_BUSY without calling the busy handler) while another process is opening the
-    same new file: retry for as long as the busy timeout would have waited."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return fn()
-        except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in (5, 6) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.005)
 
 
 def open_journal(raw_url: str) -> SqlJournal:
     """Open a migrated journal. An un-migrated database is NOT_MIGRATED (run `kvledger init`)."""
     url = parse_url(raw_url)
     return SqlJournal(url)
-
-
-class _ConnectionLock:
-    """The lock of the journal's one connection: reentrant, as the journal's own methods
-    nest. Between append_deferred and its wait the connection is mid-COMMIT on the
-    committer thread while the caller's thread still holds this lock, so an entry by that
-    thread (a worker's on_step reading the journal while its next batch is built) first
-    waits for the COMMIT to finish; it never shares the connection with it. Other
-    threads wait for the release, as with any lock."""
-
-    __slots__ = ("_lock", "committing")
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self.committing: Future[Any] | None = None  # the deferred COMMIT in flight, if any
-
-    def acquire(self) -> None:
-        self._lock.acquire()
-        committing = self.committing
-        if committing is not None:
-            wait_for((committing,))  # its outcome is the deferred wait's to report
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> None:
-        self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class SqlJournal(Journal):
@@ -181,7 +80,7 @@ class SqlJournal(Journal):
             from kvledger.journal.postgres import PostgresStatements as backend
         self._proxy = None
         self._pid = os.getpid()
-        self._lock = _ConnectionLock()
+        self._lock = ConnectionLock()
         self._committer: ThreadPoolExecutor | None = None  # append_deferred's COMMIT thread
         # The single-statement append (see _append_speculative): the last global position
         # this connection committed, and a back-off after mispredictions.
@@ -235,7 +134,7 @@ class SqlJournal(Journal):
         if not operations:
             return []
         for op in operations:
-            _validate(op)
+            validate(op)
         self._check_process()
         with self._lock:
             if faults.INTENTS:
@@ -267,7 +166,7 @@ class SqlJournal(Journal):
         if not operations or not self.sql.deferred_commit:
             return super().append_deferred(operations)
         for op in operations:
-            _validate(op)
+            validate(op)
         self._check_process()
         self._lock.acquire()
         if faults.INTENTS:
@@ -345,14 +244,15 @@ class SqlJournal(Journal):
         last = self._predicted
         assert last is not None
         results: list[Receipt | Rejection | None] = [None] * len(ops)
-        record, _, position = self._rows(ops, range(len(ops)), results, last, self._predicted_chain, set(), prevs)
+        record, _, position = self._record(ops, range(len(ops)), results,
+                                           Base(last, self._predicted_chain, time.time_ns(), set(), prevs))
         assert record is not None  # every operation writes an event
         fault("before_update")
-        event_ids = [e for r in results if isinstance(r, Receipt) for e in r.event_ids]  # _rows made each
+        event_ids = [e for r in results if isinstance(r, Receipt) for e in r.event_ids]  # build_record made each
         if self.sql.append_if(updates, record, list(op_ids), event_ids, last):
-            self._predicted, self._predicted_chain, self._misses = position, record[2], 0
+            self._predicted, self._predicted_chain, self._misses = position, record.chain, 0
             self._remember()
-            return results  # type: ignore[return-value]  # _rows filled every slot
+            return results  # type: ignore[return-value]  # build_record filled every slot
         # Another writer moved the journal (or a guard failed, or this is a retry): back
         # off exponentially so a contended journal does not pay a wasted round trip each time.
         self._misses = min(self._misses + 1, 6)
@@ -388,9 +288,9 @@ class SqlJournal(Journal):
             op_id = op.operation_id
             if op_id in stored:
                 fingerprint, body = stored[op_id]
-                results[i] = _stored_receipt(op, fingerprint, body)
+                results[i] = stored_receipt(op, fingerprint, body)
                 if isinstance(results[i], Rejection):
-                    _leaves_phantoms(op, phantoms)
+                    leaves_phantoms(op, phantoms)
             elif op_id in first_in_batch:
                 continue  # resolved against the first occurrence after the rounds
             else:
@@ -404,25 +304,25 @@ class SqlJournal(Journal):
         # point their heads at it, and insert_record then rewrites only the other heads.
         predicted = last + (len(event_ids) if len(pending) == len(ops) else sum(len(owned[i]) for i in pending))
         fault("before_update")
-        for round_ in _rounds(ops, _chains(ops, pending)):
+        for round_ in rounds(ops, chains(ops, pending)):
             rejected: dict[int, Rejection] = {}
             live = round_
             if phantoms:
                 live = []
                 for unit in round_:
-                    if (handle := _phantom_base(ops[unit[0]], phantoms)) is None:
+                    if (handle := phantom_base(ops[unit[0]], phantoms)) is None:
                         live.append(unit)
                     else:
-                        rejected.update((i, _refused_after(ops[i], handle)) for i in unit)
+                        rejected.update((i, refused_after(ops[i], handle)) for i in unit)
             if live:
-                rejected.update(self._apply_round(cur, ops, live, predicted))
+                rejected.update(apply_round(self.sql, cur, ops, live, predicted))
             for i, rejection in rejected.items():
                 results[i] = rejection
-                _leaves_phantoms(ops[i], phantoms)
+                leaves_phantoms(ops[i], phantoms)
         fault("after_update")
-        record, manifest_rows, self._committed = self._rows(ops, pending, results, last, chain, taken, prevs, keys,
-                                                            owned, runs)
-        self._committed_chain = chain if record is None else record[2]
+        record, manifest_rows, self._committed = self._record(
+            ops, pending, results, Base(last, chain, time.time_ns(), taken, prevs), Known(keys, owned, runs))
+        self._committed_chain = chain if record is None else record.chain
         if len(first_in_batch) + len(stored) < len(ops):
             for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
                 if results[i] is None:
@@ -430,17 +330,17 @@ class SqlJournal(Journal):
                     results[i] = (
                         original
                         if isinstance(original, Receipt) and original.fingerprint == op.fingerprint
-                        else _conflict(op)
+                        else conflict(op)
                     )
         if record is not None:
             pointed: set[str] = set()
-            if self.sql.points_heads and record[0] == predicted:  # nothing refused: the prediction held
+            if self.sql.points_heads and record.last_position == predicted:  # nothing refused: the prediction held
                 pointed = {w.handle_id for i in pending for w in ops[i].writes if w.expected is not None}
             self.sql.insert_record(cur, record, pointed)
         if manifest_rows:
             self.sql.insert_manifests(cur, list(manifest_rows.items()))
         fault("before_commit")
-        return results  # type: ignore[return-value]  # stored, rejected, _rows or the retry loop filled each slot
+        return results  # type: ignore[return-value]  # stored, rejected, build_record or the retry loop filled each slot
 
     def _prevs(self, cur: Any, ops: Sequence[Operation], indexes: list[int],
                results: list[Receipt | Rejection | None]) -> dict[str, int]:
@@ -475,169 +375,14 @@ class SqlJournal(Journal):
         self._tails.update(self._uncommitted)
         self._uncommitted = {}
 
-    def _rows(
-        self, ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None],
-        last: int, chain: bytes, taken: set[str], prevs: dict[str, int], keys: dict[str, int] | None = None,
-        owned: list[list[str]] | None = None, all_runs: list[tuple[int, int]] | None = None,
-    ) -> tuple[RecordRow | None, dict[str, bytes], int]:
-        """The record (linked to `chain`) and the manifest rows of the operations at
-        `indexes` not yet decided in `results`, at global positions after `last`; fills
-        in their receipts. Returns them and the last position used. `prevs`: the last
-        record of each existing handle it may write (SqlStatements.last_records; a handle
-        not in it is new: PREV_NONE). An event id in
-        `taken` (already stored) or written twice is CONSTRAINT_VIOLATION: nothing of
-        the batch may commit (the caller's transaction rolls back). `keys`: the ids'
-        keys, if known (records.id_keys); `owned`: each operation's event ids, if known;
-        `all_runs`: id_runs of every id in `keys`, the record's when it writes them all."""
+    def _record(self, ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None],
+                base: Base, known: Known | None = None) -> tuple[RecordRow | None, dict[str, bytes], int]:
+        """build_record's record, manifest rows and last position; the handles it writes
+        wait in _uncommitted for the commit."""
         self._uncommitted = {}  # a refused earlier attempt (the fast path) committed nothing
-        now = time.time_ns()
-        bodies: list[bytes | Row] = []  # events' JSON, and decode steps' rows (StepWriter.pack)
-        receipts: list[bytes] = []
-        tails: dict[str, int] = {}  # each handle written, in the order its events first name it
-        event_ids: set[str] = set()  # the record's: an event id is unique (an operation id may equal one)
-        op_ids: list[str] = []
-        manifest_rows: dict[str, bytes] = {}
-        allocated: dict[str, int] = {}  # manifest digest -> position of the event that holds it
-        add_body, add_receipt = bodies.append, receipts.append
-        encode, replace, encode_receipt = encode_event, msgspec.structs.replace, compact_parts
-        steps = StepWriter(last + 1, now)
-        step_row = steps.row
-        position = last
-        for i in indexes:
-            if results[i] is not None:
-                continue
-            op = ops[i]
-            op_id = op.operation_id
-            first = position + 1
-            own: list[str] = []
-            handles: list[HandleResult] = []
-            heads: list[int] = []  # the compact receipt's (records.compact_parts)
-            row = step_row(op) if op.derived else None  # a decode step: one row (journal.steps)
-            if row is not None:
-                add_body(row)
-                own += op.event_ids() if owned is None else owned[i]
-                position += 3
-            for write in op.writes:
-                if row is None:
-                    for ev in op.write_events(write):
-                        position += 1
-                        stored = encode(replace(ev, global_position=position))
-                        if len(stored) > MAX_EVENT_BYTES:  # decode_event refuses it: it would poison every read
-                            raise _too_large(op, ev.event_id, len(stored))
-                        add_body(stored)
-                        own.append(ev.event_id)
-                        if op.manifests and isinstance(ev.payload, RequestAllocate):
-                            allocated[ev.payload.manifest_sha256] = position
-                h = write.head
-                tails[write.handle_id] = h.stream_position
-                handles.append(HandleResult(write.handle_id, h.generation, h.snapshot_version,
-                                            h.stream_position, h.committed_length))
-                heads += (h.generation, h.snapshot_version, h.committed_length)
-            receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(own), first, position, now)
-            if row is None:  # a row's receipt is rebuilt from it
-                add_receipt(encode_receipt(len(own), None if op.derived else op.fingerprint, now, heads))
-            event_ids.update(own)
-            op_ids.append(op_id)
-            for sha, manifest in op.manifests:  # where its allocation holds it, or itself
-                manifest_rows[sha] = manifest_ref(allocated[sha]) if sha in allocated else pack_manifest(manifest)
-            results[i] = receipt
-        if not bodies:
-            return None, manifest_rows, position
-        if len(event_ids) != position - last or not taken.isdisjoint(event_ids):
-            raise _reused_id(ops, op_ids, taken)
-        if steps.count:
-            receipts.append(steps.context())
-        # pack passes a record without steps through as it is (all events' bytes)
-        body = encode_record(steps.pack(bodies), receipts, FORMAT if steps.count else EVENTS_FORMAT)
-        written = event_ids.union(op_ids)
-        if keys is None:
-            runs = id_runs(id_keys(written))
-        elif all_runs is not None and len(written) == len(keys):  # written is a subset of keys' ids
-            runs = all_runs
-        else:
-            runs = id_runs([keys[i] for i in written])
-        streams = list(tails)
-        prev = pack_prev([prevs.get(h, PREV_NONE) for h in streams])
-        record = (position, last + 1, link(chain, body), body, streams, prev, runs)
-        self._uncommitted = {h: (p, position) for h, p in tails.items()}
-        return record, manifest_rows, position
-
-    def _apply_round(self, cur: Any, ops: Sequence[Operation], units: list[list[int]],
-                     last_record: int | None = None) -> dict[int, Rejection]:
-        """Apply the guards of the units of one round (disjoint handles). A unit is one
-        operation, or a chain of single-handle operations each starting from the head the
-        previous one leaves: one guarded update from the chain's first base to its last
-        head decides all of them. Returns the rejected operations; a rejected one leaves
-        no row changed."""
-        spans = False
-        updates: list[tuple[StreamWrite, Guard]] = []
-        creates: list[StreamWrite] = []
-        checks: list[tuple[str, Guard]] = []
-
-        def collect(unit: list[int]) -> None:
-            nonlocal spans
-            op = ops[unit[0]]
-            if len(unit) > 1:  # a chain: first base, last head
-                first, last = op.writes[0], ops[unit[-1]].writes[0]
-                assert first.expected is not None  # _chains joins only guarded writes
-                updates.append((StreamWrite(first.handle_id, first.expected, last.head, ()), first.expected))
-                return
-            spans = spans or len(op.writes) + len(op.checks) > 1
-            for w in op.writes:
-                if w.expected is None:
-                    creates.append(w)
-                else:
-                    updates.append((w, w.expected))
-            if op.checks:
-                checks.extend((c.handle_id, c.expected) for c in op.checks)
-
-        for unit in units:
-            collect(unit)
-        if spans:
-            self.sql.savepoint(cur)
-        rejected: dict[int, Rejection] = {}
-        live = units
-        while True:
-            ok = self.sql.guarded_update(cur, updates, last_record)
-            if creates:
-                ok |= self.sql.create_heads(cur, creates)
-            checked = self.sql.check_heads(cur, checks) if checks else set()
-            if len(ok) == len(updates) + len(creates) and len(checked) == len(checks):
-                break  # every guard held (handles are distinct within a round)
-            partial = False
-            for unit in live:
-                op = ops[unit[0]]
-                failed = [w for w in op.writes if w.handle_id not in ok]
-                failed_checks = [c for c in op.checks if c.handle_id not in checked]
-                if not failed and not failed_checks:
-                    continue
-                if len(failed) < len(op.writes):
-                    partial = True  # some rows of this operation changed: undo the round
-                if failed:
-                    w = failed[0]
-                    code = ErrorCode.STALE_BASE if w.expected else ErrorCode.HANDLE_EXISTS
-                    handle = w.handle_id
-                else:
-                    code, handle = ErrorCode.STALE_BASE, failed_checks[0].handle_id
-                rejected[unit[0]] = Rejection(
-                    operation_id=op.operation_id,
-                    code=code.value,
-                    handle_id=handle,
-                    message=(f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
-                             else f"head of {handle} moved past the expected base"),
-                )
-                # the rest of a chain (only guarded writes chain: STALE_BASE after its first)
-                rejected.update((i, _refused_after(ops[i], handle)) for i in unit[1:])
-            if not partial:
-                break
-            self.sql.rollback_to_savepoint(cur)
-            live = [u for u in live if u[0] not in rejected]
-            updates, creates, checks = [], [], []
-            for unit in live:
-                collect(unit)
-        if spans:
-            self.sql.release_savepoint(cur)
-        return rejected
+        written = build_record(ops, indexes, results, base, known)
+        self._uncommitted = written.tails
+        return written.record, written.manifests, written.position
 
     # -- reading -----------------------------------------------------------------
 
@@ -827,163 +572,6 @@ class _StoredVersion(msgspec.Struct):
 
 
 _stored_version = msgspec.json.Decoder(_StoredVersion)
-
-
-def _leaves_phantoms(op: Operation, phantoms: dict[str, Guard]) -> None:
-    """`op` is not applied: the heads it would have left are phantoms (see _append)."""
-    phantoms.update((w.handle_id, guard_of(w.head)) for w in op.writes)
-
-
-def _phantom_base(op: Operation, phantoms: dict[str, Guard]) -> str | None:
-    """The handle whose base `op` names is a head that a refused operation of its batch
-    would have left, if any."""
-    for w in op.writes:
-        if w.expected is not None and phantoms.get(w.handle_id) == w.expected:
-            return w.handle_id
-    for c in op.checks:
-        if phantoms.get(c.handle_id) == c.expected:
-            return c.handle_id
-    return None
-
-
-def _refused_after(op: Operation, handle: str) -> Rejection:
-    return Rejection(operation_id=op.operation_id, code=ErrorCode.STALE_BASE.value, handle_id=handle,
-                     message=f"an earlier operation on {handle} in this batch was refused")
-
-
-def _chains(ops: Sequence[Operation], indexes: list[int]) -> list[list[int]]:
-    """Group operations into units. Consecutive single-handle operations on a handle
-    where each names as its base exactly the head the previous one writes (what the
-    command service builds when one batch publishes, emits and starts on a handle)
-    become one chain: sequentially they succeed or fail together anyway, and one
-    guarded update instead of one per operation is what makes them cheap."""
-    units: list[list[int]] = []
-    tail: dict[str, tuple[list[int], HeadFacts]] = {}  # handle -> (open chain, head it leaves)
-    for i in indexes:
-        op = ops[i]
-        if len(op.writes) == 1 and not op.checks and op.writes[0].expected is not None:
-            w = op.writes[0]
-            chain = tail.get(w.handle_id)
-            if chain is not None and guard_of(chain[1]) == w.expected:
-                unit = chain[0]
-                unit.append(i)
-            else:
-                unit = [i]
-                units.append(unit)
-            tail[w.handle_id] = (unit, w.head)
-            continue
-        units.append([i])
-        for handle in [w.handle_id for w in op.writes] + [c.handle_id for c in op.checks]:
-            tail.pop(handle, None)  # anything else on a handle ends its chain
-    return units
-
-
-def _rounds(ops: Sequence[Operation], units: list[list[int]]) -> Iterator[list[list[int]]]:
-    """Split units, in order, into rounds that touch disjoint handles, so one
-    set-based statement per round has sequential semantics."""
-    current: list[list[int]] = []
-    touched: set[str] = set()
-    for unit in units:
-        op = ops[unit[0]]
-        if len(op.writes) == 1 and not op.checks:  # the common shape: one handle
-            handle = op.writes[0].handle_id
-            if handle in touched:
-                yield current
-                current, touched = [], set()
-            current.append(unit)
-            touched.add(handle)
-            continue
-        handles = {w.handle_id for w in op.writes} | {c.handle_id for c in op.checks}
-        if handles & touched:
-            yield current
-            current, touched = [], set()
-        current.append(unit)
-        touched |= handles
-    if current:
-        yield current
-
-
-# Operation.step rebuilds its events at steps.VERSIONS: the current versions, or no step.
-_STEP_VERSIONS_CURRENT = tuple(CURRENT_VERSION[cls.event_type] for cls in DECODE_CHAIN) == STEP_VERSIONS
-
-
-def _invalid(op: Operation, msg: str) -> KvLedgerError:
-    return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"operation {op.operation_id}: {msg}")
-
-
-def _validate(op: Operation) -> None:
-    if not op.writes:
-        raise _invalid(op, "writes nothing")
-    seen: set[str] = set()
-    for w in op.writes:
-        handle = w.handle_id
-        if handle in seen:
-            raise _invalid(op, f"writes {handle} twice")
-        seen.add(handle)
-        position = w.expected.stream_position if w.expected else 0
-        if op.step is not None:  # the decode lane's values: three events at its versions
-            x = op.step
-            if len(op.writes) != 1 or w.events or not _STEP_VERSIONS_CURRENT:
-                raise _invalid(op, "a decode step's values are its one write's events")
-            if x.stream_id != handle or x.stream_position != position + 1:
-                raise _invalid(op, f"its decode step is not at {handle}:{position + 1}")
-            if x.global_position != 0:
-                raise _invalid(op, "global_position is assigned by the journal")
-            if w.head.stream_position != position + 3:
-                raise _invalid(op, f"head of {handle} does not end at its last event")
-            continue
-        if not w.events:
-            raise _invalid(op, f"write to {handle} has no events")
-        for ev in w.events:
-            position += 1
-            if ev.stream_id != handle or ev.stream_position != position:
-                raise _invalid(op, f"event {ev.event_id} is not at {handle}:{position}")
-            if ev.global_position != 0:
-                raise _invalid(op, "global_position is assigned by the journal")
-            if ev.schema_version != CURRENT_VERSION[ev.event_type]:
-                raise _invalid(op, f"{ev.event_type} must be written at schema_version "
-                          f"{CURRENT_VERSION[ev.event_type]}")
-        if w.head.stream_position != position:
-            raise _invalid(op, f"head of {handle} does not end at its last event")
-
-
-def _reused_id(ops: Sequence[Operation], written: list[str], taken: set[str]) -> KvLedgerError:
-    """CONSTRAINT_VIOLATION naming the first event id that the batch's operations being
-    written (their ids: `written`) reuse: one stored before, or one written twice."""
-    seen: set[str] = set()
-    new = set(written)
-    for op in ops:
-        if op.operation_id not in new:
-            continue
-        new.discard(op.operation_id)  # a repeat in the batch is a retry of the first
-        for e in op.event_ids():
-            if e in taken or e in seen:
-                return KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, f"operation {op.operation_id}: event id {e} "
-                                     f"is {'already in the journal' if e in taken else 'written twice'}")
-            seen.add(e)
-    return KvLedgerError(ErrorCode.CONSTRAINT_VIOLATION, "this batch reuses an event id")
-
-
-def _too_large(op: Operation, event_id: str, size: int) -> KvLedgerError:
-    return KvLedgerError(ErrorCode.FIELD_TOO_LARGE, f"operation {op.operation_id}: event {event_id} is "
-                         f"{size} bytes stored, over the {MAX_EVENT_BYTES} a journal reads back")
-
-
-def _stored_receipt(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:
-    """A retry's answer: the receipt stored under its operation id, or CONFLICT when the
-    retry's fingerprint differs from the committed operation's."""
-    if fingerprint != op.fingerprint:
-        return _conflict(op)
-    return receipt_decoder.decode(body)
-
-
-def _conflict(op: Operation) -> Rejection:
-    return Rejection(
-        operation_id=op.operation_id,
-        code=ErrorCode.CONFLICT.value,
-        handle_id=op.writes[0].handle_id,
-        message=f"operation {op.operation_id} was committed with another fingerprint",
-    )
 
 
 __all__ = ["Guard", "SqlJournal", "make_engine", "open_journal"]

@@ -24,7 +24,7 @@ log = logging.getLogger("kvledger.kv_events")
 
 if TYPE_CHECKING:
     from kvledger.adapters import kv_events_zmq as z
-    from kvledger.journal.contract import Journal
+    from kvledger.journal.port import Journal
 
 # HOST: a name, an IPv4 address, `*` (bind on every interface) or a bracketed IPv6 address.
 _ENDPOINT = re.compile(r"tcp://(?:\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>[0-9]{1,5})"

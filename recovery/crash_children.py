@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
     from kvledger.engine.state import HandleState
     from kvledger.journal import SqlJournal
-    from kvledger.journal.contract import Journal
+    from kvledger.journal.port import Journal
     from kvledger.schemas.manifest import ArtifactIdentity
     from kvledger.schemas.receipts import Receipt
     from kvledger.worker.model import Transformer

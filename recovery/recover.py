@@ -47,7 +47,7 @@ import msgspec
 from kvledger.engine import commands as c
 from kvledger.engine.service import CommandService
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import Journal
+from kvledger.journal.port import Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.kv_events import KV_LIFECYCLE

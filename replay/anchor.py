@@ -23,7 +23,8 @@ import re
 
 import msgspec
 
-from kvledger.journal.contract import ChainAt, Journal, Snapshot
+from kvledger.journal.contract import ChainAt
+from kvledger.journal.port import Journal, Snapshot
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 VERSION = "kvledger-anchor/1"

@@ -22,7 +22,8 @@ import msgspec
 from kvledger.engine.evolve import evolve
 from kvledger.engine.heads import head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import HeadFacts, ImportTables, Journal
+from kvledger.journal.contract import HeadFacts, ImportTables
+from kvledger.journal.port import Journal
 from kvledger.replay.kv_blocks import kv_head, kv_head_facts
 from kvledger.replay.sources import jsonl_bodies
 from kvledger.replay.verify import Checker, Finding

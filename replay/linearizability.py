@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
-    from kvledger.journal.contract import Journal
+    from kvledger.journal.port import Journal
 
 Head = tuple[int, int, int]  # generation, snapshot_version, stream_position
 INF = float("inf")

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvledger.journal.contract import ChainAt, HeadFacts, Journal
-from kvledger.journal.steps import FoldItem
+from kvledger.journal.contract import ChainAt, HeadFacts
+from kvledger.journal.port import FoldItem, Journal
 from kvledger.journal.tuning import collector_paused
 from kvledger.replay.metrics import WindowSpec
 from kvledger.replay.projector import Projector

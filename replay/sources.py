@@ -11,8 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvledger.journal.contract import Journal
-from kvledger.journal.steps import FoldItem
+from kvledger.journal.port import FoldItem, Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.codec import MAX_EVENT_BYTES, decode_event
 from kvledger.schemas.errors import ErrorCode, KvLedgerError

@@ -32,7 +32,8 @@ import msgspec
 from kvledger.engine.evolve import evolve
 from kvledger.engine.heads import head as head_facts  # the head row exactly as the service writes it
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import HeadFacts, Journal, StoredDamage, StoredEvent, StoredReceipt
+from kvledger.journal.contract import HeadFacts, StoredDamage, StoredEvent, StoredReceipt
+from kvledger.journal.port import Journal
 from kvledger.replay import anchor as anchors
 from kvledger.replay.findings import (
     ANCHOR_MISMATCH,

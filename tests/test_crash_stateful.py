@@ -10,8 +10,8 @@ Longer: python -m pytest -m slow tests/test_crash_stateful.py
 
 from __future__ import annotations
 
+import itertools
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from conftest import BACKEND_NAMES, scratch_maker
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvledger.journal import Guard, Operation, faults
-from kvledger.migrations.storage import init_database, open_or_create_journal
+from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.receipts import Receipt
 
 import crash_workers as cw
@@ -217,24 +218,12 @@ def ctx():
 
 
 def _factory(backend, tmp_path_factory, request):
-    if backend == "sqlite":
-        root = tmp_path_factory.mktemp("crash-sm")
-        template = root / "template.db"
-        init_database(f"sqlite:///{template}")
-        count = [0]
-
-        def make():
-            count[0] += 1
-            path = root / f"j{count[0]}.db"
-            shutil.copyfile(template, path)
-            return f"sqlite:///{path}"
-
-        return make
-    admin = request.getfixturevalue("pg_admin")
-    return admin.create
+    make = scratch_maker(backend, tmp_path_factory.mktemp("crash-sm"), request)
+    count = itertools.count(1)
+    return lambda: make(f"j{next(count)}")
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_crash_and_reopen_keeps_exactly_the_acknowledged_prefix(backend, ctx, tmp_path_factory, request):
     faults.configure(None)
     SEEN.clear()
@@ -251,7 +240,7 @@ def test_crash_and_reopen_keeps_exactly_the_acknowledged_prefix(backend, ctx, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_crash_and_reopen_long(backend, ctx, tmp_path_factory, request):
     cls = machine(_factory(backend, tmp_path_factory, request), ctx)
     run_state_machine_as_test(cls, settings=settings(

@@ -386,9 +386,9 @@ def test_an_event_id_written_twice_in_one_batch_is_refused(journal):
 def test_runs_longer_than_the_longest_stored_are_split_and_found(journal, monkeypatch):
     """Runs are capped at MAX_RUN so a lookup is an index range; with a cap of 3, a batch
     of 16 consecutive ids is 6 rows, and each id is found (receipts, refusals)."""
-    from kvledger.journal import records
+    from kvledger.journal import keys
 
-    monkeypatch.setattr(records, "MAX_RUN", 3)
+    monkeypatch.setattr(keys, "MAX_RUN", 3)
     handles = [f"h{i}" for i in range(8)]
     journal.append([allocate_op(h) for h in handles])
     ids = _own_ids(16)

@@ -7,6 +7,7 @@ import ast
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +71,174 @@ def test_the_rule_catches_a_wrong_import():
     assert not violations("kvledger", "kvledger/hf.py", "from kvledger.adapters.hf import journaled_generate\n")
     assert not violations("worker", "worker/x.py", "from kvledger.engine import commands\n"
                                                    "from kvledger.schemas import events\n")
+
+
+# -- the journal's port: what engine/ and replay/ may see of the journal -----------------
+
+# The journal modules engine/ and replay/ may import: the port, the values it takes and
+# gives, the package's entry points (opening a journal) and the process's machine tuning.
+# Never how a backend stores things (records, step rows, blocks, id keys, SQL).
+PORT = {
+    "kvledger.journal",  # the package: open_journal, Journal, Operation, ...
+    "kvledger.journal.port",
+    "kvledger.journal.contract",
+    "kvledger.journal.tuning",
+}
+# Imports of journal internals that exist today and are to go (issue 45: the decode batch
+# moves the step encoding out of the engine and replay). This list may only shrink: an
+# entry that no longer matches an import fails test_the_port_allowlist_is_not_stale.
+ALLOWED = {
+    ("engine/decode_lane.py", "kvledger.journal.steps"),  # StepValues, counter_of, row_parts
+    ("engine/remote.py", "kvledger.journal.sql"),  # SqlJournal, open_journal
+    ("engine/service.py", "kvledger.journal.steps"),  # VERSIONS
+    ("replay/projector.py", "kvledger.journal.steps"),  # FoldItem, StepRun, StepValues
+    ("replay/runs.py", "kvledger.journal.steps"),  # StepColumns, StepRun, counter_of
+}
+
+
+def journal_imports(source: str) -> set[str]:
+    """The kvledger.journal modules a source imports (anywhere: in a function, under
+    TYPE_CHECKING), a `from kvledger.journal import steps` read as the module it names."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "kvledger.journal":
+                names = [f"kvledger.journal.{a.name}" if (ROOT / "journal" / f"{a.name}.py").exists()
+                         else node.module for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n == "kvledger.journal" or n.startswith("kvledger.journal.")}
+    return found
+
+
+def port_violations(path: str, source: str) -> set[tuple[str, str]]:
+    return {(path, m) for m in journal_imports(source) if m not in PORT}
+
+
+def _engine_and_replay_violations() -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for layer in ("engine", "replay"):
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            found |= port_violations(str(path.relative_to(ROOT)), path.read_text())
+    return found
+
+
+def test_engine_and_replay_import_only_the_journal_port():
+    assert _engine_and_replay_violations() - ALLOWED == set()
+
+
+def test_the_port_allowlist_is_not_stale():
+    """An allowlisted import that is gone must leave the list, so it only shrinks."""
+    assert ALLOWED - _engine_and_replay_violations() == set()
+
+
+def test_the_port_rule_catches_an_internal_import():
+    assert port_violations("engine/x.py", "from kvledger.journal.records import decode_record\n")
+    assert port_violations("replay/x.py", "def f():\n    from kvledger.journal import steps\n")
+    assert port_violations("replay/x.py", "import kvledger.journal.blocks\n")
+    assert port_violations("engine/x.py", "if TYPE_CHECKING:\n    from kvledger.journal.sql import SqlJournal\n")
+    assert not port_violations("engine/x.py", "from kvledger.journal.port import Journal\n"
+                                              "from kvledger.journal.contract import Operation\n"
+                                              "from kvledger.journal import open_journal, tuning\n")
+
+
+# -- size and shape: no import circle, no module over 600 lines (issue 45, item 7) ---------
+
+MAX_LINES = 600
+# What exists today and is to go (other branches of issue 45 own them). Each list may only
+# shrink: an entry that no longer holds fails test_the_shape_allowlists_are_not_stale.
+ALLOWED_CIRCLES = {frozenset({"kvledger.replay.projector", "kvledger.replay.runs"})}
+ALLOWED_LONG = {"replay/verify.py", "worker/serving.py"}
+
+
+def package_modules() -> dict[str, Path]:
+    """Module name -> file, from pyproject's package-dir map (the layers' folders sit at
+    the repository root, not under kvledger/)."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    found: dict[str, Path] = {}
+    for package, folder in dirs.items():
+        base = ROOT / folder
+        for path in sorted(base.glob("*.py")) + sorted(base.glob("*/**/*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found.setdefault(".".join([package, *parts]), path)
+    return found
+
+
+def imported_modules(name: str, source: str, modules: set[str]) -> set[str]:
+    """The package's modules `source` (module `name`) imports anywhere, TYPE_CHECKING and
+    function bodies too: `from a import b` names a.b where that is a module, else a. Its
+    own package, which Python has imported before it, is no edge."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for n in names:
+            while n and n not in modules:
+                n = n.rpartition(".")[0]
+            if n and n != name and not name.startswith(n + "."):
+                found.add(n)
+    return found
+
+
+def circles_of(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected parts of more than one module: each is an import circle."""
+    def reach(start: str) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for m in graph.get(todo.pop(), ()):
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return seen
+
+    reached = {m: reach(m) for m in graph}
+    parts = {frozenset(w for w in reached[m] if m in reached[w]) for m in graph}
+    return {p for p in parts if len(p) > 1}
+
+
+def _circles() -> set[frozenset[str]]:
+    modules = package_modules()
+    return circles_of({m: imported_modules(m, p.read_text(), set(modules)) for m, p in modules.items()})
+
+
+def _long_modules() -> set[str]:
+    return {str(p.relative_to(ROOT)) for p in package_modules().values()
+            if len(p.read_text().splitlines()) > MAX_LINES}
+
+
+def test_no_import_circle():
+    assert _circles() - ALLOWED_CIRCLES == set()
+
+
+def test_no_module_over_600_lines():
+    assert _long_modules() - ALLOWED_LONG == set()
+
+
+def test_the_shape_allowlists_are_not_stale():
+    assert ALLOWED_CIRCLES - _circles() == set()
+    assert ALLOWED_LONG - _long_modules() == set()
+
+
+def test_the_circle_finder_reads_what_python_would_import():
+    modules = {"kvledger.journal", "kvledger.journal.steps", "kvledger.journal.contract"}
+    # under TYPE_CHECKING, by the module's name, and `from package import module`
+    steps = "if TYPE_CHECKING:\n    from kvledger.journal.steps import StepValues\n"
+    assert imported_modules("kvledger.journal.contract", steps, modules) == {"kvledger.journal.steps"}
+    assert imported_modules("kvledger.x", "from kvledger.journal import steps\n", modules) == {
+        "kvledger.journal", "kvledger.journal.steps"}  # the package is imported first
+    assert imported_modules("kvledger.journal.steps", "import kvledger.journal\n", modules) == set()
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles_of(graph) == {frozenset({"a", "b", "c"})}
+    assert package_modules()["kvledger.journal.sql"] == ROOT / "journal" / "sql.py"
 
 
 def test_importing_the_api_loads_no_heavy_dependency():

@@ -156,7 +156,7 @@ def test_racing_histories_are_linearizable(ctx, db_url, tmp_path):
     assert totals["wgl_skipped"] <= totals["wgl_handles"] // 10
 
 
-def test_a_stale_fork_is_linearizable_only_with_the_conditional_write(ctx, db_url, tmp_path, request):
+def test_a_stale_fork_is_linearizable_only_with_the_conditional_write(ctx, db_url, fresh_url, tmp_path):
     from kvledger.engine import commands as c
     from kvledger.engine.service import CommandService
 
@@ -164,7 +164,7 @@ def test_a_stale_fork_is_linearizable_only_with_the_conditional_write(ctx, db_ur
 
     results = {}
     for mutant in (False, True):
-        url = db_url if not mutant else _fresh_like(db_url, tmp_path, request)
+        url = db_url if not mutant else fresh_url("mutant")
         with open_or_create_journal(url) as j:
             s = CommandService(j)
             s.execute(c.Allocate(handle_id="H", manifest=make_manifest(request_id="H", prompt=cw.PROMPT),
@@ -194,19 +194,8 @@ def test_a_stale_fork_is_linearizable_only_with_the_conditional_write(ctx, db_ur
     assert results[True] == ({"guard"}, {"wgl"})  # the mutant: both checkers catch it
 
 
-def _fresh_like(db_url, tmp_path, request):
-    """Another fresh journal on the same backend."""
-    if db_url.startswith("sqlite"):
-        from kvledger.migrations.storage import init_database
-
-        url = f"sqlite:///{tmp_path}/mutant.db"
-        init_database(url)
-        return url
-    return request.getfixturevalue("pg_admin").create()
-
-
-def test_mutant_racing_histories_fail_the_checker(ctx, db_url, tmp_path, request):
-    url = _fresh_like(db_url, tmp_path, request)
+def test_mutant_racing_histories_fail_the_checker(ctx, fresh_url, tmp_path):
+    url = fresh_url("mutant")
     found = Counter()
     # A race only shows when the racers overlap; a loaded 2-core runner overlaps them
     # less (one in eight histories here, none in eight once in CI), so keep racing

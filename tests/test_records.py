@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvledger.engine import commands as c
 from kvledger.journal.records import (
-    EVENTS_FORMAT,
+    FORMAT,
     MAX_RUN,
     Damage,
     _Header,
@@ -66,8 +66,8 @@ def test_both_formats_read_back_exactly(encode):
 def test_zstd_records_are_smaller_than_format_1():
     events = [b'{"event_type":"output_emit","payload":{"output_index":%d,"token_id":%d}}' % (i, i * 7919 % 50000)
               for i in range(2000)]
-    new, old = encode_record(events, []), _format1(events, [])
-    assert unpack_record(new).format == EVENTS_FORMAT == 5
+    new, old = encode_record(events, [], fmt=5), _format1(events, [])
+    assert unpack_record(new).format == 5
     assert len(new) < len(old)
 
 
@@ -108,7 +108,7 @@ def test_flipped_compressed_bytes_are_damage_inside_the_record(fmt, header):
 
 
 def test_format_5_keeps_its_lists_inside_the_frame_and_reads_back_exactly():
-    body = encode_record(EVENTS, RECEIPTS)
+    body = encode_record(EVENTS, RECEIPTS, fmt=5)
     h = msgspec.msgpack.decode(body, type=_Header5)
     assert (h.format, h.events, h.receipts) == (5, len(EVENTS), len(RECEIPTS))
     record = decode_record(body, "t")
@@ -122,7 +122,7 @@ def test_format_5_keeps_its_lists_inside_the_frame_and_reads_back_exactly():
 
 
 def _forged5(**change) -> bytes:
-    return pack_record(msgspec.structs.replace(unpack_record(encode_record(EVENTS, RECEIPTS)), **change))
+    return pack_record(msgspec.structs.replace(unpack_record(encode_record(EVENTS, RECEIPTS, fmt=5)), **change))
 
 
 def test_format_5_names_a_changed_event_and_refuses_forged_lists():
@@ -138,7 +138,7 @@ def test_format_5_names_a_changed_event_and_refuses_forged_lists():
             decode_record(_forged5(**change), "at 9")
         assert err.value.code.value == "CORRUPT_JOURNAL"
     # a header claiming more lists than its frame holds: refused before anything is cut
-    h = msgspec.msgpack.decode(encode_record(EVENTS, RECEIPTS), type=_Header5)
+    h = msgspec.msgpack.decode(encode_record(EVENTS, RECEIPTS, fmt=5), type=_Header5)
     for events in (1 << 40, len(EVENTS) + 10_000, -1):
         found = audit_record(msgspec.msgpack.encode(msgspec.structs.replace(h, events=events)))
         assert isinstance(found, Damage) and found.index is None, events
@@ -229,7 +229,7 @@ def test_format_4_rebuilds_each_receipt_byte_for_byte(tmp_path):
     stored = []
     marks = []
     for body in bodies:
-        assert unpack_record(body).format == EVENTS_FORMAT == 5  # txn ids like D1: no step rows
+        assert unpack_record(body).format == FORMAT == 7  # txn ids like D1: no step rows, one format all the same
         marks += [_compact_decode(r).fingerprint is None for r in decode_record(body, "t").stored_receipts]
         record = decode_record(body, "t")
         stored += record.receipts
@@ -251,7 +251,7 @@ def test_a_compact_receipt_that_does_not_fit_its_events_is_damage(tmp_path):
     receipts = [receipt_decoder.decode(r) for r in record.receipts]
     # the first receipt claims one event fewer: the events no longer add up
     short = msgspec.structs.replace(receipts[0], event_ids=receipts[0].event_ids[:-1])
-    forged = encode_record(record.events, [compact_receipt(short)] + [compact_receipt(r) for r in receipts[1:]])
+    forged = encode_record(record.events, [compact_receipt(short)] + [compact_receipt(r) for r in receipts[1:]], fmt=5)
     found = audit_record(forged)
     assert isinstance(found, Damage) and "do not fit" in found.message
     with pytest.raises(KvLedgerError) as err:

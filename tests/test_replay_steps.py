@@ -179,7 +179,7 @@ def test_records_that_mix_steps_fold_as_their_events(db_url):
 
 
 def test_runs_without_columns_fold_one_by_one(journals):
-    """A run whose rows do not fit the columns (StepReader.run reads them row by row) is
+    """A run whose rows do not fit the columns (legacy.RowReader.run reads them row by row) is
     folded step by step, to the same state."""
     with open_journal(journals) as journal:
         items = list(journal.read_fold())
@@ -195,14 +195,15 @@ def test_a_difference_stored_unsigned_is_read_row_by_row():
     its values are the rows' own. (A format 7 block holds int64s only.)"""
     import msgspec
 
-    from kvledger.journal.steps import Context, Step, StepReader
+    from kvledger.journal.legacy import RowReader
+    from kvledger.journal.steps import Context, Step
 
     ctx = msgspec.msgpack.encode(Context(7, 1, ["5eed0000000000aa"], [("h", "r", 0, "src", b"a" * 32)]))
     rows = [msgspec.msgpack.encode(Step(0, 10 + 3 * i, 0, mono, 0, 0, 4, (1, 1, 1), (0, 3), (0, 4), 5 + i, 40 + i,
                                         1, 2, 0, None, i, 9, None))
             for i, mono in enumerate((1_000, (1 << 64) - 5))]  # the second clock is 5 ns before the first
-    run = StepReader(ctx).run(rows, 0)
-    one = StepReader(ctx)
+    run = RowReader(ctx).run(rows, 0)
+    one = RowReader(ctx)
     assert run.columns is None
     assert run.values() == [one.values(row, 3 * i) for i, row in enumerate(rows)]
     assert [x.monotonic_ns for x in run.values()] == [1_000, 995]
