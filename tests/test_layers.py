@@ -145,102 +145,6 @@ def test_the_port_rule_catches_an_internal_import():
                                               "from kvledger.journal import open_journal, tuning\n")
 
 
-# -- size and shape: no import circle, no module over 600 lines (issue 45, item 7) ---------
-
-MAX_LINES = 600
-# What exists today and is to go (other branches of issue 45 own them). Each list may only
-# shrink: an entry that no longer holds fails test_the_shape_allowlists_are_not_stale.
-ALLOWED_CIRCLES = {frozenset({"kvledger.replay.projector", "kvledger.replay.runs"})}
-ALLOWED_LONG = {"replay/verify.py", "worker/serving.py"}
-
-
-def package_modules() -> dict[str, Path]:
-    """Module name -> file, from pyproject's package-dir map (the layers' folders sit at
-    the repository root, not under kvledger/)."""
-    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    found: dict[str, Path] = {}
-    for package, folder in dirs.items():
-        base = ROOT / folder
-        for path in sorted(base.glob("*.py")) + sorted(base.glob("*/**/*.py")):
-            parts = list(path.relative_to(base).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found.setdefault(".".join([package, *parts]), path)
-    return found
-
-
-def imported_modules(name: str, source: str, modules: set[str]) -> set[str]:
-    """The package's modules `source` (module `name`) imports anywhere, TYPE_CHECKING and
-    function bodies too: `from a import b` names a.b where that is a module, else a. Its
-    own package, which Python has imported before it, is no edge."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
-        else:
-            continue
-        for n in names:
-            while n and n not in modules:
-                n = n.rpartition(".")[0]
-            if n and n != name and not name.startswith(n + "."):
-                found.add(n)
-    return found
-
-
-def circles_of(graph: dict[str, set[str]]) -> set[frozenset[str]]:
-    """The strongly connected parts of more than one module: each is an import circle."""
-    def reach(start: str) -> set[str]:
-        seen, todo = {start}, [start]
-        while todo:
-            for m in graph.get(todo.pop(), ()):
-                if m not in seen:
-                    seen.add(m)
-                    todo.append(m)
-        return seen
-
-    reached = {m: reach(m) for m in graph}
-    parts = {frozenset(w for w in reached[m] if m in reached[w]) for m in graph}
-    return {p for p in parts if len(p) > 1}
-
-
-def _circles() -> set[frozenset[str]]:
-    modules = package_modules()
-    return circles_of({m: imported_modules(m, p.read_text(), set(modules)) for m, p in modules.items()})
-
-
-def _long_modules() -> set[str]:
-    return {str(p.relative_to(ROOT)) for p in package_modules().values()
-            if len(p.read_text().splitlines()) > MAX_LINES}
-
-
-def test_no_import_circle():
-    assert _circles() - ALLOWED_CIRCLES == set()
-
-
-def test_no_module_over_600_lines():
-    assert _long_modules() - ALLOWED_LONG == set()
-
-
-def test_the_shape_allowlists_are_not_stale():
-    assert ALLOWED_CIRCLES - _circles() == set()
-    assert ALLOWED_LONG - _long_modules() == set()
-
-
-def test_the_circle_finder_reads_what_python_would_import():
-    modules = {"kvledger.journal", "kvledger.journal.steps", "kvledger.journal.contract"}
-    # under TYPE_CHECKING, by the module's name, and `from package import module`
-    steps = "if TYPE_CHECKING:\n    from kvledger.journal.steps import StepValues\n"
-    assert imported_modules("kvledger.journal.contract", steps, modules) == {"kvledger.journal.steps"}
-    assert imported_modules("kvledger.x", "from kvledger.journal import steps\n", modules) == {
-        "kvledger.journal", "kvledger.journal.steps"}  # the package is imported first
-    assert imported_modules("kvledger.journal.steps", "import kvledger.journal\n", modules) == set()
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert circles_of(graph) == {frozenset({"a", "b", "c"})}
-    assert package_modules()["kvledger.journal.sql"] == ROOT / "journal" / "sql.py"
-
-
 def test_importing_the_api_loads_no_heavy_dependency():
     code = ("import sys, kvledger\n"
             "from kvledger import Ledger\n"
@@ -282,7 +186,6 @@ def _light(code: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedPr
 
 
 def test_the_core_extras_are_declared_apart():
-    import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
