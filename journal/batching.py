@@ -6,9 +6,11 @@ handles, the phantom heads a refused operation leaves, and a retry's answer.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvledger.journal.contract import Guard, HeadFacts, Operation, Rejection, StreamWrite, guard_of
+from kvledger.journal.keys import counted_keys, id_keys, id_runs
+from kvledger.journal.record_rows import Known
 from kvledger.journal.statements import Statements
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
@@ -91,6 +93,180 @@ def rounds(ops: Sequence[Operation], units: list[list[int]]) -> Iterator[list[li
         yield current
 
 
+class RoundGuards(NamedTuple):
+    """What the set-based statements of a round check: guarded updates, creates, checks."""
+
+    updates: list[tuple[StreamWrite, Guard]]
+    creates: list[StreamWrite]
+    checks: list[tuple[str, Guard]]
+    spans: bool  # an operation touches several handles: a refusal may need a savepoint's undo
+
+
+def round_guards(ops: Sequence[Operation], units: list[list[int]]) -> RoundGuards:
+    """The guards of `units`, gathered once for the round's statements (and again for
+    the units left after a rollback): a chain is one update from its first base to its
+    last head."""
+    spans = False
+    updates: list[tuple[StreamWrite, Guard]] = []
+    creates: list[StreamWrite] = []
+    checks: list[tuple[str, Guard]] = []
+    for unit in units:
+        op = ops[unit[0]]
+        if len(unit) > 1:  # a chain: first base, last head
+            first, last = op.writes[0], ops[unit[-1]].writes[0]
+            assert first.expected is not None  # chains joins only guarded writes
+            updates.append((StreamWrite(first.handle_id, first.expected, last.head, ()), first.expected))
+            continue
+        spans = spans or len(op.writes) + len(op.checks) > 1
+        for w in op.writes:
+            if w.expected is None:
+                creates.append(w)
+            else:
+                updates.append((w, w.expected))
+        checks.extend((c.handle_id, c.expected) for c in op.checks)
+    return RoundGuards(updates, creates, checks, spans)
+
+
+def refusal(op: Operation, ok: set[str], checked: set[str]) -> Rejection | None:
+    """Why `op` is refused once its round's statements ran (`ok`: the handles whose
+    update or create held, `checked`: whose check held): its first failed write, else
+    its first failed check; None when every guard of it held. Named apart so the round's
+    retry loop reads as the retry alone."""
+    failed = [w for w in op.writes if w.handle_id not in ok]
+    if failed:
+        w = failed[0]
+        code = ErrorCode.STALE_BASE if w.expected else ErrorCode.HANDLE_EXISTS
+        handle = w.handle_id
+    else:
+        failed_checks = [c for c in op.checks if c.handle_id not in checked]
+        if not failed_checks:
+            return None
+        code, handle = ErrorCode.STALE_BASE, failed_checks[0].handle_id
+    return Rejection(
+        operation_id=op.operation_id,
+        code=code.value,
+        handle_id=handle,
+        message=(f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
+                 else f"head of {handle} moved past the expected base"),
+    )
+
+
+def _failed_guards(sql: Statements, cur: Any, guards: RoundGuards, last_record: int | None
+                   ) -> tuple[set[str], set[str]] | None:
+    """One try of a round's statements: None when every guard held (handles are distinct
+    within a round), else the handles whose update or create held and those whose check did."""
+    ok = sql.guarded_update(cur, guards.updates, last_record)
+    if guards.creates:
+        ok |= sql.create_heads(cur, guards.creates)
+    checked = sql.check_heads(cur, guards.checks) if guards.checks else set()
+    if len(ok) == len(guards.updates) + len(guards.creates) and len(checked) == len(guards.checks):
+        return None
+    return ok, checked
+
+
+def _refused_units(ops: Sequence[Operation], live: list[list[int]], ok: set[str], checked: set[str]
+                   ) -> tuple[dict[int, Rejection], bool]:
+    """The operations of `live` a failed try refuses (a chain's rest after its first,
+    STALE_BASE: only guarded writes chain), and whether one of them changed some of its
+    rows, which the round must then undo and retry without them."""
+    rejected: dict[int, Rejection] = {}
+    partial = False
+    for unit in live:
+        op = ops[unit[0]]
+        refused = refusal(op, ok, checked)
+        if refused is None:
+            continue
+        partial = partial or any(w.handle_id in ok for w in op.writes)
+        rejected[unit[0]] = refused
+        handle = refused.handle_id
+        assert handle is not None  # refusal names the handle whose guard failed
+        rejected.update((i, refused_after(ops[i], handle)) for i in unit[1:])
+    return rejected, partial
+
+
+def batch_ids(ops: Sequence[Operation]) -> tuple[list[str], list[str], Known]:
+    """The batch's distinct operation ids, its event ids, and their keys, computed once
+    for the receipt lookup and the record: a decode step's from its counters, not its
+    text (this runs once a batch, not once an event: docs/PERFORMANCE.md)."""
+    op_ids = list({op.operation_id: None for op in ops})
+    event_ids: list[str] = []
+    keys: dict[str, int] = {}
+    owned = [op.event_ids() for op in ops]  # each operation's ids, for the record's rows too
+    for op, own in zip(ops, owned):
+        event_ids += own
+        if (x := op.step) is not None:
+            keys.update(zip((op.operation_id, *own), counted_keys(x.prefix, x.counters())))
+    rest = [i for i in op_ids + event_ids if i not in keys] if keys else op_ids + event_ids
+    keys.update(zip(rest, id_keys(rest)))
+    return op_ids, event_ids, Known(keys, owned, id_runs(keys.values()))  # runs: the lookup's and the record's
+
+
+def answer_stored(ops: Sequence[Operation], stored: dict[str, tuple[str, bytes]],
+                  results: list[Receipt | Rejection | None], phantoms: dict[str, Guard]
+                  ) -> tuple[dict[str, int], list[int]]:
+    """Fill `results` for the operations whose receipt is stored (a retry; a changed one
+    is CONFLICT and leaves phantoms); return each other id's first index in the batch and
+    those indexes, the operations to apply. A repeat inside the batch is resolved
+    against its first after the rounds (resolve_repeats)."""
+    first_in_batch: dict[str, int] = {}
+    pending: list[int] = []
+    for i, op in enumerate(ops):
+        op_id = op.operation_id
+        if op_id in stored:
+            fingerprint, body = stored[op_id]
+            results[i] = stored_receipt(op, fingerprint, body)
+            if isinstance(results[i], Rejection):
+                leaves_phantoms(op, phantoms)
+        elif op_id not in first_in_batch:
+            first_in_batch[op_id] = i
+            pending.append(i)
+    return first_in_batch, pending
+
+
+def _phantom_refusals(ops: Sequence[Operation], round_: list[list[int]], phantoms: dict[str, Guard]
+                      ) -> tuple[list[list[int]], dict[int, Rejection]]:
+    """The units of a round to apply, and the operations refused unapplied because their
+    base is a head a refused operation would have left (see phantom_base)."""
+    if not phantoms:
+        return round_, {}
+    live: list[list[int]] = []
+    rejected: dict[int, Rejection] = {}
+    for unit in round_:
+        if (handle := phantom_base(ops[unit[0]], phantoms)) is None:
+            live.append(unit)
+        else:
+            rejected.update((i, refused_after(ops[i], handle)) for i in unit)
+    return live, rejected
+
+
+def apply_rounds(sql: Statements, cur: Any, ops: Sequence[Operation], pending: list[int],
+                 results: list[Receipt | Rejection | None], phantoms: dict[str, Guard], predicted: int) -> None:
+    """The guarded updates of the `pending` operations, round by round on disjoint
+    handles (`predicted`: the record's last position if none is refused); each refusal
+    goes into `results` and leaves its phantoms for the rounds after it."""
+    for round_ in rounds(ops, chains(ops, pending)):
+        live, rejected = _phantom_refusals(ops, round_, phantoms)
+        if live:
+            rejected.update(apply_round(sql, cur, ops, live, predicted))
+        for i, rejection in rejected.items():
+            results[i] = rejection
+            leaves_phantoms(ops[i], phantoms)
+
+
+def resolve_repeats(ops: Sequence[Operation], results: list[Receipt | Rejection | None],
+                    first_in_batch: dict[str, int]) -> None:
+    """A repeat of an operation id inside one batch is a retry of the first: its receipt,
+    or CONFLICT when the fingerprints differ (or the first was refused)."""
+    for i, op in enumerate(ops):
+        if results[i] is None:
+            original = results[first_in_batch[op.operation_id]]
+            results[i] = (
+                original
+                if isinstance(original, Receipt) and original.fingerprint == op.fingerprint
+                else conflict(op)
+            )
+
+
 def apply_round(sql: Statements, cur: Any, ops: Sequence[Operation], units: list[list[int]],
                 last_record: int | None = None) -> dict[int, Rejection]:
     """Apply the guards of the units of one round (disjoint handles). A unit is one
@@ -98,72 +274,20 @@ def apply_round(sql: Statements, cur: Any, ops: Sequence[Operation], units: list
     previous one leaves: one guarded update from the chain's first base to its last
     head decides all of them. Returns the rejected operations; a rejected one leaves
     no row changed."""
-    spans = False
-    updates: list[tuple[StreamWrite, Guard]] = []
-    creates: list[StreamWrite] = []
-    checks: list[tuple[str, Guard]] = []
-
-    def collect(unit: list[int]) -> None:
-        nonlocal spans
-        op = ops[unit[0]]
-        if len(unit) > 1:  # a chain: first base, last head
-            first, last = op.writes[0], ops[unit[-1]].writes[0]
-            assert first.expected is not None  # chains joins only guarded writes
-            updates.append((StreamWrite(first.handle_id, first.expected, last.head, ()), first.expected))
-            return
-        spans = spans or len(op.writes) + len(op.checks) > 1
-        for w in op.writes:
-            if w.expected is None:
-                creates.append(w)
-            else:
-                updates.append((w, w.expected))
-        if op.checks:
-            checks.extend((c.handle_id, c.expected) for c in op.checks)
-
-    for unit in units:
-        collect(unit)
+    guards = round_guards(ops, units)
+    spans = guards.spans  # a retry's units are a subset: they span no more
     if spans:
         sql.savepoint(cur)
     rejected: dict[int, Rejection] = {}
     live = units
-    while True:
-        ok = sql.guarded_update(cur, updates, last_record)
-        if creates:
-            ok |= sql.create_heads(cur, creates)
-        checked = sql.check_heads(cur, checks) if checks else set()
-        if len(ok) == len(updates) + len(creates) and len(checked) == len(checks):
-            break  # every guard held (handles are distinct within a round)
-        partial = False
-        for unit in live:
-            op = ops[unit[0]]
-            failed = [w for w in op.writes if w.handle_id not in ok]
-            failed_checks = [c for c in op.checks if c.handle_id not in checked]
-            if not failed and not failed_checks:
-                continue
-            if len(failed) < len(op.writes):
-                partial = True  # some rows of this operation changed: undo the round
-            if failed:
-                w = failed[0]
-                code = ErrorCode.STALE_BASE if w.expected else ErrorCode.HANDLE_EXISTS
-                handle = w.handle_id
-            else:
-                code, handle = ErrorCode.STALE_BASE, failed_checks[0].handle_id
-            rejected[unit[0]] = Rejection(
-                operation_id=op.operation_id,
-                code=code.value,
-                handle_id=handle,
-                message=(f"handle {handle} already exists" if code is ErrorCode.HANDLE_EXISTS
-                         else f"head of {handle} moved past the expected base"),
-            )
-            # the rest of a chain (only guarded writes chain: STALE_BASE after its first)
-            rejected.update((i, refused_after(ops[i], handle)) for i in unit[1:])
+    while (failed := _failed_guards(sql, cur, guards, last_record)) is not None:
+        refused, partial = _refused_units(ops, live, *failed)
+        rejected.update(refused)
         if not partial:
             break
-        sql.rollback_to_savepoint(cur)
+        sql.rollback_to_savepoint(cur)  # some rows of a refused operation changed: undo the round
         live = [u for u in live if u[0] not in rejected]
-        updates, creates, checks = [], [], []
-        for unit in live:
-            collect(unit)
+        guards = round_guards(ops, live)
     if spans:
         sql.release_savepoint(cur)
     return rejected

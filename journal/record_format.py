@@ -17,6 +17,7 @@ import hashlib
 import struct
 import zlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 import zstandard
@@ -184,73 +185,117 @@ def _block_parts(body: bytes) -> tuple[bytes, StepReader] | None:
 _BRACE = ord("{")
 
 
+class _Items(NamedTuple):
+    """A format 6 or 7 record's items cut and CRC-checked: what each step of audit_items reads."""
+
+    parts: list[bytes]  # its items, receipts and Context, cut at their stated lengths
+    ok: list[bool]  # each part's length and CRC hold
+    firsts: bytes  # each item's first byte: "{" an event's JSON, MARK a block, else a row
+    steps: Steps
+    reader: StepReader | None  # the Context's; None: it is damaged, `unread` says how
+    unread: str
+    problem: str | None  # what inflating the record found
+    fold: bool
+
+
+def _checked_parts(h: RecordParts, problem: str | None) -> tuple[list[bytes], list[bool], int]:
+    """The record's parts (its items, receipts, then its Context), whether each one's
+    length and CRC hold, and the bytes they state; all CRCs at once when nothing is amiss."""
+    lengths, crcs = h.event_lengths + h.receipt_lengths, h.event_crcs + h.receipt_crcs
+    parts, total = cut(h.data, lengths), sum(lengths)
+    if problem is None and len(h.data) == total and list(map(zlib.crc32, parts)) == crcs:
+        return parts, [True] * len(parts), total
+    return parts, [len(p) == k and zlib.crc32(p) == c for p, k, c in zip(parts, lengths, crcs)], total
+
+
+def _context_reader(fmt: int, context: bytes, ok: bool, problem: str | None) -> tuple[StepReader | None, str]:
+    """The reader of a record's Context (format 6's rows: a RowReader), or None and why
+    not, which the first step item (or the record) is then blamed for."""
+    if not ok:
+        return None, problem or "its context's bytes do not match their CRC"
+    try:
+        return (StepReader if fmt == 7 else RowReader)(context), ""
+    except ROW_ERRORS as exc:
+        return None, f"its context does not decode: {exc}"
+
+
+def _audit_block(a: _Items, reader: StepReader, i: int, index: int) -> tuple[int, int] | Damage:
+    """Format 7's block at item `i`, its first event at `index`, read into the steps: the
+    next event's index and item, or the damage, at the first bad step the CRC column or
+    the rebuild names (the steps before it kept)."""
+    if a.firsts[i] != MARK:
+        return Damage(index, "a format 7 record's step item is no block", a.steps.json(i))
+    if not a.ok[i]:  # the CRC column names the step
+        exact, k = reader.damaged_block(a.parts[i], index)
+        if exact:
+            a.steps.add(i, i + 1, partial_run(exact))
+        return Damage(index + 3 * k, a.problem or "its bytes do not match their CRC", a.steps.json(i + 1))
+    try:
+        run = reader.block(a.parts[i], index, a.fold)
+    except BadRow as bad:
+        if bad.values:
+            a.steps.add(i, i + 1, partial_run(bad.values))
+        return Damage(index + 3 * bad.offset, f"its step does not rebuild: {bad.error}", a.steps.json(i + 1))
+    a.steps.add(i, i + 1, run)
+    return index + 3 * run.count, i + 1
+
+
+def _audit_rows(a: _Items, reader: StepReader, i: int, index: int) -> tuple[int, int] | Damage:
+    """Format 6's rows from item `i` to the next JSON event or bad CRC, read as one run
+    (journal.legacy.row_run): the next event's index and item, or the damage."""
+    if not a.ok[i]:
+        return Damage(index, a.problem or "its bytes do not match their CRC", a.steps.json(i))
+    n = len(a.firsts)
+    j = a.firsts.find(b"{", i + 1)
+    j = n if j < 0 else j
+    if False in a.ok[i:j]:
+        j = a.ok.index(False, i, j)
+    found = row_run(reader, a.steps, a.parts, (i, j), index, a.fold)
+    return found if isinstance(found, Damage) else (found, j)
+
+
+def _audit_steps(a: _Items, blocks: bool) -> Damage | None:
+    """Every item in order, so that the damage named is the first bad item's: an event's
+    JSON by its CRC, a run of steps by its reader."""
+    step = _audit_block if blocks else _audit_rows
+    index = i = 0
+    while i < len(a.firsts):
+        if a.firsts[i] == _BRACE:
+            if not a.ok[i]:
+                return Damage(index, a.problem or "its bytes do not match their CRC", a.steps.json(i))
+            index, i = index + 1, i + 1
+            continue
+        if a.reader is None:
+            return Damage(index, a.unread, a.steps.json(i))
+        found = step(a, a.reader, i, index)
+        if isinstance(found, Damage):
+            return found
+        index, i = found
+    return None
+
+
 def audit_items(h: RecordParts, problem: str | None, eager: bool, fold: bool) -> Record | Damage:
     """A format 6 or 7 record's items audited (see journal.audit.audit_record): events'
     JSON, blocks (7) or rows (6), then the compact receipts and the Context."""
     n = len(h.event_lengths)
     if not h.receipt_lengths:
         return Damage(None, f"a format {h.format} record without its context")
-    lengths, crcs, data = h.event_lengths + h.receipt_lengths, h.event_crcs + h.receipt_crcs, h.data
-    parts, total = cut(data, lengths), sum(lengths)
-    whole = problem is None and len(data) == total
-    if whole and list(map(zlib.crc32, parts)) == crcs:
-        ok = [True] * len(parts)
-    else:
-        ok = [len(p) == k and zlib.crc32(p) == c for p, k, c in zip(parts, lengths, crcs)]
-    reader: StepReader | None = None
-    why = problem or "its context's bytes do not match their CRC"
-    if ok[-1]:
-        try:
-            reader = (StepReader if h.format == 7 else RowReader)(parts[-1])
-        except ROW_ERRORS as exc:
-            why = f"its context does not decode: {exc}"
+    parts, ok, total = _checked_parts(h, problem)
+    reader, why = _context_reader(h.format, parts[-1], ok[-1], problem)
     steps = Steps(parts[:n], reader)  # type: ignore[arg-type]  # used only once a row needs it
-    firsts = bytes([p[0] if p else 0 for p in parts[:n]])  # "{": an event's JSON, MARK a block, else a row
+    firsts = bytes([p[0] if p else 0 for p in parts[:n]])
     blocks = h.format == 7
-    index = i = 0
-    while i < n:  # damage is named in item order: the first bad item's
-        if firsts[i] == _BRACE:
-            if not ok[i]:
-                return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
-            index, i = index + 1, i + 1
-            continue
-        if reader is None:
-            return Damage(index, why, steps.json(i))
-        if blocks:
-            if firsts[i] != MARK:
-                return Damage(index, "a format 7 record's step item is no block", steps.json(i))
-            if not ok[i]:  # the CRC column names the step
-                exact, k = reader.damaged_block(parts[i], index)
-                if exact:
-                    steps.add(i, i + 1, partial_run(exact))
-                return Damage(index + 3 * k, problem or "its bytes do not match their CRC", steps.json(i + 1))
-            try:
-                run = reader.block(parts[i], index, fold)
-            except BadRow as bad:
-                if bad.values:
-                    steps.add(i, i + 1, partial_run(bad.values))
-                return Damage(index + 3 * bad.offset, f"its step does not rebuild: {bad.error}", steps.json(i + 1))
-            steps.add(i, i + 1, run)
-            index, i = index + 3 * run.count, i + 1
-            continue
-        if not ok[i]:
-            return Damage(index, problem or "its bytes do not match their CRC", steps.json(i))
-        j = firsts.find(b"{", i + 1)
-        j = n if j < 0 else j
-        if False in ok[i:j]:
-            j = ok.index(False, i, j)
-        found = row_run(reader, steps, parts, (i, j), index, fold)  # format 6's rows: journal.legacy
-        if isinstance(found, Damage):
-            return found
-        index, i = found, j
+    damage = _audit_steps(_Items(parts, ok, firsts, steps, reader, why, problem, fold), blocks)
+    if damage is not None:
+        return damage
     if not blocks and not steps.runs:  # format 6 was written only for a record with a step row
         return Damage(None, "a format 6 record without a step row", steps.json())
     if not all(ok[n:-1]):
         return Damage(None, problem or "a receipt's bytes do not match their CRC", steps.json())
     if reader is None:
         return Damage(None, why, steps.json())
-    if not whole:
-        return Damage(None, problem or f"{len(data) - total} bytes after its context", steps.json())
+    if problem is not None or len(h.data) != total:
+        return Damage(None, problem or f"{len(h.data) - total} bytes after its context", steps.json())
     compact = parts[n:-1]
     if eager:
         expanded = steps.receipts(compact)

@@ -34,6 +34,7 @@ from kvledger.journal.records import (
     PREV_INDEXED,
     PREV_NONE,
     Damage,
+    Record,
     audit_record,
     chain,
     id_keys,
@@ -72,87 +73,21 @@ class SqlSnapshot(Snapshot):
     RECORDS_PAGE = 256
 
     def _records(self, last: int, seen: set[Any]) -> Iterator[StoredEvent | StoredDamage]:
-        previous, after = GENESIS, None  # the chain so far; the key of the page before
-        tails: dict[Any, int] = {}  # stream -> the last record since 0006 holding it
-        damaged: set[int] = set()  # records whose streams are lost with their bytes
-        record_firsts: dict[int, int] = {}  # such a record -> its first event
+        walk = _RecordWalk(last, seen)
+        after = None  # the key of the page before
         while True:
             page = self._call(partial(self._sql.page, self._cur, self._sql.RECORD_PAGES, after, self.RECORDS_PAGE))
-            needs: dict[str, dict[int, set[Any] | None]] = {"streams": {}, "ids": {}}  # record -> keys
-            firsts: dict[int, int] = {}  # record (its stored last position) -> its first event
+            walk.needs, walk.firsts = {"streams": {}, "ids": {}}, {}
             for row in page:
-                stored_last, first, link, body, prev = row
-                if not (type(stored_last) is int and type(first) is int and isinstance(link, bytes)
-                        and isinstance(body, bytes)):
-                    yield StoredDamage(last + 1, "a record's columns are stored as "
-                                                 f"{', '.join(type(v).__name__ for v in row)}")
-                    if type(stored_last) is int and stored_last > last:
-                        last = stored_last  # the next record starts after it, and links to it: it alone is blamed
-                        previous = link if isinstance(link, bytes) else previous
-                        needs["streams"][stored_last] = needs["ids"][stored_last] = None
-                        damaged.add(stored_last)
-                    continue
-                at = firsts[stored_last] = last + 1
-                if first != at:
-                    yield StoredDamage(at, f"the record after position {last} says it starts at {first}")
-                found = audit_record(body)
-                if chain(previous, body) != link and not isinstance(found, Damage):
-                    # (a damaged record's CRCs name the event more precisely than its link)
-                    yield StoredDamage(at, "the record's bytes or its chain digest are not those committed "
-                                           "(its link to the previous record does not hold)")
-                previous = link
-                for i, e in enumerate(found.events):
-                    yield _stored(at + i, e)
-                if isinstance(found, Damage):
-                    # The event it names (its first, when the damage is the record's own:
-                    # the header, the tail, a receipt); the events past a damaged one are
-                    # lost with it, and the next record still starts after this one. Its
-                    # lookup rows cannot be checked: what they should be is lost too.
-                    bad = at + (found.index or 0)
-                    if bad > stored_last:  # an event its header claims past its stored end: the record is named
-                        yield StoredDamage(at, found.message)
-                    else:
-                        yield StoredDamage(bad, found.message, replaces=found.index is not None)
-                    last = stored_last
-                    needs["streams"][stored_last] = needs["ids"][stored_last] = None
-                    damaged.add(stored_last)
-                    continue
-                if stored_last != at + len(found.events) - 1:
-                    yield StoredDamage(at, f"the record holds positions {at}..{at + len(found.events) - 1} "
-                                           f"but is stored as ending at {stored_last}")
-                last = stored_last
-                names = [_names(e) for e in found.events]
-                streams = list(dict.fromkeys(n.stream_id for n in names))
-                if prev is None:  # written before 0006: kvl_record_streams indexes its streams
-                    needs["streams"][stored_last] = {stable_key(str(s)) for s in streams}
-                else:
-                    needs["streams"][stored_last] = set()
-                    want = [tails.get(s, PREV_INDEXED if s in seen else PREV_NONE) for s in streams]
-                    got = unpack_prev(prev) if isinstance(prev, bytes) else None
-                    if got is None or len(got) != len(want) or any(
-                            g != w and g not in damaged for g, w in zip(got, want)):
-                        yield StoredDamage(at, f"the stream_prev of the record ending at {stored_last} is "
-                                               "not the record before it on each of its streams")
-                    for s in streams:
-                        tails[s] = stored_last
-                    record_firsts[stored_last] = at
-                seen.update(streams)
-                # every event id and operation id (the receipts' are their events')
-                needs["ids"][stored_last] = set(id_runs(
-                    id_keys([str(n.event_id) for n in names]
-                            + [str(_receipt_names(r).operation_id) for r in found.receipts])))
+                yield from walk.record(row)
             end = page[-1][0] if page and type(page[-1][0]) is int else None
             done = len(page) < self.RECORDS_PAGE or end is None
-            yield from self._lookup_rows(needs, firsts, after, None if done else end)
+            yield from self._lookup_rows(walk.needs, walk.firsts, after, None if done else end)
             if done:
                 break
             after = end
         for handle, stored in self._call(partial(self._sql.head_pointers, self._cur)):
-            tail = tails.get(handle)
-            if stored != tail and not (stored in damaged and tail is not None):
-                yield StoredDamage(None if tail is None else record_firsts[tail],
-                                   f"the head of {handle!r} names {stored!r} as its last record, "
-                                   f"its events say {tail!r}")
+            yield from walk.head(handle, stored)
 
     def _lookup_rows(self, needs: dict[str, dict[int, set[Any] | None]], firsts: dict[int, int],
                      after: int | None, upto: int | None) -> Iterator[StoredDamage]:
@@ -203,6 +138,112 @@ class SqlSnapshot(Snapshot):
             if len(rows) < PAGE:
                 return
             after = rows[-1][0]  # the key column as stored, whatever its type
+
+
+class _RecordWalk:
+    """What the audit of the records carries from one record to the next (the chain so
+    far, where the last one ended, each stream's last record) and, for the page being
+    read, the lookup keys each record needs; each step of a record is a method."""
+
+    def __init__(self, last: int, seen: set[Any]) -> None:
+        self.previous, self.last, self.seen = GENESIS, last, seen  # seen: the streams with events so far
+        self.tails: dict[Any, int] = {}  # stream -> the last record since 0006 holding it
+        self.damaged: set[int] = set()  # records whose streams are lost with their bytes
+        self.record_firsts: dict[int, int] = {}  # such a record -> its first event
+        self.needs: dict[str, dict[int, set[Any] | None]] = {"streams": {}, "ids": {}}  # the page's record -> keys
+        self.firsts: dict[int, int] = {}  # the page's record (its stored last position) -> its first event
+
+    def record(self, row: Row) -> Iterator[StoredEvent | StoredDamage]:
+        """One record's findings and events: its columns, its start, its chain link, its
+        bytes (audit_record), its end; then the lookup keys and stream links it needs."""
+        stored_last, first, link, body, prev = row
+        if not (type(stored_last) is int and type(first) is int and isinstance(link, bytes)
+                and isinstance(body, bytes)):
+            yield self._unreadable(row)
+            return
+        at = self.firsts[stored_last] = self.last + 1
+        if first != at:
+            yield StoredDamage(at, f"the record after position {self.last} says it starts at {first}")
+        found = audit_record(body)
+        if chain(self.previous, body) != link and not isinstance(found, Damage):
+            # (a damaged record's CRCs name the event more precisely than its link)
+            yield StoredDamage(at, "the record's bytes or its chain digest are not those committed "
+                                   "(its link to the previous record does not hold)")
+        self.previous = link
+        for i, e in enumerate(found.events):
+            yield _stored(at + i, e)
+        if isinstance(found, Damage):
+            yield self._damaged(at, stored_last, found)
+            return
+        if stored_last != at + len(found.events) - 1:
+            yield StoredDamage(at, f"the record holds positions {at}..{at + len(found.events) - 1} "
+                                   f"but is stored as ending at {stored_last}")
+        self.last = stored_last
+        yield from self._keys(at, stored_last, found, prev)
+
+    def _lost(self, stored_last: int) -> None:
+        """A damaged record's lookup rows cannot be checked: what they should be is lost too."""
+        self.needs["streams"][stored_last] = self.needs["ids"][stored_last] = None
+        self.damaged.add(stored_last)
+
+    def _unreadable(self, row: Row) -> StoredDamage:
+        """A record whose columns are not of their types: named, and passed over when its
+        end is readable."""
+        damage = StoredDamage(self.last + 1, "a record's columns are stored as "
+                                             f"{', '.join(type(v).__name__ for v in row)}")
+        stored_last, link = row[0], row[2]
+        if type(stored_last) is int and stored_last > self.last:
+            self.last = stored_last  # the next record starts after it, and links to it: it alone is blamed
+            self.previous = link if isinstance(link, bytes) else self.previous
+            self._lost(stored_last)
+        return damage
+
+    def _damaged(self, at: int, stored_last: int, found: Damage) -> StoredDamage:
+        """The event a damaged record's audit names (its first, when the damage is the
+        record's own: the header, the tail, a receipt); the events past a damaged one are
+        lost with it, and the next record still starts after this one."""
+        bad = at + (found.index or 0)
+        self.last = stored_last
+        self._lost(stored_last)
+        if bad > stored_last:  # an event its header claims past its stored end: the record is named
+            return StoredDamage(at, found.message)
+        return StoredDamage(bad, found.message, replaces=found.index is not None)
+
+    def _keys(self, at: int, stored_last: int, found: Record, prev: Any) -> Iterator[StoredDamage]:
+        """The lookup keys a sound record needs: its streams (before 0006, in
+        kvl_record_streams; since, linked by its stream_prev) and every event and
+        operation id (the receipts' are their events')."""
+        names = [_names(e) for e in found.events]
+        streams = list(dict.fromkeys(n.stream_id for n in names))
+        if prev is None:  # written before 0006: kvl_record_streams indexes its streams
+            self.needs["streams"][stored_last] = {stable_key(str(s)) for s in streams}
+        else:
+            self.needs["streams"][stored_last] = set()
+            yield from self._stream_prev(at, stored_last, streams, prev)
+        self.seen.update(streams)
+        self.needs["ids"][stored_last] = set(id_runs(
+            id_keys([str(n.event_id) for n in names]
+                    + [str(_receipt_names(r).operation_id) for r in found.receipts])))
+
+    def _stream_prev(self, at: int, stored_last: int, streams: list[Any], prev: Any) -> Iterator[StoredDamage]:
+        """A record since 0006 names, for each of its streams, the record before it there."""
+        want = [self.tails.get(s, PREV_INDEXED if s in self.seen else PREV_NONE) for s in streams]
+        got = unpack_prev(prev) if isinstance(prev, bytes) else None
+        if got is None or len(got) != len(want) or any(
+                g != w and g not in self.damaged for g, w in zip(got, want)):
+            yield StoredDamage(at, f"the stream_prev of the record ending at {stored_last} is "
+                                   "not the record before it on each of its streams")
+        for s in streams:
+            self.tails[s] = stored_last
+        self.record_firsts[stored_last] = at
+
+    def head(self, handle: str, stored: Any) -> Iterator[StoredDamage]:
+        """A head's pointer is the last record its events are in (or a damaged one)."""
+        tail = self.tails.get(handle)
+        if stored != tail and not (stored in self.damaged and tail is not None):
+            yield StoredDamage(None if tail is None else self.record_firsts[tail],
+                               f"the head of {handle!r} names {stored!r} as its last record, "
+                               f"its events say {tail!r}")
 
 
 class _Names(msgspec.Struct):

@@ -32,21 +32,17 @@ from sqlalchemy.engine import URL
 
 from kvledger.journal import faults, tuning
 from kvledger.journal.batching import (
-    apply_round,
-    chains,
-    conflict,
-    leaves_phantoms,
-    phantom_base,
-    refused_after,
-    rounds,
-    stored_receipt,
+    answer_stored,
+    apply_rounds,
+    batch_ids,
+    resolve_repeats,
     validate,
 )
 from kvledger.journal.connection import ConnectionLock, make_engine
 from kvledger.journal.contract import Guard, HeadFacts, ImportTables, Operation, Rejection, StreamWrite
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
-from kvledger.journal.keys import PREV_NONE, counted_keys, id_keys, id_runs
+from kvledger.journal.keys import PREV_NONE
 from kvledger.journal.manifests import pack_manifest
 from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
@@ -260,78 +256,35 @@ class SqlJournal(Journal):
         return None
 
     def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
-        # One pass per step, no per-event helper calls: this loop is the Python cost a
+        # A few steps a batch, no per-event helper calls: this is the Python cost a
         # publication pays on top of the database's (see docs/PERFORMANCE.md).
-        op_ids = list({op.operation_id: None for op in ops})
-        event_ids: list[str] = []
-        keys: dict[str, int] = {}  # computed once: the lookup's and the record's
-        owned = [op.event_ids() for op in ops]  # and each operation's ids, for _rows too
-        for op, own in zip(ops, owned):
-            event_ids += own
-            if (x := op.step) is not None:  # its ids' keys from their counters, not their text
-                keys.update(zip((op.operation_id, *own), counted_keys(x.prefix, x.counters())))
-        rest = [i for i in op_ids + event_ids if i not in keys] if keys else op_ids + event_ids
-        keys.update(zip(rest, id_keys(rest)))
-        runs = id_runs(keys.values())  # the lookup's, and the record's if it holds every id
-        last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, runs)
+        op_ids, event_ids, known = batch_ids(ops)
+        last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, known.runs)
         results: list[Receipt | Rejection | None] = [None] * len(ops)
-        first_in_batch: dict[str, int] = {}
-        pending: list[int] = []
         # The heads that operations of this batch would have left but will not: a later
         # operation whose base is one was decided on a state that never existed, and is
         # refused unapplied, even where the head it finds carries the same numbers (ABA: a
         # handle created twice starts at the same head; a conflicting retry names the
-        # head its original left). Refused operations add theirs below. (A repeat inside
+        # head its original left). Refused operations add theirs. (A repeat inside
         # the batch needs none: what follows it on its first's head follows the first.)
         phantoms: dict[str, Guard] = {}
-        for i, op in enumerate(ops):
-            op_id = op.operation_id
-            if op_id in stored:
-                fingerprint, body = stored[op_id]
-                results[i] = stored_receipt(op, fingerprint, body)
-                if isinstance(results[i], Rejection):
-                    leaves_phantoms(op, phantoms)
-            elif op_id in first_in_batch:
-                continue  # resolved against the first occurrence after the rounds
-            else:
-                first_in_batch[op_id] = i
-                pending.append(i)
+        first_in_batch, pending = answer_stored(ops, stored, results, phantoms)
 
         # Each handle's last record before this commit: read before the guarded updates,
         # which point the heads at this commit's record.
         prevs = self._prevs(cur, ops, pending, results)
         # Where the record will end if every pending operation is written: guarded updates
         # point their heads at it, and insert_record then rewrites only the other heads.
-        predicted = last + (len(event_ids) if len(pending) == len(ops) else sum(len(owned[i]) for i in pending))
+        predicted = last + (len(event_ids) if len(pending) == len(ops)
+                            else sum(len(known.owned[i]) for i in pending))
         fault("before_update")
-        for round_ in rounds(ops, chains(ops, pending)):
-            rejected: dict[int, Rejection] = {}
-            live = round_
-            if phantoms:
-                live = []
-                for unit in round_:
-                    if (handle := phantom_base(ops[unit[0]], phantoms)) is None:
-                        live.append(unit)
-                    else:
-                        rejected.update((i, refused_after(ops[i], handle)) for i in unit)
-            if live:
-                rejected.update(apply_round(self.sql, cur, ops, live, predicted))
-            for i, rejection in rejected.items():
-                results[i] = rejection
-                leaves_phantoms(ops[i], phantoms)
+        apply_rounds(self.sql, cur, ops, pending, results, phantoms, predicted)
         fault("after_update")
         record, manifest_rows, self._committed = self._record(
-            ops, pending, results, Base(last, chain, time.time_ns(), taken, prevs), Known(keys, owned, runs))
+            ops, pending, results, Base(last, chain, time.time_ns(), taken, prevs), known)
         self._committed_chain = chain if record is None else record.chain
         if len(first_in_batch) + len(stored) < len(ops):
-            for i, op in enumerate(ops):  # a repeat inside one batch is a retry of the first
-                if results[i] is None:
-                    original = results[first_in_batch[op.operation_id]]
-                    results[i] = (
-                        original
-                        if isinstance(original, Receipt) and original.fingerprint == op.fingerprint
-                        else conflict(op)
-                    )
+            resolve_repeats(ops, results, first_in_batch)
         if record is not None:
             pointed: set[str] = set()
             if self.sql.points_heads and record.last_position == predicted:  # nothing refused: the prediction held

@@ -191,22 +191,24 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 
-class StepColumns:
+class StepColumns(msgspec.Struct, frozen=True):
     """A run's values that a fold reads, one array each (journal.steps.StepValues names
     them): `stream` indexes `streams`, the txn prefixes index `prefixes`, the txn
     counters are uint64, the rest int64 (a clock past int64 is no run's)."""
 
-    __slots__ = ("stream", "position", "mono", "snapshot", "committed", "workspace", "token", "ptxn_prefix",
-                 "ptxn", "stxn_prefix", "stxn", "streams", "prefixes")
-
-    def __init__(self, stream: np.ndarray, position: np.ndarray, mono: np.ndarray, snapshot: np.ndarray,
-                 committed: np.ndarray, workspace: np.ndarray, token: np.ndarray, ptxn_prefix: np.ndarray,
-                 ptxn: np.ndarray, stxn_prefix: np.ndarray, stxn: np.ndarray,
-                 streams: list[StreamEntry], prefixes: list[str]) -> None:
-        self.stream, self.position, self.mono, self.snapshot, self.committed = (stream, position, mono, snapshot,
-                                                                              committed)
-        self.workspace, self.token, self.ptxn_prefix, self.ptxn = workspace, token, ptxn_prefix, ptxn
-        self.stxn_prefix, self.stxn, self.streams, self.prefixes = stxn_prefix, stxn, streams, prefixes
+    stream: np.ndarray
+    position: np.ndarray
+    mono: np.ndarray
+    snapshot: np.ndarray
+    committed: np.ndarray
+    workspace: np.ndarray
+    token: np.ndarray
+    ptxn_prefix: np.ndarray
+    ptxn: np.ndarray
+    stxn_prefix: np.ndarray
+    stxn: np.ndarray
+    streams: list[StreamEntry]
+    prefixes: list[str]
 
 
 class StepRun:
