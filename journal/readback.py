@@ -13,11 +13,12 @@ from typing import Any
 import msgspec
 
 from kvledger.journal.step_reader import StepReader
-from kvledger.journal.step_values import StepRun, StepValues, lower_hex
+from kvledger.journal.step_values import StepRun, StepValues
 from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import chain_events, decode_chain_fingerprint
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
+from kvledger.schemas.ids import lower_hex
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
 # Every format this kvledger reads: 7 is written (journal.record_format), 1 to 6 are

@@ -20,6 +20,7 @@ from msgspec import Meta
 from kvledger.schemas import events as ev
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.events import INT64_MAX, Count, Id
+from kvledger.schemas.ids import counter_of, lower_hex
 
 if TYPE_CHECKING:
     import numpy as np  # imported where a run is read: the API's import loads no numpy
@@ -84,25 +85,6 @@ def row_parts(rows_sha256: str | None, call: ev.ForwardCall | None
     # The Call's prefix and counter are a record's: values_row puts them in.
     return digest, (call.call_id[:16], n, Call(0, 0, call.index, call.size, call.new_pad, call.key_extent,
                                                call.threads))
-
-
-def counter_of(value: object) -> int | None:
-    """The counter (last 16 digits) of an id of 32 lowercase hex digits, or None."""
-    raw = lower_hex(value, 16)
-    return None if raw is None else int.from_bytes(raw[8:])
-
-
-def lower_hex(value: object, size: int) -> bytes | None:
-    """The `size` bytes that `value` spells in lowercase hex (what reads back as the same
-    string: bytes.fromhex also takes capitals and spaces), or None."""
-    if type(value) is not str or len(value) != 2 * size:
-        return None
-    try:
-        raw = bytes.fromhex(value)
-    except ValueError:
-        return None
-    return raw if raw.hex() == value else None
-
 
 
 class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):

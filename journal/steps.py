@@ -67,11 +67,10 @@ from kvledger.journal.step_values import (
     StepRun,
     StepValues,
     StreamEntry,
-    counter_of,
-    lower_hex,
     parsed_counter,
     row_parts,
 )
+from kvledger.schemas.ids import counter_of, lower_hex
 
 _json = msgspec.json.Encoder().encode
 _GAPS = (1, 1, 1)  # the event ids' counters after the operation's, as the decode lane draws them

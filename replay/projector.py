@@ -21,7 +21,7 @@ from msgspec.structs import replace as _replace
 
 from kvledger.engine.evolve import APPLY
 from kvledger.engine.state import HandleState, OpenTxn, enc_hook, grown
-from kvledger.journal.steps import FoldItem, StepRun, StepValues
+from kvledger.journal.port import FoldItem, StepRun, StepValues
 from kvledger.replay.kv_blocks import KvBlocks, KvBlockState
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint, LedgerState
 from kvledger.replay.runs import RunFold

@@ -32,9 +32,10 @@ import numpy as np
 from msgspec.structs import replace
 
 from kvledger.engine.state import HandleState, OpenTxn, grown
-from kvledger.journal.steps import FoldItem, StepColumns, StepRun, counter_of
+from kvledger.journal.port import FoldItem, StepColumns, StepRun
 from kvledger.replay.ledger import LedgerAccumulator, LedgerPoint
 from kvledger.replay.work import Work
+from kvledger.schemas.ids import counter_of
 
 
 class Folding(Protocol):

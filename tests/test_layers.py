@@ -91,8 +91,6 @@ ALLOWED = {
     ("engine/decode_lane.py", "kvledger.journal.steps"),  # StepValues, counter_of, row_parts
     ("engine/remote.py", "kvledger.journal.sql"),  # SqlJournal, open_journal
     ("engine/service.py", "kvledger.journal.steps"),  # VERSIONS
-    ("replay/projector.py", "kvledger.journal.steps"),  # FoldItem, StepRun, StepValues
-    ("replay/runs.py", "kvledger.journal.steps"),  # StepColumns, StepRun, counter_of
 }
 
 
