@@ -125,6 +125,7 @@ class Summary(msgspec.Struct):
     held_bytes: int = 0
     held_bytes_peak: int = 0
     other_topics: int = 0  # messages on other topics than the recorded one
+    unknown_engines: int = 0  # a collector's engines not named by --engine (recorded without replay)
     last_seq: int = -1  # the seq the last write decided leaves the stream after (-1: none)
     skipped_codes: dict[str, int] = {}
     topics_seen: dict[str, int] = {}  # the first MAX_TOPICS other topics, with their messages
@@ -210,6 +211,16 @@ class Recorder:
             self.summary.received += 1
             _, seq, payload = split_live(frames)
             self.message(seq, payload, decode_batch_encoded(payload), replayed=False)
+        except KvLedgerError as exc:
+            return self._skip(exc)
+        return None
+
+    def routed(self, seq: int, payload: bytes, batch: tuple[float, Events, int | None]) -> KvLedgerError | None:
+        """A live batch a collector already split and decoded (to route it by topic and
+        rank): decided like `live`'s, or skipped (its coded error returned, and counted)."""
+        self.summary.received += 1
+        try:
+            self.message(seq, payload, batch, replayed=False)
         except KvLedgerError as exc:
             return self._skip(exc)
         return None

@@ -195,7 +195,7 @@ class Publisher:
 
     def __init__(self, dialect: str = "vllm", *, topic: str = "kv", rank: int = 0, buffer_steps: int = 10_000,
                  sndhwm: int = 100_000, answer_replays: bool = True,
-                 replay_loses: dict[int, int] | None = None) -> None:
+                 replay_loses: dict[int, int] | None = None, connect: str | None = None) -> None:
         self.dialect = dialect
         self.answer_replays = answer_replays  # False: a replay socket that takes requests and never answers
         # seq -> how many replays leave it out (lost on the way, as a ROUTER past its HWM drops)
@@ -206,8 +206,12 @@ class Publisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, sndhwm)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if connect is not None:  # vLLM's form with a host in its endpoint: the PUB connects to a collector
+            self.pub.connect(connect)
+            self.endpoint = connect
+        else:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)

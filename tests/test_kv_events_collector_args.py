@@ -1,0 +1,121 @@
+"""`kv-events record --bind ... --engine NAME=REPLAY_ENDPOINT`: what the collector's
+options refuse (each INVALID_ARGUMENT, one line), a fuzz of --engine over arbitrary text,
+and the command end to end with its per-engine JSON summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.cli import main
+from kvledger.cmd_kv_events import endpoint, engine_spec
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+from kv_publisher import Publisher, Workload
+from kv_recording import await_true, free_port, new_db, stream_events
+
+REFUSED = [
+    (["--bind", "tcp://*:0"], "1..65535"),
+    (["--bind", "tcp://*:5557", "--engine", "kv"], "NAME=REPLAY_ENDPOINT"),
+    (["--bind", "tcp://*:5557", "--engine", "kv=tcp://engine"], "not a ZMQ endpoint"),
+    (["--bind", "tcp://*:5557", "--engine", "kv=tcp://*:5558"], "name its host"),
+    (["--bind", "tcp://*:5557", "--engine", "kv=tcp://a:1", "--engine", "kv=tcp://b:1"], "given twice"),
+    (["--bind", "tcp://*:5557", "--bind", "tcp://*:5557"], "given to --bind twice"),
+    (["--bind", "tcp://*:5557", "--topic", "kv"], "--topic is for one publisher"),
+    (["--bind", "tcp://*:5557", "--replay-endpoint", "tcp://a:1"], "--replay-endpoint is for one publisher"),
+    (["--endpoint", "tcp://a:1", "--engine", "kv=tcp://a:2"], "use it with --bind"),
+    (["--endpoint", "tcp://a:1", "--bind", "tcp://*:5557"], "not allowed with"),
+    ([], "one of the arguments"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), REFUSED)
+def test_bad_collector_options_are_coded_errors(capsys, tmp_path, argv, says):
+    url = new_db(tmp_path)
+    assert main(["kv-events", "record", *argv, "--db", url, "--idle-exit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("INVALID_ARGUMENT") and says in err and err.count("\n") == 1, err
+
+
+def test_a_port_in_use_is_a_coded_error(capsys, tmp_path):
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PULL)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        assert main(["kv-events", "record", "--bind", f"tcp://127.0.0.1:{port}", "--db", new_db(tmp_path),
+                     "--idle-exit", "1"]) == 2
+    finally:
+        taken.close(0)
+        ctx.term()
+    err = capsys.readouterr().err
+    assert err.startswith("INVALID_ARGUMENT") and f"cannot bind tcp://127.0.0.1:{port}" in err, err
+
+
+def test_help_explains_the_bind_form(capsys):
+    with pytest.raises(SystemExit):
+        main(["kv-events", "record", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tcp://*:5557" in out and "tcp://COLLECTOR:5557" in out and "port + r" in out and "unknown_engines" in out
+
+
+def _check(value: str) -> None:
+    try:
+        name, where = engine_spec(value)
+    except KvLedgerError as exc:
+        assert exc.code is ErrorCode.INVALID_ARGUMENT
+        return
+    assert f"{name}={where}" == value and endpoint(where) == where and not where.startswith("tcp://*:")
+    assert len(name) <= 100 and all(ord(ch) >= 32 for ch in name)
+
+
+NAMES = st.one_of(st.text(max_size=12), st.sampled_from(["kv", "", "a=b", "\n", "x" * 101]))
+WHERE = st.one_of(st.text(max_size=20), st.sampled_from(["tcp://127.0.0.1:5558", "tcp://*:5558", "tcp://h:0",
+                                                         "tcp://h:70000", "ipc:///tmp/r", "inproc://r", "tcp://h"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=NAMES, sep=st.sampled_from(["=", "", "==", ":"]), where=WHERE)
+def test_fuzz_engine_specs(name, sep, where):
+    _check(name + sep + where)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.text(max_size=260))
+def test_fuzz_engine_any_text(value):
+    _check(value)
+
+
+def test_the_command_collects_and_prints_each_engine(tmp_path):
+    url = new_db(tmp_path)
+    port = free_port()
+    named = Publisher("vllm", topic="kv", connect=f"tcp://127.0.0.1:{port}")
+    w = Workload(9)
+    proc = subprocess.Popen([sys.executable, "-m", "kvledger", "kv-events", "record", "--bind", f"tcp://*:{port}",
+                             "--engine", f"kv={named.replay_endpoint}", "--db", url, "--idle-exit", "2", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ,
+                                                                                 "KVLEDGER_LOG": "warning"})
+    try:
+        def recorded() -> bool:
+            named.publish(w.batch())
+            return bool(stream_events(url))
+        await_true("the first batch journaled", recorded)
+        for _ in range(5):
+            named.publish(w.batch())
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        named.close()
+    assert proc.returncode == 0, err
+    doc = json.loads(out)
+    (engine,) = doc["engines"]
+    assert engine["engine"] == "kv" and engine["rank"] == 0 and engine["stream_id"] == "kv:collector|kv|dp0"
+    assert engine["replay_endpoint"] == named.replay_endpoint and doc["unknown_engines"] == 0
+    assert engine["batches"] == doc["batches"] == named.seq and doc["gaps"] == 0
