@@ -83,6 +83,8 @@ class RecorderMetrics:
         yield gauge("held_batches", "batches held now, waiting for a replay", live.held_batches)
         yield gauge("held_bytes", "bytes of the batches held now", live.held_bytes)
         yield gauge("held_bytes_peak", "the most bytes held at once in this run", live.held_bytes_peak)
+        yield gauge("backlog_peak", "the most decided batches that waited for the committer at once in this run "
+                    "(a slow journal: bounded, past it the receiving waits and the publisher drops)", live.backlog_peak)
         yield gauge("last_committed_seq", "the seq of the last batch or gap committed (-1: none)", done.last_seq)
         yield gauge("streams", "streams (data-parallel ranks) recorded", live.streams)
         c = self.committed

@@ -124,6 +124,7 @@ class Summary(msgspec.Struct):
     held_batches: int = 0  # held now, waiting for a replay
     held_bytes: int = 0
     held_bytes_peak: int = 0
+    backlog_peak: int = 0  # the most decided writes that waited for the committer (the journal's slowness)
     other_topics: int = 0  # messages on other topics than the recorded one
     unknown_engines: int = 0  # a collector's engines not named by --engine (recorded without replay)
     last_seq: int = -1  # the seq the last write decided leaves the stream after (-1: none)

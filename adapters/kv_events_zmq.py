@@ -196,6 +196,8 @@ class Loop:
         backlog is still waiting, a group is at least MIN_GROUP: each commit costs an
         fsync and its statements, which small groups under load pay far too often."""
         rec = self.rec
+        if (waiting := len(rec.ops)) > rec.summary.backlog_peak:
+            rec.summary.backlog_peak = waiting
         if rec.ops and (len(rec.ops) >= FLUSH_OPS or self.committer.idle() and (
                 len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
             self.flush()

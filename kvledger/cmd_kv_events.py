@@ -153,7 +153,7 @@ SUMMARY_KEYS = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs
 # record's own: what it refused, what the held-bytes cap cost, what it saw on other topics
 COLLECT_KEYS = ("unknown_engines",)
 RECORD_KEYS = ("received", "skipped", "skipped_codes", "too_large", "cap_gaps", "cap_gap_seqs", "held_bytes_peak",
-               "other_topics", "topics_seen")
+               "backlog_peak", "other_topics", "topics_seen")
 
 
 def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None, keys: tuple[str, ...] = ()) -> None:
