@@ -79,7 +79,7 @@ class _Engine:
                  dealer: zmq.Socket[bytes] | None) -> None:
         self.name, self.rank, self.rec, self.replay, self.dealer = name, rank, rec, replay, dealer
         self.deadline = 0.0
-        self.say = z._Say(f"replayed ({name!r} rank {rank})")
+        self.say = z.Say(f"replayed ({name!r} rank {rank})")
 
     def report(self) -> EngineSummary:
         s = self.rec.summary
@@ -221,7 +221,7 @@ class _Loop(z.Loop):
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.poller.register(self.sub, zmq.POLLIN)
-        self.say_live = z._Say("live")
+        self.say_live = z.Say("live")
         self.dealers: dict[zmq.Socket[bytes], _Engine] = {}
         try:
             for b in binds:
@@ -264,10 +264,10 @@ class _Loop(z.Loop):
         ready = dict(self.poller.poll(1 if any(e.rec.ops for e in self.col.engines.values()) else 100))
         got = 0
         if self.sub in ready:
-            got += z._receive(self.sub, self.col.live, self.say_live)
+            got += z.receive_messages(self.sub, self.col.live, self.say_live)
         for e in list(self.col.engines.values()):
             if e.dealer is not None and e.dealer in ready:
-                got += z._receive(e.dealer, e.rec.replayed, e.say)
+                got += z.receive_messages(e.dealer, e.rec.replayed, e.say)
                 e.deadline = now + z.REPLAY_TIMEOUT_S
         self.col._refresh()
         return got

@@ -29,7 +29,8 @@ import zmq
 
 from kvledger.adapters.kv_events_recorder import MAX_HELD_BYTES, Recorder, Summary, Taken
 
-__all__ = ["Committed", "Deciding", "Loop", "RecordOptions", "Stop", "Summary", "drive", "install_signals", "record"]
+__all__ = ["Committed", "Deciding", "Loop", "RecordOptions", "Say", "Stop", "Summary", "drive", "install_signals",
+           "receive_messages", "record"]
 from kvledger.adapters.kv_events_wire import seq_bytes
 from kvledger.journal.contract import Journal, Rejection
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -216,7 +217,7 @@ class _Loop(Loop):
     def __init__(self, rec: Recorder, sockets: _Sockets) -> None:
         super().__init__(rec)
         self.one, self.sockets = rec, sockets
-        self.say_live, self.say_replayed = _Say("live"), _Say("replayed")
+        self.say_live, self.say_replayed = Say("live"), Say("replayed")
         self.replay_deadline = 0.0
 
     def close(self) -> None:
@@ -242,9 +243,9 @@ class _Loop(Loop):
         ready = dict(self.sockets.poller.poll(1 if rec.ops else 100))
         got = 0
         if sub in ready:
-            got += _receive(sub, rec.live, self.say_live)
+            got += receive_messages(sub, rec.live, self.say_live)
         if dealer is not None and dealer in ready:
-            got += _receive(dealer, rec.replayed, self.say_replayed)
+            got += receive_messages(dealer, rec.replayed, self.say_replayed)
             self.replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
         return got
 
@@ -332,7 +333,7 @@ class _Committer:
         self.committed.add(taken, now)
 
 
-def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],
+def receive_messages(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],
              say: Callable[[KvLedgerError], None], most: int = RECEIVE_MOST) -> int:
     """Hand up to `most` waiting messages (and about FLUSH_BYTES) to `handle`, and what it
     skipped to `say`; how many there were."""
@@ -356,7 +357,7 @@ def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerEr
     return n
 
 
-class _Say:
+class Say:
     """Logs a skipped message as a warning: the first SAY_MOST of them (the summary counts all)."""
 
     def __init__(self, kind: str) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import zmq
@@ -18,7 +19,7 @@ from kvledger.cli import main
 from kvledger.cmd_kv_events import endpoint, engine_spec
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
-from kv_publisher import Publisher, Workload
+from kv_publisher import Publisher, Workload, encode
 from kv_recording import await_true, free_port, new_db, stream_events
 
 REFUSED = [
@@ -119,3 +120,68 @@ def test_the_command_collects_and_prints_each_engine(tmp_path):
     assert engine["engine"] == "kv" and engine["rank"] == 0 and engine["stream_id"] == "kv:collector|kv|dp0"
     assert engine["replay_endpoint"] == named.replay_endpoint and doc["unknown_engines"] == 0
     assert engine["batches"] == doc["batches"] == named.seq and doc["gaps"] == 0
+
+
+# -- the Collector's routing, without sockets -------------------------------------------
+
+def _collector(engines: dict[str, str]) -> tuple[Any, list[str]]:
+    from kvledger.adapters import kv_events_zmq as z
+    from kvledger.adapters.kv_events_collector import Collector
+
+    opened: list[str] = []
+
+    def dealer(where: str) -> Any:
+        opened.append(where)
+        return None  # the Recorder decides without it; the loop's sockets are not under test here
+
+    return Collector({}, engines, z.RecordOptions(), dealer), opened
+
+
+def _frames(topic: bytes, seq: int, rank: int | None = 0) -> list[bytes]:
+    payload = encode("vllm", 1.0, Workload(seq).batch(2), rank)  # type: ignore[arg-type]
+    return [topic, seq.to_bytes(8, "big"), payload]
+
+
+def test_the_collector_tells_engines_apart_by_topic_and_rank():
+    col, opened = _collector({"kv": "tcp://engine:5558"})
+    assert col.live(_frames(b"kv", 0, 0)) is None
+    assert col.live(_frames(b"kv", 0, 1)) is None  # rank 1 of the same engine: a stream of its own
+    assert col.live(_frames(b"other", 0, 0)) is None
+    assert opened == ["tcp://engine:5558", "tcp://engine:5559"]  # rank r replays at port + r, as vLLM binds it
+    assert sorted(col.engines) == [("kv", 0), ("kv", 1), ("other", 0)]
+    assert [e.replay for e in col.engines.values()] == ["tcp://engine:5558", "tcp://engine:5559", None]
+    col.live(_frames(b"other", 2, 0))  # unknown: the lost seq 1 is a gap at once, no replay asked
+    taken = col.take_group()
+    sids = sorted({w.handle_id for op in taken.ops for w in op.writes})
+    assert sids == ["kv:collector|kv|dp0", "kv:collector|kv|dp1", "kv:collector|other|dp0"]
+    s = taken.summary
+    assert s is not None and (s.batches, s.gaps, s.unknown_engines, s.streams) == (4, 1, 1, 3)
+    other = col.engines[("other", 0)].rec
+    assert other.replay_wanted is None and col.engines[("kv", 0)].rec.replay_wanted == 0
+
+
+@pytest.mark.parametrize(("frames", "code"), [
+    ([b"1" * 8, b"x"], "MALFORMED_EVENT"),
+    ([b"t" * 101, (0).to_bytes(8, "big"), b"\x93"], "MALFORMED_EVENT"),
+    ([b"\xff\xfe", (0).to_bytes(8, "big"), b"\x93"], "MALFORMED_EVENT"),
+    ([b"kv", (0).to_bytes(8, "big"), b"not msgpack"], "MALFORMED_EVENT"),
+    ([b"kv", b"\x7f" + b"\xff" * 7, b"\x93"], "MALFORMED_EVENT"),
+])
+def test_what_no_engine_takes_is_skipped_and_counted(frames, code):
+    col, _ = _collector({})
+    error = col.live(frames)
+    assert error is not None and error.code.value == code
+    taken = col.take_group()
+    assert taken.ops == [] and taken.summary is not None
+    assert taken.summary.skipped == 1 and taken.summary.skipped_codes == {code: 1} and not col.engines
+
+
+def test_one_engine_stream_too_many_is_refused_with_a_code():
+    from kvledger.adapters.kv_events_collector import MAX_ENGINES
+
+    col, _ = _collector({})
+    for i in range(MAX_ENGINES):
+        assert col.live(_frames(f"e{i}".encode(), 0)) is None
+    error = col.live(_frames(b"one-more", 0))
+    assert error is not None and error.code is ErrorCode.CAPACITY_EXCEEDED
+    assert len(col.engines) == MAX_ENGINES and col.take_group().summary.skipped_codes == {"CAPACITY_EXCEEDED": 1}
