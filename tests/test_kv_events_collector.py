@@ -23,6 +23,7 @@ pytest.importorskip("zmq")
 
 from kvledger.adapters import kv_events_zmq as z
 from kvledger.adapters.kv_events_collector import UNKNOWN, collect, replay_endpoint_of
+from kvledger.adapters.kv_events_metrics import RecorderMetrics
 from kvledger.adapters.kv_events_recorder import stream_id
 from kvledger.cli import main
 from kvledger.journal import open_journal
@@ -66,7 +67,7 @@ class HeldJournal:
 
 @contextlib.contextmanager
 def collecting(url: str, binds: list[str], engines: dict[str, str], options: z.RecordOptions | None = None,
-               gate: threading.Event | None = None) -> Iterator[dict[str, Any]]:
+               gate: threading.Event | None = None, watch: Any = None) -> Iterator[dict[str, Any]]:
     stop = z.Stop()
     out: dict[str, Any] = {}
 
@@ -74,7 +75,7 @@ def collecting(url: str, binds: list[str], engines: dict[str, str], options: z.R
         with open_journal(url) as j:
             try:
                 journal = j if gate is None else HeldJournal(j, gate)
-                out["summary"], out["engines"] = collect(journal, binds, engines, options, stop=stop)
+                out["summary"], out["engines"] = collect(journal, binds, engines, options, stop=stop, watch=watch)
             except BaseException as exc:  # noqa: BLE001 - handed to the test, which raises it
                 out["error"] = exc
 
@@ -307,7 +308,8 @@ def test_a_restarted_collector_asks_each_named_engine_from_its_cursor(db_url):
         asked = len(engine.replays)
         for _ in range(15):  # while no collector runs
             last = engine.publish(w.batch())
-        with collecting(db_url, [at], {"kv": engine.replay_endpoint}) as out:
+        metrics = RecorderMetrics()
+        with collecting(db_url, [at], {"kv": engine.replay_endpoint}, watch=metrics.watch) as out:
             await_true("the batches published while it was down", has(db_url, "kv", 0, last))
     finally:
         engine.close()
@@ -315,3 +317,6 @@ def test_a_restarted_collector_asks_each_named_engine_from_its_cursor(db_url):
     (report,) = out["engines"]
     assert report.engine == "kv" and report.batches == 15 and report.gaps == 0 and report.restarts == 0
     assert engine.replays[asked][0] == first + 1  # its first request: from the journal's cursor, at once
+    scraped = {m.name: m.samples[0].value for m in metrics.collect()}  # /metrics reads the collector's sums
+    assert scraped["kvledger_kv_events_batches"] == 15 and scraped["kvledger_kv_events_streams"] == 1
+    assert scraped["kvledger_kv_events_gaps"] == 0 and scraped["kvledger_kv_events_last_committed_seq"] == -1
