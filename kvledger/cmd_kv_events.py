@@ -2,6 +2,7 @@
 (vLLM, SGLang, TensorRT-LLM) journaled as their own streams (docs/KV_EVENTS.md).
 
     kvledger kv-events record --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
+    kvledger kv-events record --bind tcp://*:5557 --engine engine-a=tcp://engine-a:5558
     kvledger kv-events serve --bind tcp://127.0.0.1:5600
     kvledger kv-events import events.jsonl --dialect trtllm
 
@@ -117,15 +118,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "what is held then is journaled, each hole below it as a gap")
     p.add_argument("--max-held-bytes", type=HELD_BYTES, default=MAX_HELD_BYTES, metavar="N",
                    help=f"bytes of batches held while a replay is pending (default {MAX_HELD_BYTES}, "
-                        f"{MAX_HELD_BYTES >> 20} MiB); past it the oldest hole is journaled as a gap and what "
-                        "follows it is journaled")
+                        f"{MAX_HELD_BYTES >> 20} MiB; with --bind, per engine stream); past it the oldest hole is "
+                        "journaled as a gap and what follows it is journaled")
     p.add_argument("--rcvhwm", type=RCVHWM, default=DEFAULT_RCVHWM, metavar="N",
                    help=f"messages each socket queues before ZMQ pushes back on the publisher (default "
                         f"{DEFAULT_RCVHWM}); a publisher then drops, which shows as a seq hole: replayed or "
                         "journaled as a gap")
     p.add_argument("--metrics-port", type=a.PORT, metavar="P", help=a.METRICS_PORT_HELP)
     p.add_argument("--metrics-host", type=a.host, default="127.0.0.1", metavar="H", help=a.METRICS_HOST_HELP)
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object (with --bind, each "
+                                                       "engine stream's under `engines`)")
     p.set_defaults(run=_cmd_record)
 
     p = kv.add_parser("import", help="load a recorded KV-event stream from a JSONL file, all or nothing")
