@@ -30,25 +30,25 @@ from kvledger.journal import open_journal
 from kvledger.replay.sources import jsonl_events
 from kvledger.schemas import events as ev
 
-from kv_publisher import Publisher, Workload, normalized
+from kv_publisher import Publisher, Wiring, Workload, normalized
 from kv_recording import VllmOracle, await_true, free_port
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 60.0
 
 
-def sid(name: str) -> str:
-    return stream_id("collector", name, 0)
+def sid(name: str, rank: int = 0) -> str:
+    return stream_id("collector", name, rank)
 
 
-def batches(url: str, name: str) -> list[Any]:
+def batches(url: str, name: str, rank: int = 0) -> list[Any]:
     with open_journal(url) as j:
-        return [e for e in j.read_stream(sid(name)) if isinstance(e, ev.KvEventsBatchEvent)] \
-            if sid(name) in j.heads() else []
+        return [e for e in j.read_stream(sid(name, rank)) if isinstance(e, ev.KvEventsBatchEvent)] \
+            if sid(name, rank) in j.heads() else []
 
 
-def has(url: str, name: str, epoch: int, seq: int) -> Callable[[], bool]:
-    return lambda: any((e.payload.epoch, e.payload.seq) == (epoch, seq) for e in batches(url, name))
+def has(url: str, name: str, epoch: int, seq: int, rank: int = 0) -> Callable[[], bool]:
+    return lambda: any((e.payload.epoch, e.payload.seq) == (epoch, seq) for e in batches(url, name, rank))
 
 
 class HeldJournal:
@@ -90,7 +90,7 @@ def collecting(url: str, binds: list[str], engines: dict[str, str], options: z.R
             raise out["error"]
 
 
-def joined(url: str, name: str, publish: Callable[[], None], epoch: int = 0) -> None:
+def joined(url: str, name: str, publish: Callable[[], Any], epoch: int = 0, rank: int = 0) -> None:
     """Publish one batch at a time until the collector journals one of this epoch: the
     engine's PUB has connected and the collector's subscription reached it (the batches
     before it were dropped by the PUB, and come back by replay)."""
@@ -98,7 +98,7 @@ def joined(url: str, name: str, publish: Callable[[], None], epoch: int = 0) -> 
         publish()
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            if any(e.payload.epoch == epoch for e in batches(url, name)):
+            if any(e.payload.epoch == epoch for e in batches(url, name, rank)):
                 return True
             time.sleep(0.05)
         return False
@@ -127,9 +127,9 @@ def test_one_collector_records_three_engines_exactly_once(db_url, tmp_path):
         pytest.skip("vllm is not installed (.ci/run installs vllm==0.33.0 --no-deps for this test)")
     port, vllm_replay = free_port(), f"tcp://127.0.0.1:{free_port()}"
     at = f"tcp://127.0.0.1:{port}"  # where the engines connect; the collector binds every interface
-    dropper = Publisher("vllm", topic="drop", connect=at)
-    evicted = Publisher("vllm", topic="evict", buffer_steps=20, connect=at)
-    stranger = Publisher("vllm", topic="stranger", connect=at)
+    dropper = Publisher("vllm", topic="drop", wiring=Wiring(connect=at))
+    evicted = Publisher("vllm", topic="evict", buffer_steps=20, wiring=Wiring(connect=at))
+    stranger = Publisher("vllm", topic="stranger", wiring=Wiring(connect=at))
     published: dict[str, dict[tuple[int, int], list[Any]]] = {"drop": {}, "evict": {}, "stranger": {}}
     w = Workload(46)
 
@@ -263,7 +263,8 @@ def test_a_slow_journal_never_holds_an_engine_back(db_url):
     moves, every batch is journaled once, the lost ones by replay, and the backlog that
     waited is bounded and reported."""
     port = free_port()
-    engine = Publisher("vllm", topic="kv", sndhwm=50, buffer_steps=20_000, connect=f"tcp://127.0.0.1:{port}")
+    engine = Publisher("vllm", topic="kv", sndhwm=50, buffer_steps=20_000,
+                       wiring=Wiring(connect=f"tcp://127.0.0.1:{port}"))
     published: dict[tuple[int, int], list[Any]] = {}
     w = Workload(3)
 
@@ -297,7 +298,7 @@ def test_a_slow_journal_never_holds_an_engine_back(db_url):
 def test_a_restarted_collector_asks_each_named_engine_from_its_cursor(db_url):
     port = free_port()
     at = f"tcp://127.0.0.1:{port}"
-    engine = Publisher("vllm", topic="kv", connect=at)
+    engine = Publisher("vllm", topic="kv", wiring=Wiring(connect=at))
     w = Workload(4)
     try:
         with collecting(db_url, [at], {"kv": engine.replay_endpoint}):
@@ -320,3 +321,57 @@ def test_a_restarted_collector_asks_each_named_engine_from_its_cursor(db_url):
     scraped = {m.name: m.samples[0].value for m in metrics.collect()}  # /metrics reads the collector's sums
     assert scraped["kvledger_kv_events_batches"] == 15 and scraped["kvledger_kv_events_streams"] == 1
     assert scraped["kvledger_kv_events_gaps"] == 0 and scraped["kvledger_kv_events_last_committed_seq"] == -1
+
+
+def two_free_ports() -> int:
+    """A port P with P + 1 free too (vLLM puts rank 1 at the configured port + 1)."""
+    import socket
+
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_data_parallel_ranks_are_streams_of_their_own(db_url):
+    """One engine with two data-parallel ranks, as vLLM runs them: rank r connects to the
+    collector's port + r and binds its replay at the configured replay port + r. Both
+    ranks publish the same seqs on the same topic; rank 1 loses a range its own replay
+    socket serves."""
+    sub, replay = two_free_ports(), two_free_ports()
+    ranks = [Publisher("vllm", topic="kv", rank=r,
+                       wiring=Wiring(f"tcp://127.0.0.1:{sub + r}", f"tcp://127.0.0.1:{replay + r}")) for r in (0, 1)]
+    published: dict[int, dict[tuple[int, int], list[Any]]] = {0: {}, 1: {}}
+    w = Workload(5)
+
+    def pub(r: int, drop: bool = False) -> int:
+        events = w.batch()
+        seq = ranks[r].publish(events, drop=drop)
+        published[r][(0, seq)] = events
+        return seq
+
+    binds = [f"tcp://127.0.0.1:{sub}", f"tcp://127.0.0.1:{sub + 1}"]
+    try:
+        with collecting(db_url, binds, {"kv": f"tcp://127.0.0.1:{replay}"}) as out:
+            for r in (0, 1):
+                joined(db_url, "kv", lambda r=r: pub(r), rank=r)
+            for i in range(30):
+                last0, last1 = pub(0), pub(1, drop=10 <= i < 20)
+            await_true("rank 0's last batch", has(db_url, "kv", 0, last0, rank=0))
+            await_true("rank 1's last batch", has(db_url, "kv", 0, last1, rank=1))
+    finally:
+        for p in ranks:
+            p.close()
+    for r in (0, 1):
+        got = batches(db_url, "kv", r)
+        assert sorted((b.payload.epoch, b.payload.seq) for b in got) == sorted(published[r])
+        assert all(b.payload.data_parallel_rank == r for b in got)
+    assert ranks[1].replays and not any(start > 0 for start, _ in ranks[0].replays)  # rank 1's own replay served it
+    report = {e.rank: e for e in out["engines"]}
+    assert report[1].replay_endpoint == f"tcp://127.0.0.1:{replay + 1}" and report[1].replayed >= 10
+    assert out["summary"].gaps == 0 and out["summary"].streams == 2

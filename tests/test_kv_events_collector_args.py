@@ -19,7 +19,7 @@ from kvledger.cli import main
 from kvledger.cmd_kv_events import endpoint, engine_spec
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
-from kv_publisher import Publisher, Workload, encode
+from kv_publisher import Publisher, Wiring, Workload, encode
 from kv_recording import await_true, free_port, new_db, stream_events
 
 REFUSED = [
@@ -96,7 +96,7 @@ def test_fuzz_engine_any_text(value):
 def test_the_command_collects_and_prints_each_engine(tmp_path):
     url = new_db(tmp_path)
     port = free_port()
-    named = Publisher("vllm", topic="kv", connect=f"tcp://127.0.0.1:{port}")
+    named = Publisher("vllm", topic="kv", wiring=Wiring(connect=f"tcp://127.0.0.1:{port}"))
     w = Workload(9)
     proc = subprocess.Popen([sys.executable, "-m", "kvledger", "kv-events", "record", "--bind", f"tcp://*:{port}",
                              "--engine", f"kv={named.replay_endpoint}", "--db", url, "--idle-exit", "2", "--json"],
