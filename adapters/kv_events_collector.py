@@ -18,6 +18,7 @@ which the collector sees as a seq hole (replayed or journaled as a gap); never t
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -157,7 +158,25 @@ class Collector:
         except KvLedgerError as exc:
             self.own.received += 1
             return self.own_skip(exc)
-        return engine.rec.routed(seq, payload, batch)
+        error = engine.rec.routed(seq, payload, batch)
+        if engine.rec.summary.held_bytes:
+            self.within_cap()
+        return error
+
+    def replayed(self, engine: _Engine, frames: list[bytes]) -> KvLedgerError | None:
+        error = engine.rec.replayed(frames)
+        if engine.rec.summary.held_bytes:
+            self.within_cap()
+        return error
+
+    def within_cap(self) -> None:
+        """--max-held-bytes bounds the batches held by all engines together: past it, the
+        engine holding most gives up its oldest hole (each Recorder keeps its own within
+        it the same way)."""
+        cap = self.options.max_held_bytes
+        while (held := [e.rec for e in self.engines.values() if e.rec.summary.held_bytes]) and \
+                sum(r.summary.held_bytes for r in held) > cap:
+            max(held, key=lambda r: r.summary.held_bytes).give_up_oldest()
 
     def own_skip(self, exc: KvLedgerError) -> KvLedgerError:
         s = self.own
@@ -267,7 +286,7 @@ class _Loop(z.Loop):
             got += z.receive_messages(self.sub, self.col.live, self.say_live)
         for e in list(self.col.engines.values()):
             if e.dealer is not None and e.dealer in ready:
-                got += z.receive_messages(e.dealer, e.rec.replayed, e.say)
+                got += z.receive_messages(e.dealer, functools.partial(self.col.replayed, e), e.say)
                 e.deadline = now + z.REPLAY_TIMEOUT_S
         self.col._refresh()
         return got

@@ -348,16 +348,21 @@ class Recorder:
         s.held_bytes += delta
         s.held_batches += old is None
         while s.held_bytes > self.max_held_bytes:
-            # The replay has not filled the holes in time: the oldest hole of the stream
-            # holding most is given up as a gap, and what follows it is journaled.
-            most = max((x for x in self.cursors.values() if x.held), key=lambda x: x.held_bytes)
-            n = self._gap(most, min(most.held) - 1, f"the held batches reached the recorder's cap of "
-                                                   f"{self.max_held_bytes} bytes before the replay answered")
-            s.cap_gaps += n > 0
-            s.cap_gap_seqs += n
-            self._drain(most)
+            self.give_up_oldest()
         if s.held_bytes > s.held_bytes_peak:
             s.held_bytes_peak = s.held_bytes
+
+    def give_up_oldest(self) -> None:
+        """The replay has not filled the holes in time (the held batches are at the cap):
+        the oldest hole of the stream holding most is given up as a gap, and what follows
+        it is journaled."""
+        s = self.summary
+        most = max((x for x in self.cursors.values() if x.held), key=lambda x: x.held_bytes)
+        n = self._gap(most, min(most.held) - 1, f"the held batches reached the recorder's cap of "
+                                               f"{self.max_held_bytes} bytes before the replay answered")
+        s.cap_gaps += n > 0
+        s.cap_gap_seqs += n
+        self._drain(most)
 
     def _unhold(self, c: Cursor, seq: int) -> Held:
         held = c.held.pop(seq)

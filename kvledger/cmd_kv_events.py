@@ -118,8 +118,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "what is held then is journaled, each hole below it as a gap")
     p.add_argument("--max-held-bytes", type=HELD_BYTES, default=MAX_HELD_BYTES, metavar="N",
                    help=f"bytes of batches held while a replay is pending (default {MAX_HELD_BYTES}, "
-                        f"{MAX_HELD_BYTES >> 20} MiB; with --bind, per engine stream); past it the oldest hole is "
-                        "journaled as a gap and what follows it is journaled")
+                        f"{MAX_HELD_BYTES >> 20} MiB; with --bind, all engines together); past it the oldest hole "
+                        "(of the stream holding most) is journaled as a gap and what follows it is journaled")
     p.add_argument("--rcvhwm", type=RCVHWM, default=DEFAULT_RCVHWM, metavar="N",
                    help=f"messages each socket queues before ZMQ pushes back on the publisher (default "
                         f"{DEFAULT_RCVHWM}); a publisher then drops, which shows as a seq hole: replayed or "

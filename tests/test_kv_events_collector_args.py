@@ -124,7 +124,7 @@ def test_the_command_collects_and_prints_each_engine(tmp_path):
 
 # -- the Collector's routing, without sockets -------------------------------------------
 
-def _collector(engines: dict[str, str]) -> tuple[Any, list[str]]:
+def _collector(engines: dict[str, str], max_held_bytes: int = 256 << 20) -> tuple[Any, list[str]]:
     from kvledger.adapters import kv_events_zmq as z
     from kvledger.adapters.kv_events_collector import Collector
 
@@ -134,7 +134,7 @@ def _collector(engines: dict[str, str]) -> tuple[Any, list[str]]:
         opened.append(where)
         return None  # the Recorder decides without it; the loop's sockets are not under test here
 
-    return Collector({}, engines, z.RecordOptions(), dealer), opened
+    return Collector({}, engines, z.RecordOptions(max_held_bytes=max_held_bytes), dealer), opened
 
 
 def _frames(topic: bytes, seq: int, rank: int | None = 0) -> list[bytes]:
@@ -185,3 +185,25 @@ def test_one_engine_stream_too_many_is_refused_with_a_code():
     error = col.live(_frames(b"one-more", 0))
     assert error is not None and error.code is ErrorCode.CAPACITY_EXCEEDED
     assert len(col.engines) == MAX_ENGINES and col.take_group().summary.skipped_codes == {"CAPACITY_EXCEEDED": 1}
+
+
+def test_max_held_bytes_bounds_all_engines_together():
+    """Two named engines each hold a batch waiting for a replay, each within the cap alone,
+    together past it: the one holding most gives up its hole as a gap (cap_gaps) and
+    journals its batch."""
+    small, big = _frames(b"a", 3), _frames(b"b", 3)
+    big[2] = encode("vllm", 1.0, Workload(1).batch(40), 0)
+    sizes = []
+    for frames in (small, big):
+        alone, _ = _collector({"a": "tcp://a:1", "b": "tcp://b:1"})
+        alone.live(frames)
+        sizes.append(alone.take_group().summary.held_bytes)
+    assert 0 < sizes[0] < sizes[1]
+    cap = sum(sizes) - 1
+    col, _ = _collector({"a": "tcp://a:1", "b": "tcp://b:1"}, max_held_bytes=cap)
+    assert col.live(small) is None and col.live(big) is None
+    a, b = col.engines[("a", 0)].rec.summary, col.engines[("b", 0)].rec.summary
+    assert a.held_batches == 1 and b.held_batches == 0  # b held more: its hole 0..2 was given up
+    assert (b.cap_gaps, b.cap_gap_seqs, b.batches) == (1, 3, 1) and a.cap_gaps == 0
+    taken = col.take_group()
+    assert taken.summary is not None and taken.summary.cap_gaps == 1 and taken.summary.held_bytes == sizes[0]
