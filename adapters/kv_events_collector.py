@@ -28,7 +28,7 @@ import msgspec
 import zmq
 
 from kvledger.adapters import kv_events_zmq as z
-from kvledger.adapters.kv_events_recorder import Recorder, Summary, Taken, stream_id
+from kvledger.adapters.kv_events_recorder import Recorder, Summary, Taken, count_skip, stream_id
 from kvledger.adapters.kv_events_wire import decode_batch_encoded, seq_bytes, split_live
 from kvledger.journal.contract import HeadFacts, Journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError, one_line
@@ -157,7 +157,7 @@ class Collector:
             engine = self.engine(name, batch[2])
         except KvLedgerError as exc:
             self.own.received += 1
-            return self.own_skip(exc)
+            return count_skip(self.own, exc)
         error = engine.rec.routed(seq, payload, batch)
         if engine.rec.summary.held_bytes:
             self.within_cap()
@@ -177,12 +177,6 @@ class Collector:
         while (held := [e.rec for e in self.engines.values() if e.rec.summary.held_bytes]) and \
                 sum(r.summary.held_bytes for r in held) > cap:
             max(held, key=lambda r: r.summary.held_bytes).give_up_oldest()
-
-    def own_skip(self, exc: KvLedgerError) -> KvLedgerError:
-        s = self.own
-        s.skipped += 1
-        s.skipped_codes[exc.code.value] = s.skipped_codes.get(exc.code.value, 0) + 1
-        return exc
 
     def take_group(self, group: int = 256, most_bytes: int | None = None) -> Taken:
         """Every engine's decided writes (up to `most_bytes` of events' bytes), with the

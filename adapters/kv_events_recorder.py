@@ -134,6 +134,13 @@ class Summary(msgspec.Struct):
     last_commit_ns: int = 0  # monotonic: the last commit that wrote something
 
 
+def count_skip(s: Summary, exc: KvLedgerError) -> KvLedgerError:
+    """A message skipped with `exc`, counted in `s` (and its code); `exc`, for the caller to say."""
+    s.skipped += 1
+    s.skipped_codes[exc.code.value] = s.skipped_codes.get(exc.code.value, 0) + 1
+    return exc
+
+
 class Recorder:
     """Feed messages (`live`, `replayed`, `replay_done`); take the Operations to append
     with `take()` and the replay requests with `replay_wanted`."""
@@ -244,10 +251,7 @@ class Recorder:
         return None
 
     def _skip(self, exc: KvLedgerError) -> KvLedgerError:
-        s = self.summary
-        s.skipped += 1
-        s.skipped_codes[exc.code.value] = s.skipped_codes.get(exc.code.value, 0) + 1
-        return exc
+        return count_skip(self.summary, exc)
 
     def _other_topic(self, topic: bytes | None) -> None:
         s = self.summary

@@ -53,6 +53,9 @@ def engine_spec(value: str) -> tuple[str, str]:
     if not sep:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--engine {value[:60]!r} is not NAME=REPLAY_ENDPOINT")
     _topic(name)
+    if len(name.encode()) > 100:  # the collector reads a topic frame of at most 100 bytes
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--engine {value[:60]!r}: a NAME is at most 100 bytes of "
+                                                        "UTF-8")
     endpoint(where)
     if where.startswith("tcp://*:"):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--engine {value[:60]!r}: tcp://*:PORT is where the "

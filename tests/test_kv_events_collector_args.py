@@ -29,6 +29,7 @@ REFUSED = [
     (["--bind", "tcp://*:5557", "--engine", "kv=tcp://*:5558"], "name its host"),
     (["--bind", "tcp://*:5557", "--engine", "kv=tcp://a:1", "--engine", "kv=tcp://b:1"], "given twice"),
     (["--bind", "tcp://*:5557", "--bind", "tcp://*:5557"], "given to --bind twice"),
+    (["--bind", "tcp://*:5557", "--engine", "\u00e9" * 51 + "=tcp://a:1"], "at most 100 bytes"),
     (["--bind", "tcp://*:5557", "--topic", "kv"], "--topic is for one publisher"),
     (["--bind", "tcp://*:5557", "--replay-endpoint", "tcp://a:1"], "--replay-endpoint is for one publisher"),
     (["--endpoint", "tcp://a:1", "--engine", "kv=tcp://a:2"], "use it with --bind"),
@@ -73,10 +74,10 @@ def _check(value: str) -> None:
         assert exc.code is ErrorCode.INVALID_ARGUMENT
         return
     assert f"{name}={where}" == value and endpoint(where) == where and not where.startswith("tcp://*:")
-    assert len(name) <= 100 and all(ord(ch) >= 32 for ch in name)
+    assert len(name.encode()) <= 100 and all(ord(ch) >= 32 for ch in name)
 
 
-NAMES = st.one_of(st.text(max_size=12), st.sampled_from(["kv", "", "a=b", "\n", "x" * 101]))
+NAMES = st.one_of(st.text(max_size=12), st.sampled_from(["kv", "", "a=b", "\n", "x" * 101, "\u00e9" * 60]))
 WHERE = st.one_of(st.text(max_size=20), st.sampled_from(["tcp://127.0.0.1:5558", "tcp://*:5558", "tcp://h:0",
                                                          "tcp://h:70000", "ipc:///tmp/r", "inproc://r", "tcp://h"]))
 
