@@ -12,8 +12,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from kvledger.adapters.kv_events_recorder import Recorder, Summary
-from kvledger.adapters.kv_events_zmq import Committed
+from kvledger.adapters.kv_events_recorder import Summary
+from kvledger.adapters.kv_events_zmq import Committed, Deciding
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 P = "kvledger_kv_events_"
@@ -26,12 +26,12 @@ class RecorderMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.rec: Recorder | None = None
+        self.rec: Deciding | None = None
         self.committed: Committed | None = None
         self._server: Any = None
         self.registry.register(self)
 
-    def watch(self, rec: Recorder, committed: Committed) -> None:
+    def watch(self, rec: Deciding, committed: Committed) -> None:
         self.rec, self.committed = rec, committed
 
     def serve(self, host: str, port: int) -> int:
@@ -83,6 +83,8 @@ class RecorderMetrics:
         yield gauge("held_batches", "batches held now, waiting for a replay", live.held_batches)
         yield gauge("held_bytes", "bytes of the batches held now", live.held_bytes)
         yield gauge("held_bytes_peak", "the most bytes held at once in this run", live.held_bytes_peak)
+        yield gauge("backlog_peak", "the most decided batches that waited for the committer at once in this run "
+                    "(a slow journal: bounded, past it the receiving waits and the publisher drops)", live.backlog_peak)
         yield gauge("last_committed_seq", "the seq of the last batch or gap committed (-1: none)", done.last_seq)
         yield gauge("streams", "streams (data-parallel ranks) recorded", live.streams)
         c = self.committed

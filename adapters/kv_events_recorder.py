@@ -124,12 +124,21 @@ class Summary(msgspec.Struct):
     held_batches: int = 0  # held now, waiting for a replay
     held_bytes: int = 0
     held_bytes_peak: int = 0
+    backlog_peak: int = 0  # the most decided writes that waited for the committer (the journal's slowness)
     other_topics: int = 0  # messages on other topics than the recorded one
+    unknown_engines: int = 0  # a collector's engines not named by --engine (recorded without replay)
     last_seq: int = -1  # the seq the last write decided leaves the stream after (-1: none)
     skipped_codes: dict[str, int] = {}
     topics_seen: dict[str, int] = {}  # the first MAX_TOPICS other topics, with their messages
     first_message_ns: int = 0  # monotonic: the first message received
     last_commit_ns: int = 0  # monotonic: the last commit that wrote something
+
+
+def count_skip(s: Summary, exc: KvLedgerError) -> KvLedgerError:
+    """A message skipped with `exc`, counted in `s` (and its code); `exc`, for the caller to say."""
+    s.skipped += 1
+    s.skipped_codes[exc.code.value] = s.skipped_codes.get(exc.code.value, 0) + 1
+    return exc
 
 
 class Recorder:
@@ -214,6 +223,16 @@ class Recorder:
             return self._skip(exc)
         return None
 
+    def routed(self, seq: int, payload: bytes, batch: tuple[float, Events, int | None]) -> KvLedgerError | None:
+        """A live batch a collector already split and decoded (to route it by topic and
+        rank): decided like `live`'s, or skipped (its coded error returned, and counted)."""
+        self.summary.received += 1
+        try:
+            self.message(seq, payload, batch, replayed=False)
+        except KvLedgerError as exc:
+            return self._skip(exc)
+        return None
+
     def replayed(self, frames: list[bytes]) -> KvLedgerError | None:
         """One reply of the replay socket (a batch, or the end marker)."""
         try:
@@ -232,10 +251,7 @@ class Recorder:
         return None
 
     def _skip(self, exc: KvLedgerError) -> KvLedgerError:
-        s = self.summary
-        s.skipped += 1
-        s.skipped_codes[exc.code.value] = s.skipped_codes.get(exc.code.value, 0) + 1
-        return exc
+        return count_skip(self.summary, exc)
 
     def _other_topic(self, topic: bytes | None) -> None:
         s = self.summary
@@ -336,16 +352,21 @@ class Recorder:
         s.held_bytes += delta
         s.held_batches += old is None
         while s.held_bytes > self.max_held_bytes:
-            # The replay has not filled the holes in time: the oldest hole of the stream
-            # holding most is given up as a gap, and what follows it is journaled.
-            most = max((x for x in self.cursors.values() if x.held), key=lambda x: x.held_bytes)
-            n = self._gap(most, min(most.held) - 1, f"the held batches reached the recorder's cap of "
-                                                   f"{self.max_held_bytes} bytes before the replay answered")
-            s.cap_gaps += n > 0
-            s.cap_gap_seqs += n
-            self._drain(most)
+            self.give_up_oldest()
         if s.held_bytes > s.held_bytes_peak:
             s.held_bytes_peak = s.held_bytes
+
+    def give_up_oldest(self) -> None:
+        """The replay has not filled the holes in time (the held batches are at the cap):
+        the oldest hole of the stream holding most is given up as a gap, and what follows
+        it is journaled."""
+        s = self.summary
+        most = max((x for x in self.cursors.values() if x.held), key=lambda x: x.held_bytes)
+        n = self._gap(most, min(most.held) - 1, f"the held batches reached the recorder's cap of "
+                                               f"{self.max_held_bytes} bytes before the replay answered")
+        s.cap_gaps += n > 0
+        s.cap_gap_seqs += n
+        self._drain(most)
 
     def _unhold(self, c: Cursor, seq: int) -> Held:
         held = c.held.pop(seq)

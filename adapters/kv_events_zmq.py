@@ -21,15 +21,16 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 
 from kvledger.adapters.kv_events_recorder import MAX_HELD_BYTES, Recorder, Summary, Taken
 
-__all__ = ["Committed", "RecordOptions", "Stop", "Summary", "install_signals", "record"]
+__all__ = ["Committed", "Deciding", "Loop", "RecordOptions", "Say", "Stop", "Summary", "drive", "install_signals",
+           "receive_messages", "record"]
 from kvledger.adapters.kv_events_wire import seq_bytes
 from kvledger.journal.contract import Rejection
 from kvledger.journal.port import Journal
@@ -71,9 +72,25 @@ class RecordOptions(msgspec.Struct, frozen=True, kw_only=True):
     rcvhwm: int = RCVHWM
 
 
+class Deciding(Protocol):
+    """What the receiving loop, the committer and the metrics need of the decisions: a
+    Recorder (one publisher), or a collector's engines together."""
+
+    @property
+    def summary(self) -> Summary: ...
+    @property
+    def ops(self) -> Sized: ...
+    @property
+    def ops_bytes(self) -> int: ...
+
+    def take_group(self, group: int = ..., most_bytes: int | None = None) -> Taken: ...
+
+    def stop(self) -> None: ...
+
+
 def record(journal: Journal, endpoint: str, options: RecordOptions | None = None, *, stop: Stop | None = None,
            progress: Callable[[Summary], None] | None = None,
-           watch: Callable[[Recorder, Committed], None] | None = None) -> Summary:
+           watch: Callable[[Deciding, Committed], None] | None = None) -> Summary:
     """Record until `stop` (or `options.idle_exit` seconds without a message of the topic);
     what is held then is journaled (Recorder.stop). `progress` gets the summary every
     PROGRESS_EVERY_S; `watch` is handed the Recorder and the committed state once, before
@@ -81,21 +98,31 @@ def record(journal: Journal, endpoint: str, options: RecordOptions | None = None
     stop, options = stop or Stop(), options or RecordOptions()
     rec = Recorder(endpoint, options.topic, journal.heads(), replayable=options.replay_endpoint is not None,
                    max_held_bytes=options.max_held_bytes, frames={"vllm": 3, "sglang": 2}.get(options.dialect))
-    sockets = _Sockets(endpoint, options.replay_endpoint, options.rcvhwm)
-    committed = Committed(msgspec.structs.replace(rec.summary))
-    loop = _Loop(rec, _Committer(journal, rec.summary, committed), sockets)
-    if watch is not None:
-        watch(rec, committed)
-    try:
-        loop.run(stop, options.idle_exit, progress)
-        rec.stop()
-        while rec.ops:
-            loop.flush()
-        loop.committer.close()
-    finally:
-        loop.committer.close(raise_error=False)
-        sockets.close()
+    drive(journal, _Loop(rec, _Sockets(endpoint, options.replay_endpoint, options.rcvhwm)), options.idle_exit,
+          stop=stop, progress=progress, watch=watch)
     return rec.summary
+
+
+def drive(journal: Journal, loop: Loop, idle_exit: float | None, *, stop: Stop,
+          progress: Callable[[Summary], None] | None, watch: Callable[[Deciding, Committed], None] | None) -> None:
+    """Run `loop` until `stop` or `idle_exit`, journal what it holds then, commit it all,
+    close its sockets: the one run of `record` and of a collector."""
+    try:
+        rec = loop.rec
+        committed = Committed(msgspec.structs.replace(rec.summary))
+        loop.committer = _Committer(journal, rec.summary, committed)
+        if watch is not None:
+            watch(rec, committed)
+        try:
+            loop.run(stop, idle_exit, progress)
+            rec.stop()
+            while rec.ops:
+                loop.flush()
+            loop.committer.close()
+        finally:
+            loop.committer.close(raise_error=False)
+    finally:
+        loop.close()
 
 
 class _Sockets:
@@ -126,14 +153,24 @@ class _Sockets:
         self.ctx.term()
 
 
-class _Loop:
-    """The receiving thread: asks for a replay when the Recorder wants one, hands what
-    arrives to the Recorder, and the decided batches to the committer in groups."""
+class Loop:
+    """The receiving thread: asks for replays when the decisions want them, hands what
+    arrives to them, and the decided batches to the committer in groups. The sockets are
+    a subclass's (`ask_replay`, `receive`, `close`)."""
 
-    def __init__(self, rec: Recorder, committer: _Committer, sockets: _Sockets) -> None:
-        self.rec, self.committer, self.sockets = rec, committer, sockets
-        self.say_live, self.say_replayed = _Say("live"), _Say("replayed")
-        self.replay_deadline = 0.0
+    committer: _Committer  # set by `drive`
+
+    def __init__(self, rec: Deciding) -> None:
+        self.rec = rec
+
+    def ask_replay(self, now: float) -> None:
+        raise NotImplementedError
+
+    def receive(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     def run(self, stop: Stop, idle_exit: float | None, progress: Callable[[Summary], None] | None) -> None:
         rec = self.rec
@@ -155,8 +192,40 @@ class _Loop:
             if idle_exit is not None and now - last_message > idle_exit:
                 break
 
+    def commit(self, got: int) -> None:
+        """Group commit: whatever was decided while the previous commit ran goes in the
+        next one; a committer that falls far behind holds the receiving back. While a
+        backlog is still waiting, a group is at least MIN_GROUP: each commit costs an
+        fsync and its statements, which small groups under load pay far too often."""
+        rec = self.rec
+        if (waiting := len(rec.ops)) > rec.summary.backlog_peak:
+            rec.summary.backlog_peak = waiting
+        if rec.ops and (len(rec.ops) >= FLUSH_OPS or self.committer.idle() and (
+                len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
+            self.flush()
+        while rec.ops_bytes >= FLUSH_BYTES:  # a burst or a drain of held batches: in parts, before more is taken
+            self.flush()
+
+    def flush(self) -> None:
+        taken = self.rec.take_group(most_bytes=FLUSH_BYTES)
+        if taken.ops:
+            self.committer.submit(taken)
+
+
+class _Loop(Loop):
+    """One publisher's: a SUB on it and a DEALER on its replay ROUTER."""
+
+    def __init__(self, rec: Recorder, sockets: _Sockets) -> None:
+        super().__init__(rec)
+        self.one, self.sockets = rec, sockets
+        self.say_live, self.say_replayed = Say("live"), Say("replayed")
+        self.replay_deadline = 0.0
+
+    def close(self) -> None:
+        self.sockets.close()
+
     def ask_replay(self, now: float) -> None:
-        rec, dealer = self.rec, self.sockets.dealer
+        rec, dealer = self.one, self.sockets.dealer
         if dealer is None:
             return
         if rec.replay_wanted is not None and not rec.replay_pending:
@@ -168,35 +237,18 @@ class _Loop:
 
     def receive(self) -> int:
         """The messages that arrived, handed to the Recorder; how many."""
-        rec, sub, dealer = self.rec, self.sockets.sub, self.sockets.dealer
+        rec, sub, dealer = self.one, self.sockets.sub, self.sockets.dealer
         now = time.monotonic()
         # Decided batches wait for the committer: look again soon, without spinning on
         # the GIL the committer's statements need.
         ready = dict(self.sockets.poller.poll(1 if rec.ops else 100))
         got = 0
         if sub in ready:
-            got += _receive(sub, rec.live, self.say_live)
+            got += receive_messages(sub, rec.live, self.say_live)
         if dealer is not None and dealer in ready:
-            got += _receive(dealer, rec.replayed, self.say_replayed)
+            got += receive_messages(dealer, rec.replayed, self.say_replayed)
             self.replay_deadline = now + REPLAY_TIMEOUT_S  # a long replay that is still sending is no timeout
         return got
-
-    def commit(self, got: int) -> None:
-        """Group commit: whatever was decided while the previous commit ran goes in the
-        next one; a committer that falls far behind holds the receiving back. While a
-        backlog is still waiting, a group is at least MIN_GROUP: each commit costs an
-        fsync and its statements, which small groups under load pay far too often."""
-        rec = self.rec
-        if rec.ops and (len(rec.ops) >= FLUSH_OPS or self.committer.idle() and (
-                len(rec.ops) >= MIN_GROUP or got < RECEIVE_MOST)):
-            self.flush()
-        while rec.ops_bytes >= FLUSH_BYTES:  # a burst or a drain of held batches: in parts, before more is taken
-            self.flush()
-
-    def flush(self) -> None:
-        taken = self.rec.take_group(most_bytes=FLUSH_BYTES)
-        if taken.ops:
-            self.committer.submit(taken)
 
 
 class Committed:
@@ -282,7 +334,7 @@ class _Committer:
         self.committed.add(taken, now)
 
 
-def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],
+def receive_messages(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],
              say: Callable[[KvLedgerError], None], most: int = RECEIVE_MOST) -> int:
     """Hand up to `most` waiting messages (and about FLUSH_BYTES) to `handle`, and what it
     skipped to `say`; how many there were."""
@@ -306,7 +358,7 @@ def _receive(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerEr
     return n
 
 
-class _Say:
+class Say:
     """Logs a skipped message as a warning: the first SAY_MOST of them (the summary counts all)."""
 
     def __init__(self, kind: str) -> None:

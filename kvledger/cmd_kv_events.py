@@ -2,6 +2,7 @@
 (vLLM, SGLang, TensorRT-LLM) journaled as their own streams (docs/KV_EVENTS.md).
 
     kvledger kv-events record --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
+    kvledger kv-events record --bind tcp://*:5557 --engine engine-a=tcp://engine-a:5558
     kvledger kv-events serve --bind tcp://127.0.0.1:5600
     kvledger kv-events import events.jsonl --dialect trtllm
 
@@ -23,6 +24,8 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 log = logging.getLogger("kvledger.kv_events")
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvledger.adapters import kv_events_zmq as z
     from kvledger.journal.port import Journal
 
@@ -41,6 +44,23 @@ def endpoint(value: str) -> str:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{value[:60]!r}: port {int(found['port'])} is outside "
                                                         "1..65535")
     return value
+
+
+def engine_spec(value: str) -> tuple[str, str]:
+    """NAME=REPLAY_ENDPOINT of `record --engine`: NAME is the engine's topic (split at the
+    last `=`; empty for vLLM's default topic), the endpoint one the collector connects to."""
+    name, sep, where = value.rpartition("=")
+    if not sep:
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--engine {value[:60]!r} is not NAME=REPLAY_ENDPOINT")
+    _topic(name)
+    if len(name.encode()) > 100:  # the collector reads a topic frame of at most 100 bytes
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--engine {value[:60]!r}: a NAME is at most 100 bytes of "
+                                                        "UTF-8")
+    endpoint(where)
+    if where.startswith("tcp://*:"):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--engine {value[:60]!r}: tcp://*:PORT is where the "
+                                                        "engine binds; name its host (tcp://HOST:PORT)")
+    return name, where
 
 
 def seconds(value: str) -> float:
@@ -73,8 +93,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = kv.add_parser("record", help="subscribe to an engine's KV-event publisher and journal every "
                                      "batch exactly once (gaps replayed or journaled, restarts journaled)")
-    p.add_argument("--endpoint", type=endpoint, required=True, help="the publisher's PUB endpoint")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", type=endpoint, help="the publisher's PUB endpoint, connected to (one engine)")
+    where.add_argument("--bind", type=endpoint, action="append", metavar="ENDPOINT",
+                       help="collect: bind here (tcp://*:5557 on every interface, tcp://HOST:5557 on one; "
+                            "repeatable, e.g. for port + rank under data parallelism) and record every engine "
+                            "whose publisher connects (vLLM's endpoint tcp://COLLECTOR:5557), each engine's topic "
+                            "and data_parallel_rank a stream of its own (kv:collector|TOPIC|dpRANK)")
     p.add_argument("--replay-endpoint", type=endpoint, help="the publisher's replay ROUTER endpoint")
+    p.add_argument("--engine", type=engine_spec, action="append", default=[], metavar="NAME=REPLAY_ENDPOINT",
+                   help="with --bind, repeatable: the engine publishing on topic NAME (vLLM's `topic`; empty "
+                        "for its default) answers replays at REPLAY_ENDPOINT, rank r at its port + r as vLLM binds "
+                        "them; an engine not named is recorded without replay (a warning, counted in "
+                        "unknown_engines, each lost batch a gap)")
     p.add_argument("--topic", type=_topic, default="",
                    help="the topic to record (default: none, every message, which SGLang's [seq, payload] form "
                         "needs); messages on other topics are counted and named, and when only those arrive the "
@@ -90,15 +121,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "what is held then is journaled, each hole below it as a gap")
     p.add_argument("--max-held-bytes", type=HELD_BYTES, default=MAX_HELD_BYTES, metavar="N",
                    help=f"bytes of batches held while a replay is pending (default {MAX_HELD_BYTES}, "
-                        f"{MAX_HELD_BYTES >> 20} MiB); past it the oldest hole is journaled as a gap and what "
-                        "follows it is journaled")
+                        f"{MAX_HELD_BYTES >> 20} MiB; with --bind, all engines together); past it the oldest hole "
+                        "(of the stream holding most) is journaled as a gap and what follows it is journaled")
     p.add_argument("--rcvhwm", type=RCVHWM, default=DEFAULT_RCVHWM, metavar="N",
                    help=f"messages each socket queues before ZMQ pushes back on the publisher (default "
                         f"{DEFAULT_RCVHWM}); a publisher then drops, which shows as a seq hole: replayed or "
                         "journaled as a gap")
     p.add_argument("--metrics-port", type=a.PORT, metavar="P", help=a.METRICS_PORT_HELP)
     p.add_argument("--metrics-host", type=a.host, default="127.0.0.1", metavar="H", help=a.METRICS_HOST_HELP)
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object (with --bind, each "
+                                                       "engine stream's under `engines`)")
     p.set_defaults(run=_cmd_record)
 
     p = kv.add_parser("import", help="load a recorded KV-event stream from a JSONL file, all or nothing")
@@ -124,8 +156,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 SUMMARY_KEYS = ("batches", "events", "replayed", "duplicates", "gaps", "gap_seqs", "restarts", "streams")
 # record's own: what it refused, what the held-bytes cap cost, what it saw on other topics
+COLLECT_KEYS = ("unknown_engines",)
 RECORD_KEYS = ("received", "skipped", "skipped_codes", "too_large", "cap_gaps", "cap_gap_seqs", "held_bytes_peak",
-               "other_topics", "topics_seen")
+               "backlog_peak", "other_topics", "topics_seen")
 
 
 def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None, keys: tuple[str, ...] = ()) -> None:
@@ -134,7 +167,7 @@ def _summary(s: object, as_json: bool, extra: dict[str, object] | None = None, k
 
 def _print(doc: dict[str, object], as_json: bool) -> None:
     """One JSON object, or one line of key=value (a dict value as JSON)."""
-    print(json.dumps(doc) if as_json else " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}"
+    print(json.dumps(doc) if as_json else " ".join(f"{k}={json.dumps(v) if isinstance(v, dict | list) else v}"
                                                    for k, v in doc.items()))
 
 
@@ -205,6 +238,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
     from kvledger.adapters import kv_events_zmq as z
     from kvledger.migrations.storage import open_or_create_journal
 
+    _check_collect(args)
     metrics = None
     if args.metrics_port is not None:
         from kvledger.adapters.kv_events_metrics import RecorderMetrics
@@ -227,8 +261,10 @@ def _cmd_record(args: argparse.Namespace) -> int:
             options = z.RecordOptions(replay_endpoint=args.replay_endpoint, topic=args.topic,
                                       idle_exit=args.idle_exit, dialect=args.dialect,
                                       max_held_bytes=args.max_held_bytes, rcvhwm=args.rcvhwm)
-            summary = z.record(journal, args.endpoint, options, stop=stop, progress=progress,
-                               watch=None if metrics is None else metrics.watch)
+            watch = None if metrics is None else metrics.watch
+            if args.bind is not None:
+                return _collect(journal, args, options, stop, progress, watch)
+            summary = z.record(journal, args.endpoint, options, stop=stop, progress=progress, watch=watch)
             extra = None if args.block_bytes is None else \
                 _resident_bytes(journal, args.endpoint, args.topic, args.block_bytes)
     finally:
@@ -239,4 +275,37 @@ def _cmd_record(args: argparse.Namespace) -> int:
         log.warning("no message on topic %r; %d on other topics: %s", args.topic, summary.other_topics,
                     _topics(summary))
         return 1
+    return 0
+
+
+def _check_collect(args: argparse.Namespace) -> None:
+    """--bind (collect) and --endpoint (one publisher) take options of their own."""
+    if args.bind is None:
+        if args.engine:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--engine names a collected engine: use it with --bind")
+        return
+    for flag, given in (("--replay-endpoint", args.replay_endpoint), ("--topic", args.topic),
+                        ("--block-bytes", args.block_bytes), ("--dialect sglang", args.dialect == "sglang")):
+        if given:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{flag} is for one publisher (--endpoint); with --bind "
+                                                            "each engine is its topic, its replay an --engine")
+    names = [name for name, _ in args.engine]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})[0]
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"--engine {twice!r} is given twice")
+    if len(set(args.bind)) != len(args.bind):
+        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "an endpoint is given to --bind twice")
+
+
+def _collect(journal: Journal, args: argparse.Namespace, options: z.RecordOptions, stop: z.Stop,
+             progress: Callable[[z.Summary], None], watch: Callable[[z.Deciding, z.Committed], None] | None) -> int:
+    """`record --bind`: the summary with each engine's (`engines`)."""
+    import msgspec
+
+    from kvledger.adapters.kv_events_collector import collect
+
+    summary, engines = collect(journal, args.bind, dict(args.engine), options, stop=stop, progress=progress,
+                               watch=watch)
+    _summary(summary, args.json, {"engines": [msgspec.structs.asdict(e) for e in engines]},
+             (*RECORD_KEYS, *COLLECT_KEYS))
     return 0

@@ -189,13 +189,21 @@ def model_resident(batches: list[list[tuple[str, dict[str, Any]]]]) -> dict[str,
     return {m: s for m, s in res.items() if s}
 
 
+class Wiring(msgspec.Struct, frozen=True):
+    """Where a Publisher's sockets go, when not on random ports it binds: `connect` its PUB
+    to a collector (vLLM's endpoint naming a host), `replay_bind` its ROUTER on a given port."""
+
+    connect: str | None = None
+    replay_bind: str | None = None
+
+
 class Publisher:
     """PUB + ROUTER replay with a ring buffer. `publish(events, drop=True)` assigns the
     next seq and buffers it without sending it live (a batch lost before the subscriber)."""
 
     def __init__(self, dialect: str = "vllm", *, topic: str = "kv", rank: int = 0, buffer_steps: int = 10_000,
                  sndhwm: int = 100_000, answer_replays: bool = True,
-                 replay_loses: dict[int, int] | None = None) -> None:
+                 replay_loses: dict[int, int] | None = None, wiring: Wiring | None = None) -> None:
         self.dialect = dialect
         self.answer_replays = answer_replays  # False: a replay socket that takes requests and never answers
         # seq -> how many replays leave it out (lost on the way, as a ROUTER past its HWM drops)
@@ -206,13 +214,22 @@ class Publisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, sndhwm)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        connect, replay_bind = (wiring or Wiring()).connect, (wiring or Wiring()).replay_bind
+        if connect is not None:  # vLLM's form with a host in its endpoint: the PUB connects to a collector
+            self.pub.connect(connect)
+            self.endpoint = connect
+        else:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, 0)
-        rport = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+        if replay_bind is not None:  # a given port (vLLM's: rank r's at the configured port + r)
+            self.router.bind(replay_bind)
+            self.replay_endpoint = replay_bind
+        else:
+            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.published: list[tuple[int, int, bytes]] = []  # (epoch, seq, payload)

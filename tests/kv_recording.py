@@ -5,12 +5,13 @@ journal holds."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,49 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+
+
+def await_true(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll `check` (the journal, or a process's answer) until it holds: the event a test waits for."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class VllmOracle:
+    """tests/vllm_oracle.py as a process: vLLM's own ZmqEventPublisher on `pub` (bound
+    for tcp://*:P, connected when it names a host) with its replay ROUTER on `replay`."""
+
+    def __init__(self, pub: str, replay: str, topic: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "vllm_oracle.py"), pub,
+                                      replay, topic], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def answer(self, timeout: float = 300) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"the vLLM oracle exited ({self.proc.wait()})")
+            if line.startswith("ORACLE "):
+                doc: dict[str, Any] = json.loads(line[7:])
+                return doc
+        raise AssertionError("the vLLM oracle did not answer")
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

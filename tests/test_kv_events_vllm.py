@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -29,6 +28,8 @@ import zmq
 
 from kvledger.migrations.storage import init_database
 
+from kv_recording import VllmOracle
+
 HERE = Path(__file__).resolve().parent
 END = [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
 N = 60
@@ -40,40 +41,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class _Oracle:
-    def __init__(self, pub: str, replay: str, topic: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_oracle.py"), pub, replay, topic],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def answer(self, timeout: float = 300) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"the vLLM oracle exited ({self.proc.wait()})")
-            if line.startswith("ORACLE "):
-                doc: dict[str, Any] = json.loads(line[7:])
-                return doc
-        raise AssertionError("the vLLM oracle did not answer")
-
-    def ask(self, command: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def _reply(dealer: zmq.Socket[bytes], request: list[bytes], timeout_ms: int = 10_000) -> list[list[bytes]]:
@@ -124,7 +91,7 @@ def test_serve_replies_frame_for_frame_as_vllm_and_vllm_decodes_them(tmp_path):
     ours = f"tcp://127.0.0.1:{_free_port()}"
     url = f"sqlite:///{tmp_path / 'kv.db'}"
     init_database(url)
-    oracle = _Oracle(pub, vllm_replay, "kv")
+    oracle = VllmOracle(pub, vllm_replay, "kv")
     ctx = zmq.Context()
     server = None
     try:
