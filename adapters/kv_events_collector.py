@@ -30,7 +30,8 @@ import zmq
 from kvledger.adapters import kv_events_zmq as z
 from kvledger.adapters.kv_events_recorder import Recorder, Summary, Taken, count_skip, stream_id
 from kvledger.adapters.kv_events_wire import decode_batch_encoded, seq_bytes, split_live
-from kvledger.journal.contract import HeadFacts, Journal
+from kvledger.journal.contract import HeadFacts
+from kvledger.journal.port import Journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError, one_line
 
 log = logging.getLogger("kvledger.kv_events")
