@@ -49,6 +49,7 @@ import torch
 
 from kvledger.adapters import hf_rows
 from kvledger.engine import commands as c
+from kvledger.engine.decode_lane import submit_split
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.schemas.canonical import layers_sha256
@@ -200,9 +201,9 @@ class Tracker:
     def _submit(self, cmds: list[c.Command | c.Relative]) -> None:
         self._settle()
         if self.overlap:
-            self._wait = self.port.submit_many(cmds, defer=True)
+            self._wait = submit_split(self.port, cmds, defer=True)
         else:
-            _check(self.port.execute_many(cmds))
+            _check(submit_split(self.port, cmds, defer=False)())
 
     def _settle(self) -> None:
         wait, self._wait = self._wait, None

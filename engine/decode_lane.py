@@ -3,7 +3,7 @@
 A decode step (publish the running append, emit the token its logits chose, start the
 append that processes that token) is most of what a serving journal writes. In the form
 a worker sends it (a Relative chain whose later steps leave their bases to the chain,
-no step with an operation id of its own, or the same as columns: c.DecodeSteps), every
+no step with an operation id of its own, or the same as columns: schemas.decode_batch.DecodeBatch), every
 field of its three events and its fingerprint follows from a handful of values and the
 handle's state. This module plans such a step from those values: the state it leaves
 (engine.decode_step.plain_after), its ids, its fingerprint
@@ -18,17 +18,21 @@ the same journal, row for row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvledger.engine import commands as c
 from kvledger.engine.decode_step import decode_shape, plain_after
 from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_counted
+from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Operation, StreamWrite
 from kvledger.journal.steps import StepValues, counter_of, row_parts
+from kvledger.schemas.decode_batch import BatchBuilder, DecodeBatch
 from kvledger.schemas.decode_fingerprint import step_fingerprint
+from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.events import ForwardCall
+from kvledger.schemas.receipts import Receipt
 
 # handle_id, txn_id, rows_sha256, workspace_bytes, output_index, token, next_txn_id,
 # position (where the next append starts), cache ABI, the next append's model call
@@ -56,10 +60,10 @@ def own_form(publish: c.Publish, emit: c.EmitOutput, start: c.BeginAppend) -> bo
             and start.base_generation is None and start.base_snapshot_version is None)
 
 
-def split_steps(cmds: Sequence[c.Command | c.Relative]) -> tuple[c.DecodeSteps, list[int]] | None:
+def split_steps(cmds: Sequence[c.Command | c.Relative]) -> tuple[DecodeBatch, list[int]] | None:
     """The batch's Relative decode chains in the lane's form whose handle no other
-    command of the batch acts on, as columns (step j is `cmds[at[j]]`, exactly:
-    `steps.chain(j) == cmds[at[j]]` up to the publication's base, which a Relative
+    command of the batch acts on, as one DecodeBatch (step j is `cmds[at[j]]`, exactly:
+    `c.batch_step(batch, j) == cmds[at[j]]` up to the publication's base, which a Relative
     chain leaves to the state), with their positions `at`; None if there are none."""
     acts: dict[str, int] = {}
     found: list[tuple[int, Values]] = []
@@ -74,18 +78,39 @@ def split_steps(cmds: Sequence[c.Command | c.Relative]) -> tuple[c.DecodeSteps, 
     picked = [(i, x) for i, x in found if acts[x[0]] == 1]
     if not picked:
         return None
-    h, txn, rows, workspace, output_index, token, next_txn, at, abi, call = zip(*(x for _, x in picked))
-    return (c.DecodeSteps(handle_ids=h, txn_ids=txn, rows_sha256=rows, output_indexes=output_index, tokens=token,
-                          next_txn_ids=next_txn, positions=at, cache_abi_sha256=abi, workspace_bytes=workspace,
-                          calls=call),
-            [i for i, _ in picked])
+    batch = BatchBuilder()
+    for _, (h, txn, rows, workspace, output_index, token, next_txn, at, abi, call) in picked:
+        batch.add(h, txn, at, output_index, token, next_txn, rows, abi, workspace_bytes=workspace, call=call)
+    return batch.build(), [i for i, _ in picked]
 
 
-def columns_values(steps: c.DecodeSteps, i: int) -> Values:
-    return (steps.handle_ids[i], steps.txn_ids[i], steps.rows_sha256[i],
-            0 if steps.workspace_bytes is None else steps.workspace_bytes[i], steps.output_indexes[i],
-            steps.tokens[i], steps.next_txn_ids[i], steps.positions[i], steps.cache_abi_sha256[i],
-            None if steps.calls is None else steps.calls[i])
+def submit_split(port: CommandPort, cmds: Sequence[c.Command | c.Relative], *,
+                 defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+    """A producer's iteration in one commit: its plain decode steps as one DecodeBatch
+    (split_steps), the rest as commands (port.submit_batch); the results come back in
+    the order of `cmds`."""
+    split = split_steps(cmds)
+    if split is None:
+        return port.submit_many(cmds, defer=defer)
+    steps, at = split
+    taken = set(at)
+    order = at + [i for i in range(len(cmds)) if i not in taken]
+    wait = port.submit_batch(steps, [cmds[i] for i in order[len(at):]], defer=defer)
+
+    def results() -> list[Receipt | KvLedgerError]:
+        got = wait()
+        out = list(got)
+        for j, i in enumerate(order):
+            out[i] = got[j]
+        return out
+
+    return results
+
+
+def columns_values(batch: DecodeBatch, i: int) -> Values:
+    return (batch.handle_ids[i], batch.txn_ids[i], batch.rows_sha256[i], batch.workspace(i),
+            batch.output_indexes[i], batch.tokens[i], batch.next_txn_ids[i], batch.positions[i],
+            batch.cache_abi_sha256[i], batch.call(i))
 
 
 def plan_step(s: HandleState, x: Values, operation_id: str | None, local_sequence: int, source_instance: str,

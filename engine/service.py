@@ -31,6 +31,8 @@ from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.decode_batch import DecodeBatch
+from kvledger.schemas.decode_batch import validate as validate_batch
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
@@ -130,19 +132,21 @@ class BatchSurface(ABC):
         still fenced like any other command."""
         return self.submit_many(cmds, defer=False)()
 
-    def submit_steps(self, steps: c.DecodeSteps, *,
+    def submit_steps(self, steps: DecodeBatch, *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
-        """submit_many of the steps' chains (c.DecodeSteps), one result a step."""
+        """submit_batch of the steps alone, one result a step."""
         return self.submit_batch(steps, (), defer=defer)
 
-    def submit_batch(self, steps: c.DecodeSteps, cmds: Sequence[c.Command | c.Relative], *,
+    def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
-        """submit_many of the steps' chains followed by `cmds`, in one commit; results
-        are positional over both. No command may act on a step's handle. Sent as
-        chains here; this process's service decides plain steps from the columns."""
-        return self.submit_many([*(steps.chain(i) for i in range(len(steps))), *cmds], defer=defer)
+        """submit_many of the steps' chains (c.batch_step) followed by `cmds`, in one
+        commit; results are positional over both. No command may act on a step's
+        handle. Sent as chains here; this process's service decides plain steps from
+        the columns."""
+        steps.check()
+        return self.submit_many([*(c.batch_step(steps, i) for i in range(len(steps))), *cmds], defer=defer)
 
-    def execute_steps(self, steps: c.DecodeSteps) -> list[Receipt | KvLedgerError]:
+    def execute_steps(self, steps: DecodeBatch) -> list[Receipt | KvLedgerError]:
         return self.submit_steps(steps, defer=False)()
 
     def __enter__(self) -> Self:
@@ -203,19 +207,19 @@ class CommandService(BatchSurface):
         results: list[Receipt | KvLedgerError | None] = [None] * len(given)
         return self._commit(given, results, self._decide(given, results, range(len(given))), defer)
 
-    def submit_batch(self, steps: c.DecodeSteps, cmds: Sequence[c.Command | c.Relative], *,
+    def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
         """submit_many of the steps' chains followed by `cmds`, one commit, results
         positional over both. A plain step is planned by the decode lane straight from
         the columns (engine.decode_lane), with no command struct; any other takes the
-        general path as `steps.chain(i)`, so every refusal is the chain's. The steps are
-        decided at one clock reading. No command may act on a step's handle (the
-        steps, decided first, would not be what it is decided against)."""
+        general path as `c.batch_step(steps, i)`, so every refusal is the chain's. The
+        steps are decided at one clock reading. No command may act on a step's handle
+        (the steps, decided first, would not be what it is decided against)."""
         n = len(steps)
-        columns = [steps.txn_ids, steps.rows_sha256, steps.output_indexes, steps.tokens, steps.next_txn_ids,
-                   steps.positions, steps.cache_abi_sha256, steps.workspace_bytes, steps.calls]
-        if any(col is not None and len(col) != n for col in columns):
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "decode steps: columns of unequal length")
+        if self.strict:
+            steps = validate_batch(steps)
+        else:
+            steps.check()
         if not self._lane or len(set(steps.handle_ids)) != n:
             return super().submit_batch(steps, cmds, defer=defer)  # as chains
         given: list[c.Command | c.Relative | None] = [None] * n + list(cmds)  # a step's chain only if needed
@@ -224,12 +228,14 @@ class CommandService(BatchSurface):
         mono, wall = self.clock.monotonic_ns(), self.clock.wall_ns()
         for i in range(n):
             s = self.state(steps.handle_ids[i])
-            plan = None if s is None else self._lane_plan(s, columns_values(steps, i), None, mono, wall)
+            base = steps.base(i)
+            plan = None if s is None or (base is not None and base != (s.generation, s.snapshot_version)) \
+                else self._lane_plan(s, columns_values(steps, i), None, mono, wall)
             if plan is None:
-                given[i] = steps.chain(i)
+                given[i] = c.batch_step(steps, i)
                 planned += self._decide(given, results, (i,))
             else:
-                plan.chain = partial(steps.chain_of, i)
+                plan.chain = partial(c.batch_chain, steps, i)
                 planned.append((i, plan))
         planned += self._decide(given, results, range(n, len(given)))
         return self._commit(given, results, planned, defer)

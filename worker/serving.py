@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from kvledger.engine import commands as c
+from kvledger.engine.decode_lane import submit_split
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
@@ -380,7 +381,7 @@ class Worker:
         the refused commands."""
         entries = [e.entry() if isinstance(e, _Chain) else e for e in batch]
         # journaling off: the same loop, nothing durable, every command as if committed
-        wait = None if self.service is None else self.service.submit_many([e[0] for e in entries], defer=overlap)
+        wait = None if self.service is None else submit_split(self.service, [e[0] for e in entries], defer=overlap)
         hit: set[str] | None = None
 
         def done() -> set[str]:
