@@ -105,11 +105,13 @@ class Lockstep:
         # bench.ab runs this harness against older commits too: before DecodeBatch, DecodeSteps,
         # before those, chains
         self.c, self.service, self.layers = c, service, layers
-        try:
-            from kvledger.schemas.decode_batch import DecodeBatch
-            self.batch: Any = DecodeBatch
-        except ImportError:
-            self.batch = getattr(c, "DecodeSteps", None)
+        self.batch: Any = getattr(c, "DecodeSteps", None)
+        if self.batch is None:
+            try:
+                from kvledger.schemas.decode_batch import DecodeBatch
+                self.batch = DecodeBatch
+            except ImportError:
+                pass
         self.chains = chains or self.batch is None
         self.handles = [f"{tag}-{os.urandom(6).hex()}-{i:03d}" for i in range(BATCH)]
         self.txn = {h: "" for h in self.handles}
