@@ -49,7 +49,7 @@ import torch
 
 from kvledger.adapters import hf_rows
 from kvledger.engine import commands as c
-from kvledger.engine.decode_lane import submit_split
+from kvledger.engine.gather import submit_split
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.schemas.canonical import layers_sha256
@@ -336,8 +336,8 @@ class Tracker:
                                 accepted_count=accepted)
         else:
             # The combined digest, as the worker sends it (after_forward saw every layer
-            # write): the publication stores the same bytes, and a decode chain then
-            # takes the service's one-function lane (engine.decode_step) instead of
+            # write): the publication stores the same bytes, and a decode step then
+            # goes in the service's DecodeBatch (engine.decide_batch) instead of
             # deciding a record per layer.
             publish = c.Publish(handle_id=seq.handle, txn_id=o.txn, base_generation=None, base_snapshot_version=None,
                                 rows_sha256=layers_sha256(o.digests))

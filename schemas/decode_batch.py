@@ -33,7 +33,8 @@ Base = tuple[Count, Count]  # (generation, snapshot_version)
 
 
 class DecodeBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """n decode steps on n distinct handles, column by column (see the module's doc).
+    """n decode steps, column by column (see the module's doc); a handle named twice has
+    its steps applied in order.
 
     A column that is None holds its default for every step: workspace 0, each handle's
     current base, no recorded model call. The model call of step i, when `call_ids[i]`

@@ -196,7 +196,7 @@ def test_decode_chains_cross_the_pipe_as_columns_with_the_same_results(db_url, t
     at the writer, as its chain), and an allocation between them. The chains that may
     travel as columns do; results, hooks and states are those of the service here on a
     journal of its own."""
-    from kvledger.engine.decode_lane import split_steps, submit_split
+    from kvledger.engine.gather import split_steps, submit_split
     from kvledger.schemas.manifest import cache_abi_sha256
 
     abi = cache_abi_sha256(make_manifest(request_id="A"))

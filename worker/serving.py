@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kvledger.engine import commands as c
-from kvledger.engine.decode_lane import submit_split
+from kvledger.engine.gather import submit_split
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
