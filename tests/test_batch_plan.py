@@ -189,14 +189,16 @@ _ints = st.integers(min_value=0, max_value=2**63 - 1)
 
 
 @settings(max_examples=300, deadline=None)
-@given(h=_ids, txn=_ids, nxt=_ids, abi=_ids, g=_ints, v=_ints, ws=_ints, out=_ints, token=_ints,
+@given(ids_=st.tuples(_ids, _ids, _ids, _ids), numbers=st.tuples(_ints, _ints, _ints, _ints, _ints),
        at=st.integers(min_value=0, max_value=2**62), rows=st.none() | _ids,
        call=st.none() | st.builds(ForwardCall, _ids, _ints, _ints, _ints, _ints, _ints))
-def test_a_steps_fingerprint_from_its_values_is_the_chains(h, txn, nxt, abi, g, v, ws, out, token, at, rows, call):
+def test_a_steps_fingerprint_from_its_values_is_the_chains(ids_, numbers, at, rows, call):
     """schemas.decode_fingerprint.step_fingerprint spells out a decode chain's canonical
     JSON: it equals Chain.fingerprint() of the bound chain for any ids and numbers."""
     from kvledger.schemas.decode_fingerprint import step_fingerprint
 
+    h, txn, nxt, abi = ids_
+    g, v, ws, out, token = numbers
     chain = c.Chain(handle_id=h, steps=(
         c.Publish(handle_id=h, txn_id=txn, base_generation=g, base_snapshot_version=v, rows_sha256=rows,
                   workspace_bytes=ws),
