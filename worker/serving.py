@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from kvledger.engine import commands as c
+from kvledger.engine.gather import add_step
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
@@ -146,19 +147,9 @@ class _Chain:
         return ok, err
 
     def add_to(self, steps: BatchBuilder) -> bool:
-        """Add this chain to `steps` as a decode step (what engine.gather.decode_shape
-        accepts) if it is one: publish (no layers or accepted count), emit, then start
-        the one-row decode append of the emitted token; else False."""
-        first = self.first
-        if len(self.steps) != 2 or first.accepted_count is not None or first.layers is not None:
-            return False
-        emit, start = self.steps
-        if (type(emit) is not c.EmitOutput or type(start) is not c.BeginAppend or start.kind != "decode"
-                or start.token_ids != (emit.token_id,)):
-            return False
-        steps.add(self.handle, first.txn_id, start.interval_start, emit.output_index, emit.token_id, start.txn_id,
-                  first.rows_sha256, start.cache_abi_sha256, workspace_bytes=first.workspace_bytes, call=start.call)
-        return True
+        """Add this chain to `steps` if it is a decode step (engine.gather.decode_shape);
+        else False."""
+        return add_step(steps, (self.first, *self.steps))
 
 
 class Worker:
