@@ -49,9 +49,11 @@ import torch
 
 from kvledger.adapters import hf_rows
 from kvledger.engine import commands as c
+from kvledger.engine.gather import take_steps
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.schemas.canonical import layers_sha256
+from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import AppendKind, FinishReason, ForwardCall, LayerRows
 from kvledger.schemas.manifest import Manifest, cache_abi_sha256
@@ -194,15 +196,15 @@ class Tracker:
                 st.append(self._begin(seq, "repair", tokens, call(r)))
             else:
                 st.append(self._begin(seq, "decode", tokens, call(r)))
-        cmds += self._chains(steps)
-        self._submit(cmds)
+        decoding = take_steps(steps, cmds)
+        self._submit(decoding, cmds + self._chains(steps))
 
-    def _submit(self, cmds: list[c.Command | c.Relative]) -> None:
+    def _submit(self, batch: DecodeBatch, cmds: list[c.Command | c.Relative]) -> None:
         self._settle()
         if self.overlap:
-            self._wait = self.port.submit_many(cmds, defer=True)
+            self._wait = self.port.submit_batch(batch, cmds, defer=True)
         else:
-            _check(self.port.execute_many(cmds))
+            _check(self.port.submit_batch(batch, cmds, defer=False)())
 
     def _settle(self) -> None:
         wait, self._wait = self._wait, None
@@ -334,10 +336,8 @@ class Tracker:
                                              for i, d in enumerate(o.digests)),
                                 accepted_count=accepted)
         else:
-            # The combined digest, as the worker sends it (after_forward saw every layer
-            # write): the publication stores the same bytes, and a decode chain then
-            # takes the service's one-function lane (engine.decode_step) instead of
-            # deciding a record per layer.
+            # The combined digest, as the worker sends it (after_forward saw every layer write):
+            # the same bytes stored, and a decode step goes in a DecodeBatch, not a record per layer.
             publish = c.Publish(handle_id=seq.handle, txn_id=o.txn, base_generation=None, base_snapshot_version=None,
                                 rows_sha256=layers_sha256(o.digests))
         steps.setdefault(seq.handle, []).append(publish)

@@ -4,7 +4,7 @@ how fast a journal of decoded tokens replays (the compact-journal goals).
 - Service alone, no model: 64 handles decode in lockstep, one commit per step. Each
   token is one decode step: the publication with every cache layer's row digest (random
   bytes, 32 layers), the output it chose, and the start of the next append, sent as a
-  batch's columns (engine.commands.DecodeSteps; `Lockstep(chains=True)` sends each as a
+  batch's columns (schemas.decode_batch.DecodeBatch; `Lockstep(chains=True)` sends each as a
   Relative Chain instead). Durable SQLite (WAL, synchronous=FULL) and PostgreSQL (fsync on).
 - The worker's ceiling: a near-free model (vocab 64, hidden 16, 2 layers, 2/1 heads,
   head_dim 8) serving 64 requests of 32 prompt tokens for 32 greedy tokens, journal on
@@ -40,7 +40,7 @@ GOALS = {
 }
 NOTES = {
     "journal_tokens_per_s_sqlite": "command service alone: decide + encode + statements + commit of 64 "
-                                   "decode steps (DecodeSteps columns) per transaction, 32 layers; "
+                                   "decode steps (one DecodeBatch) per transaction, 32 layers; "
                                    "us a token in place (docs/PERFORMANCE.md, step 26): the bench's own "
                                    "4.1, planning 6.1, the record 10, statements ~4, keys and the rest ~5, "
                                    "the COMMIT 7.1 (an fsync of ~450 us a commit): the COMMIT, the "
@@ -102,9 +102,17 @@ class Lockstep:
     def __init__(self, service: Any, layers: int, steps: int, tag: str, chains: bool = False) -> None:
         from kvledger.engine import commands as c
 
-        # bench.ab runs this harness against older commits too: before DecodeSteps, chains
+        # bench.ab runs this harness against older commits too: before DecodeBatch, DecodeSteps,
+        # before those, chains
         self.c, self.service, self.layers = c, service, layers
-        self.chains = chains or not hasattr(c, "DecodeSteps")
+        self.batch: Any = getattr(c, "DecodeSteps", None)
+        if self.batch is None:
+            try:
+                from kvledger.schemas.decode_batch import DecodeBatch
+                self.batch = DecodeBatch
+            except ImportError:
+                pass
+        self.chains = chains or self.batch is None
         self.handles = [f"{tag}-{os.urandom(6).hex()}-{i:03d}" for i in range(BATCH)]
         self.txn = {h: "" for h in self.handles}
         self.pos = dict.fromkeys(self.handles, 0)  # start of the running append
@@ -142,8 +150,8 @@ class Lockstep:
             cache_abi_sha256=self.abi)
 
     def step(self) -> None:
-        """One decode step a handle, as the worker sends them: columns (c.DecodeSteps), or
-        Relative chains with `chains` set."""
+        """One decode step a handle, as the worker sends them: one DecodeBatch
+        (schemas.decode_batch), or Relative chains with `chains` set."""
         if self.chains:
             return self._step_chains()
         layers = self.layers
@@ -163,8 +171,13 @@ class Lockstep:
             self.txn[h] = txn = next(self.ids)
             nxt.append(txn)
             positions.append(at)
-        steps = self.c.DecodeSteps(tuple(handles), tuple(txns), tuple(rows), tuple(outputs), tuple(tokens),
-                                   tuple(nxt), tuple(positions), (self.abi,) * len(handles))
+        abis = (self.abi,) * len(handles)
+        if hasattr(self.c, "DecodeSteps"):
+            steps = self.batch(tuple(handles), tuple(txns), tuple(rows), tuple(outputs), tuple(tokens),
+                               tuple(nxt), tuple(positions), abis)
+        else:
+            steps = self.batch(tuple(handles), tuple(txns), tuple(positions), tuple(outputs), tuple(tokens),
+                               tuple(nxt), tuple(rows), abis)
         for r in self.service.execute_steps(steps):
             if isinstance(r, Exception):
                 raise r

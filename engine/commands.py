@@ -17,6 +17,7 @@ from msgspec import Meta
 
 from kvledger.engine.state import HandleState
 from kvledger.schemas.canonical import digest
+from kvledger.schemas.decode_batch import Abi, DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import (
     AppendKind,
@@ -36,8 +37,6 @@ from kvledger.schemas.manifest import Manifest
 N = Count
 Ids = Annotated[tuple[Id, ...], Meta(max_length=4096)]  # the events' bound on a row list
 Perm = Annotated[tuple[N, ...], Meta(max_length=4096)]
-# An append's cache ABI; "" means the handle's (bound at decision time, see bind_current).
-Abi = Annotated[str, Meta(max_length=64)]
 
 
 # gc=False (here and on the journal's Operation, StreamWrite, Guard, HeadFacts and on
@@ -213,43 +212,28 @@ class Relative(msgspec.Struct, frozen=True, tag=True, gc=False):
     command: Command
 
 
-class DecodeSteps(msgspec.Struct, frozen=True, gc=False):
-    """One decode step for each of several handles, as columns: what a worker's decode
-    iteration sends for its running sequences. Step i is `chain(i)`, a Relative chain
-    (publish the running append `txn_ids[i]` with its row digest, emit `tokens[i]` as
-    output `output_indexes[i]`, start `next_txn_ids[i]` at position `positions[i]`), and
-    the service decides it as that chain; given as columns, the plain steps are decided
-    without building one (CommandService.submit_steps). Handles are distinct."""
+def batch_chain(batch: DecodeBatch, i: int) -> Chain:
+    """Step i of a decode batch as the chain it stands for: publish the running append
+    (at the step's base, or unnamed: the handle's current), emit the token, start the
+    append that processes it. The general path (decide, evolve) defines what it does."""
+    h, token, at = batch.handle_ids[i], batch.tokens[i], batch.positions[i]
+    base = batch.base(i)
+    g, v = (None, None) if base is None else base
+    return Chain(handle_id=h, steps=(
+        Publish(handle_id=h, txn_id=batch.txn_ids[i], base_generation=g, base_snapshot_version=v,
+                rows_sha256=batch.rows_sha256[i], workspace_bytes=batch.workspace(i)),
+        EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None,
+                   output_index=batch.output_indexes[i], token_id=token),
+        BeginAppend(handle_id=h, txn_id=batch.next_txn_ids[i], kind="decode", base_generation=None,
+                    base_snapshot_version=None, interval_start=at, interval_count=1, token_ids=(token,),
+                    cache_positions=(at,), mask_key_extent=at + 1, cache_abi_sha256=batch.cache_abi_sha256[i],
+                    call=batch.call(i))))
 
-    handle_ids: Ids
-    txn_ids: Ids
-    rows_sha256: Annotated[tuple[Digest | None, ...], Meta(max_length=4096)]
-    output_indexes: Perm
-    tokens: Perm
-    next_txn_ids: Ids
-    positions: Perm  # where each next append starts: the committed length after the publication
-    cache_abi_sha256: Annotated[tuple[Abi, ...], Meta(max_length=4096)]
-    workspace_bytes: Perm | None = None  # None: zero each
-    calls: Annotated[tuple[ForwardCall | None, ...], Meta(max_length=4096)] | None = None
 
-    def __len__(self) -> int:
-        return len(self.handle_ids)
-
-    def chain(self, i: int) -> Relative:
-        return Relative(self.chain_of(i))
-
-    def chain_of(self, i: int) -> Chain:
-        h, token, at = self.handle_ids[i], self.tokens[i], self.positions[i]
-        return Chain(handle_id=h, steps=(
-            Publish(handle_id=h, txn_id=self.txn_ids[i], base_generation=None, base_snapshot_version=None,
-                    rows_sha256=self.rows_sha256[i],
-                    workspace_bytes=0 if self.workspace_bytes is None else self.workspace_bytes[i]),
-            EmitOutput(handle_id=h, base_generation=None, base_snapshot_version=None,
-                       output_index=self.output_indexes[i], token_id=token),
-            BeginAppend(handle_id=h, txn_id=self.next_txn_ids[i], kind="decode", base_generation=None,
-                        base_snapshot_version=None, interval_start=at, interval_count=1, token_ids=(token,),
-                        cache_positions=(at,), mask_key_extent=at + 1, cache_abi_sha256=self.cache_abi_sha256[i],
-                        call=None if self.calls is None else self.calls[i])))
+def batch_step(batch: DecodeBatch, i: int) -> Command | Relative:
+    """Step i as a command: its chain, Relative when it leaves its base to the handle."""
+    chain = batch_chain(batch, i)
+    return chain if batch.base(i) is not None else Relative(chain)
 
 
 def bind_current(cmd: Command, state_of: Callable[[str], HandleState | None]) -> Command:

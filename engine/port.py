@@ -16,6 +16,7 @@ from kvledger.engine import commands as c
 from kvledger.engine.state import HandleState
 from kvledger.journal.port import Journal
 from kvledger.schemas import events as ev
+from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
@@ -61,6 +62,12 @@ class CommandPort(Protocol):
 
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]: ...
+
+    def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
+                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """submit_many of a decode batch's steps followed by `cmds`, one commit; results
+        positional over both. No command may act on a step's handle."""
+        ...
 
     def execute(self, cmd: c.Command | c.Relative) -> Receipt: ...
 

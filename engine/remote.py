@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvledger.engine import commands as c
-from kvledger.engine.decode_lane import split_steps
 from kvledger.engine.evolve import fold
 from kvledger.engine.port import CommandPort, CommitHook, RejectHook
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
@@ -41,6 +40,7 @@ from kvledger.engine.state import HandleState
 from kvledger.journal import tuning
 from kvledger.journal.port import Journal
 from kvledger.journal.sql import SqlJournal, open_journal
+from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
@@ -69,9 +69,9 @@ class _Request(msgspec.Struct, frozen=True, array_like=True):
     commands: list[c.Command | c.Relative]
     events: bool  # send each receipt's events back (on_commit hooks are listening)
     rejected: bool  # send each refused command back as decided (on_reject hooks)
-    # The batch's plain decode chains as columns (engine.decode_lane.split_steps), decided
-    # before `commands`; results and replies list the steps' first.
-    steps: c.DecodeSteps | None = None
+    # The batch's plain decode steps as columns, decided before `commands`; results and
+    # replies list the steps' first.
+    steps: DecodeBatch | None = None
 
 
 class _Reply(msgspec.Struct, frozen=True, array_like=True):
@@ -138,52 +138,56 @@ class RemoteService(BatchSurface):
                     ) -> Callable[[], list[Receipt | KvLedgerError]]:
         """Send the batch; the returned function waits for the writer's commit and
         returns the results (see CommandService.submit_many). Commands must be data."""
+        return self._send(None, cmds, defer)
+
+    def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
+                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """The decode batch and `cmds` in one frame, decided by the writer's
+        CommandService.submit_batch; results positional over both."""
+        steps.check()
+        return self._send(steps, cmds, defer)
+
+    def _send(self, steps: DecodeBatch | None, cmds: Sequence[c.Command | c.Relative], defer: bool
+              ) -> Callable[[], list[Receipt | KvLedgerError]]:
         if self._pending is not None:
             self._pending()  # never two batches in flight
         cmds = list(cmds)
-        if not cmds:
+        if steps is not None and not len(steps):
+            steps = None
+        if not cmds and steps is None:
             return lambda: []
         if any(not isinstance(x, c.Relative) and not isinstance(x, c.Command) for x in cmds):
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a writer process takes commands as data "
                                 "(engine.commands.Command or Relative), not callables")
         if self._proc is None:
             raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{self.display_url}: service closed")
-        # Plain decode chains travel as columns: smaller frames, and the writer decides
-        # them without command structs. `order[j]` is where the reply's j-th result goes.
-        split = split_steps(cmds)
-        if split is None:
-            request, order = _Request(cmds, bool(self.on_commit), bool(self.on_reject)), None
-        else:
-            steps, at = split
-            chained = set(at)
-            rest = [i for i in range(len(cmds)) if i not in chained]
-            request = _Request([cmds[i] for i in rest], bool(self.on_commit), bool(self.on_reject), steps)
-            order = at + rest
+        request = _Request(cmds, bool(self.on_commit), bool(self.on_reject), steps)
         try:
             send(self._out, self._encode(request))
         except OSError as exc:
             raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE,
                                 f"{self.display_url}: the journal writer process is gone ({exc})") from None
         results: list[Receipt | KvLedgerError] | None = None
+        n = 0 if steps is None else len(steps)
+
+        def sent(i: int) -> c.Command | c.Relative:
+            assert steps is not None or i >= n
+            return c.batch_step(steps, i) if steps is not None and i < n else cmds[i - n]
 
         def wait() -> list[Receipt | KvLedgerError]:
             nonlocal results
             if results is None:
                 self._pending = None
                 reply = self._answer()
-                got = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
-                # in the batch's order, commits before refusals, as the service here calls them
-                at = list(range(len(got))) if order is None else _inverse(order)
-                results = [got[j] for j in at]
-                for j in at:
-                    r = got[j]
+                results = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
+                # commits before refusals, as the service here calls them
+                for j, r in enumerate(results):
                     if isinstance(r, Receipt):
                         for on_commit in self.on_commit:
                             on_commit(r, reply.events[j] if reply.events else [])
-                for i, j in enumerate(at):
-                    r = got[j]
+                for j, r in enumerate(results):
                     if not isinstance(r, Receipt):
-                        cmd = (reply.rejected[j] if reply.rejected else None) or cmds[i]
+                        cmd = (reply.rejected[j] if reply.rejected else None) or sent(j)
                         for on_reject in self.on_reject:
                             on_reject(cmd, r)
             return results
@@ -209,14 +213,6 @@ class RemoteService(BatchSurface):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _inverse(order: list[int]) -> list[int]:
-    """at[i] = j where order[j] = i: the reply's j-th result answers the batch's i-th command."""
-    at = [0] * len(order)
-    for j, i in enumerate(order):
-        at[i] = j
-    return at
 
 
 def _error(e: tuple[str, str] | None) -> KvLedgerError:
@@ -298,6 +294,7 @@ def serve(fd_in: int, fd_out: int) -> None:
                 if request.steps is None:
                     results = service.execute_many(request.commands)
                 else:
+                    request.steps.check()  # what a frame's decoder does not: the columns line up
                     results = service.submit_batch(request.steps, request.commands, defer=False)()
             except KvLedgerError as exc:
                 reply = _Reply(failure=(exc.code.value, exc.message))

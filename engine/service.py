@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Self
 import msgspec
 
 from kvledger.engine import commands as c
-from kvledger.engine.decide import Draft, decide
-from kvledger.engine.decode_lane import Values, chain_values, columns_values, own_form, plan_step
-from kvledger.engine.decode_step import decode_after, decode_payloads
-from kvledger.engine.evolve import evolve, fold
+from kvledger.engine.batch_plan import plan_step
+from kvledger.engine.chain import apply
+from kvledger.engine.decide import Draft
+from kvledger.engine.decide_batch import decide_batch
+from kvledger.engine.evolve import fold
 from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
@@ -32,6 +33,8 @@ from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
+from kvledger.schemas.decode_batch import DecodeBatch
+from kvledger.schemas.decode_batch import validate as validate_batch
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
@@ -69,17 +72,17 @@ class ManualClock:
 
 @dataclass(slots=True)  # one a decode step: slots make it cheaper to build and read
 class Plan:
-    # As decided: bound, with its operation id. None for a step of the decode lane, whose
+    # As decided: bound, with its operation id. None for a plain step of a decode batch, whose
     # bound chain is built by command() only if a retry or a refusal hook needs it.
     cmd: c.Command | None
     op: Operation
     states: dict[str, HandleState]
     stamped: list[ev.Event]  # its events; empty when op.step holds them as values
-    chain: c.Chain | Callable[[], c.Chain] | None = None  # the lane's step as its caller gave it
+    chain: c.Chain | Callable[[], c.Chain] | None = None  # a plain step's chain, or how to build it
 
     @property
     def events(self) -> list[ev.Event]:
-        """Its events; a lane step's are built here, once (for hooks and strict checks)."""
+        """Its events; a plain step's are built here, once (for hooks and strict checks)."""
         if self.op.step is not None and not self.stamped:
             self.stamped = list(self.op.step.events())
         return self.stamped
@@ -88,7 +91,7 @@ class Plan:
         if self.cmd is None:
             chain = self.chain() if callable(self.chain) else self.chain
             base = self.op.writes[0].expected
-            assert chain is not None and base is not None  # the lane keeps its chain, and writes an existing handle
+            assert chain is not None and base is not None  # a plain step keeps its chain, and writes an existing handle
             self.cmd = msgspec.structs.replace(_bound(chain, base.generation, base.snapshot_version),
                                                operation_id=self.op.operation_id)
         return self.cmd
@@ -131,19 +134,21 @@ class BatchSurface(ABC):
         still fenced like any other command."""
         return self.submit_many(cmds, defer=False)()
 
-    def submit_steps(self, steps: c.DecodeSteps, *,
+    def submit_steps(self, steps: DecodeBatch, *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
-        """submit_many of the steps' chains (c.DecodeSteps), one result a step."""
+        """submit_batch of the steps alone, one result a step."""
         return self.submit_batch(steps, (), defer=defer)
 
-    def submit_batch(self, steps: c.DecodeSteps, cmds: Sequence[c.Command | c.Relative], *,
+    def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
-        """submit_many of the steps' chains followed by `cmds`, in one commit; results
-        are positional over both. No command may act on a step's handle. Sent as
-        chains here; this process's service decides plain steps from the columns."""
-        return self.submit_many([*(steps.chain(i) for i in range(len(steps))), *cmds], defer=defer)
+        """submit_many of the steps' chains (c.batch_step) followed by `cmds`, in one
+        commit; results are positional over both. No command may act on a step's
+        handle. Sent as chains here; this process's service decides plain steps from
+        the columns."""
+        steps.check()
+        return self.submit_many([*(c.batch_step(steps, i) for i in range(len(steps))), *cmds], defer=defer)
 
-    def execute_steps(self, steps: c.DecodeSteps) -> list[Receipt | KvLedgerError]:
+    def execute_steps(self, steps: DecodeBatch) -> list[Receipt | KvLedgerError]:
         return self.submit_steps(steps, defer=False)()
 
     def __enter__(self) -> Self:
@@ -166,13 +171,6 @@ class CommandService(BatchSurface):
     # anything is decided or written: a field outside it would poison every later replay.
     # The worker's own commands are built valid and skip the cost.
     strict: bool = False
-    # engine.decode_step decides the worker's plain decode chain in one call; off, every
-    # command takes the general path (tests compare the two, and it bisects a doubt).
-    fast_decode: bool = True
-    # The decode lane hands the journal a step's values (journal.steps.StepValues, what a
-    # record stores) instead of three event structs; off, it stamps the events (tests
-    # compare the two: the journal's bytes are the same).
-    step_values: bool = True
 
     # -- state -------------------------------------------------------------------
 
@@ -204,34 +202,42 @@ class CommandService(BatchSurface):
         results: list[Receipt | KvLedgerError | None] = [None] * len(given)
         return self._commit(given, results, self._decide(given, results, range(len(given))), defer)
 
-    def submit_batch(self, steps: c.DecodeSteps, cmds: Sequence[c.Command | c.Relative], *,
+    def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
                      defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
         """submit_many of the steps' chains followed by `cmds`, one commit, results
-        positional over both. A plain step is planned by the decode lane straight from
-        the columns (engine.decode_lane), with no command struct; any other takes the
-        general path as `steps.chain(i)`, so every refusal is the chain's. The steps are
-        decided at one clock reading. No command may act on a step's handle (the
+        positional over both. The steps are decided at once (engine.decide_batch), at
+        one clock reading, and a plain one goes to the journal as its values
+        (engine.batch_plan), with no command struct; any other is decided by the
+        general path as `c.batch_step(steps, i)`, so every refusal is its chain's. A
+        handle's steps apply in order; no command may act on a step's handle (the
         steps, decided first, would not be what it is decided against)."""
         n = len(steps)
-        columns = [steps.txn_ids, steps.rows_sha256, steps.output_indexes, steps.tokens, steps.next_txn_ids,
-                   steps.positions, steps.cache_abi_sha256, steps.workspace_bytes, steps.calls]
-        if any(col is not None and len(col) != n for col in columns):
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "decode steps: columns of unequal length")
-        if not self._lane or len(set(steps.handle_ids)) != n:
-            return super().submit_batch(steps, cmds, defer=defer)  # as chains
+        if self.strict:
+            steps = validate_batch(steps)
+        else:
+            steps.check()
+        if self.strict or not _STAMPED:
+            return super().submit_batch(steps, cmds, defer=defer)  # each step as its chain
         given: list[c.Command | c.Relative | None] = [None] * n + list(cmds)  # a step's chain only if needed
         results: list[Receipt | KvLedgerError | None] = [None] * len(given)
         planned: list[tuple[int, Plan]] = []
         mono, wall = self.clock.monotonic_ns(), self.clock.wall_ns()
-        for i in range(n):
-            s = self.state(steps.handle_ids[i])
-            plan = None if s is None else self._lane_plan(s, columns_values(steps, i), None, mono, wall)
-            if plan is None:
-                given[i] = steps.chain(i)
-                planned += self._decide(given, results, (i,))
+        handles = steps.handle_ids
+        decided = decide_batch(steps, {h: self.state(h) for h in handles}, mono)
+        local: dict[str, HandleState | None] = {}  # as the steps before leave a handle
+        for i, after in enumerate(decided.plain):
+            h = handles[i]
+            s = local[h] if h in local else self.state(h)
+            op = None if after is None or s is None else plan_step(
+                s, after, steps, i, self.local_sequence, self.source_instance, mono, wall)
+            if op is None:  # the general path gives its refusal, or stamps its events
+                given[i] = c.batch_step(steps, i)
+                planned += self._decide(given, results, (i,), local)
             else:
-                plan.chain = partial(steps.chain_of, i)
-                planned.append((i, plan))
+                assert after is not None
+                self.local_sequence += 3
+                local[h] = after
+                planned.append((i, Plan(None, op, {h: after}, [], partial(c.batch_chain, steps, i))))
         planned += self._decide(given, results, range(n, len(given)))
         return self._commit(given, results, planned, defer)
 
@@ -239,7 +245,7 @@ class CommandService(BatchSurface):
                 planned: list[tuple[int, Plan]], defer: bool) -> Callable[[], list[Receipt | KvLedgerError]]:
         """Append the planned operations (deferred or not); the function that waits for
         them, decides again what contention refused, and returns the results. A step of
-        the decode lane is bound in `cmds` only when a retry or a hook needs it."""
+        a decode batch is bound in `cmds` only when a retry or a hook needs it."""
         first = None
         if planned:
             ops = [p.op for _, p in planned]
@@ -252,7 +258,7 @@ class CommandService(BatchSurface):
 
         def command(i: int) -> c.Command | c.Relative:
             plan = plans.get(i)
-            if plan is not None and plan.cmd is None:  # the lane's: bound as the general path binds it
+            if plan is not None and plan.cmd is None:  # a plain step: bound as the general path binds it
                 cmds[i] = plan.command()
             found = cmds[i]
             assert found is not None  # submit_batch leaves a slot empty only for a plan
@@ -284,12 +290,13 @@ class CommandService(BatchSurface):
         return wait
 
     def _decide(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
-                todo: Sequence[int]) -> list[tuple[int, Plan]]:
+                todo: Sequence[int], local: dict[str, HandleState | None] | None = None) -> list[tuple[int, Plan]]:
         """Build, key and plan the commands at `todo` in order, each against the states
-        the earlier ones leave; a refused one gets its result now."""
-        local: dict[str, HandleState | None] = {}
+        the earlier ones leave (starting from `local`, which it updates, over the cached
+        ones); a refused one gets its result now."""
+        local = {} if local is None else local
         planned: list[tuple[int, Plan]] = []
-        fast, strict = self.fast_decode, self.strict
+        strict = self.strict
         # Handles to allocate that this service has not seen: one read for all of them
         # instead of a stream read each (the guarded write still refuses one that appears).
         # Not for commands from outside, which are checked one by one below first.
@@ -307,19 +314,6 @@ class CommandService(BatchSurface):
                 except KvLedgerError as exc:  # not even its operation id can be looked up
                     results[i] = exc
                     continue
-            if fast and type(cmd) is c.Relative and (plan := self._relative_decode(cmd.command, local)) is not None:
-                if strict:
-                    try:  # what the general path checks of each event it stamps
-                        for event in plan.events:
-                            _decodable(event)
-                    except KvLedgerError as exc:
-                        results[i] = exc
-                        continue
-                if plan.cmd is not None:  # else the lane's step: bound by _commit if needed
-                    cmds[i] = plan.cmd
-                local.update(plan.states)
-                planned.append((i, plan))
-                continue
             try:
                 if isinstance(cmd, c.Relative):
                     cmd = cmds[i] = c.bind_current(cmd.command,
@@ -381,31 +375,16 @@ class CommandService(BatchSurface):
                                                  "with another fingerprint")
 
     def _plan(self, cmd: c.Command, operation_id: str, local: Mapping[str, HandleState | None]) -> Plan:
-        if type(cmd) is c.Chain and self.fast_decode and not self.strict:
-            h = cmd.handle_id
-            s = local[h] if h in local else self.state(h)
-            if s is not None and (plan := self._plan_decode(cmd, operation_id, s)) is not None:
-                return plan
         before = {h: local[h] if h in local else self.state(h) for h in c.handles_of(cmd)}
         now_mono, now_wall = self.clock.monotonic_ns(), self.clock.wall_ns()
-        after: dict[str, HandleState | None] = dict(before)
-        written: dict[str, HandleState] = {}  # the handles this command writes, as it leaves them
-        events: list[ev.Event] = []
-        by_handle: dict[str, list[ev.Event]] = {}
-        for step in self._steps(cmd):
-            # Only a chain's later steps may leave their base to the steps before them.
-            if (isinstance(cmd, c.Chain) and step is not cmd and (s := after[cmd.handle_id]) is not None
-                    and isinstance(step, c.Step) and c.unnamed_base(step)):
-                step = c.bind(step, s.generation, s.snapshot_version)
-            drafts = decide(after, step)
-            for d in drafts:
-                event = self._stamp(d, after.get(d.handle_id), step, operation_id, before,
-                                    now_mono, now_wall)
-                if self.strict:
-                    _decodable(event)
-                after[d.handle_id] = written[d.handle_id] = evolve(after.get(d.handle_id), event)
-                events.append(event)
-                by_handle.setdefault(d.handle_id, []).append(event)
+
+        def stamp(d: Draft, state: HandleState | None, step: c.Command) -> ev.Event:
+            event = self._stamp(d, state, step, operation_id, before, now_mono, now_wall)
+            if self.strict:
+                _decodable(event)
+            return event
+
+        written, by_handle, events, drafts = apply(cmd, before, stamp)
         writes = tuple(
             StreamWrite(h, guard(before[h]), head(written[h]), tuple(evs))
             for h, evs in by_handle.items()
@@ -419,92 +398,6 @@ class CommandService(BatchSurface):
             manifests = ((p.manifest_sha256, canonical_json(cmd.manifest)),)
         op = Operation(operation_id, cmd.fingerprint(), writes, checks, manifests)
         return Plan(cmd, op, written, events)
-
-    @property
-    def _lane(self) -> bool:
-        """Plain decode steps go to the journal as values (engine.decode_lane)."""
-        return self.step_values and _STAMPED and not self.strict
-
-    def _lane_plan(self, s: HandleState, x: Values, operation_id: str | None, mono: int, wall: int) -> Plan | None:
-        planned = plan_step(s, x, operation_id, self.local_sequence, self.source_instance, mono, wall)
-        if planned is None:
-            return None
-        op, after = planned
-        self.local_sequence += 3
-        return Plan(None, op, {s.handle_id: after}, [])
-
-    def _relative_decode(self, chain: c.Command, local: Mapping[str, HandleState | None]) -> Plan | None:
-        """A Relative decode chain bound and planned in one go, as bind_current binds a
-        chain (its first step, a publish, takes the handle's base): by the decode lane, or
-        with a new operation id by _plan_decode; None: the general path decides it (and
-        gives any refusal)."""
-        if type(chain) is not c.Chain or chain.operation_id is not None:
-            return None
-        steps = chain.steps
-        if len(steps) != 3 or type(steps[0]) is not c.Publish:
-            return None
-        h = chain.handle_id
-        s = local[h] if h in local else self.state(h)
-        if s is None:
-            return None
-        if self._lane and (x := chain_values(chain)) is not None:
-            plan = self._lane_plan(s, x, None, self.clock.monotonic_ns(), self.clock.wall_ns())
-            if plan is not None:
-                plan.chain = chain
-                return plan
-        return self._plan_decode(_bound(chain, s.generation, s.snapshot_version), None, s)
-
-    def _plan_decode(self, cmd: c.Chain, operation_id: str | None, s: HandleState) -> Plan | None:
-        """_plan for a plain decode chain (engine.decode_step), or None. No operation id:
-        a new one, taken only once the chain decides here (ids are drawn in the general
-        path's order, so a seeded run is the same either way). A chain that names its
-        operation id (a retry of a Relative one) may still go by the decode lane."""
-        publish = cmd.steps[0] if cmd.steps else None
-        if (operation_id is not None and self._lane and type(publish) is c.Publish
-                and publish.base_generation == s.generation and publish.base_snapshot_version == s.snapshot_version
-                and (x := chain_values(cmd)) is not None
-                and (plan := self._lane_plan(s, x, operation_id, self.clock.monotonic_ns(),
-                                             self.clock.wall_ns())) is not None):
-            plan.cmd = cmd
-            return plan
-        mono = self.clock.monotonic_ns()
-        after = decode_after(s, cmd, mono)
-        if after is None:
-            return None
-        publish, emit, start = cmd.steps
-        assert type(publish) is c.Publish and type(emit) is c.EmitOutput and type(start) is c.BeginAppend  # as accepted
-        # The chain's own form (the worker's): its fingerprint is a function of its events
-        # (schemas.decode_fingerprint rebuilds it on read), and the journal stores a mark
-        # for it instead of 32 bytes. tests/test_decode_step.py holds the two equal.
-        derived = own_form(publish, emit, start)
-        fingerprint = cmd.fingerprint()
-        if operation_id is None:
-            operation_id = new_id()
-            cmd = msgspec.structs.replace(cmd, operation_id=operation_id)
-        wall = self.clock.wall_ns()
-        h, position, seq = s.handle_id, s.stream_position, self.local_sequence
-        self.local_sequence = seq + 3
-        envelope = dict(stream_id=h, request_id=s.request_id, handle_generation=s.generation,
-                        operation_id=operation_id, source_instance=self.source_instance,
-                        monotonic_ns=mono, observed_wall_time=wall)
-        events: tuple[ev.Event, ...] = tuple(
-            cls(event_id=new_id(), stream_position=position + i, schema_version=version,
-                local_sequence=seq + i, payload=p, **envelope)
-            for i, (cls, version, p) in enumerate(zip(_DECODE_CLASSES, _DECODE_VERSIONS,
-                                                      decode_payloads(s, cmd, after)), 1))
-        op = Operation(operation_id, fingerprint, (StreamWrite(h, guard(s), head(after), events),),
-                       derived=derived, stamped=_STAMPED)
-        return Plan(cmd, op, {h: after}, list(events))
-
-    @staticmethod
-    def _steps(cmd: c.Command) -> tuple[c.Command, ...]:
-        if not isinstance(cmd, c.Chain):
-            return (cmd,)
-        if not cmd.steps or any(s.handle_id != cmd.handle_id for s in cmd.steps):
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a chain needs steps, all on its handle")
-        if c.unnamed_base(cmd.steps[0]) is not None:  # the first step is the chain's fence
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a chain's first step must name its base")
-        return cmd.steps
 
     def _stamp(self, d: Draft, state: HandleState | None, cmd: c.Command, operation_id: str,
                before: Mapping[str, HandleState | None], mono: int, wall: int) -> ev.Event:
@@ -532,11 +425,9 @@ class CommandService(BatchSurface):
         )
 
 
-_DECODE_CLASSES = DECODE_CHAIN  # the order schemas.decode_fingerprint reads them back in
-_DECODE_VERSIONS = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in _DECODE_CLASSES)
-# A step row rebuilds its events at journal.steps.VERSIONS: at any other, they are stored
-# as events, checked as any other operation's.
-_STAMPED = _DECODE_VERSIONS == STEP_VERSIONS
+# A step row rebuilds its events at journal.steps.VERSIONS: at any other, a decode
+# batch's steps are stamped as events, checked as any other operation's.
+_STAMPED = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in DECODE_CHAIN) == STEP_VERSIONS
 
 
 def _bound(chain: c.Chain, generation: int, snapshot_version: int) -> c.Chain:

@@ -311,7 +311,7 @@ def validate(op: Operation) -> None:
             raise _invalid(op, f"writes {handle} twice")
         seen.add(handle)
         position = w.expected.stream_position if w.expected else 0
-        if op.step is not None:  # the decode lane's values: three events at its versions
+        if op.step is not None:  # a planned step's values: three events at its versions
             x = op.step
             if len(op.writes) != 1 or w.events or not _STEP_VERSIONS_CURRENT:
                 raise _invalid(op, "a decode step's values are its one write's events")

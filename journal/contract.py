@@ -73,13 +73,13 @@ class Operation(msgspec.Struct, frozen=True, gc=False):
     # The fingerprint is schemas.decode_fingerprint's of the operation's three events (a
     # decode chain's own form): a record marks it derived instead of storing it.
     derived: bool = False
-    # The events are a decode step as the service's decode lane stamps them
-    # (engine.decode_step): their positions, sequence numbers, clocks and versions follow
+    # The events are a decode step as the service plans a decided batch's step
+    # (engine.batch_plan): their positions, sequence numbers, clocks and versions follow
     # from one another by construction, so a record stores them as a step row without
     # checking those relations again (journal.steps). In-process code only: nothing that
     # reads outside input builds an Operation.
     stamped: bool = False
-    # The service's decode lane gives a stamped, derived decode step as its values (what a
+    # The service's plan of a batch step gives a stamped, derived decode step as its values (what a
     # record stores of it) instead of three event structs: the one write's `events` is
     # then empty, and `step.events()` builds them for whoever needs them.
     step: StepValues | None = None

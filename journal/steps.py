@@ -2,8 +2,8 @@
 of columns a run; journal.blocks) (docs/COMPACT.md, steps 12 and 21).
 
 A worker's decode step writes three events (append_publish, output_emit, append_start)
-and a receipt. In the form the service's decode lane marks derived (engine/decode_step.py,
-Operation.derived), nearly every field of the four is fixed by a handful of values: the
+and a receipt. In the form the service marks derived when it plans a decided batch
+(engine/batch_plan.py, Operation.derived), nearly every field of the four is fixed by a handful of values: the
 envelope repeats across the three events, the positions and sequence numbers count up,
 the snapshot versions are the base plus one, the start's interval is the committed length
 and the emitted token. Formats 1 to 5 stored the three JSON bodies (about 1.9 KB, 140
@@ -17,9 +17,9 @@ JSON with the same encoder, so `read_all`, `export` and `verify` see the bytes f
 stored (tests/test_steps.py holds that over generated chains); the receipt comes back
 through schemas.decode_fingerprint as in format 4. The writer turns an operation into a
 row only when every relation the rebuild assumes holds, with exact types, and stores the
-others as before (`StepWriter.row` returns None); for the service's own decode lane
-(Operation.stamped) the relations hold by construction and only what the lane takes
-from its caller is checked (tests/test_decode_step.py rebuilds every such row).
+others as before (`StepWriter.row` returns None); for the service's own plan of a decided batch
+(Operation.stamped) the relations hold by construction and only what the plan takes
+from its caller is checked (tests/test_batch_plan.py rebuilds every such row).
 
 A row is one item of the record with one CRC, in place of three events' and a receipt's:
 a damaged row is named by its first event. The record's shared values (its first global
@@ -73,7 +73,7 @@ from kvledger.journal.step_values import (
 from kvledger.schemas.ids import counter_of, lower_hex
 
 _json = msgspec.json.Encoder().encode
-_GAPS = (1, 1, 1)  # the event ids' counters after the operation's, as the decode lane draws them
+_GAPS = (1, 1, 1)  # the event ids' counters after the operation's, as engine.batch_plan draws them
 
 
 class StepWriter:
@@ -113,7 +113,7 @@ class StepWriter:
         prefix, n = op_id[:16], counter
         sid, rid, src = p.stream_id, p.request_id, p.source_instance
         if op.stamped:
-            # The service's decode lane stamped these events: every relation below holds
+            # The service's batch plan stamped these events: every relation below holds
             # by construction (tests/test_steps.py holds the lane to it), except what it
             # takes from the caller as given and what another thread may interleave.
             if (type(sp.token_ids[0]) is not int or type(sp.cache_positions[0]) is not int
@@ -122,7 +122,7 @@ class StepWriter:
                 return None
         # Everything else the rebuild derives, as JSON both ways: equal JSON is what a
         # reader must get back (1 and True, or 2 and 2.0, are equal but encode apart).
-        # Event ids follow the operation's (the service's decode lane draws them so).
+        # Event ids follow the operation's (engine.batch_plan draws them so).
         elif _json((o.stream_id, s.stream_id, w.handle_id, o.request_id, s.request_id, o.handle_generation,
                   s.handle_generation, o.source_instance, s.source_instance, p.operation_id, o.operation_id,
                   s.operation_id, p.caused_by_event_id, o.caused_by_event_id, s.caused_by_event_id,
@@ -148,7 +148,7 @@ class StepWriter:
 
     def values_row(self, x: StepValues) -> Row | None:
         """The row of a decode step's values (its thirty values in journal.blocks' order,
-        and its digest), or None. Checked here: what a caller gives the decode lane (the
+        and its digest), or None. Checked here: what a caller gives a batch (the
         token, the workspace, the call's numbers, the ids' form) and that every value is
         an int64; the rest the lane derived."""
         seq, mono, wall, call = x.local_sequence, x.monotonic_ns, x.observed_wall_time, x.call

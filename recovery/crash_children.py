@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvledger.engine.state import HandleState
     from kvledger.journal import SqlJournal
     from kvledger.journal.port import Journal
+    from kvledger.schemas.decode_batch import DecodeBatch
     from kvledger.schemas.manifest import ArtifactIdentity
     from kvledger.schemas.receipts import Receipt
     from kvledger.worker.model import Transformer
@@ -145,8 +146,13 @@ class _Acking(BatchSurface):
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
         # execute and execute_many (BatchSurface) come through here too
-        wait = self._service.submit_many(cmds, defer=defer)
+        return self._acked(self._service.submit_many(cmds, defer=defer))
 
+    def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
+                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+        return self._acked(self._service.submit_batch(steps, cmds, defer=defer))
+
+    def _acked(self, wait: Callable[[], list[Receipt | KvLedgerError]]) -> Callable[[], list[Receipt | KvLedgerError]]:
         def acknowledged() -> list[Receipt | KvLedgerError]:
             results = wait()
             lines = [self._encode({"op": r.operation_id, "first": r.first_global_position,

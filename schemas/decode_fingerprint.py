@@ -1,15 +1,16 @@
 """The fingerprint of a plain decode chain, from the three events it wrote.
 
 A worker's decode step is one Chain command: publish the running append, emit the token,
-start the append that processes it. engine/decode_step.py accepts such a chain only when
-every field of it is fixed by the events it writes (and the handle's state, which the
-publication's event holds too), so its fingerprint, SHA-256 over the command's canonical
-JSON, can be rebuilt from those events instead of stored: 32 random bytes a decoded token
-that no compression removes (docs/COMPACT.md, step 10).
+start the append that processes it (a step of schemas.decode_batch). The service plans
+such a step as values (engine.batch_plan) only when every field of it is fixed by the
+events it writes (and the handle's state, which the publication's event holds too), so
+its fingerprint, SHA-256 over the command's canonical JSON, can be rebuilt from those
+events instead of stored: 32 random bytes a decoded token that no compression removes
+(docs/COMPACT.md, step 10).
 
 This is that rebuild. It spells out the JSON that engine.commands' structs encode to for
 the one form the service marks derived (later steps' bases left to the chain, no step
-with an operation id of its own); tests/test_decode_step.py holds it equal to
+with an operation id of its own); tests/test_batch_plan.py holds it equal to
 `Chain.fingerprint()` over generated chains, so a change to the command types that
 this misses fails there.
 """
@@ -24,7 +25,7 @@ from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json as _canonical
 from kvledger.schemas.canonical import sha256_hex
 
-# A decode chain's events, in the order the service's decode lane stamps them.
+# A decode chain's events, in the order the service stamps them (engine.batch_plan).
 DECODE_CHAIN = (ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent)
 
 
@@ -44,7 +45,7 @@ _json = msgspec.json.encode
 # Chain.fingerprint()'s canonical JSON of a decode step (keys sorted, as canonical_json
 # sorts them), with its values put in: 2.5 us a step here (the SHA-256 of its ~800 bytes
 # is 1 of it), against 2.9 from the command's structs and ~8 from the dict of
-# _spelled_out. tests/test_decode_step.py holds the two equal.
+# _spelled_out. tests/test_batch_plan.py holds the two equal.
 _STEP = (b'{"handle_id":%s,"operation_id":null,"steps":[{"accepted_count":null,"base_generation":%d,'
          b'"base_snapshot_version":%d,"handle_id":%s,"layers":null,"operation_id":null,"rows_sha256":%s,'
          b'"txn_id":%s,"type":"Publish","workspace_bytes":%s},{"base_generation":null,'

@@ -99,7 +99,7 @@ def test_threads_growing_one_version_each_get_their_own():
 
 
 def test_a_long_fold_and_a_long_decision_share_their_outputs(tmp_path):
-    """Projector._step and the decode lane each keep one storage a handle over a long
+    """Projector._step and the batch path each keep one storage a handle over a long
     run: the states of the last steps are views of the same list."""
     from kvledger.engine.service import CommandService
     from kvledger.migrations.storage import open_or_create_journal

@@ -49,7 +49,8 @@ def port(request, journal, tmp_path):
 
 def test_the_port_names_what_workers_and_telemetry_use():
     assert PROPERTIES == ["clock", "journal", "on_commit", "on_reject", "source_instance", "states"]
-    assert METHODS == ["__enter__", "__exit__", "close", "execute", "execute_many", "state", "submit_many"]
+    assert METHODS == ["__enter__", "__exit__", "close", "execute", "execute_many", "state", "submit_batch",
+                       "submit_many"]
 
 
 def test_each_implementation_has_every_member_with_the_ports_signature(port):

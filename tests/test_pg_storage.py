@@ -16,6 +16,7 @@ from kvledger.engine import ids
 from kvledger.engine.service import CommandService
 from kvledger.journal.pgserver import conninfo
 from kvledger.migrations.storage import init_database, open_or_create_journal
+from kvledger.schemas.decode_batch import DecodeBatch
 
 from lifecycle_helpers import make_manifest
 
@@ -73,9 +74,9 @@ def _decode(url: str) -> None:
         at = len(PROMPT)
         for k in range(STEPS):
             nxt = [ids.new_id() for _ in HANDLES]
-            steps = c.DecodeSteps(tuple(HANDLES), tuple(txn[h] for h in HANDLES), (f"{k:02x}" * 32,) * len(HANDLES),
-                                  (k,) * len(HANDLES), tuple(range(len(HANDLES))), tuple(nxt),
-                                  (at,) * len(HANDLES), (abi,) * len(HANDLES))
+            steps = DecodeBatch(tuple(HANDLES), tuple(txn[h] for h in HANDLES), (at,) * len(HANDLES),
+                                (k,) * len(HANDLES), tuple(range(len(HANDLES))), tuple(nxt),
+                                (f"{k:02x}" * 32,) * len(HANDLES), (abi,) * len(HANDLES))
             assert not any(isinstance(r, Exception) for r in service.execute_steps(steps))
             txn, at = dict(zip(HANDLES, nxt)), at + 1
 

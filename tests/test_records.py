@@ -181,7 +181,7 @@ def _committed(tmp_path) -> tuple[list[bytes], list[bytes]]:
         ledger.truncate("A", base=base(ledger, "A"), new_length=3)
         ledger.finish("B", base=base(ledger, "B")[0])
         ledger.release("B", base=base(ledger, "B")[0])
-        # decode chains through the service's decode lane, the worker's form (format 4
+        # decode steps through the service's batch path, the worker's form (format 4
         # derives their fingerprints) and one with its emit's base named (stored as before)
         allocate(ledger, "D", capacity=32)
         s = ledger.state("D")

@@ -196,7 +196,7 @@ def test_decode_chains_cross_the_pipe_as_columns_with_the_same_results(db_url, t
     at the writer, as its chain), and an allocation between them. The chains that may
     travel as columns do; results, hooks and states are those of the service here on a
     journal of its own."""
-    from kvledger.engine.decode_lane import split_steps
+    from kvledger.engine.gather import split_steps, submit_split
     from kvledger.schemas.manifest import cache_abi_sha256
 
     abi = cache_abi_sha256(make_manifest(request_id="A"))
@@ -206,7 +206,7 @@ def test_decode_chains_cross_the_pipe_as_columns_with_the_same_results(db_url, t
         c.Relative(c.Finish(handle_id="C", base_generation=None)), _step("D", "nope", abi, token=3)]
     split = split_steps(batch)
     assert split is not None and split[1] == [0, 1, 5] and split[0].handle_ids == ("A", "B", "D")
-    assert [split[0].chain(j) for j in range(3)] == [batch[i] for i in split[1]]
+    assert [c.batch_step(split[0], j) for j in range(3)] == [batch[i] for i in split[1]]
     seen: dict[str, list] = {}
     for name, url in (("remote", db_url), ("here", f"sqlite:///{tmp_path}/here.db")):
         with open_or_create_journal(url) as j:
@@ -220,7 +220,7 @@ def test_decode_chains_cross_the_pipe_as_columns_with_the_same_results(db_url, t
                     setup += _decoding(h, abi)
                 assert all(isinstance(r, Receipt) for r in service.execute_many(setup))
                 hooks.clear()
-                results = service.submit_many(batch)()
+                results = submit_split(service, batch)()
                 seen[name] = [[r.code if isinstance(r, KvLedgerError) else type(r).__name__ for r in results], hooks,
                               [(service.state(h).outputs, service.state(h).lifecycle) for h in handles]]
             finally:

@@ -330,6 +330,47 @@ def test_chains_carry_publish_emit_and_start_in_one_operation(model, tmp_path):
             assert receipt is not None and len(receipt.event_ids) == len(types)
 
 
+def test_plain_decode_steps_go_to_the_service_as_one_decode_batch(model, tmp_path):
+    """Each iteration's plain decode steps reach the service as one DecodeBatch
+    (submit_batch), built by the worker, every plain step of the journal among them; the
+    same run with each batch's steps sent as their chains (the general path) journals the
+    same outputs and the same operations, event type for event type."""
+    from kvledger.engine.service import BatchSurface
+
+    specs = [RequestSpec(request_id=f"b{i}", prompt=_tokens(5 + i, seed=i), max_new_tokens=6 + i, arrival_step=i)
+             for i in range(4)]
+    _, artifact = load_model()
+    class Watched(CommandService):
+        """Counts the steps of each batch; with `as_chains`, sends them as chains."""
+
+        def submit_batch(self, steps, cmds, *, defer=True):
+            self.sizes.append(len(steps))
+            if self.as_chains:
+                return BatchSurface.submit_batch(self, steps, cmds, defer=defer)
+            return super().submit_batch(steps, cmds, defer=defer)
+
+    runs = []
+    for as_chains in (False, True):
+        with open_or_create_journal(f"sqlite:///{tmp_path}/{as_chains}.db") as j:
+            service = Watched(j)
+            service.sizes, service.as_chains = [], as_chains
+            w = Worker(model, service=service, artifact=artifact, capacity=32)
+            for spec in specs:
+                w.submit(spec)
+            out = Script().play(w)
+            assert w.errors == []
+            events = list(j.read_all())
+        by_op: dict[str, list[str]] = {}
+        for e in events:
+            by_op.setdefault(e.operation_id, []).append(e.event_type)
+        runs.append((out, list(by_op.values()), service.sizes))
+    (out, ops, sizes), (out_chains, ops_chains, sizes_chains) = runs
+    assert out == out_chains and ops == ops_chains and sizes == sizes_chains
+    plain = sum(types == ["append_publish", "output_emit", "append_start"] for types in ops)
+    assert sum(sizes) == plain == sum(s.max_new_tokens - 1 for s in specs)  # the last token finishes instead
+    assert max(sizes) == len(specs)  # the running sequences' steps in one batch
+
+
 def test_the_first_worker_freezes_the_heap_it_starts_with_and_later_ones_do_not(tmp_path):
     """The first Worker made in a process freezes every object alive (freeze_heap): a
     full collection during serving then leaves the model's and the libraries' objects

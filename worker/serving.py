@@ -24,11 +24,13 @@ import torch
 from torch import Tensor
 
 from kvledger.engine import commands as c
+from kvledger.engine.gather import add_step
 from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
 from kvledger.journal import tuning
 from kvledger.schemas.canonical import layers_sha256
+from kvledger.schemas.decode_batch import BatchBuilder
 from kvledger.schemas.events import AppendKind, ForwardCall
 from kvledger.schemas.manifest import (
     ArtifactIdentity,
@@ -129,8 +131,9 @@ class _Chain:
     def entry(self) -> Entry:
         if not self.steps:
             return (c.Relative(self.first), self.oks[0], self.errs[0])
-        chain = c.Relative(c.Chain(handle_id=self.handle, steps=(self.first, *self.steps)))
+        return (c.Relative(c.Chain(handle_id=self.handle, steps=(self.first, *self.steps))), *self.callbacks())
 
+    def callbacks(self) -> tuple[Ok, Err]:
         def ok(r: Receipt | None) -> None:
             for f in self.oks:
                 if f:
@@ -141,7 +144,12 @@ class _Chain:
                 if f:
                     f(exc)
 
-        return (chain, ok, err)
+        return ok, err
+
+    def add_to(self, steps: BatchBuilder) -> bool:
+        """Add this chain to `steps` if it is a decode step (engine.gather.decode_shape);
+        else False."""
+        return add_step(steps, (self.first, *self.steps))
 
 
 class Worker:
@@ -378,9 +386,23 @@ class Worker:
         `overlap`). The returned function waits until their commit is durable, then
         applies each result (store effects, errors) once, and returns the handles of
         the refused commands."""
-        entries = [e.entry() if isinstance(e, _Chain) else e for e in batch]
-        # journaling off: the same loop, nothing durable, every command as if committed
-        wait = None if self.service is None else self.service.submit_many([e[0] for e in entries], defer=overlap)
+        # The plain decode steps go as one DecodeBatch, built here from the chains; the rest
+        # as commands, after them in the same commit. A step's handle is no command's.
+        others = {h for e in batch if not isinstance(e, _Chain) for h in c.handles_of(_command(e))}
+        steps, stepped, entries = BatchBuilder(), [], []
+        for e in batch:
+            if isinstance(e, _Chain) and e.handle not in others and e.add_to(steps):
+                stepped.append(e)
+            else:
+                entries.append(e.entry() if isinstance(e, _Chain) else e)
+        # results in this order: the steps', then the commands'
+        outcomes: list[tuple[tuple[str, ...], Ok | None, Err | None]] = [((e.handle,), *e.callbacks()) for e in stepped]
+        outcomes += [(c.handles_of(_command(e)), e[1], e[2]) for e in entries]
+        wait = None
+        if self.service is not None:  # journaling off: the same loop, nothing durable, every command as if committed
+            cmds = [e[0] for e in entries]
+            wait = (self.service.submit_batch(steps.build(), cmds, defer=overlap) if len(steps)
+                    else self.service.submit_many(cmds, defer=overlap))
         hit: set[str] | None = None
 
         def done() -> set[str]:
@@ -388,11 +410,10 @@ class Worker:
             if hit is not None:
                 return hit
             hit = set()
-            results: Sequence[Receipt | Exception | None] = [None] * len(entries) if wait is None else wait()
-            for entry, r in zip(entries, results):
-                _, ok, err = entry
+            results: Sequence[Receipt | Exception | None] = [None] * len(outcomes) if wait is None else wait()
+            for (handles, ok, err), r in zip(outcomes, results):
                 if isinstance(r, Exception):
-                    hit.update(c.handles_of(_command(entry)))
+                    hit.update(handles)
                     if err:
                         err(r)
                     else:
