@@ -37,9 +37,8 @@ from kvledger.engine.evolve import fold
 from kvledger.engine.port import CommandPort, CommitHook, RejectHook
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
-from kvledger.journal import tuning
+from kvledger.journal import open_journal, tuning
 from kvledger.journal.port import Journal
-from kvledger.journal.sql import SqlJournal, open_journal
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
@@ -49,7 +48,7 @@ WRITERS = ("thread", "process")
 _LENGTH = struct.Struct(">I")
 
 
-def command_service(journal: SqlJournal, *, writer: str = "thread",
+def command_service(journal: Journal, *, writer: str = "thread",
                     source_instance: str = "kvledger") -> CommandService | RemoteService:
     """The service a worker writes through: in this process (`thread`) or in a writer
     process on the same database (`process`), reading through `journal` either way."""
@@ -90,7 +89,7 @@ class RemoteService(BatchSurface):
     `states` stays empty: the decided states live in the writer; `state()` folds the
     handle's stream from the journal here."""
 
-    def __init__(self, journal: SqlJournal, *, source_instance: str = "kvledger") -> None:
+    def __init__(self, journal: Journal, *, source_instance: str = "kvledger") -> None:
         self.journal: Journal = journal
         self.display_url = journal.display_url
         self.source_instance = source_instance
@@ -111,7 +110,7 @@ class RemoteService(BatchSurface):
         tuning.pin_writer(self.pid)
         self._out, self._in = self._proc.stdin.fileno(), self._proc.stdout.fileno()
         try:
-            send(self._out, self._encode(_Hello(journal.url.render_as_string(hide_password=False),
+            send(self._out, self._encode(_Hello(journal.reopen_url(),
                                                 source_instance)))
             self._answer()  # the writer opened the journal, or says why not
         except BaseException:

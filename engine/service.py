@@ -28,8 +28,7 @@ from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Operation, Rejection, StreamWrite
-from kvledger.journal.port import Journal
-from kvledger.journal.steps import VERSIONS as STEP_VERSIONS
+from kvledger.journal.port import STEP_VERSIONS, Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -425,7 +424,7 @@ class CommandService(BatchSurface):
         )
 
 
-# A step row rebuilds its events at journal.steps.VERSIONS: at any other, a decode
+# A step's values rebuild its events at the port's STEP_VERSIONS: at any other, a decode
 # batch's steps are stamped as events, checked as any other operation's.
 _STAMPED = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in DECODE_CHAIN) == STEP_VERSIONS
 

@@ -62,6 +62,7 @@ from kvledger.journal.contract import (
     StoredEvent,
     StoredReceipt,
 )
+from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.journal.step_values import FoldItem, StepColumns, StepRun, StepValues
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
@@ -71,6 +72,11 @@ class Recorder(abc.ABC):
     """What every side of a journal has: where it is, and closing it."""
 
     display_url: str  # the journal's location for messages, password redacted
+
+    @abc.abstractmethod
+    def reopen_url(self) -> str:
+        """The URL that opens this journal again in another process (a writer process
+        does), credentials included: never log or print it."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -215,6 +221,7 @@ __all__ = [
     "Journal",
     "LogReader",
     "Recorder",
+    "STEP_VERSIONS",
     "Snapshot",
     "StepColumns",
     "StepRun",

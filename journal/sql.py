@@ -65,6 +65,9 @@ def open_journal(raw_url: str) -> SqlJournal:
 
 
 class SqlJournal(Journal):
+    def reopen_url(self) -> str:
+        return self.url.render_as_string(hide_password=False)
+
     def __init__(self, url: URL) -> None:
         self.url = url
         self.display_url = redact(url)

@@ -11,7 +11,7 @@ import msgspec
 import torch
 
 from kvledger.engine.remote import command_service
-from kvledger.journal import SqlJournal
+from kvledger.journal import Journal
 from kvledger.scenario import Action, Script
 from kvledger.worker.loading import load_model
 from kvledger.worker.serving import RequestSpec, Worker
@@ -85,8 +85,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     writer: str = "thread"
 
 
-# SqlJournal, not the Journal contract: a writer process reopens the journal by its URL
-def run_demo(journal: SqlJournal, options: DemoOptions | None = None, *,
+def run_demo(journal: Journal, options: DemoOptions | None = None, *,
              on_step: Callable[[Worker], None] | None = None, telemetry: Telemetry | None = None) -> DemoResult:
     """`on_step` is called with the worker after each of its steps; `telemetry`: a
     kvledger.telemetry.producer.Telemetry to attach to the service and worker (the caller closes it)."""

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from kvledger.engine import commands as c
     from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
     from kvledger.engine.state import HandleState
-    from kvledger.journal import SqlJournal
     from kvledger.journal.port import Journal
     from kvledger.schemas.decode_batch import DecodeBatch
     from kvledger.schemas.manifest import ArtifactIdentity
@@ -171,7 +170,7 @@ if TYPE_CHECKING:
         return service  # mypy checks the acking wrapper against the port here
 
 
-def _acking_service(journal: SqlJournal, ack_path: str, writer: str = "thread") -> _Acking:
+def _acking_service(journal: Journal, ack_path: str, writer: str = "thread") -> _Acking:
     """A command service (in this process, or in a writer process) whose acknowledged
     receipts go to `ack_path`, and whose journal notes every transaction's operation ids
     before sending it (`<ack_path>.intents`, journal.faults.intend): the checker's unit of

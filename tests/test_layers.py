@@ -89,8 +89,6 @@ PORT = {
 # entry that no longer matches an import fails test_the_port_allowlist_is_not_stale.
 ALLOWED = {
     ("engine/batch_plan.py", "kvledger.journal.steps"),  # StepValues, row_parts
-    ("engine/remote.py", "kvledger.journal.sql"),  # SqlJournal, open_journal
-    ("engine/service.py", "kvledger.journal.steps"),  # VERSIONS
 }
 
 
