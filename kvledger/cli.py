@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Exit status: 0 ok, 1 findings, 2 bad input or error (one line with a stable code).",
     )
+    parser.add_argument("--version", action="version", version=f"kvledger {_installed_version()}",
+                        help="print the installed kvledger's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
@@ -124,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     for subparser in _subparsers(parser):  # before or after the command: `kvledger -q demo`, `kvledger demo -q`
         _add_log_options(subparser, top=False)
     return parser
+
+
+def _installed_version() -> str:
+    """The version pip installed (the package metadata), not a constant that can drift from it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvledger")
+    except PackageNotFoundError:  # run from a source tree without `pip install`
+        return "unknown (not installed)"
 
 
 def _log_level(value: str) -> str:
