@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Exit status: 0 ok, 1 findings, 2 bad input or error (one line with a stable code).",
     )
+    parser.add_argument("--version", action="version", version=f"kvledger {_installed_version()}",
+                        help="print the installed kvledger's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
@@ -84,38 +86,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_init)
 
-    p = sub.add_parser("schema", help="print the JSON Schema of the event union")
-    p.add_argument("--compact", action="store_true", help="one line instead of indented")
+    p = sub.add_parser(
+        "schema", help="print the JSON Schema of the event union",
+        description="Print the JSON Schema of every journal event (one discriminated union over the event "
+                    "types), the contract an exported audit file or a second reader is checked against. "
+                    "Needs no database.")
+    p.add_argument("--compact", action="store_true", help="print it on one line (default: indented)")
     p.set_defaults(run=_cmd_schema)
 
     p = sub.add_parser(
         "demo",
         help="run the main job: a torch GQA worker serving ~32 requests under the journal",
+        description="Serve N ragged requests on a torch GQA worker with every KV-cache state change "
+                    "journaled: chunked prefill, a fork and reorder, a cancel, a truncate, a repair, a "
+                    "speculative request and one injected failed decode that is retried. Prints requests, "
+                    "tokens, events by type, ledger peaks, TTFT/TPOT percentiles and goodput. Needs "
+                    "kvledger[worker].",
     )
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--requests", type=a.REQUESTS, default=32, help="number of requests (default 32)")
-    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16, help="tokens per request (default 16)")
-    p.add_argument("--seed", type=a.SEED, default=0, help="seed for prompts and sampling (32 bits)")
+    p.add_argument("--requests", type=a.REQUESTS, default=32,
+                   help="number of requests to serve (default 32; 8 or more play every scenario)")
+    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16,
+                   help="new tokens generated per request (default 16)")
+    p.add_argument("--seed", type=a.SEED, default=0, help="seed for prompts and sampling (32 bits; default 0)")
     p.add_argument("--model", type=a.model_dir,
                    help="Hugging Face checkpoint directory (default: small random model)")
-    p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", type=a.device, default="cpu",
+                   help="where the model runs: cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = sub.add_parser("generate", help="greedy completion of one prompt, journaled")
+    p = sub.add_parser(
+        "generate", help="greedy completion of one prompt, journaled",
+        description="Complete one prompt (token ids) and journal every step: allocate, each prefill and "
+                    "decode append and its publish, each emitted token, finish and release. Runs on this "
+                    "package's worker (greedy) or, with --runtime hf, through transformers' generate(). A "
+                    "prompt plus generation beyond the model's positions is refused (CONTEXT_TOO_LONG) "
+                    "before anything is written. Needs kvledger[worker] (kvledger[hf] for --runtime hf).")
     p.add_argument("--model", type=a.model_dir,
                    help="Hugging Face checkpoint directory (default: small random model)")
     p.add_argument("--prompt-ids", type=a.token_ids, required=True,
                    help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16)
+    p.add_argument("--max-new-tokens", type=a.NEW_TOKENS, default=16,
+                   help="tokens to generate after the prompt (default 16)")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", type=a.device, default="cpu",
+                   help="where the model runs: cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--runtime", choices=("kvledger", "hf"), default="kvledger",
                    help="kvledger: this package's worker (greedy); hf: transformers' generate() "
                         "journaled through kvledger.hf (needs --model)")
-    p.add_argument("--num-beams", type=a.integer(1, 64), default=1, help="beam search width (--runtime hf)")
+    p.add_argument("--num-beams", type=a.integer(1, 64), default=1, help="beam search width (--runtime hf; default 1)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy (--runtime hf)")
-    p.add_argument("--seed", type=a.SEED, default=0, help="torch seed for --do-sample (--runtime hf)")
+    p.add_argument("--seed", type=a.SEED, default=0, help="torch seed for --do-sample (--runtime hf; default 0)")
 
     # Each command family registers its own subcommands (kvledger/cmd_*.py).
     for name in COMMAND_MODULES:
@@ -124,6 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     for subparser in _subparsers(parser):  # before or after the command: `kvledger -q demo`, `kvledger demo -q`
         _add_log_options(subparser, top=False)
     return parser
+
+
+def _installed_version() -> str:
+    """The version pip installed (the package metadata), not a constant that can drift from it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvledger")
+    except PackageNotFoundError:  # run from a source tree without `pip install`
+        return "unknown (not installed)"
 
 
 def _log_level(value: str) -> str:

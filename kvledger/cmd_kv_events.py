@@ -88,19 +88,31 @@ TOPICS_SHOWN = 8
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     top = sub.add_parser("kv-events", help="record, serve and import the KV-cache events of vLLM, SGLang "
-                                           "and TensorRT-LLM (their prefix-cache residency)")
+                                           "and TensorRT-LLM (their prefix-cache residency)",
+                         description="Journal the KV-cache events serving engines publish (block stored, removed, "
+                                     "cleared), so their prefix-cache residency can be replayed, served back to "
+                                     "routers and reconciled. `record` subscribes to live engines, `serve` answers "
+                                     "replay and snapshot requests from the journal, `import` loads recorded files.")
     kv = top.add_subparsers(dest="kv_command", metavar="SUBCOMMAND", required=True)
 
     p = kv.add_parser("record", help="subscribe to an engine's KV-event publisher and journal every "
-                                     "batch exactly once (gaps replayed or journaled, restarts journaled)")
+                                     "batch exactly once (gaps replayed or journaled, restarts journaled)",
+                      description="Subscribe to one engine (--endpoint) or collect a fleet (--bind) and journal every "
+                                  "event batch exactly once: a seq hole is replayed from the engine's replay socket "
+                                  "or journaled as a gap, a publisher restart is journaled, a restarted recorder "
+                                  "catches up by replay. Memory is bounded (--max-held-bytes); bad messages are "
+                                  "skipped with a code. Runs until SIGINT/SIGTERM or --idle-exit.")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoint", type=endpoint, help="the publisher's PUB endpoint, connected to (one engine)")
+    where.add_argument("--endpoint", type=endpoint,
+                       help="record one engine: its publisher's PUB endpoint, connected to (e.g. tcp://HOST:5557)")
     where.add_argument("--bind", type=endpoint, action="append", metavar="ENDPOINT",
                        help="collect: bind here (tcp://*:5557 on every interface, tcp://HOST:5557 on one; "
                             "repeatable, e.g. for port + rank under data parallelism) and record every engine "
                             "whose publisher connects (vLLM's endpoint tcp://COLLECTOR:5557), each engine's topic "
                             "and data_parallel_rank a stream of its own (kv:collector|TOPIC|dpRANK)")
-    p.add_argument("--replay-endpoint", type=endpoint, help="the publisher's replay ROUTER endpoint")
+    p.add_argument("--replay-endpoint", type=endpoint,
+                   help="with --endpoint: the publisher's replay ROUTER endpoint, asked for missed batches "
+                        "(default: none, every hole is journaled as a gap)")
     p.add_argument("--engine", type=engine_spec, action="append", default=[], metavar="NAME=REPLAY_ENDPOINT",
                    help="with --bind, repeatable: the engine publishing on topic NAME (vLLM's `topic`; empty "
                         "for its default) answers replays at REPLAY_ENDPOINT, rank r at its port + r as vLLM binds "
@@ -114,7 +126,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="message form: vllm [topic, seq, payload], sglang [seq, payload]; auto takes either "
                         "(default)")
     p.add_argument("--block-bytes", type=a.BLOCK_BYTES, metavar="N",
-                   help="bytes per block: the summary then gives the streams' resident bytes")
+                   help="bytes per block: the summary then gives the streams' resident bytes "
+                        "(default: block counts only)")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
                    help="stop after this long without a message of the topic (default: run until SIGINT/SIGTERM); "
@@ -133,8 +146,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                                        "engine stream's under `engines`)")
     p.set_defaults(run=_cmd_record)
 
-    p = kv.add_parser("import", help="load a recorded KV-event stream from a JSONL file, all or nothing")
-    p.add_argument("file", type=a.input_file, metavar="FILE.jsonl")
+    p = kv.add_parser("import", help="load a recorded KV-event stream from a JSONL file, all or nothing",
+                      description="Load a KV-event stream recorded to a file (TensorRT-LLM's get_kv_cache_events() "
+                                  "dicts, or vLLM batches) into the journal as one stream, all or nothing: one "
+                                  "bad line and nothing is written.")
+    p.add_argument("file", type=a.input_file, metavar="FILE.jsonl",
+                   help="the recorded stream, one event dict (trtllm) or one batch (vllm) per line")
     p.add_argument("--dialect", choices=("trtllm", "vllm"), required=True,
                    help="trtllm: get_kv_cache_events() dicts, one a line; vllm: one batch a line")
     p.add_argument("--stream", type=_topic, metavar="NAME",
@@ -144,7 +161,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(run=_cmd_import)
 
     p = kv.add_parser("serve", help="answer vLLM's replay protocol from the journal (any seq ever recorded), "
-                                    "and snapshot requests (resident blocks + the seq they are valid at)")
+                                    "and snapshot requests (resident blocks + the seq they are valid at)",
+                      description="Bind a ROUTER socket and answer, from the journal, vLLM's replay requests (the "
+                                  "batches from any seq ever recorded) and snapshot requests (the resident blocks "
+                                  "and the seq they are valid at), so a router can rebuild its index without the "
+                                  "engine. Read-only. Runs until SIGINT/SIGTERM or --idle-exit.")
     p.add_argument("--bind", type=endpoint, required=True, help="ROUTER endpoint to bind, e.g. tcp://127.0.0.1:5600")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--idle-exit", type=seconds, metavar="SECONDS",

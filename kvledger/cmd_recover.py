@@ -30,23 +30,34 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("recover", help="after a crash: verify, abort in-doubt appends, rebuild live K/V "
-                                       "by re-execution and finish every unfinished request")
+                                       "by re-execution and finish every unfinished request",
+                       description="After a crash: verify the journal, abort the appends left in doubt, rebuild "
+                                   "every live handle's K/V by re-executing its journaled appends (each row digest "
+                                   "checked bit for bit) and run every unfinished request to its end. A second run "
+                                   "writes nothing. Re-execution needs kvledger[worker] and the serving model.")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--model", type=a.model_dir, help="the serving model: Hugging Face checkpoint directory "
                                    "(default: the small random model)")
     p.add_argument("--device", type=a.device, default="cpu", help="cpu, cuda or cuda:N (the serving run's device)")
     p.add_argument("--no-continue", action="store_true",
-                   help="only verify and abort in-doubt appends; do not re-execute or continue")
+                   help="only verify and abort in-doubt appends; do not re-execute or continue "
+                        "(default: re-execute and continue)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_recover)
 
     p = sub.add_parser("crash-test", help="kill a journaled worker at random moments and fault points, "
                                           "recover, and check nothing acknowledged was lost; exit 1 on "
-                                          "any violation")
+                                          "any violation",
+                       description="Each trial runs a journaled worker, kills it (SIGKILL, exit, raise or stall) at a "
+                                   "random moment or a named fault point, runs recover, and checks that no "
+                                   "acknowledged write was lost, no operation is half visible, verify is clean, "
+                                   "row digests match and outputs equal an uninterrupted run. Exit 1 on any "
+                                   "violation. Needs kvledger[worker].")
     p.add_argument("--db", help=DB_HELP + "; trials use scratch journals beside it (SQLite files in a "
                                           "scratch directory, PostgreSQL databases: needs CREATEDB)")
     p.add_argument("--trials", type=a.TRIALS, default=50, help="number of trials (default 50)")
-    p.add_argument("--seed", type=a.SEED, default=0, help="seed of the workload and the crash plan (32 bits)")
+    p.add_argument("--seed", type=a.SEED, default=0,
+                   help="seed of the workload and the crash plan (32 bits; default 0)")
     p.add_argument("--writer", choices=WRITERS, default="thread",
                    help="the worker's command service in its process (default) or in a writer process "
                         "(killed with it: the process group)")

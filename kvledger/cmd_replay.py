@@ -29,10 +29,14 @@ MS = 1_000_000
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("replay", help="fold the journal into snapshots, byte ledgers, byte-time "
-                                      "and service metrics")
+                                      "and service metrics",
+                       description="Fold the journal (a database, or an audit file from `kvledger export`) into "
+                                   "each handle's snapshot, the byte ledgers (reserved, materialized, physical), "
+                                   "byte-time and service metrics (TTFT, TPOT, goodput under the SLO), at the end "
+                                   "or at any position (--at). Read-only unless --incremental stores a checkpoint.")
     _source(p)
     p.add_argument("--at", type=a.POSITION, metavar="N",
-                   help="the state after global positions 1..N (time travel)")
+                   help="the state after global positions 1..N (default: the whole journal)")
     p.add_argument("--incremental", action="store_true",
                    help="resume from the projection checkpoint stored in the database, then "
                         "store the new one (same result as a full replay)")
@@ -47,11 +51,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="print one JSON object: position, handles, ledger, peaks, byte_time, "
                         "requests, window")
     p.add_argument("--trajectory", action="store_true",
-                   help="with --json: add the ledgers after every event")
+                   help="with --json: add the ledgers after every event (default: only the final ones)")
     p.add_argument("--plot", type=a.output_file, metavar="FILE.png",
                    help="draw the byte trajectory (needs matplotlib: pip install 'kvledger[plot]')")
     p.add_argument("--block-bytes", type=a.BLOCK_BYTES, metavar="N",
-                   help="bytes of one KV-event block: kv_blocks then reports resident bytes and byte-seconds")
+                   help="bytes of one KV-event block: kv_blocks then reports resident bytes and byte-seconds "
+                        "(default: block counts only)")
     p.set_defaults(run=_cmd_replay)
 
     p = sub.add_parser("verify", help="check every journal invariant; exit 1 on findings",
@@ -79,7 +84,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--runtime", choices=("hf",), default="hf",
                    help="the executor of --reexecute: hf (transformers; the journal's own worker "
                         "re-executes in `kvledger recover`)")
-    p.add_argument("--model", metavar="DIR", help="the model directory --reexecute runs")
+    p.add_argument("--model", metavar="DIR", help="the model directory --reexecute runs (required with it)")
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("head", help="print the journal's anchor POSITION:CHAIN_DIGEST, to keep for verify --expect",
@@ -96,15 +101,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="sign the anchor with the key in FILE (raw bytes, or hex; at least 16 bytes; never printed)")
     p.set_defaults(run=_cmd_head)
 
-    p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line")
+    p = sub.add_parser("export", help="write the journal as an audit file: one stored event per line",
+                       description="Write every stored event, in global position order, as one JSON object a "
+                                   "line: an audit file that `replay`, `verify` and `reconcile` read with "
+                                   "--journal and `kvledger import` loads into an empty journal. Read-only.")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--out", type=a.output_or_stdout, required=True, metavar="FILE.jsonl",
                    help="output file ('-': stdout)")
     p.set_defaults(run=_cmd_export)
 
-    p = sub.add_parser("import", help="load an audit file into an empty journal (all or nothing)")
+    p = sub.add_parser("import", help="load an audit file into an empty journal (all or nothing)",
+                       description="Load an audit file written by `kvledger export` into an empty journal. "
+                                   "Each line is checked as verify would, given the lines before it; the first "
+                                   "bad one is refused with its code and FILE:LINE, and nothing is written.")
     p.add_argument("--db", help=DB_HELP)
-    p.add_argument("file", type=a.input_file, metavar="FILE.jsonl")
+    p.add_argument("file", type=a.input_file, metavar="FILE.jsonl",
+                   help="the audit file (`kvledger export --out`), one stored event per line")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_import)
 
