@@ -270,7 +270,7 @@ def test_generate_prefills_a_long_prompt_in_chunks(db_url, capsys):
     ([], "required: COMMAND"),
     (["nosuch"], "invalid choice: 'nosuch'"),
     (["replay", "--bogus"], "unrecognized arguments: --bogus"),
-    (["kv-events", "record"], "kvledger kv-events record: the following arguments are required: --endpoint"),
+    (["kv-events", "record"], "kvledger kv-events record: one of the arguments --endpoint --bind is required"),
     (["generate", "--runtime", "vllm", "--prompt-ids", "1"], "invalid choice: 'vllm'"),
     (["verify", "--max-findings"], "expected one argument"),
 ])
