@@ -12,147 +12,50 @@ K/V rows become visible only when the commit that publishes them returns; an out
 is emitted in the same commit as the publication whose logits chose it.
 """
 
+
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
-import msgspec
 import torch
 from torch import Tensor
 
 from kvledger.engine import commands as c
-from kvledger.engine.gather import add_step
-from kvledger.engine.ids import new_id
 from kvledger.engine.port import CommandPort
 from kvledger.engine.state import HandleState
 from kvledger.journal import tuning
 from kvledger.schemas.canonical import layers_sha256
 from kvledger.schemas.decode_batch import BatchBuilder
-from kvledger.schemas.events import AppendKind, ForwardCall
-from kvledger.schemas.manifest import (
-    ArtifactIdentity,
-    CacheSchema,
-    Manifest,
-    PositionContract,
-    RequestPolicy,
-    RopeConfig,
-    SamplingPolicy,
-    ScalarType,
-    cache_abi_sha256,
-    new_manifest,
-)
+from kvledger.schemas.manifest import ArtifactIdentity
 from kvledger.schemas.receipts import Receipt
-from kvledger.worker.executor import CallShape, Member, run_call
+from kvledger.worker.executor import Member, run_call
+from kvledger.worker.iteration import IterationBuilder
 from kvledger.worker.kvstore import KVStore
-from kvledger.worker.loading import DTYPE_NAMES, require_context
+from kvledger.worker.loading import require_context
 from kvledger.worker.model import Transformer
+from kvledger.worker.requests import (
+    Chain,
+    Entry,
+    Err,
+    Inflight,
+    Live,
+    Ok,
+    Planned,
+    Ran,
+    RequestSpec,
+    accepted_drafts,
+    call_shape,
+    command_of,
+)
+from kvledger.worker.threads import leave_a_core, leaves_a_core, use_threads
+
+__all__ = ["RequestSpec", "Worker", "leave_a_core", "use_threads"]
 
 log = logging.getLogger("kvledger.worker")
 
 
-class RequestSpec(msgspec.Struct, frozen=True):
-    request_id: str
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    seed: int = 0
-    arrival_step: int = 0
-    n: int = 1  # parallel samples: n - 1 forks at the prompt
-    speculate: int = 0  # drafts per verify (prompt lookup); greedy only
-
-
-@dataclass
-class Live:
-    handle: str
-    spec: RequestSpec
-    seed: int  # sampling seed; each draw is seeded by (seed, output index): no hidden RNG state
-    outputs: list[int] = field(default_factory=list)
-    logits: Tensor | None = None  # next-token logits of the newest publication
-    greedy: int | None = None  # their argmax, when the call computed it
-    forked: bool = False
-    done: str | None = None  # finish reason, "cancelled", or None while running
-    abi: str = ""  # cache ABI digest of the handle (chain steps name it without reading state)
-    failures: int = 0  # appends of this handle that ended in a failure event
-
-
-@dataclass
-class Planned:
-    handle: str
-    txn: str
-    kind: AppendKind
-    past: int
-    tokens: tuple[int, ...]
-
-
-@dataclass
-class Ran:
-    planned: Planned
-    logits: Tensor  # [R, V]: last row, or every row for verify
-    accepted: int
-    rows_sha256: str  # schemas.canonical.layers_sha256 of the accepted rows' per-layer digests
-    correction: int | None = None  # verify: the token chosen after the accepted drafts
-    greedy: int | None = None  # argmax of the last row, computed for the whole call at once
-
-
-Ok = Callable[[Receipt | None], None]  # a command's receipt (None: journaling off)
-Err = Callable[[Exception], None]  # why it was refused
-Entry = tuple[c.Command | c.Relative, Ok | None, Err | None]
-
-
-@dataclass
-class _Inflight:
-    done: Callable[[], set[str]]  # Worker._submit's: waits, applies, names the refused handles
-    ran: list[Ran]  # the calls it started
-
-
-def _command(e: Entry | _Chain) -> c.Command:
-    cmd = e.first if isinstance(e, _Chain) else e[0]
-    return cmd.command if isinstance(cmd, c.Relative) else cmd
-
-
-class _Chain:
-    """A handle's publication and what follows it in the same iteration (the output it
-    chose, the next append's start), submitted as one engine Chain: one decision, one
-    guarded write, one receipt. The publication names the real base; the later steps
-    leave theirs to the chain. Any other command on the handle ends the chain."""
-
-    def __init__(self, handle: str, first: c.Publish, ok: Ok | None, err: Err | None) -> None:
-        self.handle, self.first = handle, first
-        self.steps: list[c.Step] = []
-        self.oks, self.errs = [ok], [err]
-
-    def add(self, step: c.Step, err: Err | None = None) -> None:
-        self.steps.append(step)
-        self.errs.append(err)
-
-    def entry(self) -> Entry:
-        if not self.steps:
-            return (c.Relative(self.first), self.oks[0], self.errs[0])
-        return (c.Relative(c.Chain(handle_id=self.handle, steps=(self.first, *self.steps))), *self.callbacks())
-
-    def callbacks(self) -> tuple[Ok, Err]:
-        def ok(r: Receipt | None) -> None:
-            for f in self.oks:
-                if f:
-                    f(r)
-
-        def err(exc: Exception) -> None:
-            for f in self.errs:
-                if f:
-                    f(exc)
-
-        return ok, err
-
-    def add_to(self, steps: BatchBuilder) -> bool:
-        """Add this chain to `steps` if it is a decode step (engine.gather.decode_shape);
-        else False."""
-        return add_step(steps, (self.first, *self.steps))
-
-
-class Worker:
+class Worker(IterationBuilder):
     def __init__(self, model: Transformer, *, service: CommandPort | None, artifact: ArtifactIdentity,
                  max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
                  capacity: int = 512, device: str = "cpu", pipeline: bool | None = None,
@@ -196,17 +99,17 @@ class Worker:
         # fsync it hides (measured on 2 cores: 10% faster with 1 torch thread, 0-7% slower
         # with 2), so the default commits first there.
         self.pipeline = pipeline if pipeline is not None else (
-            str(device).startswith("cuda") or _leaves_a_core(torch.get_num_threads()))
+            str(device).startswith("cuda") or leaves_a_core(torch.get_num_threads()))
         self._structural = False  # a fork or truncate this iteration: commit before running
         # Called with each receipt once its store effects are applied (telemetry observers).
         self.on_applied: Callable[[Receipt], None] | None = None
         self._adopted: list[tuple[Live, HandleState]] = []  # taken over after a crash (adopt)
-        self._chains: dict[str, _Chain] = {}  # open chains of this iteration, by handle
+        self._chains: dict[str, Chain] = {}  # open chains of this iteration, by handle
         # run() builds each iteration's batch while the last one's commit is still in
         # flight (see _iterate); `lookahead` False waits for it first. Only an overlapped
         # commit is ever in flight, so the default follows `pipeline`.
         self.lookahead = self.pipeline if lookahead is None else lookahead
-        self._inflight: _Inflight | None = None
+        self._inflight: Inflight | None = None
 
     # -- public --------------------------------------------------------------------
     def submit(self, spec: RequestSpec) -> None:
@@ -301,40 +204,10 @@ class Worker:
         self._structural = False
         self.step_no += 1
         self.ran = ran
-        self._inflight = _Inflight(done, ran)
+        self._inflight = Inflight(done, ran)
         if not (overlap and lookahead):
             self._settle()
 
-    def _build(self) -> tuple[list[Entry | _Chain], list[tuple[str, list[Planned]]]]:
-        batch: list[Entry | _Chain] = []
-        nxt: list[Planned] = []
-        self._chains = {}
-        self._interrupt(batch, nxt)
-        for prev in self.ran:
-            self._publish(prev, batch, nxt)
-        self.ran = []
-        for p, why in self.failed:
-            self._fail(p, why, batch, nxt)
-        self.failed = []
-        self._reorder_rows(batch)
-        for lv, state in self._adopted:
-            self._resume(lv, state, batch, nxt)
-        self._adopted = []
-        for spec in [s for s in self.pending if s.arrival_step <= self.step_no]:
-            self.pending.remove(spec)
-            self._arrive(spec, batch)
-        self._plan_prefill(nxt)
-        calls = self._group(nxt)
-        threads = torch.get_num_threads()  # part of what fixes the call's bits: see ForwardCall
-        for call_id, members in calls:
-            shape = _shape(members)
-            for i, p in enumerate(members):
-                entry = self._start(p, ForwardCall(call_id=call_id, index=i, size=shape.size,
-                                                   new_pad=shape.new_pad, key_extent=shape.key_extent,
-                                                   threads=threads))
-                if entry is not None:
-                    batch.append(entry)
-        return batch, calls
 
     def _hold(self) -> dict[str, tuple[list[int], int]]:
         """What a build may change of each running request that a refusal of the
@@ -343,7 +216,7 @@ class Worker:
         return {h: (lv.outputs, len(lv.outputs)) for h, lv in self.live.items() if lv.done is None}
 
     def _settle(self, held: dict[str, tuple[list[int], int]] | None = None,
-                batch: list[Entry | _Chain] | None = None,
+                batch: list[Entry | Chain] | None = None,
                 calls: Sequence[tuple[str, list[Planned]]] = ()) -> None:
         """Wait for the in-flight commit and apply it. A refused command fails its
         handle: its start's rows are discarded and it runs no more. A batch built
@@ -370,34 +243,34 @@ class Worker:
             self.live[h].outputs, self.live[h].done = outputs, "failed"
         gone = set(hit)
         for e in batch:
-            cmd = _command(e)
+            cmd = command_of(e)
             if isinstance(cmd, c.Fork) and cmd.parent_handle_id in hit:
                 for k in cmd.child_handle_ids:
                     self.live[k].done, self.live[k].outputs = "failed", []
                     gone.add(k)
-        batch[:] = [e for e in batch if gone.isdisjoint(c.handles_of(_command(e)))]
+        batch[:] = [e for e in batch if gone.isdisjoint(c.handles_of(command_of(e)))]
         for _, members in calls:
             for p in members:
                 if p.handle in gone:
                     p.txn = ""
 
-    def _submit(self, batch: list[Entry | _Chain], overlap: bool) -> Callable[[], set[str]]:
+    def _submit(self, batch: list[Entry | Chain], overlap: bool) -> Callable[[], set[str]]:
         """Decide and write the iteration's commands now (and commit them, unless
         `overlap`). The returned function waits until their commit is durable, then
         applies each result (store effects, errors) once, and returns the handles of
         the refused commands."""
         # The plain decode steps go as one DecodeBatch, built here from the chains; the rest
         # as commands, after them in the same commit. A step's handle is no command's.
-        others = {h for e in batch if not isinstance(e, _Chain) for h in c.handles_of(_command(e))}
+        others = {h for e in batch if not isinstance(e, Chain) for h in c.handles_of(command_of(e))}
         steps, stepped, entries = BatchBuilder(), [], []
         for e in batch:
-            if isinstance(e, _Chain) and e.handle not in others and e.add_to(steps):
+            if isinstance(e, Chain) and e.handle not in others and e.add_to(steps):
                 stepped.append(e)
             else:
-                entries.append(e.entry() if isinstance(e, _Chain) else e)
+                entries.append(e.entry() if isinstance(e, Chain) else e)
         # results in this order: the steps', then the commands'
         outcomes: list[tuple[tuple[str, ...], Ok | None, Err | None]] = [((e.handle,), *e.callbacks()) for e in stepped]
-        outcomes += [(c.handles_of(_command(e)), e[1], e[2]) for e in entries]
+        outcomes += [(c.handles_of(command_of(e)), e[1], e[2]) for e in entries]
         wait = None
         if self.service is not None:  # journaling off: the same loop, nothing durable, every command as if committed
             cmds = [e[0] for e in entries]
@@ -427,230 +300,6 @@ class Worker:
             return hit
         return done
 
-    # -- what the last calls produced ----------------------------------------------
-    def _publish(self, ran: Ran, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
-        p, lv = ran.planned, self.live[ran.planned.handle]
-        end = p.past + ran.accepted
-        accepted = ran.accepted if p.kind == "verify" else None
-
-        publish = c.Publish(handle_id=p.handle, txn_id=p.txn, base_generation=None, base_snapshot_version=None,
-                            rows_sha256=ran.rows_sha256, accepted_count=accepted, workspace_bytes=self._workspace(p))
-
-        def failed(exc: Exception, h: str = p.handle) -> None:
-            self.store.discard(h)
-            self.errors.append(str(exc))
-            self.live[h].done = self.live[h].done or "failed"
-
-        chain = _Chain(p.handle, publish, lambda r: self.store.commit(p.handle, end), failed)
-        batch.append(chain)
-        self._chains[p.handle] = chain
-        if p.kind == "repair":
-            batch.append(self._release(lv))
-            return
-        if p.kind == "verify":
-            drafts = p.tokens[: ran.accepted]
-            lv.outputs.extend(drafts)
-            assert ran.correction is not None  # a verify call always chooses one (_run)
-            self._emit(lv, ran.correction, batch, nxt)
-            return
-        if end < len(lv.spec.prompt):
-            return  # more prompt chunks: planned with the other prefills
-        lv.logits = ran.logits[-1]
-        lv.greedy = ran.greedy
-        self._on_ready(lv, batch, nxt)
-
-    def _on_ready(self, lv: Live, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
-        """Logits of a publication are ready: fork, speculate or emit."""
-        spec = lv.spec
-        if spec.n > 1 and not lv.forked and not lv.outputs:
-            lv.forked = True
-            kids = [f"{lv.handle}.{i}" for i in range(1, spec.n)]
-            batch.append(self._fork(lv, kids))
-            self._structural = True
-            for i, k in enumerate(kids, 1):
-                kid = Live(k, msgspec.structs.replace(spec, n=1, seed=spec.seed + i), spec.seed + i)
-                kid.logits, kid.abi = lv.logits, lv.abi
-                self.live[k] = kid
-                self.order.append(k)
-                self._on_ready(kid, batch, nxt)
-        remaining = spec.max_new_tokens - len(lv.outputs)
-        if spec.speculate and spec.temperature == 0 and remaining > 1 and self._free_rows(lv) > 1:
-            drafts = self._draft(lv, min(spec.speculate, remaining - 1, self._free_rows(lv) - 1))
-            if drafts:
-                nxt.append(Planned(lv.handle, _txn(), "verify", len(spec.prompt) + len(lv.outputs), drafts))
-                return
-        self._emit(lv, self._sample(lv), batch, nxt)
-
-    def _emit(self, lv: Live, token: int, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
-        spec = lv.spec
-        index = len(lv.outputs)
-
-        emit = c.EmitOutput(handle_id=lv.handle, base_generation=None, base_snapshot_version=None,
-                            output_index=index, token_id=token)
-        chain = self._chains.get(lv.handle)
-        if chain is not None:
-            chain.add(emit)
-        else:
-            batch.append((c.Relative(emit), None, None))
-        lv.outputs.append(token)
-        lv.logits, lv.greedy = None, None
-        eos = self.cfg.eos_token_id
-        if (eos is not None and token == eos) or len(lv.outputs) >= spec.max_new_tokens:
-            reason: Literal["eos", "max_tokens"] = "eos" if token == eos else "max_tokens"
-            lv.done = reason
-            finish = c.Finish(handle_id=lv.handle, base_generation=None, reason=reason)
-            if chain is not None:  # ends the chain: one operation fewer, the same events
-                chain.add(finish)
-                self._chains.pop(lv.handle)
-            else:
-                batch.append(self._simple(lv, finish))
-            if lv.handle in self._repairs:
-                nxt.append(Planned(lv.handle, _txn(), "repair", self._length(lv), (token,)))
-            else:
-                batch.append(self._release(lv))
-        else:
-            nxt.append(Planned(lv.handle, _txn(), "decode", self._length(lv), (token,)))
-
-    # -- new work ------------------------------------------------------------------
-    def _arrive(self, spec: RequestSpec, batch: list[Entry | _Chain]) -> None:
-        h = spec.request_id
-        manifest = self.manifest(spec)
-        self.live[h] = Live(h, spec, spec.seed, abi=cache_abi_sha256(manifest))
-        self.order.append(h)
-        reserved = len(spec.prompt) + spec.max_new_tokens + 1  # +1: room to repair the frontier
-        batch.append((c.Allocate(handle_id=h, manifest=manifest, reserved_capacity=reserved),
-                      None, lambda exc: self._drop(h, exc)))
-
-    def _plan_prefill(self, nxt: list[Planned]) -> None:
-        budget = self.prefill_tokens
-        busy = {p.handle for p in nxt}
-        running = sum(1 for h, lv in self.live.items() if h in self.store.slot and lv.done is None)
-        for h in self.order:
-            lv = self.live[h]
-            if lv.done is not None or h in busy or lv.outputs or lv.logits is not None:
-                continue
-            done = self.store.pending.get(h, 0)
-            rest = len(lv.spec.prompt) - done
-            if rest <= 0 or budget <= 0:
-                continue
-            if h not in self.store.slot:
-                if running >= self.max_running or self.store.free_slots < lv.spec.n:
-                    continue  # FCFS: wait for a slot
-                self.store.open(h, len(lv.spec.prompt) + lv.spec.max_new_tokens + 1)
-                running += 1
-            n = min(rest, self.prefill_chunk, budget)
-            budget -= n
-            nxt.append(Planned(h, _txn(), "prefill" if done == 0 else "chunk", done,
-                               lv.spec.prompt[done:done + n]))
-
-    def _group(self, planned: list[Planned]) -> list[tuple[str, list[Planned]]]:
-        groups: dict[str, list[Planned]] = {"prefill": [], "decode": [], "verify": []}
-        for p in planned:
-            groups["decode" if p.kind in ("decode", "repair") else
-                   "prefill" if p.kind in ("prefill", "chunk") else "verify"].append(p)
-        return [(new_id(), g) for g in groups.values() if g]
-
-    def _fail(self, p: Planned, why: str, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
-        """End an append whose forward call raised with a failure event, then run it
-        again, or, past the retries, cancel the request."""
-        if not p.txn:
-            return  # its start was refused: nothing is open
-        lv = self.live[p.handle]
-        lv.failures += 1
-        self._chains.pop(lv.handle, None)
-        batch.append((c.Fail(handle_id=lv.handle, txn_id=p.txn, outcome="failed", code="FORWARD_FAILED",
-                             detail=why[:200]), None, None))
-        if lv.failures <= self.retries:
-            if p.kind not in ("prefill", "chunk"):  # _plan_prefill plans the prompt's rest again
-                nxt.append(Planned(p.handle, _txn(), p.kind, p.past, p.tokens))
-            return
-        # Not served: an error of the run, like a rejected command.
-        self.errors.append(f"{lv.handle}: forward call failed {lv.failures} times, last: {why}")
-        if lv.done is None:
-            lv.done = "cancelled"
-            batch.append(self._simple(lv, c.CancelRequest(handle_id=lv.handle, base_generation=0,
-                                                          reason="forward call failed")))
-        batch.append(self._release(lv))
-
-    def _interrupt(self, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
-        """The cancels and truncates asked for since the last build. A call the handle
-        has running is aborted first: its staged rows are dropped, and nothing it
-        computed is published or sampled from."""
-        for h in [*self._cancels, *(h for h in self._truncates if h not in self._cancels)]:
-            lv = self.live.get(h)
-            if lv is None or lv.done is not None:
-                continue
-            running = [r.planned for r in self.ran if r.planned.handle == h] + \
-                [p for p, _ in self.failed if p.handle == h]
-            if running:
-                self.ran = [r for r in self.ran if r.planned.handle != h]
-                self.failed = [f for f in self.failed if f[0].handle != h]
-                self.store.discard(h)
-            if h in self._cancels:
-                lv.done = "cancelled"  # the journal's cancel aborts the open append
-                batch.append(self._simple(lv, c.CancelRequest(handle_id=h, base_generation=0,
-                                                              reason=self._cancels[h])))
-                batch.append(self._release(lv))
-                continue
-            batch += [(c.Fail(handle_id=h, txn_id=p.txn, outcome="aborted", code="TXN_ABORTED",
-                              detail="truncated by the client"), None, None) for p in running if p.txn]
-            self._cut(lv, self._truncates[h], batch, nxt)
-        self._cancels, self._truncates = {}, {}
-
-    def _cut(self, lv: Live, new_len: int, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
-        """Truncate the handle to `new_len` rows and decode on from the output there, the
-        frontier (as engine.evolve.cut: outputs past it go; a cut into the prompt
-        leaves the rest of the prompt to prefill)."""
-        keep = max(0, new_len - len(lv.spec.prompt) + 1)
-        lv.outputs = lv.outputs[:keep]  # a new list: Worker._hold keeps the old one
-        lv.logits, lv.greedy = None, None
-        self._structural = True
-        h = lv.handle
-        batch.append(self._simple(lv, c.Truncate(handle_id=h, base_generation=0, base_snapshot_version=0,
-                                                 new_length=new_len),
-                                  ok=lambda r: self.store.truncate(h, new_len)))
-        if lv.outputs and new_len >= len(lv.spec.prompt):
-            nxt.append(Planned(h, _txn(), "decode", new_len, (lv.outputs[-1],)))
-
-    def _reorder_rows(self, batch: list[Entry | _Chain]) -> None:
-        """The reorders asked for since the last build. The journal commits each
-        permutation; the store's rows follow it once it has."""
-        for rows, perm in self._reorders:
-            if any(h not in self.live or self.live[h].done is not None for h in rows):
-                continue  # a row finished first: nothing left to reorder
-            for h in rows:
-                self._chains.pop(h, None)  # the reorder comes after their chains
-            self._structural = True
-
-            def reordered(r: Receipt | None, rows: tuple[str, ...] = rows, perm: tuple[int, ...] = perm) -> None:
-                self.store.reorder(rows, perm)
-
-            batch.append((c.Relative(c.Reorder(group_id=rows[0], rows=rows, bases=(), permutation=perm)),
-                          reordered, None))
-        self._reorders = []
-
-    def _start(self, p: Planned, call: ForwardCall) -> Entry | None:
-        """The append_start of a planned append: a step of its handle's open chain (None
-        is returned), or an entry of its own."""
-        n = len(p.tokens)
-
-        start = c.BeginAppend(
-            handle_id=p.handle, txn_id=p.txn, kind=p.kind, base_generation=None, base_snapshot_version=None,
-            interval_start=p.past, interval_count=n, token_ids=p.tokens,
-            cache_positions=tuple(range(p.past, p.past + n)), mask_key_extent=p.past + n,
-            cache_abi_sha256=self.live[p.handle].abi, call=call)
-
-        def refused(exc: Exception) -> None:
-            p.txn = ""  # runs as a placeholder row only
-            self.errors.append(str(exc))
-            self.live[p.handle].done = self.live[p.handle].done or "failed"
-
-        chain = self._chains.get(p.handle)
-        if chain is not None and start.cache_abi_sha256:
-            chain.add(start, err=refused)
-            return None
-        return (c.Relative(start), None, refused)
-
     def _run_calls(self, calls: list[tuple[str, list[Planned]]]) -> list[Ran]:
         ran: list[Ran] = []
         for call_id, members in calls:
@@ -662,7 +311,7 @@ class Worker:
         return ran
 
     def _run(self, call_id: str, planned: list[Planned]) -> list[Ran]:
-        shape = _shape(planned)
+        shape = call_shape(planned)
         real = [bool(p.txn) for p in planned]  # a start refused by the commit runs as a placeholder
         members = [Member(p.handle, p.past, p.tokens) if ok else Member(self.scratch, 0, p.tokens)
                    for p, ok in zip(planned, real)]
@@ -674,7 +323,8 @@ class Worker:
             if real[b]:
                 accepted[b] = len(p.tokens)
                 if verify:
-                    accepted[b] = _accepted(self._logits(self.live[p.handle]), logits[b, :len(p.tokens)], p.tokens)
+                    prev = self._logits(self.live[p.handle])
+                    accepted[b] = accepted_drafts(prev, logits[b, :len(p.tokens)], p.tokens)
                     self.store.staged(p.handle, p.past + accepted[b])  # rejected drafts' rows are dropped
         greedy = logits[:, -1].argmax(-1).tolist() if not verify else None  # one op for the batch
         digests = dict(zip(accepted, self.store.rows_sha256_many(
@@ -717,140 +367,4 @@ class Worker:
         self.store.v[:, slot, :, :n] = v
         self.store.committed[h] = self.store.pending[h] = n
         self._adopted.append((lv, state))
-
-    def _resume(self, lv: Live, state: HandleState, batch: list[Entry | _Chain], nxt: list[Planned]) -> None:
-        spec, h = lv.spec, lv.handle
-        if state.lifecycle in ("FINISHED", "CANCELLED"):
-            batch.append(self._release(lv))  # all that was left to do
-            return
-        eos = self.cfg.eos_token_id
-        if len(lv.outputs) >= spec.max_new_tokens or (eos is not None and lv.outputs and lv.outputs[-1] == eos):
-            reason: Literal["eos", "max_tokens"] = \
-                "eos" if eos is not None and lv.outputs and lv.outputs[-1] == eos else "max_tokens"
-            lv.done = reason
-            batch.append(self._simple(lv, c.Finish(handle_id=h, base_generation=None, reason=reason)))
-            batch.append(self._release(lv))
-        elif lv.logits is not None:
-            self._on_ready(lv, batch, nxt)
-        elif state.has_frontier:
-            nxt.append(Planned(h, _txn(), "decode", state.committed_length, (lv.outputs[-1],)))
-        elif state.committed_length < len(spec.prompt) and not lv.outputs:
-            pass  # _plan_prefill continues the prompt from the committed rows
-        else:
-            self._cut(lv, state.committed_length - 1, batch, nxt)  # no logits to choose from: redo the last row
-
-    # -- helpers -------------------------------------------------------------------
-    def manifest(self, spec: RequestSpec) -> Manifest:
-        cfg, width = self.cfg, self.itemsize
-        dt = ScalarType(DTYPE_NAMES.get(self.dtype, str(self.dtype)), width)
-        return new_manifest(
-            namespace="kvledger", request_id=spec.request_id, prompt=spec.prompt, artifact=self.artifact,
-            cache_schema=CacheSchema(num_cache_layers=cfg.num_layers, kv_heads_per_rank=cfg.num_kv_heads,
-                                     head_dim=cfg.head_dim, key_dtype=dt, value_dtype=dt,
-                                     num_query_heads=cfg.num_heads),
-            policy=RequestPolicy(
-                max_new_tokens=spec.max_new_tokens,
-                max_context_tokens=len(spec.prompt) + spec.max_new_tokens + 1,  # +1: room for a repair
-                stop_token_ids=() if cfg.eos_token_id is None else (cfg.eos_token_id,),
-                sampling=SamplingPolicy(kind="greedy" if spec.temperature == 0 else "temperature",
-                                        temperature=spec.temperature or 1.0, seed=spec.seed)),
-            position_contract=PositionContract(rope=RopeConfig(theta=cfg.rope_theta)))
-
-    def _length(self, lv: Live) -> int:
-        """Rows the handle will hold once the appends already planned commit."""
-        return len(lv.spec.prompt) + len(lv.outputs) - (1 if lv.outputs else 0)
-
-    def _free_rows(self, lv: Live) -> int:
-        return self.store.reserved.get(lv.handle, 0) - len(lv.spec.prompt) - len(lv.outputs)
-
-    def _workspace(self, p: Planned) -> int:
-        # The append's own K/V rows are the temporary workspace until publication.
-        return len(p.tokens) * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * 2 * self.itemsize
-
-    def _logits(self, lv: Live) -> Tensor:
-        """The ready logits a sample, a draft or a verify starts from (_on_ready's)."""
-        assert lv.logits is not None, f"{lv.handle}: no ready logits"
-        return lv.logits
-
-    def _sample(self, lv: Live) -> int:
-        logits = self._logits(lv)
-        if lv.spec.temperature == 0:
-            return lv.greedy if lv.greedy is not None else int(logits.argmax())
-        probs = torch.softmax(logits.float() / lv.spec.temperature, dim=-1)
-        # Seeded per draw, so a run recovered from its journal samples what it would have.
-        gen = torch.Generator().manual_seed(lv.seed * 1_000_003 + len(lv.outputs))
-        return int(torch.multinomial(probs, 1, generator=gen))
-
-    def _draft(self, lv: Live, k: int) -> tuple[int, ...]:
-        """Prompt-lookup drafts: what followed the last occurrence of the newest token."""
-        seq = list(lv.spec.prompt) + lv.outputs
-        nxt = int(self._logits(lv).argmax())  # the target's own next token anchors the lookup
-        for i in range(len(seq) - 1, -1, -1):
-            if seq[i] == nxt and i + 1 < len(seq):
-                return (nxt, *seq[i + 1:i + k])[:k]
-        return (nxt,)[:k]
-
-    def _simple(self, lv: Live, cmd: c.Command, ok: Ok | None = None) -> Entry:
-        """A command of its own, on the state the handle's earlier commands leave."""
-        self._chains.pop(lv.handle, None)  # a command of its own ends the handle's chain
-        return (c.Relative(cmd), ok, None)
-
-    def _release(self, lv: Live) -> Entry:
-        self._repairs.discard(lv.handle)
-        return self._simple(lv, c.Release(handle_id=lv.handle, base_generation=None),
-                            ok=lambda r: self.store.release(lv.handle))
-
-    def _fork(self, lv: Live, kids: list[str]) -> Entry:
-        def ok(r: Receipt | None, parent: str = lv.handle) -> None:
-            for k in kids:
-                self.store.fork(parent, k, self.store.pending[parent])
-
-        return self._simple(lv, c.Fork(parent_handle_id=lv.handle, base_generation=0, base_snapshot_version=0,
-                                       child_handle_ids=tuple(kids), prefix_length=None,
-                                       child_request_ids=tuple(kids)), ok=ok)
-
-    def _drop(self, h: str, exc: Exception) -> None:
-        self.errors.append(str(exc))
-        self.live[h].done = "failed"
-
-
-def use_threads(n: int) -> int:
-    """Set torch's CPU thread pool to n threads. When that leaves a core for a journal
-    writer, the calling (model) thread moves off the CPU that takes the disk's interrupts,
-    so the core left is that one (kvledger.journal.tuning.pin_model); with every core in the pool it may
-    run anywhere again. Returns n."""
-    torch.set_num_threads(n)
-    tuning.pin_model(_leaves_a_core(n))
-    return n
-
-
-def _leaves_a_core(threads: int) -> bool:
-    """A torch pool of this size leaves a CPU free for the journal's writer."""
-    return threads < tuning.usable_cpus()
-
-
-def leave_a_core() -> int:
-    """Shrink torch's CPU thread pool by one core (never below 1) for a journal writer
-    process (kvledger.engine.remote) to run on; returns the thread count now set. The writer's
-    commit then overlaps the model call instead of preempting it. What the model gives
-    up (2 cores, default model): nothing at batch 1, 10-25% of its rate at batch 16."""
-    return use_threads(max(1, min(torch.get_num_threads(), tuning.usable_cpus() - 1)))
-
-
-def _accepted(prev_logits: Tensor, rows: Tensor, drafts: tuple[int, ...]) -> int:
-    """Greedy acceptance: draft j stands if it is what the target would have chosen."""
-    predictions = [int(prev_logits.argmax())] + [int(r.argmax()) for r in rows[:-1]]
-    a = 0
-    while a < len(drafts) and drafts[a] == predictions[a]:
-        a += 1
-    return a
-
-
-def _shape(members: list[Planned]) -> CallShape:
-    return CallShape(len(members), max(len(p.tokens) for p in members),
-                     max(p.past + len(p.tokens) for p in members))
-
-
-def _txn() -> str:
-    return new_id()
 
