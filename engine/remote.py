@@ -155,11 +155,7 @@ class RemoteService(BatchSurface):
             steps = None
         if not cmds and steps is None:
             return lambda: []
-        if any(not isinstance(x, c.Relative) and not isinstance(x, c.Command) for x in cmds):
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a writer process takes commands as data "
-                                "(engine.commands.Command or Relative), not callables")
-        if self._proc is None:
-            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{self.display_url}: service closed")
+        self._check_sendable(cmds)
         request = _Request(cmds, bool(self.on_commit), bool(self.on_reject), steps)
         try:
             send(self._out, self._encode(request))
@@ -179,22 +175,33 @@ class RemoteService(BatchSurface):
                 self._pending = None
                 reply = self._answer()
                 results = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
-                # commits before refusals, as the service here calls them
-                for j, r in enumerate(results):
-                    if isinstance(r, Receipt):
-                        for on_commit in self.on_commit:
-                            on_commit(r, reply.events[j] if reply.events else [])
-                for j, r in enumerate(results):
-                    if not isinstance(r, Receipt):
-                        cmd = (reply.rejected[j] if reply.rejected else None) or sent(j)
-                        for on_reject in self.on_reject:
-                            on_reject(cmd, r)
+                self._notify(reply, results, sent)
             return results
 
         self._pending = wait
         if not defer:
             wait()
         return wait
+
+    def _check_sendable(self, cmds: list[c.Command | c.Relative]) -> None:
+        if any(not isinstance(x, c.Relative) and not isinstance(x, c.Command) for x in cmds):
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a writer process takes commands as data "
+                                "(engine.commands.Command or Relative), not callables")
+        if self._proc is None:
+            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{self.display_url}: service closed")
+
+    def _notify(self, reply: _Reply, results: list[Receipt | KvLedgerError],
+                sent: Callable[[int], c.Command | c.Relative]) -> None:
+        """Call the observers: commits before refusals, as the service here calls them."""
+        for j, r in enumerate(results):
+            if isinstance(r, Receipt):
+                for on_commit in self.on_commit:
+                    on_commit(r, reply.events[j] if reply.events else [])
+        for j, r in enumerate(results):
+            if not isinstance(r, Receipt):
+                cmd = (reply.rejected[j] if reply.rejected else None) or sent(j)
+                for on_reject in self.on_reject:
+                    on_reject(cmd, r)
 
     def state(self, handle_id: str, *, refresh: bool = False) -> HandleState | None:
         return fold(self.journal.read_stream(handle_id))

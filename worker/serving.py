@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -55,11 +56,26 @@ __all__ = ["RequestSpec", "Worker", "leave_a_core", "use_threads"]
 log = logging.getLogger("kvledger.worker")
 
 
+class Options(TypedDict, total=False):
+    """How a Worker serves (each optional; Worker.__init__ gives the defaults)."""
+
+    max_running: int  # requests holding a K/V slot at once (16)
+    prefill_chunk: int  # prompt rows per request per call (64)
+    prefill_tokens: int  # prompt rows per iteration, all requests (256)
+    capacity: int  # K/V rows a slot holds (512)
+    device: str  # torch device of the K/V store ("cpu")
+    pipeline: bool | None  # overlap the commit with the model call (None: where a core is free)
+    retries: int  # runs again of an append whose call raised (1)
+    lookahead: bool | None  # build while the last commit is in flight (None: as pipeline)
+
+
 class Worker(IterationBuilder):
     def __init__(self, model: Transformer, *, service: CommandPort | None, artifact: ArtifactIdentity,
-                 max_running: int = 16, prefill_chunk: int = 64, prefill_tokens: int = 256,
-                 capacity: int = 512, device: str = "cpu", pipeline: bool | None = None,
-                 retries: int = 1, lookahead: bool | None = None) -> None:
+                 **options: Unpack[Options]) -> None:
+        max_running, capacity = options.get("max_running", 16), options.get("capacity", 512)
+        prefill_chunk, prefill_tokens = options.get("prefill_chunk", 64), options.get("prefill_tokens", 256)
+        device, retries = options.get("device", "cpu"), options.get("retries", 1)
+        pipeline, lookahead = options.get("pipeline"), options.get("lookahead")
         tuning.freeze_heap()  # the process's first worker: what start-up loaded, before serving
         self.model, self.service, self.artifact = model, service, artifact
         self.cfg = model.cfg
