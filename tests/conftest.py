@@ -21,6 +21,19 @@ from kvledger.migrations.storage import init_database
 
 REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
 _names = itertools.count()
+_AFFINITY = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
+
+
+@pytest.fixture(autouse=True)
+def _placement_stays_in_its_test():
+    """A Worker built in this process places its thread off the I/O CPU (journal.tuning):
+    the pytest process's main thread, whose affinity every later subprocess inherits."""
+    yield
+    if _AFFINITY is not None and frozenset(os.sched_getaffinity(0)) != _AFFINITY:
+        from kvledger.journal import tuning
+
+        tuning.pin_model(False)  # the model back on every CPU, writers no longer placed
+        os.sched_setaffinity(0, _AFFINITY)
 
 
 class PgAdmin:
