@@ -1,12 +1,12 @@
-"""The operation of a decided plain decode step, as the journal's step values.
+"""The operation of a decided plain decode step, as the journal's DecodeStep.
 
 engine.decide_batch decides a step and gives the state it leaves; this turns it into the
 Operation the journal appends: its ids (an operation id and three event ids, drawn in
 the general path's order), its fingerprint (schemas.decode_fingerprint, the one its
-chain's command gives) and the values a record stores of it (journal.steps.StepValues),
-with no event structs. None when a step has no such form (seeded ids, a digest or call
-id not in a row's form, a value of another type): the caller plans it by the general
-path, which stamps its events.
+chain's command gives) and the step's facts in their events' form (journal.contract's
+DecodeStep), with no event structs: the journal derives what a record stores of it.
+None when a step has no such form (seeded ids, a value of another type): the caller
+plans it by the general path, which stamps its events.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_counted
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Operation, StreamWrite
-from kvledger.journal.steps import StepValues, row_parts
+from kvledger.journal.port import DecodeStep
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.decode_fingerprint import step_fingerprint
 
@@ -26,10 +26,7 @@ def plan_step(s: HandleState, after: HandleState, batch: DecodeBatch, i: int, lo
     `after` (its events' local sequence numbers follow `local_sequence`), or None. Ids
     are drawn only once everything else holds."""
     token, workspace, rows, call = batch.tokens[i], batch.workspace(i), batch.rows_sha256[i], batch.call(i)
-    if type(token) is not int or type(workspace) is not int:  # what the row and fingerprint encode as given
-        return None
-    parts = row_parts(rows, call)
-    if parts is None:
+    if type(token) is not int or type(workspace) is not int:  # what the fingerprint encodes as given
         return None
     drawn = new_counted()
     if drawn is None:  # seeded ids have no counters
@@ -41,12 +38,11 @@ def plan_step(s: HandleState, after: HandleState, batch: DecodeBatch, i: int, lo
     h, txn_id, next_txn, at, abi = (batch.handle_ids[i], batch.txn_ids[i], batch.next_txn_ids[i],
                                     batch.positions[i], batch.cache_abi_sha256[i])
     g, v = s.generation, s.snapshot_version
-    digest, counted_call = parts
-    values = StepValues(
+    step = DecodeStep(
         0, h, s.request_id, g, source_instance, abi, s.stream_position + 1, local_sequence + 1, mono, wall,
         prefix, n, (e1[1] - n, e2[1] - e1[1], e3[1] - e2[1]), txn_id, next_txn, v, at, s.open_txns[0].interval_count,
-        s.num_layers, workspace, digest, len(s.outputs), token, counted_call)
+        s.num_layers, workspace, rows, len(s.outputs), token, call)
     return Operation(f"{prefix}{n:016x}",
                      step_fingerprint(h, txn_id, g, v, workspace, rows, len(s.outputs), token, next_txn, at, abi,
                                       call),
-                     (StreamWrite(h, guard(s), head(after), ()),), derived=True, stamped=True, step=values)
+                     (StreamWrite(h, guard(s), head(after), ()),), derived=True, stamped=True, step=step)

@@ -10,15 +10,13 @@ rejected while the others commit. The guarded head update is the linearization p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from kvledger.journal.step_values import DecodeStep
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
-
-if TYPE_CHECKING:
-    from kvledger.journal.step_values import StepValues
 
 
 # gc=False on the write path's structs: see kvledger.engine.commands._Command.
@@ -79,10 +77,11 @@ class Operation(msgspec.Struct, frozen=True, gc=False):
     # checking those relations again (journal.steps). In-process code only: nothing that
     # reads outside input builds an Operation.
     stamped: bool = False
-    # The service's plan of a batch step gives a stamped, derived decode step as its values (what a
-    # record stores of it) instead of three event structs: the one write's `events` is
-    # then empty, and `step.events()` builds them for whoever needs them.
-    step: StepValues | None = None
+    # The service's plan of a batch step gives a stamped, derived decode step as its facts
+    # (DecodeStep, in the events' own form) instead of three event structs: the one write's
+    # `events` is then empty, and `step.events()` builds them for whoever needs them; the
+    # journal derives the row a record stores of it, or stores those events.
+    step: DecodeStep | None = None
 
     def event_ids(self) -> list[str]:
         """The ids of the events the operation writes, in order."""

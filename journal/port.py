@@ -63,7 +63,7 @@ from kvledger.journal.contract import (
     StoredReceipt,
 )
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
-from kvledger.journal.step_values import FoldItem, StepColumns, StepRun, StepValues
+from kvledger.journal.step_values import DecodeStep, FoldItem, StepColumns, StepRun, StepValues
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
 
@@ -217,6 +217,7 @@ class Journal(StreamRecorder, LogReader, CheckpointRecorder, AuditRecorder):
 __all__ = [
     "AuditRecorder",
     "CheckpointRecorder",
+    "DecodeStep",
     "FoldItem",
     "Journal",
     "LogReader",

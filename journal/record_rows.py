@@ -117,7 +117,10 @@ def build_record(ops: Sequence[Operation], indexes: Iterable[int], results: list
             heads += (h.generation, h.snapshot_version, h.committed_length)
         receipt = Receipt(op_id, op.fingerprint, tuple(handles), tuple(own), first, position, now)
         if row is None:  # a row's receipt is rebuilt from it
-            add_receipt(encode_receipt(len(own), None if op.derived else op.fingerprint, now, heads))
+            # A planned step whose digest or call id no row holds keeps its fingerprint, as
+            # the general path that wrote such a step before (engine.batch_plan) did.
+            derived = op.derived and (op.step is None or steps.formed(op.step))
+            add_receipt(encode_receipt(len(own), None if derived else op.fingerprint, now, heads))
         event_ids.update(own)
         op_ids.append(op_id)
         for sha, manifest in op.manifests:  # where its allocation holds it, or itself

@@ -87,9 +87,9 @@ def row_parts(rows_sha256: str | None, call: ev.ForwardCall | None
                                                call.threads))
 
 
-class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A row read back: what a fold needs of a decode step without its three events
-    (replay.projector folds these at once), and `events()` for the rest."""
+class _StepFacts(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What a decode step's two forms share: its envelope, ids and counts (StepValues,
+    DecodeStep)."""
 
     global_position: int  # the publication's, the emit and the start follow; 0: not committed yet
     stream_id: str
@@ -111,10 +111,6 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
     accepted: int
     layers: int
     workspace: int
-    digest: bytes | None
-    output: int
-    token: int
-    call: tuple[str, int, Call] | None  # call id prefix, counter, the row's call
 
     @property
     def event_id(self) -> str:
@@ -138,39 +134,64 @@ class StepValues(msgspec.Struct, array_like=True, frozen=True, gc=False):
         """The publication's id: the event at `global_position`."""
         return f"{self.prefix}{(self.op + self.gaps[0]) & _MASK:016x}"
 
+
+class StepValues(_StepFacts, array_like=True, frozen=True, gc=False):
+    """A row read back: what a fold needs of a decode step without its three events
+    (replay.projector folds these at once), and `events()` for the rest."""
+
+    digest: bytes | None
+    output: int
+    token: int
+    call: tuple[str, int, Call] | None  # call id prefix, counter, the row's call
+
     def events(self) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
-        i1, i2, i3 = self.event_ids()
-        g, pos, seq, v, c, token = (self.global_position, self.stream_position, self.local_sequence, self.snapshot,
-                                    self.committed, self.token)
-        stream_id, request_id, generation, source, mono, wall = (
-            self.stream_id, self.request_id, self.handle_generation, self.source_instance, self.monotonic_ns,
-            self.observed_wall_time)
-        operation_id = f"{self.prefix}{self.op:016x}"
         call = None
         if self.call is not None:
             cp, cn, k = self.call
             call = ev.ForwardCall(f"{cp}{cn:016x}", k.index, k.size, k.new_pad, k.key_extent, k.threads)
         digest = self.digest
-        publish = _PUBLISH(
-            event_id=i1, global_position=g, stream_id=stream_id, stream_position=pos,
-            schema_version=_V_PUBLISH, request_id=request_id, handle_generation=generation, operation_id=operation_id,
-            source_instance=source, local_sequence=seq, monotonic_ns=mono, observed_wall_time=wall,
-            payload=ev.AppendPublish(self.publish_txn, v, v + 1, c, self.accepted, self.layers, True, self.workspace,
-                                     None if digest is None else digest.hex()))
-        v += 1
-        emit = _EMIT(
-            event_id=i2, global_position=g and g + 1, stream_id=stream_id, stream_position=pos + 1,
-            schema_version=_V_EMIT, request_id=request_id, handle_generation=generation, operation_id=operation_id,
-            source_instance=source, local_sequence=seq + 1, monotonic_ns=mono, observed_wall_time=wall,
-            payload=ev.OutputEmit(self.output, token, v))
-        start = _START(
-            event_id=i3, global_position=g and g + 2, stream_id=stream_id, stream_position=pos + 2,
-            schema_version=_V_START, request_id=request_id, handle_generation=generation, operation_id=operation_id,
-            source_instance=source, local_sequence=seq + 2, monotonic_ns=mono, observed_wall_time=wall,
-            payload=ev.AppendStart(self.start_txn, "decode", v, c, 1, (token,), (c,), c + 1, self.cache_abi_sha256,
-                                   call))
-        return publish, emit, start
+        return _events(self, self.output, self.token, None if digest is None else digest.hex(), call)
 
+
+class DecodeStep(_StepFacts, array_like=True, frozen=True, gc=False):
+    """A decided plain decode step as the engine gives it (Operation.step): its digest and
+    forward call as its events hold them; the journal derives what a record stores of it
+    (journal.steps.StepWriter), or stores `events()` when a row cannot hold it."""
+
+    rows_sha256: str | None
+    output: int
+    token: int
+    call: ev.ForwardCall | None
+
+    def events(self) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
+        return _events(self, self.output, self.token, self.rows_sha256, self.call)
+
+
+def _events(x: _StepFacts, output: int, token: int, rows_sha256: str | None, call: ev.ForwardCall | None
+            ) -> tuple[ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent]:
+    """The three events of a step, its digest and call as the events hold them."""
+    i1, i2, i3 = x.event_ids()
+    g, pos, seq, v, c = x.global_position, x.stream_position, x.local_sequence, x.snapshot, x.committed
+    stream_id, request_id, generation, source, mono, wall = (
+        x.stream_id, x.request_id, x.handle_generation, x.source_instance, x.monotonic_ns, x.observed_wall_time)
+    operation_id = f"{x.prefix}{x.op:016x}"
+    publish = _PUBLISH(
+        event_id=i1, global_position=g, stream_id=stream_id, stream_position=pos,
+        schema_version=_V_PUBLISH, request_id=request_id, handle_generation=generation, operation_id=operation_id,
+        source_instance=source, local_sequence=seq, monotonic_ns=mono, observed_wall_time=wall,
+        payload=ev.AppendPublish(x.publish_txn, v, v + 1, c, x.accepted, x.layers, True, x.workspace, rows_sha256))
+    v += 1
+    emit = _EMIT(
+        event_id=i2, global_position=g and g + 1, stream_id=stream_id, stream_position=pos + 1,
+        schema_version=_V_EMIT, request_id=request_id, handle_generation=generation, operation_id=operation_id,
+        source_instance=source, local_sequence=seq + 1, monotonic_ns=mono, observed_wall_time=wall,
+        payload=ev.OutputEmit(output, token, v))
+    start = _START(
+        event_id=i3, global_position=g and g + 2, stream_id=stream_id, stream_position=pos + 2,
+        schema_version=_V_START, request_id=request_id, handle_generation=generation, operation_id=operation_id,
+        source_instance=source, local_sequence=seq + 2, monotonic_ns=mono, observed_wall_time=wall,
+        payload=ev.AppendStart(x.start_txn, "decode", v, c, 1, (token,), (c,), c + 1, x.cache_abi_sha256, call))
+    return publish, emit, start
 
 
 class StepColumns(msgspec.Struct, frozen=True):

@@ -62,6 +62,7 @@ from kvledger.journal.step_values import (
     _U64,
     VERSIONS,
     Call,
+    DecodeStep,
     FoldItem,
     StepColumns,
     StepRun,
@@ -91,8 +92,9 @@ class StepWriter:
         """The row of a derived decode chain, or None: it is stored as events."""
         if not op.derived or len(op.writes) != 1 or op.checks or op.manifests:
             return None
-        if op.step is not None:  # the lane's values: what it took from its caller is checked below
-            return self.values_row(op.step)
+        if (x := op.step) is not None:  # the plan's facts: what it took from its caller is checked
+            parts = row_parts(x.rows_sha256, x.call)  # the digest and call id in a row's form
+            return None if parts is None else self._row(x, *parts)
         w = op.writes[0]
         if len(w.events) != 3:
             return None
@@ -148,10 +150,15 @@ class StepWriter:
 
     def values_row(self, x: StepValues) -> Row | None:
         """The row of a decode step's values (its thirty values in journal.blocks' order,
-        and its digest), or None. Checked here: what a caller gives a batch (the
-        token, the workspace, the call's numbers, the ids' form) and that every value is
-        an int64; the rest the lane derived."""
-        seq, mono, wall, call = x.local_sequence, x.monotonic_ns, x.observed_wall_time, x.call
+        and its digest), or None."""
+        return self._row(x, x.digest, x.call)
+
+    def _row(self, x: StepValues | DecodeStep, digest: bytes | None, call: tuple[str, int, Call] | None
+             ) -> Row | None:
+        """values_row of `x` with its digest and call in a row's form. Checked here: what a
+        caller gives a batch (the token, the workspace, the call's numbers, the ids' form)
+        and that every value is an int64; the rest the plan derived."""
+        seq, mono, wall = x.local_sequence, x.monotonic_ns, x.observed_wall_time
         if (type(x.token) is not int or type(x.workspace) is not int or not 0 <= seq < _U64
                 or not 0 <= mono < _U64 or not 0 <= wall < _U64):
             return None
@@ -165,7 +172,7 @@ class StepWriter:
         if ptxn is None or stxn is None:
             return None
         last = self._last
-        digest, gaps = x.digest, x.gaps
+        gaps = x.gaps
         if (digest is not None and len(digest) != 32) or len(gaps) != 3:
             return None
         if call is None:
@@ -197,6 +204,12 @@ class StepWriter:
         self._last = (seq, mono, wall, n, ptxn[1], stxn[1], ccount)
         self.count += 1
         return values, digest
+
+    @staticmethod
+    def formed(x: DecodeStep) -> bool:
+        """Its digest and call id are in a row's form: a planned step stored as events
+        only for another reason keeps its receipt derived (journal.record_rows)."""
+        return row_parts(x.rows_sha256, x.call) is not None
 
     def pack(self, items: list[bytes | Row]) -> list[bytes]:
         """A record's items with each run of rows (values_row's) as one block."""
