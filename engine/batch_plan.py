@@ -42,7 +42,5 @@ def plan_step(s: HandleState, after: HandleState, batch: DecodeBatch, i: int, lo
         0, h, s.request_id, g, source_instance, abi, s.stream_position + 1, local_sequence + 1, mono, wall,
         prefix, n, (e1[1] - n, e2[1] - e1[1], e3[1] - e2[1]), txn_id, next_txn, v, at, s.open_txns[0].interval_count,
         s.num_layers, workspace, rows, len(s.outputs), token, call)
-    return Operation(f"{prefix}{n:016x}",
-                     step_fingerprint(h, txn_id, g, v, workspace, rows, len(s.outputs), token, next_txn, at, abi,
-                                      call),
+    return Operation(f"{prefix}{n:016x}", step_fingerprint(batch, i, g, v),
                      (StreamWrite(h, guard(s), head(after), ()),), derived=True, stamped=True, step=step)

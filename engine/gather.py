@@ -45,9 +45,10 @@ def add_step(batch: BatchBuilder, steps: Sequence[c.Command]) -> bool:
     if shape is None:
         return False
     publish, emit, start = shape
-    batch.add(publish.handle_id, publish.txn_id, start.interval_start, emit.output_index, emit.token_id,
-              start.txn_id, publish.rows_sha256, start.cache_abi_sha256, workspace_bytes=publish.workspace_bytes,
-              call=start.call)
+    i = batch.add(publish.handle_id, publish.txn_id, start.interval_start, emit.output_index, emit.token_id,
+                  start.txn_id, publish.rows_sha256, start.cache_abi_sha256)
+    if publish.workspace_bytes or start.call is not None:
+        batch.detail(i, workspace_bytes=publish.workspace_bytes, call=start.call)
     return True
 
 

@@ -155,9 +155,9 @@ class BatchBuilder:
         return len(self.handle_ids)
 
     def add(self, handle_id: str, txn_id: str, position: int, output_index: int, token: int, next_txn_id: str,
-            rows_sha256: str | None, cache_abi_sha256: str, *, workspace_bytes: int = 0,
-            base: Base | None = None, call: ForwardCall | None = None) -> int:
-        """Add one step; its index in the batch."""
+            rows_sha256: str | None, cache_abi_sha256: str) -> int:
+        """Add one step (its optional columns at their defaults: see `detail`); its index
+        in the batch."""
         self.handle_ids.append(handle_id)
         self._txns.append(txn_id)
         self._positions.append(position)
@@ -166,10 +166,16 @@ class BatchBuilder:
         self._next.append(next_txn_id)
         self._rows.append(rows_sha256)
         self._abis.append(cache_abi_sha256)
-        self._workspace.append(workspace_bytes)
-        self._bases.append(base)
-        self._calls.append(call)
+        self._workspace.append(0)
+        self._bases.append(None)
+        self._calls.append(None)
         return len(self.handle_ids) - 1
+
+    def detail(self, i: int, *, workspace_bytes: int = 0, base: Base | None = None,
+               call: ForwardCall | None = None) -> None:
+        """Set step i's optional columns: its workspace, the base it expects (None: the
+        handle's current) and the model call that computed it."""
+        self._workspace[i], self._bases[i], self._calls[i] = workspace_bytes, base, call
 
     def build(self) -> DecodeBatch:
         calls = self._calls

@@ -24,6 +24,7 @@ import msgspec
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json as _canonical
 from kvledger.schemas.canonical import sha256_hex
+from kvledger.schemas.decode_batch import DecodeBatch
 
 # A decode chain's events, in the order the service stamps them (engine.batch_plan).
 DECODE_CHAIN = (ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent)
@@ -36,9 +37,12 @@ def decode_chain_fingerprint(publish: ev.AppendPublishEvent, emit: ev.OutputEmit
     if (s.kind != "decode" or s.interval_count != 1 or s.token_ids != (o.token_id,)
             or s.cache_positions != (s.interval_start,) or s.mask_key_extent != s.interval_start + 1):
         return _spelled_out(publish, emit, start)  # not a decode step's own form: the long way
-    return step_fingerprint(publish.stream_id, p.txn_id, publish.handle_generation, p.base_snapshot_version,
-                            p.workspace_bytes, p.rows_sha256, o.output_index, o.token_id, s.txn_id,
-                            s.interval_start, s.cache_abi_sha256, s.call)
+    k = s.call
+    calls = (None,) * 6 if k is None else ((k.call_id,), (k.index,), (k.size,), (k.new_pad,), (k.key_extent,),
+                                           (k.threads,))
+    step = DecodeBatch((publish.stream_id,), (p.txn_id,), (s.interval_start,), (o.output_index,), (o.token_id,),
+                       (s.txn_id,), (p.rows_sha256,), (s.cache_abi_sha256,), (p.workspace_bytes,), None, *calls)
+    return step_fingerprint(step, 0, publish.handle_generation, p.base_snapshot_version)
 
 
 _json = msgspec.json.encode
@@ -56,19 +60,16 @@ _STEP = (b'{"handle_id":%s,"operation_id":null,"steps":[{"accepted_count":null,"
          b'"type":"BeginAppend"}],"type":"Chain"}')
 
 
-def step_fingerprint(handle_id: str, txn_id: str, generation: int, snapshot_version: int, workspace_bytes: int,
-                     rows_sha256: str | None, output_index: int, token_id: int, next_txn_id: str,
-                     at: int, cache_abi_sha256: str, call: ev.ForwardCall | None) -> str:
-    """The fingerprint of the decode chain that publishes `txn_id` at the base
-    (generation, snapshot_version), emits `token_id` as output `output_index` and starts
-    `next_txn_id` at position `at`: decode_chain_fingerprint from the values alone."""
+def step_fingerprint(batch: DecodeBatch, i: int, generation: int, snapshot_version: int) -> str:
+    """The fingerprint of step `i` of `batch` decided at the base (generation,
+    snapshot_version): decode_chain_fingerprint of the chain it writes, from the values alone."""
     # The numbers a decision derives are ints (formatted as JSON formats them); the
     # token and the workspace are encoded as given (a bool would be `true`).
-    h, token = _json(handle_id), _json(token_id)
+    h, token, at, call = _json(batch.handle_ids[i]), _json(batch.tokens[i]), batch.positions[i], batch.call(i)
     return hashlib.sha256(_STEP % (
-        h, generation, snapshot_version, h, _json(rows_sha256), _json(txn_id), _json(workspace_bytes), h,
-        output_index, token, _json(cache_abi_sha256), at, b"null" if call is None else _canonical(call), h, at,
-        at + 1, token, _json(next_txn_id))).hexdigest()
+        h, generation, snapshot_version, h, _json(batch.rows_sha256[i]), _json(batch.txn_ids[i]),
+        _json(batch.workspace(i)), h, batch.output_indexes[i], token, _json(batch.cache_abi_sha256[i]), at,
+        b"null" if call is None else _canonical(call), h, at, at + 1, token, _json(batch.next_txn_ids[i]))).hexdigest()
 
 
 def _spelled_out(publish: ev.AppendPublishEvent, emit: ev.OutputEmitEvent, start: ev.AppendStartEvent) -> str:

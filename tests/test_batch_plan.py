@@ -81,7 +81,8 @@ def _plain(s: HandleState, token: int, **change: object) -> DecodeBatch:
         workspace_bytes=0, base=None, call=None)
     step.update(change)
     batch = BatchBuilder()
-    batch.add(**step)  # type: ignore[arg-type]  # the fields of BatchBuilder.add, by name
+    detail = {k: step.pop(k) for k in ("workspace_bytes", "base", "call")}
+    batch.detail(batch.add(**step), **detail)  # type: ignore[arg-type]  # the fields of add and detail, by name
     return batch.build()
 
 
@@ -207,4 +208,6 @@ def test_a_steps_fingerprint_from_its_values_is_the_chains(ids_, numbers, at, ro
         c.BeginAppend(handle_id=h, txn_id=nxt, kind="decode", base_generation=None, base_snapshot_version=None,
                       interval_start=at, interval_count=1, token_ids=(token,), cache_positions=(at,),
                       mask_key_extent=at + 1, cache_abi_sha256=abi, call=call)))
-    assert step_fingerprint(h, txn, g, v, ws, rows, out, token, nxt, at, abi, call) == chain.fingerprint()
+    batch = BatchBuilder()
+    batch.detail(batch.add(h, txn, at, out, token, nxt, rows, abi), workspace_bytes=ws, call=call)
+    assert step_fingerprint(batch.build(), 0, g, v) == chain.fingerprint()

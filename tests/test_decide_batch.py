@@ -136,9 +136,9 @@ def _batch(service: CommandService, handles: list[str], picks: list[tuple[int, s
         abi = "cd" * 32 if off == "other_abi" else abi
         if off == "aborted_next" and s is not None and s.aborted_txn_ids:
             nxt = s.aborted_txn_ids[0]
-        batch.add(h, txn, at, output, token, nxt, f"{token:064x}" if digest else None, abi,
-                  workspace_bytes=token % 3 * 64, base=base,
-                  call=ForwardCall(f"{'c1' * 8}{token:016x}", 0, 2, 1, at + 1, 1) if call else None)
+        i = batch.add(h, txn, at, output, token, nxt, f"{token:064x}" if digest else None, abi)
+        batch.detail(i, workspace_bytes=token % 3 * 64, base=base,
+                     call=ForwardCall(f"{'c1' * 8}{token:016x}", 0, 2, 1, at + 1, 1) if call else None)
     return batch.build()
 
 

@@ -16,9 +16,9 @@ from kvledger.schemas.events import ForwardCall
 def _batch(n: int = 3, calls: bool = True, bases: bool = False) -> DecodeBatch:
     b = BatchBuilder()
     for i in range(n):
-        b.add(f"h{i}", f"t{i}", 4 + i, i, 100 + i, f"n{i}", None if i % 2 else "ab" * 32, "cd" * 32,
-              workspace_bytes=8 * i, base=(0, i) if bases and i else None,
-              call=ForwardCall(f"call{i}", i, n, 1, 5 + i, 2) if calls and i != 1 else None)
+        b.add(f"h{i}", f"t{i}", 4 + i, i, 100 + i, f"n{i}", None if i % 2 else "ab" * 32, "cd" * 32)
+        b.detail(i, workspace_bytes=8 * i, base=(0, i) if bases and i else None,
+                 call=ForwardCall(f"call{i}", i, n, 1, 5 + i, 2) if calls and i != 1 else None)
     return b.build()
 
 

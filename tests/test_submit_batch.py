@@ -54,7 +54,8 @@ class Runner:
                        call=ForwardCall(ids.new_id(), i, 5, 2, self.at[h] + 1, 1) if (i + k) % 2 else None)
             if off is not None:
                 off(i, row)
-            batch.add(**row)
+            detail = {k: row.pop(k) for k in ("workspace_bytes", "base", "call") if k in row}
+            batch.detail(batch.add(**row), **detail)
         return batch.build()
 
     def advance(self, steps: DecodeBatch, results: list) -> None:
