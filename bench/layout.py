@@ -18,7 +18,7 @@ import msgspec
 import zstandard
 
 from kvledger.engine.service import CommandService
-from kvledger.journal.records import decode_record
+from kvledger.journal.audit import decode_record
 from kvledger.migrations.storage import open_or_create_journal
 
 from bench.tokens import BATCH, Lockstep

@@ -312,7 +312,7 @@ def disk_bytes(path: str) -> dict[str, Any]:
     the JSON bytes they compress) and the JSON bytes per event type."""
     import msgspec
 
-    from kvledger.journal.records import decode_record
+    from kvledger.journal.audit import decode_record
 
     class Typed(msgspec.Struct):
         event_type: str

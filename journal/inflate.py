@@ -1,4 +1,4 @@
-"""Bounded inflation of a record's compressed data (journal.records), and each thread's zstd
+"""Bounded inflation of a record's compressed data (journal.record_format), and each thread's zstd
 contexts.
 
 A record's compressed frame states how many bytes it holds, and a crafted one can state

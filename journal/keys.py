@@ -1,7 +1,7 @@
 """The records' lookup keys: a 64-bit key for an id (stable_key, id_keys), the runs of
 consecutive keys a record's ids form (id_runs, the id index of revision 0005), and a
 record's links to the record before it on each stream (revision 0006). SQL stores these
-beside a record; the record's bytes are journal.records'.
+beside a record; the record's bytes are journal.record_format's.
 """
 
 from __future__ import annotations

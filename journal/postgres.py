@@ -30,8 +30,8 @@ from psycopg.pq import Format
 
 from kvledger.journal import faults, tuning
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.journal.keys import stab
 from kvledger.journal.record_rows import RecordRow
-from kvledger.journal.records import stab
 from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T, _head_columns
 from kvledger.journal.verify_reads import Row
 

@@ -8,7 +8,8 @@ in ~1 byte a token. An item is an event's canonical JSON or a block of decode st
 (journal.readback) of the operations stored as events comes the record's Context
 (journal.step_rows). A block is one item with one CRC; when it fails, the block's CRC
 column names the first damaged step. Each record's chain digest is SHA-256(previous
-record's chain || SHA-256(body)).
+record's chain || SHA-256(body)): a changed byte anywhere breaks the chain there, and the
+CRCs name the first event (or step) whose bytes changed.
 """
 
 from __future__ import annotations

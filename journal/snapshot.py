@@ -6,7 +6,7 @@ ONLY). Events and receipts are read in keyset pages inside that transaction, so 
 stays bounded and every page sees the same commit point as the receipts and heads.
 
 Records (one per commit since revision 0003) are audited here, where their layout is
-known: each one's chain link and CRCs (kvledger.journal.records), its positions, and its
+known: each one's chain link and CRCs (kvledger.journal.record_format), its positions, and its
 lookup rows. What is wrong comes out as StoredDamage, naming the first event concerned;
 the events themselves come out as StoredEvent rows whose columns are read from their
 bodies (a record stores no columns apart), so verify's other checks run on them alike.
@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvledger.journal.audit import audit_record
 from kvledger.journal.contract import (
     ChainAt,
     HeadFacts,
@@ -28,20 +29,10 @@ from kvledger.journal.contract import (
     StoredEvent,
     StoredReceipt,
 )
+from kvledger.journal.keys import PREV_INDEXED, PREV_NONE, id_keys, id_runs, stable_key, unpack_prev
 from kvledger.journal.port import Snapshot
-from kvledger.journal.records import (
-    GENESIS,
-    PREV_INDEXED,
-    PREV_NONE,
-    Damage,
-    Record,
-    audit_record,
-    chain,
-    id_keys,
-    id_runs,
-    stable_key,
-    unpack_prev,
-)
+from kvledger.journal.readback import Damage, Record
+from kvledger.journal.record_format import GENESIS, chain
 from kvledger.journal.statements import Statements, T
 from kvledger.journal.verify_reads import Row
 

@@ -13,26 +13,13 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvledger.journal import faults
+from kvledger.journal.audit import audit_record, decode_record
 from kvledger.journal.contract import Guard, StreamWrite
+from kvledger.journal.keys import PREV_INDEXED, PREV_NONE, id_keys, id_runs, stab, stable_key, unpack_prev
+from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
+from kvledger.journal.readback import Damage, Record
+from kvledger.journal.record_format import GENESIS, block_records
 from kvledger.journal.record_rows import RecordRow
-from kvledger.journal.records import (
-    GENESIS,
-    PREV_INDEXED,
-    PREV_NONE,
-    Damage,
-    Record,
-    allocation_manifest,
-    audit_record,
-    block_records,
-    decode_record,
-    id_keys,
-    id_runs,
-    manifest_ref_position,
-    stab,
-    stable_key,
-    unpack_manifest,
-    unpack_prev,
-)
 from kvledger.journal.step_values import StepRun, StepValues
 from kvledger.journal.verify_reads import Row, VerifyReads, stored_bytes, stored_int
 from kvledger.schemas.codec import decode_event

@@ -95,7 +95,7 @@ checkpoints = Table(
     Column("updated_wall_ns", BigInteger, nullable=False),
 )
 
-# Since 0003 appends write records (kvledger.journal.records), one per commit; the
+# Since 0003 appends write records (kvledger.journal.record_format), one per commit; the
 # tables above keep the events written before, and imports.
 records = Table(
     "kvl_records",
@@ -104,7 +104,7 @@ records = Table(
     Column("first_position", BigInteger, nullable=False),
     Column("chain", LargeBinary, nullable=False),
     Column("body", LargeBinary, nullable=False),
-    # Since 0006 (journal.records.pack_prev): for each stream the record holds, in the
+    # Since 0006 (journal.keys.pack_prev): for each stream the record holds, in the
     # order its events first name them, the record before it on that stream. NULL: a
     # record written before, whose streams kvl_record_streams indexes.
     Column("stream_prev", LargeBinary),
@@ -118,7 +118,7 @@ record_streams = Table(
     sqlite_with_rowid=False,
 )
 
-# Runs of consecutive id keys (journal.records.id_runs), one row a run: which records hold
+# Runs of consecutive id keys (journal.keys.id_runs), one row a run: which records hold
 # an operation or event id (revision 0005; it replaced 0003's kvl_record_ops, a row per
 # operation). The key (first_key, last_position) makes the stab of records.stab an index range.
 record_ids = Table(

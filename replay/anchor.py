@@ -3,7 +3,7 @@
 holds; and what `kvledger verify --expect` makes of one.
 
 Each record's chain digest is SHA-256(previous record's digest || SHA-256(its body))
-(journal.records), so the digest at a position names the whole history up to it. The
+(journal.record_format), so the digest at a position names the whole history up to it. The
 chain alone shows that no record was changed in place. It cannot show that the journal
 still holds every record: a rollback to an older copy, a deleted tail or an emptied
 journal is a shorter chain, whole in itself. An anchor kept where the operator controls

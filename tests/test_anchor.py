@@ -22,7 +22,7 @@ import pytest
 from test_replay_workload import write_workload
 
 from kvledger import Ledger
-from kvledger.journal.records import GENESIS
+from kvledger.journal.record_format import GENESIS
 from kvledger.journal.tables import JOURNAL_TABLES
 
 from lifecycle_helpers import ManualClock

@@ -21,8 +21,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvledger.journal import blocks
+from kvledger.journal.audit import audit_record, unpack_record
 from kvledger.journal.blocks import VALUES, damaged, invalid, pack, read, step_ok
-from kvledger.journal.records import Damage, audit_record, block_records, pack_record, unpack_record
+from kvledger.journal.readback import Damage
+from kvledger.journal.record_format import block_records, pack_record
 from kvledger.journal.steps import BadRow, StepReader
 
 from stored_rows import sql

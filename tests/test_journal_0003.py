@@ -1,7 +1,7 @@
 """A journal of records written by revision 0003's code (commit 16fcafa) keeps working
-after revision 0004 keys kvl_record_ops in each writer's order (journal.records.op_key)
+after revision 0004 keys kvl_record_ops in each writer's order (journal.keys.op_key)
 and revision 0005 replaces those rows with runs of event and operation id keys
-(kvl_record_ids, journal.records.id_runs).
+(kvl_record_ids, journal.keys.id_runs).
 fixtures/journal_0003 holds what that code wrote and printed: the SQLite file, its
 export, `replay --json`, `verify --json` and every receipt.
 
@@ -23,7 +23,7 @@ from alembic import command
 
 from kvledger import migrations
 from kvledger.journal import make_engine, open_journal, parse_url
-from kvledger.journal.records import id_key, id_runs, op_key, stable_key
+from kvledger.journal.keys import id_key, id_runs, op_key, stable_key
 from kvledger.journal.tables import SCHEMA_REVISION, VERSION_TABLE
 from kvledger.schemas.receipts import receipt_decoder
 
@@ -152,7 +152,7 @@ def test_an_old_stream_goes_on_in_new_records_and_reads_whole(old_url, capsys):
     new record that points back to them (PREV_INDEXED): its stream reads old and new
     events in order, verify is clean, and a downgrade indexes the new record too."""
     from kvledger.journal.builders import guard_of, publish_op
-    from kvledger.journal.records import PREV_INDEXED, unpack_prev
+    from kvledger.journal.keys import PREV_INDEXED, unpack_prev
 
     assert cli(capsys, "init", "--db", old_url)[0] == 0
     with open_journal(old_url) as journal:

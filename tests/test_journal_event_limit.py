@@ -110,7 +110,9 @@ def test_a_record_the_reader_would_refuse_is_never_packed():
     compression: a commit of many large events would otherwise be acknowledged and then
     poison every read."""
     from kvledger.journal import inflate
-    from kvledger.journal.records import FORMAT, RecordParts, pack_record, unpack_record
+    from kvledger.journal.audit import unpack_record
+    from kvledger.journal.readback import RecordParts
+    from kvledger.journal.record_format import FORMAT, pack_record
 
     lists = 4 * 4  # one event, one receipt: four 4-byte list entries
     data = bytes(inflate.MAX_RECORD_BYTES - lists + 1)

@@ -25,7 +25,9 @@ import json
 import pytest
 
 from kvledger.journal import open_journal
-from kvledger.journal.records import FORMAT, _compact_decode, decode_record, unpack_record
+from kvledger.journal.audit import decode_record, unpack_record
+from kvledger.journal.readback import _compact_decode
+from kvledger.journal.record_format import FORMAT
 from kvledger.journal.tables import SCHEMA_REVISION
 from kvledger.schemas.receipts import receipt_decoder
 

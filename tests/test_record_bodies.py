@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 
 from kvledger.cli import main
 from kvledger.journal import inflate
-from kvledger.journal.records import Damage, audit_record, encode_record, pack_record, unpack_record
+from kvledger.journal.audit import audit_record, unpack_record
+from kvledger.journal.readback import Damage
+from kvledger.journal.record_format import encode_record, pack_record
 
 from bench.hostile_records import frame, lists, raw_block, record5, rle_blocks
 from stored_rows import cli, one_coded_line, sql

@@ -1,4 +1,4 @@
-"""The record format (journal/records.py): format 4 (zstd, compact receipts, a decode
+"""The record format (journal/record_format.py, journal/legacy.py): format 4 (zstd, compact receipts, a decode
 chain's fingerprint derived from its events) rebuilds every receipt byte for byte;
 format 2 (zstd, JSON receipts) and format 1 (zlib) records written before it read back
 the same; damage is named, never inflated without bound;
@@ -15,27 +15,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvledger.engine import commands as c
-from kvledger.journal.records import (
-    FORMAT,
-    MAX_RUN,
-    Damage,
-    _Header,
-    _Header5,
-    audit_record,
-    compact_receipt,
-    decode_record,
-    encode_record,
-    id_key,
-    id_keys,
-    id_runs,
-    op_key,
-    pack_manifest,
-    pack_record,
-    stab,
-    stable_key,
-    unpack_manifest,
-    unpack_record,
-)
+from kvledger.journal.audit import audit_record, decode_record, unpack_record
+from kvledger.journal.keys import MAX_RUN, id_key, id_keys, id_runs, op_key, stab, stable_key
+from kvledger.journal.legacy import Header4 as _Header
+from kvledger.journal.manifests import pack_manifest, unpack_manifest
+from kvledger.journal.readback import Damage, compact_receipt
+from kvledger.journal.record_format import FORMAT, encode_record, pack_record
+from kvledger.journal.record_format import Frame as _Header5
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.receipts import receipt_decoder, receipt_encoder
 
@@ -222,7 +208,7 @@ def test_format_4_rebuilds_each_receipt_byte_for_byte(tmp_path):
     """Every receipt the writer returned, rebuilt from the stored records: compact ones
     (format 3's), and decode chains' whose fingerprints are derived from their events
     (format 4), which the journal above holds, besides a chain whose fingerprint is stored."""
-    from kvledger.journal.records import _compact_decode
+    from kvledger.journal.readback import _compact_decode
 
     returned, bodies = _committed(tmp_path)
     stored = []
@@ -413,7 +399,7 @@ def test_a_threads_reused_compressor_writes_what_a_new_one_writes():
 
     import zstandard
 
-    from kvledger.journal.records import compress
+    from kvledger.journal.inflate import compress
 
     inputs = [b"", b"x" * 5000, bytes(range(256)) * 40, b'{"event_type":"append_start"}' * 90, b"y"]
     fresh = [zstandard.ZstdCompressor(level=1).compress(x) for x in inputs]

@@ -270,8 +270,9 @@ def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
     chain is verify's): folded from held runs, it fails where, and as, its event does."""
     import zlib
 
+    from kvledger.journal.audit import unpack_record
     from kvledger.journal.blocks import pack, read
-    from kvledger.journal.records import pack_record, unpack_record
+    from kvledger.journal.record_format import pack_record
 
     from stored_rows import sql
 

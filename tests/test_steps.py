@@ -18,9 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvledger.journal.audit import audit_record, decode_record, unpack_record
 from kvledger.journal.blocks import pack
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
-from kvledger.journal.records import FORMAT, Damage, audit_record, decode_record, unpack_record
+from kvledger.journal.readback import Damage
+from kvledger.journal.record_format import FORMAT
 from kvledger.journal.steps import (
     MARK,
     VERSIONS,

@@ -13,14 +13,9 @@ import msgspec
 import pytest
 
 from kvledger.journal import open_journal
-from kvledger.journal.records import (  # the layout under test
-    chain,
-    decode_record,
-    pack_prev,
-    pack_record,
-    unpack_prev,
-    unpack_record,
-)
+from kvledger.journal.audit import decode_record, unpack_record
+from kvledger.journal.keys import pack_prev, unpack_prev
+from kvledger.journal.record_format import chain, pack_record
 from kvledger.journal.steps import MARK, is_row
 from kvledger.replay import verify_journal
 

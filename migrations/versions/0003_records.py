@@ -1,4 +1,4 @@
-"""records: one row per commit (kvledger.journal.records), with the lookup rows that
+"""records: one row per commit (kvledger.journal.record_format), with the lookup rows that
 find a stream's and an operation's records; the one-row-per-event tables stay for the
 events written before (and for imports)
 

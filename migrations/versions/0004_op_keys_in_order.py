@@ -1,4 +1,4 @@
-"""kvl_record_ops keyed in a writer's order (kvledger.journal.records.op_key): the rows
+"""kvl_record_ops keyed in a writer's order (kvledger.journal.keys.op_key): the rows
 revision 0003 keyed by a hash of the operation id are keyed again from their records
 
 Revision ID: 0004
@@ -22,7 +22,7 @@ def _rekey(key: Callable[[str], int]) -> None:
     """Every kvl_record_ops row keyed again by `key` of the operation ids its record
     holds. A record that no longer decodes keeps the rows it had: what its keys should be
     is lost with it, and `kvledger verify` reports the record."""
-    from kvledger.journal.records import operation_ids
+    from kvledger.journal.audit import operation_ids
 
     conn = op.get_bind()
     read = sa.text("SELECT last_position, body FROM kvl_records WHERE last_position > :after "
@@ -47,12 +47,12 @@ def _rekey(key: Callable[[str], int]) -> None:
 
 
 def upgrade() -> None:
-    from kvledger.journal.records import op_key
+    from kvledger.journal.keys import op_key
 
     _rekey(op_key)
 
 
 def downgrade() -> None:
-    from kvledger.journal.records import stable_key
+    from kvledger.journal.keys import stable_key
 
     _rekey(stable_key)

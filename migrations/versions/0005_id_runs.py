@@ -1,5 +1,5 @@
 """kvl_record_ids: runs of consecutive operation and event id keys, one row a run
-(kvledger.journal.records.id_runs), instead of kvl_record_ops' row per operation; an
+(kvledger.journal.keys.id_runs), instead of kvl_record_ops' row per operation; an
 append refuses an event id already in the journal again
 
 Revision ID: 0005
@@ -34,7 +34,8 @@ def _records(conn: sa.Connection) -> Iterator[tuple[int, bytes]]:
 
 
 def upgrade() -> None:
-    from kvledger.journal.records import id_keys, id_runs, record_ids
+    from kvledger.journal.audit import record_ids
+    from kvledger.journal.keys import id_keys, id_runs
 
     op.create_table(
         "kvl_record_ids",
@@ -61,7 +62,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from kvledger.journal.records import op_key, operation_ids
+    from kvledger.journal.audit import operation_ids
+    from kvledger.journal.keys import op_key
 
     op.create_table(
         "kvl_record_ops",

@@ -1,5 +1,5 @@
 """Streams found by a chain through the records instead of a lookup row per (stream,
-record): kvl_heads.last_record and kvl_records.stream_prev (kvledger.journal.records.
+record): kvl_heads.last_record and kvl_records.stream_prev (kvledger.journal.keys.
 pack_prev). Records written before keep their kvl_record_streams rows.
 
 Revision ID: 0006
@@ -24,7 +24,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from kvledger.journal.records import record_streams, stable_key
+    from kvledger.journal.audit import record_streams
+    from kvledger.journal.keys import stable_key
 
     conn = op.get_bind()
     read = sa.text("SELECT last_position, body FROM kvl_records WHERE stream_prev IS NOT NULL "
