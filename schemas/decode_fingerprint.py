@@ -65,10 +65,11 @@ def step_fingerprint(batch: DecodeBatch, i: int, generation: int, snapshot_versi
     snapshot_version): decode_chain_fingerprint of the chain it writes, from the values alone."""
     # The numbers a decision derives are ints (formatted as JSON formats them); the
     # token and the workspace are encoded as given (a bool would be `true`).
-    h, token, at, call = _json(batch.handle_ids[i]), _json(batch.tokens[i]), batch.positions[i], batch.call(i)
+    h, token, at, ws = _json(batch.handle_ids[i]), _json(batch.tokens[i]), batch.positions[i], batch.workspace_bytes
+    call = None if batch.call_ids is None else batch.call(i)  # most batches record no call: no method call
     return hashlib.sha256(_STEP % (
         h, generation, snapshot_version, h, _json(batch.rows_sha256[i]), _json(batch.txn_ids[i]),
-        _json(batch.workspace(i)), h, batch.output_indexes[i], token, _json(batch.cache_abi_sha256[i]), at,
+        b"0" if ws is None else _json(ws[i]), h, batch.output_indexes[i], token, _json(batch.cache_abi_sha256[i]), at,
         b"null" if call is None else _canonical(call), h, at, at + 1, token, _json(batch.next_txn_ids[i]))).hexdigest()
 
 
