@@ -107,8 +107,8 @@ def _print_recovery(r: RecoveryReport) -> None:
     for f in r.verify_findings[:10]:
         print(f"finding: {f.get('code')} at {f.get('global_position')}: {f.get('message')}", file=sys.stderr)
     for m in r.digest_mismatches[:10]:
-        print(f"DIGEST_MISMATCH: {m['handle_id']} txn {m['txn_id']} layer {m['layer']} at "
-              f"{m['global_position']}", file=sys.stderr)
+        print(f"DIGEST_MISMATCH: {m['handle_id']} txn {m['txn_id']} at {m['global_position']}: recorded "
+              f"{m['recorded']}, recomputed {m['recomputed']}", file=sys.stderr)
     for h, why in list(r.not_rebuildable.items())[:10]:
         print(f"not continued: {h}: {why}", file=sys.stderr)
     for e in r.errors[:10]:
