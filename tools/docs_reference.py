@@ -149,7 +149,8 @@ def events_markdown() -> str:
     tag = schema.get("discriminator", {}).get("propertyName")
     lines = ["# Event reference", "",
              "The journal's event union, from its JSON Schema (`kvledger schema` prints the schema itself). "
-             "Each event is one JSON object in canonical form (sorted keys, no whitespace); "
+             "Each event is one JSON object, its fields in the order the tables list them, with no whitespace "
+             "([storage-format.md](storage-format.md)); "
              + (f"its `{tag}` field names its type. " if tag else "")
              + "The first table lists the event types; the sections after it every type they use.", "",
              "| event | payload |", "|---|---|"]
