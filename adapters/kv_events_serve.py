@@ -1,5 +1,5 @@
 """`kvledger kv-events serve`: vLLM's replay protocol answered from the durable journal,
-for any seq ever recorded, plus a snapshot request (docs/KV_EVENTS.md).
+for any seq ever recorded, plus a snapshot request (docs/guides/kv-events.md).
 
 A ROUTER socket. Requests and replies as a DEALER sends and sees them (the ROUTER sees
 the identity first), frame for frame as vLLM 0.33's `ZmqEventPublisher` answers:

@@ -279,8 +279,8 @@ class Encoded(msgspec.Struct, frozen=True, gc=False):
 def decode_batch_encoded(payload: bytes) -> tuple[float, Encoded, int | None]:
     """decode_batch, with the events encoded at once: the recorder's form. The events'
     objects die young, while the batch waits for its commit as one bytes object, and the
-    encoding reads them while they are still in the cache (about 4 us a batch here
-    against 10 us later on the committer)."""
+    encoding reads them while they are still in the cache, cheaper than later on the
+    committer."""
     ts, events, rank = decode_batch(payload)
     return ts, Encoded(msgspec.Raw(_json_encode(events)), len(events)), rank
 

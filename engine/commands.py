@@ -41,9 +41,7 @@ Perm = Annotated[tuple[N, ...], Meta(max_length=4096)]
 
 # gc=False (here and on the journal's Operation, StreamWrite, Guard, HeadFacts and on
 # Receipt): a frozen struct of immutable values cannot be part of a reference cycle, so the
-# cyclic collector need not track it. Tracked, the ~15 such objects a decoded token makes
-# ran the collector about once a commit of 64 tokens, and now and then a full pass over
-# the heap stalled the write path for 40-60 ms (docs/PERFORMANCE.md, step 9).
+# cyclic collector need not track it: tracked, they ran it often and its full passes stalled the write path.
 class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     operation_id: Id | None = None  # idempotency key; the service makes one if absent
 

@@ -14,8 +14,8 @@ Lifecycle = Literal["ACTIVE", "FINISHED", "CANCELLED", "RELEASED"]
 class Appended(Sequence[int]):
     """An immutable sequence of ints that shares its storage with the version it grew
     from: the first `n` items of an append-only list. A handle's outputs and their times
-    grow by one a decode step, and a tuple would copy all of them each time, which at
-    4,096 outputs costs more than the rest of the step (docs/COMPACT.md). Equal to (and
+    grow by one a decode step, and a tuple would copy all of them each time, which for a
+    long sequence costs more than the rest of the step. Equal to (and
     hashed as) the tuple of its items, and encoded as one (`enc_hook`); a decoded state
     holds plain tuples, which `grown` turns into one of these once they reach SHARED_FROM."""
 
@@ -65,8 +65,7 @@ class Appended(Sequence[int]):
         return (tuple, (tuple(self),))
 
 
-# Below this many items a tuple is copied (in C, ~0.2 µs at 64 ints) rather than shared
-# (a view costs ~0.5 µs to make in Python); from it on, the copy's cost grows past it.
+# Below this many items a tuple is copied (in C) rather than shared: a short copy is cheaper than making a view.
 SHARED_FROM = 128
 
 

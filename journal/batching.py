@@ -187,7 +187,7 @@ def _refused_units(ops: Sequence[Operation], live: list[list[int]], ok: set[str]
 def batch_ids(ops: Sequence[Operation]) -> tuple[list[str], list[str], Known]:
     """The batch's distinct operation ids, its event ids, and their keys, computed once
     for the receipt lookup and the record: a decode step's from its counters, not its
-    text (this runs once a batch, not once an event: docs/PERFORMANCE.md)."""
+    text (this runs once a batch, not once an event)."""
     op_ids = list({op.operation_id: None for op in ops})
     event_ids: list[str] = []
     keys: dict[str, int] = {}

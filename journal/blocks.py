@@ -1,9 +1,9 @@
-"""Record format 7: a record's run of decode steps as one block of columns (docs/COMPACT.md,
-step 21).
+"""Record format 7: a record's run of decode steps as one block of columns
+(docs/reference/storage-format.md).
 
 Format 6 stored each decode step as a msgpack row, one item with one CRC: replaying a
-record of 64 steps decoded 64 rows, cut and checked 64 items, and moved every value
-through Python before numpy saw it (~2.5 µs of a replayed token's ~4.5). Format 7 stores a
+record decoded, cut and checked every row and moved every value through Python before
+numpy saw it, the largest part of a replayed token. Format 7 stores a
 run of consecutive steps as one item: the same values (journal.step_rows.Step, as the
 thirty int64s below) column by column, each column as wide as its values need, then the
 row digests, then a CRC-32 a step. A reader checks the item's one CRC and reads each width
@@ -51,8 +51,8 @@ _ROW = 8 * VALUES  # a step's values as int64, which its CRC covers with its dig
 def pack(rows: Sequence[Row]) -> bytes:
     """The block of `rows` (each value an int64: StepWriter.values_row checks it).
 
-    Written for the writer's hot loop, where an array call costs 5-10 µs (against ~1 in
-    a tight loop: bench.ab --frames): the values become int64 bytes in one struct call,
+    Written for the writer's hot loop, where an array call costs far more than in a tight
+    loop (bench.ab --frames): the values become int64 bytes in one struct call,
     which the step CRCs read as they are, and the array calls are the least a column's
     width and its group's bytes take."""
     n = len(rows)
@@ -71,10 +71,7 @@ def _columns(flat: bytes, n: int) -> list[bytes]:
     return [widths, *(cols[g].astype(f"<i{w}").tobytes() for w in _WIDTHS if (g := _group(widths, w)))]
 
 
-# Up to this many steps a block is built without numpy. A batch-1 decode commits one step
-# a model call (kvledger.hf, a worker at batch 1), right after the call has evicted numpy's
-# code from the caches: StepWriter.pack of such a block, timed in place in a batch-1
-# generate, took 97 µs with the arrays and takes 54 so (warm, alone: 21 and 11).
+# Up to this many steps a block is built without numpy: a batch-1 commit follows a model call that evicted numpy's code.
 FEW = 2
 _CODES = {1: "b", 2: "h", 4: "i", 8: "q"}
 

@@ -35,11 +35,9 @@ def make_engine(url: URL) -> Engine:
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
-    # Takes effect on a new file only (an existing one keeps its pages). The journal is
-    # compressed records in overflow chains and small index rows: 1 KB pages leave a
-    # quarter of the slack 4 KB ones do: 264 against 308 bytes a decoded token, for about
-    # 8% of the write rate and no measured replay cost (docs/COMPACT.md, step 5). Before
-    # WAL: WAL fixes the page size.
+    # Small pages waste less of compressed records and small index rows than 4 KB ones.
+    # Takes effect on a new file only (an existing one keeps its pages); before WAL, which
+    # fixes the page size.
     cur.execute("PRAGMA page_size=1024")
     # WAL lets readers run beside the writer; FULL fsyncs the WAL at every commit, which
     # is what makes an acknowledged commit survive power loss (kill -9 alone can't tell).

@@ -1,7 +1,7 @@
 """Named fault points in the journal's write path, for crash and race testing.
 
 The write path (journal.sql) calls `fault(NAME)` at each point below, and `kvledger
-crash-test` arms them (docs/CRASH.md). Off by default: `fault` then tests one
+crash-test` arms them (docs/guides/recover-after-crash.md). Off by default: `fault` then tests one
 module-level boolean and returns, which costs no measurable time (`python -m bench
 --only journal` reports it as fault_point_disarmed_ns). A point fires only when a rule
 names it.

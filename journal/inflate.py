@@ -188,12 +188,12 @@ def _own(name: str, make: Callable[[], Any]) -> Any:
 
 
 def compress(data: bytes) -> bytes:
-    # making a compressor is ~20 µs, 4x the compression of a one-step record (a batch-1 decode's)
+    # making a compressor costs more than compressing a one-step record (a batch-1 decode's)
     compressor: zstandard.ZstdCompressor = _own("compressor", lambda: zstandard.ZstdCompressor(level=LEVEL))
     return compressor.compress(data)
 
 
 def decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's (making one costs ~15 µs, more than inflating a record)."""
+    """This thread's (making one costs more than inflating a record)."""
     found: zstandard.ZstdDecompressor = _own("decompressor", zstandard.ZstdDecompressor)
     return found

@@ -24,10 +24,9 @@ def stable_key(value: str) -> int:
 
 # kvledger's own operation ids (engine.ids) are a 16-hex process prefix and a 16-hex
 # counter. A hashed key scattered one writer's consecutive operations over the whole
-# lookup B-tree, so every commit of 64 decode chains dirtied ~64 of its pages, more as the
-# journal grew: ~40% of the WAL a commit wrote, and its commit time grew with the journal
-# (docs/COMPACT.md, step 6). Keyed by the prefix's hash and then the counter, a writer's
-# operations land at one end of their own range, as a log's would.
+# lookup B-tree, so a commit dirtied a page per operation and grew with the journal. Keyed
+# by the prefix's hash and then the counter, a writer's operations land at one end of
+# their own range, as a log's would.
 _OWN_ID = re.compile("[0-9a-f]{32}").fullmatch
 _COUNTER_BITS = 40
 
@@ -103,9 +102,9 @@ def _hex_keys(ids: list[str]) -> list[int] | None:
     """id_keys of a batch of engine.ids-form ids at once, or None where the loop decides:
     each id 32 lowercase hex digits (so bytes.fromhex reads what int(_, 16) reads), all
     with the same first half (one writer's prefix). A few C-level passes over the batch,
-    not a Python step per id: for 128 ids a third of the loop's time alone, ~60% of it in
-    the write path, where the caches are cold after each commit's fsync (numpy was slower
-    there than the loop)."""
+    not a Python step per id: much cheaper than the loop, most of all in the write path,
+    where the caches are cold after each commit's fsync (numpy was slower there than the
+    loop)."""
     joined, n = "".join(ids), len(ids)
     if len(joined) != 32 * n or joined != joined.lower():
         return None
@@ -134,11 +133,11 @@ def id_key(value: str) -> int:
 
 
 # -- streams as a chain through the records (revision 0006) ------------------------------
-# A lookup row per (stream, record), keyed by a hash of the handle id, put each commit's 64
-# rows on ~64 random leaf pages: 1,328 of the 1,882 WAL bytes a decoded token wrote
-# (docs/COMPACT.md). Instead each record lists, per stream it holds, the record before it
-# on that stream (its stream_prev column), and kvl_heads.last_record names the last one:
-# read_stream follows the chain back from the head, and a commit writes no extra page.
+# A lookup row per (stream, record), keyed by a hash of the handle id, put each commit's
+# rows on random leaf pages, most of the WAL a commit wrote. Instead each record lists, per
+# stream it holds, the record before it on that stream (its stream_prev column), and
+# kvl_heads.last_record names the last one: read_stream follows the chain back from the
+# head, and a commit writes no extra page.
 PREV_NONE = 0  # no earlier record holds the stream
 PREV_INDEXED = -1  # the earlier records were written before 0006: kvl_record_streams has them
 

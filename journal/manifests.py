@@ -22,7 +22,7 @@ def pack_manifest(body: bytes) -> bytes:
 
 
 # An appended allocation's event already holds its manifest, in its record, compressed
-# with its neighbours' (~100 bytes each, against ~900 alone): kvl_manifests then keeps
+# with its neighbours' (far smaller than alone): kvl_manifests then keeps
 # only where that event is, as b"@<global position>".
 MANIFEST_REF = b"@"
 

@@ -8,8 +8,8 @@ holds. Anything else takes the general path: lock + last position + stored recei
 the guarded updates per round; the inserts; commit. Over a network a transaction runs
 in pipeline mode (statements whose results are not needed travel with the next one
 whose results are: one round trip for append_if, three for the general path). On a
-loopback or Unix-socket connection a round trip (~35 us) costs less than psycopg's
-pipeline bookkeeping (~150 us per transaction), so there statements go one by one.
+loopback or Unix-socket connection a round trip costs less than psycopg's pipeline
+bookkeeping, so there statements go one by one.
 
 Columns travel as one array parameter each, in binary (see `_arrays`): a text-format
 bytea array costs the client a hex encoding of every body, and the server parses
@@ -304,7 +304,7 @@ def _guarded_update_params(rows: list[tuple[StreamWrite, Guard]]) -> dict[str, A
 
 # -- arrays ---------------------------------------------------------------------------
 #
-# psycopg adapts a list element by element in Python (about 20 us for 64 elements, more
+# psycopg adapts a list element by element in Python (slow for a batch's lists, more
 # than the server spends reading it). These build PostgreSQL's binary array format
 # (array_send: ndim, has-null flag, element type, then per dimension size and lower
 # bound, then per element a length, -1 for NULL, and the bytes) in a few C-level calls,

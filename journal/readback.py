@@ -130,8 +130,8 @@ class Record:
 # time and each written handle's generation, snapshot version and committed length. The
 # JSON receipt is rebuilt from them, byte for byte what format 2 stored (tests/test_records.py).
 # Format 4 stores no fingerprint (nil) for a decode chain in the worker's form: its three
-# events determine the command, so schemas.decode_fingerprint rebuilds it (32 random
-# bytes a decoded token that zstd cannot remove; docs/COMPACT.md, step 10).
+# events determine the command, so schemas.decode_fingerprint rebuilds it (random bytes
+# that zstd cannot remove).
 
 
 class _Compact(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -3,7 +3,7 @@
 A record is a msgpack header (`Frame`: the format, how many items and receipts) around a
 zstd frame holding each item's and then each receipt's length (little-endian uint32),
 then their CRC-32s, then their bytes; like items' lengths repeat, so zstd stores the lists
-in ~1 byte a token. An item is an event's canonical JSON or a block of decode steps
+in next to nothing. An item is an event's canonical JSON or a block of decode steps
 (journal.blocks; format 6 stored a row a step, journal.legacy); after the compact receipts
 (journal.readback) of the operations stored as events comes the record's Context
 (journal.step_rows). A block is one item with one CRC; when it fails, the block's CRC
@@ -40,8 +40,8 @@ GENESIS = bytes(32)  # the chain before the first record
 class Frame(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Formats 5 to 7: the lists travel inside the frame, which holds each event's and then each
     receipt's length (little-endian uint32), then their CRC-32s, then their bytes. Lengths
-    of like events repeat, so zstd stores them in ~1 byte a token where the header's
-    msgpack lists took ~12 (the CRCs, random, cost the same either way)."""
+    of like events repeat, so zstd stores them in far less than the header's msgpack lists
+    took (the CRCs, random, cost the same either way)."""
 
     format: int
     events: int
@@ -138,8 +138,7 @@ def block_records(bodies: Sequence[bytes], fold: bool = False) -> list[Record | 
     its context, in format 7), None for the others and for anything amiss in one, which
     decode_record then reads and names. The blocks of one shape are read together, a few
     array calls for all of them (journal.step_reader.block_runs), and without the general
-    path's lists and loops (a record at a time, ~40 array calls a block: docs/COMPACT.md,
-    step 23)."""
+    path's lists and loops: replay's cost is per record, so reading records together pays."""
     found: list[Record | None] = [None] * len(bodies)
     parts = [(i, *x) for i, body in enumerate(bodies) if (x := _block_parts(body)) is not None]
     if not parts:

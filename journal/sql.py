@@ -122,9 +122,9 @@ class SqlJournal(Journal):
                          f"`kvledger init --db URL` to migrate it to {SCHEMA_REVISION}")
             raise KvLedgerError(ErrorCode.NOT_MIGRATED, f"{self.display_url} has {state}",
                                 revision=revision, journal_tables=sorted(tables or ()))
-        # Records of decode steps are packed and read with numpy (journal.blocks). Its import
-        # (~0.15 s on this VM) belongs to opening the journal, not to the first commit of
-        # decode steps, which a serving loop waits on.
+        # Records of decode steps are packed and read with numpy (journal.blocks). Its slow
+        # import belongs to opening the journal, not to the first commit of decode steps,
+        # which a serving loop waits on.
         from kvledger.journal import blocks  # noqa: F401  # imported for its side effect: numpy loaded
 
     # -- writing -----------------------------------------------------------------
@@ -259,8 +259,7 @@ class SqlJournal(Journal):
         return None
 
     def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
-        # A few steps a batch, no per-event helper calls: this is the Python cost a
-        # publication pays on top of the database's (see docs/PERFORMANCE.md).
+        # A few steps a batch, no per-event helper calls: the Python a publication pays on top of the database's.
         op_ids, event_ids, known = batch_ids(ops)
         last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, known.runs)
         results: list[Receipt | Rejection | None] = [None] * len(ops)

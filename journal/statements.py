@@ -154,7 +154,7 @@ class Statements(VerifyReads):
 
     # Where set, guarded_update also points each head at the record the commit will write
     # (`last_record`), and insert_record then leaves those heads alone: the 64 head rows a
-    # commit of decode chains rewrites are updated once, not twice (~3 us a token).
+    # commit of decode chains rewrites are updated once, not twice.
     points_heads = True
 
     def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]],

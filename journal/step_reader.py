@@ -119,7 +119,7 @@ def block_runs(readers: Sequence[StepReader], m: np.ndarray, digests: Sequence[b
     """The runs of blocks of one shape (journal.blocks.read_many's values and digests),
     block r read by readers[r] from its record's event at[r] as StepReader.block reads one,
     in array calls over all the blocks at once: a decode loop's records hold one block
-    each, and a record at a time paid ~40 array calls for its 64 steps. None for a block
+    each, and a record at a time paid every array call once a record. None for a block
     holding a value no Step could (StepReader.block names the step)."""
     import numpy as np
 

@@ -58,8 +58,8 @@ MARK = 0xC1  # a block's first byte: one msgpack never writes, and not an event'
 
 class _ContextParts(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A Context with its streams left undecoded (Raw): consecutive records of a decode
-    loop name the same streams, and decoding their 64 tables' strings again and again
-    was ~15 µs a record."""
+    loop name the same streams, and decoding their tables' strings again and again
+    cost more than the rest of the context."""
 
     first_position: Count
     committed_wall_ns: Count
@@ -80,7 +80,7 @@ def decode_context(data: bytes) -> Context:
     parts = _decode_parts(data)
     raw, (last, streams) = parts.streams, _last_streams
     # The table is the context's last item: the record before's, if its bytes end this one
-    # (a compare, where copying and hashing the table's ~5 KB to look it up was ~2 µs).
+    # (a compare: cheaper than copying and hashing the table to look it up).
     if not (len(raw) == len(last) and data.endswith(last)):
         key = bytes(raw)
         found = _streams.get(key)

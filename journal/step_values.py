@@ -1,5 +1,5 @@
 """A decode step as values: what a record of format 6 or 7 stores of one, and what a
-reader gives back for it (docs/COMPACT.md, steps 12 and 21).
+reader gives back for it (docs/reference/storage-format.md).
 
 A worker's decode step writes three events (append_publish, output_emit, append_start)
 and a receipt; nearly every field of the four follows from a handful of values, which

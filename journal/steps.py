@@ -1,16 +1,15 @@
 """Decode steps stored as values, not events: record formats 6 (a row a step) and 7 (a block
-of columns a run; journal.blocks) (docs/COMPACT.md, steps 12 and 21).
+of columns a run; journal.blocks) (docs/reference/storage-format.md).
 
 A worker's decode step writes three events (append_publish, output_emit, append_start)
 and a receipt. In the form the service marks derived when it plans a decided batch
 (engine/batch_plan.py, Operation.derived), nearly every field of the four is fixed by a handful of values: the
 envelope repeats across the three events, the positions and sequence numbers count up,
 the snapshot versions are the base plus one, the start's interval is the committed length
-and the emitted token. Formats 1 to 5 stored the three JSON bodies (about 1.9 KB, 140
-bytes once compressed with their neighbours) and a compact receipt; format 6 stores a
-`Step` row: the values that are not fixed, with ids as counters under a prefix and
-clocks as differences from the step before, so a record of 64 steps keeps ~60 bytes a
-step, 32 of them the row digest.
+and the emitted token. Formats 1 to 5 stored the three JSON bodies and a compact
+receipt; format 6 stores a `Step` row: the values that are not fixed, with ids as
+counters under a prefix and clocks as differences from the step before, so little but
+the random row digest is left a step.
 
 Readers rebuild the three events as the structs `decode_event` would give, and their
 JSON with the same encoder, so `read_all`, `export` and `verify` see the bytes format 5
@@ -26,7 +25,7 @@ a damaged row is named by its first event. The record's shared values (its first
 position, the commit time, the id prefixes, each stream's envelope and cache ABI) are a
 `Context` stored after the receipts.
 
-Format 6 stored a Step as msgpack, one row an item; format 7 (written since step 21)
+Format 6 stored a Step as msgpack, one row an item; format 7 (written since)
 stores a record's run of steps as one block of the same values, column by column
 (journal.blocks), so that a fold reads a run as arrays rather than decoding it row by
 row. Both are read; what a reader gives is the same for either.

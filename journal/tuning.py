@@ -1,6 +1,6 @@
 """Machine tuning: every mechanism that makes kvledger faster on a machine without
 changing anything it writes or returns. Each says why in one line; the figures that
-justified them are in docs/PERFORMANCE.md ("Tuning").
+justified them are in docs/decisions/cpu-placement.md and the commits that added them.
 
 `KVLEDGER_TUNING=off` turns them all off: no thread or process is pinned to a CPU, no
 wait polls before it sleeps, nothing is frozen and the collector is never paused.

@@ -1,5 +1,5 @@
 """`kvledger kv-events record | serve | import`: KV-event streams of serving engines
-(vLLM, SGLang, TensorRT-LLM) journaled as their own streams (docs/KV_EVENTS.md).
+(vLLM, SGLang, TensorRT-LLM) journaled as their own streams (docs/guides/kv-events.md).
 
     kvledger kv-events record --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
     kvledger kv-events record --bind tcp://*:5557 --engine engine-a=tcp://engine-a:5558

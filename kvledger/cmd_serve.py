@@ -234,7 +234,7 @@ def _print_demo(out: JsonDoc) -> None:
 
 
 # Prompt tokens per prefill call of `generate`: attention's memory is chunk x context, not
-# prompt x prompt (one 40,000-token call once took 8.6 GB).
+# prompt x prompt, which for a long prompt exhausts memory.
 PREFILL_CHUNK = 512
 
 

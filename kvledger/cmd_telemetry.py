@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="telemetry JSON lines (from `kvledger demo --telemetry`)")
     p.add_argument("--kv-index", type=a.input_file, metavar="FILE.json",
                    help="instead of --telemetry: a KV-aware router's index dump (block hash -> media, per "
-                        "KV-event stream) against the journal's block pool (docs/KV_EVENTS.md)")
+                        "KV-event stream) against the journal's block pool (docs/guides/kv-events.md)")
     p.add_argument("--at", type=a.POSITION, metavar="N",
                    help="with --kv-index: the block pool after global positions 1..N (default: the dump's "
                         "position, else the end)")

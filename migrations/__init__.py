@@ -80,12 +80,10 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 # Storage parameters: physical settings, not schema (no revision; compare_metadata does
 # not see them), so every `kvledger init` sets them, on a new database and on one made
 # before. kvl_heads: every commit updates the row of each handle it writes, once. At the
-# default fillfactor (100) a page has no room for the new version: it goes to another
-# page, gets an entry in both indexes, and the dead one waits for VACUUM. After 30 steps
-# of 64 handles the table was 126 pages for 128 live rows, and the guarded update of 64
-# heads read 590 buffers. Half-full pages keep each new version on its page (a HOT
-# update: no index entry, the old version pruned at the next visit): 8 pages, 136
-# buffers, and the one-statement append 1.2 -> 0.6 ms (docs/PERFORMANCE.md, step 27).
+# default fillfactor a page has no room for the new version: it goes to another page,
+# gets an entry in both indexes, and the dead one waits for VACUUM. Half-full pages keep
+# each new version on its page (a HOT update: no index entry, the old version pruned at
+# the next visit): docs/decisions/postgres-storage.md.
 _HEADS_FILLFACTOR = "fillfactor=50"  # as pg_class.reloptions spells it, and ALTER TABLE takes it
 
 

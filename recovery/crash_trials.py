@@ -3,7 +3,7 @@ points, recover, and prove that no acknowledged write was lost, nothing is half
 visible, the journal verifies, re-executed K/V matches every digest, and every
 request finishes with the outputs of an uninterrupted run.
 
-Process layout (docs/CRASH.md). This process is a zygote: it imports torch and
+Process layout (docs/guides/recover-after-crash.md). This process is a zygote: it imports torch and
 kvledger, warms the model with one thread, and never opens a database connection
 while it forks. Per trial it forks
   - a run child: opens a fresh journal, serves a small greedy workload with a worker
@@ -90,9 +90,8 @@ def plans(trials: int, seed: int, hits: dict[str, int], acks: int, run_seconds: 
     go round robin over (fault point, action), at a random hit of that point. Both aim
     inside the first three quarters of what the baseline run saw, and in units of its
     progress: a SIGKILL comes a random fraction of one acknowledgement's time after a
-    random acknowledgement. A run's wall time moves with the machine's load (a baseline
-    measured at 435 ms, trials that then finished in 140 ms), and a plan past the run's
-    end is a trial that never crashes."""
+    random acknowledgement. A run's wall time moves with the machine's load, and a plan
+    past the run's end is a trial that never crashes."""
     rng = random.Random(seed * 1_000_003 + 17)
     combos = [(p, a) for a in ACTIONS for p in POINTS]
     gap = run_seconds / max(1, acks)

@@ -5,7 +5,7 @@ flight, rebuild the K/V of every live handle and run its request to completion.
         report = recover(journal)          # the default small random model
         assert report.ok
 
-The algorithm (docs/CRASH.md):
+The algorithm (docs/guides/recover-after-crash.md):
   1. verify the journal (replay.verify). A journal with findings is not continued.
   2. live handles = head rows not RELEASED; fold each stream.
   3. the model named by --model must have served them: the cache ABI a worker on this

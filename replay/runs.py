@@ -1,8 +1,8 @@
 """Decode steps folded a run at a time (journal.steps.StepRun: a record's consecutive
 step rows, read back as columns), each handle's state brought up to date only when read.
 
-`Projector._step` folds one step into a new HandleState, Work and ledger resize: ~2 µs
-of Python a token. Here a run's steps change the ledger with array operations (the
+`Projector._step` folds one step into a new HandleState, Work and ledger resize: much
+Python a token. Here a run's steps change the ledger with array operations (the
 clock, the byte-time integrals, the totals and the peaks that the publications' resizes
 would leave one after the other), and each handle keeps in arrays only what its next
 step is checked against (its open txn, committed length) and what its Work adds up. A
@@ -11,7 +11,7 @@ other item of its stream is folded, and at the end of every `Projector.feed`.
 
 Consecutive records' runs are held (`hold`, up to 512 steps) and folded as one slice at
 `settle`, before any other item is folded (the ledger is one sequence): a lockstep record
-holds one step of each handle, and a record at a time paid ~40 array calls a record.
+holds one step of each handle, and a record at a time paid every array call once a record.
 
 A step is taken here only where `Projector._step` would take it (one open append whose
 txn the step publishes, not a verify), its handle already owns ledger bytes (a first
@@ -151,8 +151,8 @@ class RunFold:
             i = j
 
     # -- runs of several records -----------------------------------------------------
-    # A record holds one step of each of 64 handles: folded a record at a time, a fold paid
-    # ~40 array calls per 64 steps. Consecutive runs are held and folded together, a
+    # A record holds one step of each of many handles: folded a record at a time, a fold
+    # paid its array calls per record. Consecutive runs are held and folded together, a
     # handle's later steps checked against its earlier ones in the same arrays.
 
     def hold(self, p: Folding, run: StepRun) -> None:

@@ -19,7 +19,7 @@ from kvledger.schemas.manifest import Manifest
 # Bounds keep a forged or corrupt line from becoming an unbounded allocation.
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
 # A lowercase hex sha256. msgspec checks a `pattern` with Python's `re` on every decode
-# (about 0.45 us a digest: most of a publish event's decode), so the length is bounded in
+# (most of a publish event's decode), so the length is bounded in
 # C here and the alphabet checked by `_hex` from the owning struct's __post_init__.
 Digest = Annotated[str, Meta(min_length=64, max_length=64,
                              extra_json_schema={"pattern": "^[0-9a-f]{64}$"})]

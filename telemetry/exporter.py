@@ -135,7 +135,7 @@ class Exporter:
     refuses is counted as dropped (sink_error). Rendering is the producer's, not the
     thread's, because on a machine whose cores the model's OpenMP pool fills a
     rendering thread takes the core the pool's second thread needs: the whole worker
-    then waits at the pool's barrier (docs/PERFORMANCE.md, telemetry). A batch left
+    then waits at the pool's barrier. A batch left
     partial for `linger` seconds, because traffic stopped, is rendered by the thread."""
 
     def __init__(self, sink: str | os.PathLike[str] | BinaryIO, *, capacity: int, metrics: Metrics,

@@ -1,5 +1,5 @@
 """Journals written by earlier record formats read the same with today's code, which
-writes record format 7 (decode steps as fixed-width rows, docs/COMPACT.md step 21) and
+writes record format 7 (decode steps as a block of columns, docs/reference/storage-format.md) and
 format 5 for a record with no step. Each fixture holds what its code wrote and printed: the SQLite
 file, its export, `replay --json`, `verify --json` and every receipt.
 

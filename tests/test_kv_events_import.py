@@ -322,7 +322,7 @@ def test_an_endless_line_is_refused_without_holding_more_than_the_bound(tmp_path
 
 
 def test_vllm_positional_events_with_hex_hashes_import_as_the_tagged_form(tmp_path, capsys):
-    """docs/KV_EVENTS.md: events as tagged maps or positional arrays, a bytes hash as hex.
+    """docs/guides/kv-events.md: events as tagged maps or positional arrays, a bytes hash as hex.
     The array form was refused ('a block hash is int or bytes, not str')."""
     tagged = [{"seq": 0, "ts": 1.0, "data_parallel_rank": 0, "events": [
                   _STORED, {"type": "BlockStored", "block_hashes": ["0c", 7], "parent_block_hash": "0a0b",

@@ -112,8 +112,7 @@ class Worker(IterationBuilder):
         # anyway). That thread needs a core the model is not using: on a GPU, or when
         # torch's CPU threads leave one free. With every core in torch's thread pool the
         # commit preempts a spinning OpenMP worker and the forward slows by more than the
-        # fsync it hides (measured on 2 cores: 10% faster with 1 torch thread, 0-7% slower
-        # with 2), so the default commits first there.
+        # fsync it hides, so the default commits first there.
         self.pipeline = pipeline if pipeline is not None else (
             str(device).startswith("cuda") or leaves_a_core(torch.get_num_threads()))
         self._structural = False  # a fork or truncate this iteration: commit before running
