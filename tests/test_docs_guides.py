@@ -23,10 +23,9 @@ _BLOCK = re.compile(r"^" + re.escape(MARKER) + r"[ \t]*\n```(python|bash)[ \t]*\
 # Guides whose walk-through runs here (the PostgreSQL one needs a server and its roles).
 EXPECTED = {"hf-model.md", "kv-events.md", "recover-after-crash.md", "reconcile-telemetry.md"}
 # A product bug a walk-through finds now and then, by the signature of its output; any other
-# failure stays a failure. `kvledger recover` after a demo killed at a commit re-executed a
-# first prefill call to other row digests than its journal recorded (about 1 run in 7 on a
-# loaded 2-core VM; the journal then reproduces it every time), and its text report then
-# raised KeyError on the mismatch's missing 'layer'.
+# failure stays a failure. A demo killed at a commit on a loaded 2-core VM now and then
+# records row digests that `kvledger recover` does not reproduce (about 1 run in 7 there;
+# the journal then reproduces it every time): fixtures/recover_digest_mismatch keeps one.
 KNOWN = {"recover-after-crash.md": re.compile(r"digest mismatches\W+[1-9]")}
 
 
