@@ -1,0 +1,49 @@
+"""The journal contract (tests/test_journal_contract.py) run against the NATS backend on
+a three-server cluster, until it is registered in journal.backends (then conftest's
+`db_url` runs every backend test on it). The contract's tests that reach into SQL
+(stored rows of an old schema, the SQL committer thread) are not run here."""
+
+from __future__ import annotations
+
+import pytest
+import test_journal_contract as contract
+from nats_cluster import nats_cluster, nats_url  # noqa: F401  # fixtures
+
+from kvledger.journal.nats import NatsJournal
+
+SQL_ONLY = {"test_old_schema_version_is_read_back_upgraded",
+            "test_the_appending_thread_reads_only_after_its_deferred_commit"}
+NEEDS_VERIFY = {"test_a_stream_read_follows_its_chain_from_any_position", "test_batch_checks_each_guard_on_its_own"}
+for _name in dir(contract):
+    if _name.startswith("test_") and _name not in SQL_ONLY | NEEDS_VERIFY:
+        globals()[_name] = getattr(contract, _name)
+
+
+# They end in `verify`, whose snapshot of a NATS journal is not built yet. (Wrapped: a
+# mark on the contract's own function would mark it on every backend.)
+@pytest.mark.xfail(reason="verify of a NATS journal is not built yet", strict=True)
+def test_a_stream_read_follows_its_chain_from_any_position(journal, db_url):
+    contract.test_a_stream_read_follows_its_chain_from_any_position(journal, db_url)
+
+
+@pytest.mark.xfail(reason="verify of a NATS journal is not built yet", strict=True)
+def test_batch_checks_each_guard_on_its_own(journal):
+    contract.test_batch_checks_each_guard_on_its_own(journal)
+
+
+@pytest.fixture(autouse=True)
+def _open_nats(monkeypatch):
+    """The contract opens journals by URL through the SQL opener: here, NATS's."""
+    monkeypatch.setattr(contract, "open_or_create_journal", NatsJournal)
+
+
+@pytest.fixture
+def db_url(nats_url):  # noqa: F811
+    return nats_url
+
+
+@pytest.fixture
+def journal(db_url):
+    j = NatsJournal(db_url)
+    yield j
+    j.close()
