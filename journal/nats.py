@@ -44,7 +44,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import msgspec
 
@@ -52,7 +52,7 @@ from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, re
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
 from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
 from kvledger.journal.nats_client import BATCH_DUPLICATE, GET_BATCH, WRONG_LAST_SEQUENCE, Msg, NatsClient, Refused
-from kvledger.journal.nats_heads import HeadView, head_decode, head_encode
+from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode
 from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.record_format import GENESIS
 from kvledger.journal.record_rows import Base, build_record
@@ -81,31 +81,6 @@ def token(name: str) -> str:
     """A subject token for an id: itself when it is one, else `~` and a digest (no id is
     both: `~` is not in the first form)."""
     return name if _TOKEN(name) else "~" + hashlib.sha256(name.encode()).hexdigest()[:40]
-
-
-class Tail(NamedTuple):
-    """The last record: its stream sequence, last global position and chain."""
-
-    seq: int
-    last: int
-    chain: bytes
-
-
-class Head(NamedTuple):
-    facts: HeadFacts
-    seq: int  # the head message's stream sequence (what a write expects)
-    record: int  # the stream sequence of the record holding the handle's last events
-
-
-class Rec(NamedTuple):
-    """A record message."""
-
-    seq: int
-    first: int
-    last: int
-    chain: bytes
-    prev: bytes
-    body: bytes
 
 
 def open_journal(raw_url: str) -> NatsJournal:
@@ -366,10 +341,11 @@ class NatsJournal(Journal):
                                 f"from position {rec.first} (run `kvledger verify`)")
         return record
 
-    def _record_seq_after(self, position: int) -> int | None:
+    def _record_seq_after(self, position: int, tail: Tail | None = None) -> int | None:
         """The stream sequence of the first record ending past global position `position`
-        (a binary search over the stream by direct gets); None: there is none."""
-        tail = self._fetch_tail()
+        (a binary search over the stream by direct gets) up to `tail` (None: the last
+        record now); None: there is none."""
+        tail = tail or self._fetch_tail()
         if tail.last <= position:
             return None
         # the least s whose first record at or after s ends past `position`
@@ -538,9 +514,18 @@ class NatsJournal(Journal):
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[Snapshot]:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"verify of a NATS journal ({self.display_url}) is not "
-                            "built yet")
-        yield  # pragma: no cover
+        """Every read bounded by the last record now (journal.nats_audit)."""
+        from kvledger.journal.nats_audit import NatsSnapshot
+
+        self._check()
+        with self._lock:
+            while True:  # the last record, and the stream's end with no record after it
+                tail = self._fetch_tail()
+                end = int((self.client.api(f"STREAM.INFO.{self.stream}").get("state") or {}).get("last_seq", 0))
+                later = self.client.get(self.stream, {"seq": tail.seq + 1, "next_by_subj": self.records_subject})
+                if later is None or later.seq > end:
+                    break
+        yield NatsSnapshot(self, tail, end)
 
 
 class _Checkpoint(msgspec.Struct, array_like=True, frozen=True):

@@ -1,5 +1,6 @@
-"""Heads on NATS (journal.nats): a head message's form, and the heads a batch is decided
-against, held in memory with the statements journal.batching's rounds run on them.
+"""Heads and records on NATS (journal.nats): a head message's form, what the journal
+holds of a head, a record and the last record, and the heads a batch is decided against,
+held in memory with the statements journal.batching's rounds run on them.
 
 A head message (subject `kvl.<cell>.h.<token>`) holds the handle id (a token may be a
 digest), how many messages before it in its batch the commit's record is (`back`: the
@@ -8,11 +9,36 @@ record's stream sequence is not known until the batch is stored), and its HeadFa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from kvledger.journal.contract import Guard, HeadFacts, StreamWrite, guard_of
+
+
+class Tail(NamedTuple):
+    """The last record: its stream sequence, last global position and chain."""
+
+    seq: int
+    last: int
+    chain: bytes
+
+
+class Head(NamedTuple):
+    facts: HeadFacts
+    seq: int  # the head message's stream sequence (what a write expects)
+    record: int  # the stream sequence of the record holding the handle's last events
+
+
+class Rec(NamedTuple):
+    """A record message."""
+
+    seq: int
+    first: int
+    last: int
+    chain: bytes
+    prev: bytes
+    body: bytes
 
 
 class _HeadMsg(msgspec.Struct, array_like=True, frozen=True):
@@ -81,4 +107,4 @@ class HeadView:
         self._saved = None
 
 
-__all__ = ["HeadView", "head_decode", "head_encode"]
+__all__ = ["Head", "HeadView", "Rec", "Tail", "head_decode", "head_encode"]

@@ -13,22 +13,9 @@ from kvledger.journal.nats import NatsJournal
 
 SQL_ONLY = {"test_old_schema_version_is_read_back_upgraded",
             "test_the_appending_thread_reads_only_after_its_deferred_commit"}
-NEEDS_VERIFY = {"test_a_stream_read_follows_its_chain_from_any_position", "test_batch_checks_each_guard_on_its_own"}
 for _name in dir(contract):
-    if _name.startswith("test_") and _name not in SQL_ONLY | NEEDS_VERIFY:
+    if _name.startswith("test_") and _name not in SQL_ONLY:
         globals()[_name] = getattr(contract, _name)
-
-
-# They end in `verify`, whose snapshot of a NATS journal is not built yet. (Wrapped: a
-# mark on the contract's own function would mark it on every backend.)
-@pytest.mark.xfail(reason="verify of a NATS journal is not built yet", strict=True)
-def test_a_stream_read_follows_its_chain_from_any_position(journal, db_url):
-    contract.test_a_stream_read_follows_its_chain_from_any_position(journal, db_url)
-
-
-@pytest.mark.xfail(reason="verify of a NATS journal is not built yet", strict=True)
-def test_batch_checks_each_guard_on_its_own(journal):
-    contract.test_batch_checks_each_guard_on_its_own(journal)
 
 
 @pytest.fixture(autouse=True)
