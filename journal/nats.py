@@ -51,7 +51,7 @@ import msgspec
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
 from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
-from kvledger.journal.nats_client import BATCH_DUPLICATE, GET_BATCH, WRONG_LAST_SEQUENCE, Msg, NatsClient, Refused
+from kvledger.journal.nats_client import GET_BATCH, RETRY, Msg, NatsClient, Refused
 from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode
 from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.record_format import GENESIS
@@ -152,7 +152,7 @@ class NatsJournal(Journal):
                     ack = self.client.publish_batch(batch)
                 except Refused as refused:
                     self._forget()
-                    if refused.code in (WRONG_LAST_SEQUENCE, BATCH_DUPLICATE):
+                    if refused.code in RETRY:
                         if attempt > 2:  # contended: let the others through
                             time.sleep(random.uniform(0, 0.001 * min(attempt, 50)))
                         continue

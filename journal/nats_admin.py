@@ -77,27 +77,33 @@ def init_cell(raw_url: str, *, allow_lazy_fsync: bool = False, wait: float = 30.
         deadline = time.monotonic() + wait
         while True:
             try:
-                found = client.api(f"STREAM.INFO.{config['name']}")
-            except KvLedgerError as exc:  # a cluster that just started may not answer yet
+                made = _create(client, config, shown)
+            except KvLedgerError as exc:  # a cluster that just started, or a busy one: ask again
                 if exc.code is not ErrorCode.DATABASE_UNREACHABLE or time.monotonic() > deadline:
                     raise
                 continue
-            if "error" not in found:
-                if (found.get("config", {}).get("metadata") or {}).get("kvledger") != REVISION:
-                    raise KvLedgerError(ErrorCode.SCHEMA_MISMATCH, f"{shown} has a stream {config['name']} that "
-                                        "kvledger init did not make")
+            if made is None:
                 return REVISION
-            made = client.api(f"STREAM.CREATE.{config['name']}", config)
-            error = made.get("error")
-            if error is None:
-                return REVISION
-            if time.monotonic() > deadline or int(error.get("code", 0)) not in (500, 503):
+            if time.monotonic() > deadline or int(made.get("code", 0)) not in (500, 503):
                 raise KvLedgerError(ErrorCode.DATABASE_ERROR, f"{shown} refused to create the stream "
-                                    f"{config['name']} (JetStream error {error.get('err_code')}: "
-                                    f"{str(error.get('description', ''))[:160]})")
-            time.sleep(0.2)  # no meta leader yet: a cluster that just started
+                                    f"{config['name']} (JetStream error {made.get('err_code')}: "
+                                    f"{str(made.get('description', ''))[:160]})")
+            time.sleep(0.2)  # no meta leader yet
     finally:
         client.close()
+
+
+def _create(client: NatsClient, config: dict[str, Any], shown: str) -> dict[str, Any] | None:
+    """Create the stream unless it exists (a create whose answer was lost may have made
+    it): None when it is there, else the server's error."""
+    found = client.api(f"STREAM.INFO.{config['name']}")
+    if "error" not in found:
+        if (found.get("config", {}).get("metadata") or {}).get("kvledger") != REVISION:
+            raise KvLedgerError(ErrorCode.SCHEMA_MISMATCH, f"{shown} has a stream {config['name']} that "
+                                "kvledger init did not make")
+        return None
+    error: dict[str, Any] | None = client.api(f"STREAM.CREATE.{config['name']}", config).get("error")
+    return error
 
 
 __all__ = ["REVISION", "init_cell", "lazy_servers", "stream_config"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -26,6 +27,8 @@ DEFAULT_TIMEOUT = 10.0
 GET_BATCH = 256  # messages one direct get asks for at a time
 # JetStream's error codes the journal answers (server/errors.json)
 WRONG_LAST_SEQUENCE = 10071  # an expected last subject sequence did not hold
+WRONG_LAST_SEQUENCE_CLUSTERED = 10164  # the same, or another publish on the subject is in flight
+LAST_SEQUENCE_NOT_READY = 10163  # the server cannot check an expectation yet (a new leader)
 BATCH_DUPLICATE = 10201  # an atomic batch held a message id already stored
 STREAM_NOT_FOUND = 10059
 
@@ -61,20 +64,25 @@ class NatsClient:
 
         self.display = redact(url)
         self.timeout = float(url.query.get("timeout", DEFAULT_TIMEOUT))  # type: ignore[arg-type]
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvledger-nats", daemon=True)
-        self._thread.start()
         options: dict[str, Any] = {"servers": nats_servers(url), "connect_timeout": min(self.timeout, 5.0),
-                                   "allow_reconnect": True, "max_reconnect_attempts": -1,
+                                   "allow_reconnect": True, "max_reconnect_attempts": 1,
                                    "reconnect_time_wait": 0.2}
         if url.username:
             options["user"], options["password"] = url.username, url.password or ""
         if url.query.get("creds"):
-            options["user_credentials"] = str(url.query["creds"])
+            creds = str(url.query["creds"])
+            if not os.access(creds, os.R_OK):  # the path is not shown: redact hides it
+                raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"the creds file of {self.display} cannot be read")
+            options["user_credentials"] = creds
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvledger-nats", daemon=True)
+        self._thread.start()
         try:
-            # not connected: the first attempt must succeed, reconnects are for later failures
             self.nc = self._run(nats.connect(**options, error_cb=_quiet, disconnected_cb=_quiet_cb,
                                              reconnected_cb=_quiet_cb, closed_cb=_quiet_cb), self.timeout + 5)
+            # connected: from now on a lost server is retried without end (a failover takes seconds),
+            # where the first connect gave up after trying each server twice
+            self.nc.options["max_reconnect_attempts"] = -1
         except KvLedgerError:
             self._stop_loop()
             raise
@@ -214,5 +222,8 @@ async def _quiet_cb() -> None:
     pass
 
 
-__all__ = ["BATCH_DUPLICATE", "GET_BATCH", "STREAM_NOT_FOUND", "WRONG_LAST_SEQUENCE", "Msg", "NatsClient",
+# Refusals after which the batch is decided again on what is stored: another writer was first.
+RETRY = frozenset({WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CLUSTERED, LAST_SEQUENCE_NOT_READY, BATCH_DUPLICATE})
+
+__all__ = ["BATCH_DUPLICATE", "GET_BATCH", "RETRY", "STREAM_NOT_FOUND", "WRONG_LAST_SEQUENCE", "Msg", "NatsClient",
            "Refused"]

@@ -1,0 +1,133 @@
+"""What the NATS journal adds to the contract (tests/test_nats_contract.py): writers on
+several connections serialized per cell, a retry from a fresh connection answered from
+the stream, init's refusal of servers that do not sync every write, credentials kept out
+of messages, and the commands (demo, verify, replay) on a three-server cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+from nats_cluster import fresh_cell, nats_cluster, nats_url  # noqa: F401  # fixtures
+
+from kvledger.journal import Guard, Rejection
+from kvledger.journal.nats import NatsJournal, token
+from kvledger.journal.nats_admin import init_cell
+from kvledger.journal.nats_server import NatsCluster
+from kvledger.replay import verify_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
+
+from factories import allocate_op, guard_of, publish_op
+
+
+def test_writers_on_two_connections_keep_positions_gapless_and_guards_exact(nats_url):  # noqa: F811
+    """Two connections append at once, each to its own handles and both to a shared one
+    from the head it read: every commit lands once, positions are gapless, a guard that
+    lost the race is STALE_BASE, and verify finds the chain whole."""
+    a, b = NatsJournal(nats_url), NatsJournal(nats_url)
+    try:
+        a.append([allocate_op("shared")] + [allocate_op(f"{w}{i}") for w in "ab" for i in range(3)])
+        outcomes: dict[str, list[str]] = {"a": [], "b": []}
+
+        def write(j: NatsJournal, w: str) -> None:
+            for step in range(8):
+                ops = [publish_op(f"{w}{i}", guard_of(j.head(f"{w}{i}")), f"{w}-{step}-{i}") for i in range(3)]
+                ops.append(publish_op("shared", guard_of(j.head("shared")), f"{w}-{step}-shared"))
+                results = j.append(ops)
+                assert all(isinstance(r, Receipt) for r in results[:3]), results
+                outcomes[w].append(type(results[3]).__name__ if isinstance(results[3], Receipt)
+                                   else results[3].code)
+
+        threads = [threading.Thread(target=write, args=(j, w)) for j, w in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        won = sum(o == "Receipt" for w in "ab" for o in outcomes[w])
+        assert all(o in ("Receipt", ErrorCode.STALE_BASE) for w in "ab" for o in outcomes[w])
+        positions = [p for p, _ in b.read_raw()]
+        assert positions == list(range(1, 7 + 48 + won + 1))
+        assert [e.stream_position for e in a.read_stream("shared")] == list(range(1, won + 2))
+        assert [f for f in verify_journal(b).findings if f.code in ("TAMPERED", "STORAGE_CORRUPT")] == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_retry_from_a_fresh_connection_is_answered_from_the_stream(nats_url):  # noqa: F811
+    """A writer whose acknowledgement was lost retries on a new connection: the commit is
+    found in the stored records and its receipt returned, nothing written twice; the same
+    id with another fingerprint is CONFLICT."""
+    with NatsJournal(nats_url) as first:
+        first.append([allocate_op("h1")])
+        op = publish_op("h1", Guard(0, 0, 1), "op-1")
+        [original] = first.append([op])
+    with NatsJournal(nats_url) as again:
+        assert again.append([op]) == [original]
+        [changed] = again.append([publish_op("h1", Guard(0, 0, 1), "op-1", fingerprint="other")])
+        assert isinstance(changed, Rejection) and changed.code == ErrorCode.CONFLICT
+        assert again.last_position() == 2 and again.receipt("op-1") == original
+
+
+def test_ids_that_are_no_subject_token_are_hashed_apart(nats_url):  # noqa: F811
+    with NatsJournal(nats_url) as j:
+        odd = ["a.b", "a b", "*", ">", "a.b.c", "~x"]
+        j.append([allocate_op(h) for h in odd])
+        assert set(j.heads()) == set(odd) and j.existing(odd + ["a"]) == set(odd)
+        assert {token(h) for h in odd} == {token(h) for h in set(odd)} and len({token(h) for h in odd}) == 6
+        assert [e.stream_id for e in j.read_stream("a.b")] == ["a.b"]
+
+
+def test_init_refuses_servers_that_do_not_sync_every_write():
+    lazy = NatsCluster(1, sync="2m").start()
+    try:
+        url = lazy.url("lazy").replace("?", "?replicas=1&")
+        with pytest.raises(KvLedgerError) as exc:
+            init_cell(url)
+        assert exc.value.code is ErrorCode.INVALID_ARGUMENT and "sync every write" in exc.value.message
+        with pytest.raises(KvLedgerError, match="monitoring ports"):
+            init_cell(lazy.url("lazy", monitor=False) + "?replicas=1")
+        init_cell(url, allow_lazy_fsync=True)
+        with NatsJournal(url) as j:
+            assert j.last_position() == 0
+    finally:
+        lazy.stop()
+
+
+def test_credentials_stay_out_of_messages(nats_cluster):  # noqa: F811
+    secret = "s3cr3t-pw"
+    port = nats_cluster.client_ports[0]
+    with pytest.raises(KvLedgerError) as exc:
+        NatsJournal(f"nats://kv:{secret}@127.0.0.1:{port}/nope")
+    assert exc.value.code is ErrorCode.NOT_MIGRATED and "kv:***@" in exc.value.message
+    with pytest.raises(KvLedgerError) as exc:
+        NatsJournal(f"nats://127.0.0.1:{port}/nope?creds=/nonexistent/{secret}")
+    assert exc.value.code is ErrorCode.INVALID_ARGUMENT and "creds=***" in exc.value.message
+    with pytest.raises(KvLedgerError) as exc:
+        NatsJournal(f"nats://kv:{secret}@127.0.0.1:1/cell?timeout=1")
+    assert exc.value.code is ErrorCode.DATABASE_UNREACHABLE
+    for bad in (f"nats://kv:{secret}/cell", f"nats://kv:{secret}@h@x/cell", f"nats://h/ce.ll?password={secret}"):
+        with pytest.raises(KvLedgerError) as exc:
+            NatsJournal(bad)
+        assert exc.value.code is ErrorCode.BAD_DATABASE_URL and secret not in str(exc.value), bad
+
+
+def test_demo_verify_and_replay_run_on_a_cell(nats_cluster):  # noqa: F811
+    url = fresh_cell(nats_cluster, "demo")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvledger", *args, "--db", url, "--json"],
+                              capture_output=True, text=True, timeout=300)
+
+    demo = run("demo", "--requests", "8", "--max-new-tokens", "6")
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    verified = run("verify")
+    assert verified.returncode == 0 and json.loads(verified.stdout)["ok"], verified.stdout[-2000:]
+    replayed = run("replay")
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    with NatsJournal(url) as j:
+        assert j.last_position() == json.loads(verified.stdout)["events"] > 100
