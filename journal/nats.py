@@ -146,8 +146,11 @@ class NatsJournal(Journal):
             for attempt in range(MAX_TRIES):
                 tail = self._tail or self._fetch_tail()
                 results, batch, written = self._decide(operations, tail)
-                if batch is None:
-                    return results
+                if batch is None:  # refused or answered: on the journal as it still is?
+                    if self._fetch_tail() == tail:
+                        return results
+                    self._forget()
+                    continue
                 try:
                     ack = self.client.publish_batch(batch)
                 except Refused as refused:
@@ -249,12 +252,12 @@ class NatsJournal(Journal):
         """The heads of `handles` that exist: from what this process knows, else read."""
         found = {h: self._heads[h] for h in handles if h in self._heads}
         missing = [h for h in handles if h not in found]
-        for i in range(0, len(missing), 1000):  # a multi_last get answers at most 1024 subjects
-            chunk = {f"{self.prefix}.h.{token(h)}": h for h in missing[i:i + 1000]}
-            for msg in self.client.get_many(self.stream, {"multi_last": list(chunk), "batch": len(chunk)}):
-                h = chunk.get(msg.subject)
-                head = self._head(msg)
-                if h is not None and head is not None and head[0] == h:
+        for i in range(0, len(missing), 1000):
+            chunk = missing[i:i + 1000]
+            got = self.client.get_each(self.stream, [{"last_by_subj": f"{self.prefix}.h.{token(h)}"} for h in chunk])
+            for h, msg in zip(chunk, got):
+                head = None if msg is None else self._head(msg)
+                if head is not None and head[0] == h:
                     found[h] = self._heads[h] = head[1]
         return found
 
@@ -318,19 +321,28 @@ class NatsJournal(Journal):
         return self._rec(msg)
 
     def _records(self, start: int, upto: int | None = None) -> Iterator[Rec]:
-        """The records from stream sequence `start` on (to `upto`), a page of direct gets at a time."""
-        while upto is None or start <= upto:
-            request: dict[str, Any] = {"seq": start, "next_by_subj": self.records_subject, "batch": GET_BATCH}
-            if upto is not None:
-                request["up_to_seq"] = upto
+        """The records from stream sequence `start` to the record at `upto` (None: the last now)."""
+        return (self._rec(msg) for msg in self.record_msgs(start, upto))
+
+    def record_msgs(self, start: int, upto: int | None = None) -> Iterator[Msg]:
+        """The record messages from stream sequence `start` to the record at `upto` (None:
+        the last now), a page of direct gets at a time. A replica that has not applied them
+        all answers short of `upto`: the rest is read from the leader."""
+        if upto is None:
             with self._lock:
-                page = self.client.get_many(self.stream, request)
-            for msg in page:
-                if upto is not None and msg.seq > upto:
-                    return
-                yield self._rec(msg)
-            if len(page) < GET_BATCH:
-                return
+                upto = self._fetch_tail().seq
+        while start <= upto:
+            with self._lock:
+                page = self.client.get_many(self.stream, {"seq": start, "next_by_subj": self.records_subject,
+                                                          "batch": GET_BATCH, "up_to_seq": upto})
+                page = [m for m in page if m.seq <= upto]
+                if not page:  # a lagging replica: the leader has it
+                    msg = self.client.get(self.stream, {"seq": start, "next_by_subj": self.records_subject})
+                    if msg is None or msg.seq > upto:
+                        raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"no record up to stream sequence {upto} "
+                                            f"of {self.display_url}, which the last record names")
+                    page = [msg]
+            yield from page
             start = page[-1].seq + 1
 
     def _decode(self, rec: Rec, fold: bool = False) -> Record:
@@ -424,8 +436,8 @@ class NatsJournal(Journal):
             subjects = self._subjects(f"{self.prefix}.h.*")
             found: dict[str, HeadFacts] = {}
             for i in range(0, len(subjects), 1000):
-                for msg in self.client.get_many(self.stream, {"multi_last": subjects[i:i + 1000], "batch": 1000}):
-                    head = self._head(msg)
+                for msg in self.client.get_each(self.stream, [{"last_by_subj": s} for s in subjects[i:i + 1000]]):
+                    head = None if msg is None else self._head(msg)
                     if head is not None:
                         found[head[0]] = head[1].facts
         if prefix_identity_sha256 is not None:

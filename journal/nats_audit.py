@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from kvledger.journal.contract import ChainAt, HeadFacts, Integrity, StoredDamage, StoredEvent, StoredReceipt
 from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
-from kvledger.journal.nats_client import GET_BATCH, Msg, NatsClient
+from kvledger.journal.nats_client import Msg, NatsClient
 from kvledger.journal.nats_heads import Rec, Tail, head_decode
 from kvledger.journal.port import Snapshot
 from kvledger.journal.record_format import GENESIS
@@ -37,6 +37,8 @@ class Reads(Protocol):
     def _record_seq_after(self, position: int, tail: Tail | None = None) -> int | None: ...
 
     def _record_at(self, seq: int) -> Rec: ...
+
+    def record_msgs(self, start: int, upto: int | None = None) -> Iterator[Msg]: ...
 
     def manifest(self, manifest_sha256: str) -> bytes | None: ...
 
@@ -59,15 +61,7 @@ class NatsSnapshot(Snapshot):
         self._positions: dict[int, int] = {PREV_NONE: PREV_NONE}  # record's stream sequence -> its last position
 
     def _record_msgs(self) -> Iterator[Msg]:
-        j, start = self._j, 1
-        while start <= self._upto:
-            with j._lock:
-                page = j.client.get_many(j.stream, {"seq": start, "next_by_subj": j.records_subject,
-                                                    "batch": GET_BATCH, "up_to_seq": self._upto})
-            yield from (m for m in page if m.seq <= self._upto)
-            if len(page) < GET_BATCH:
-                return
-            start = page[-1].seq + 1
+        return self._j.record_msgs(1, self._tail.seq)
 
     def integrity(self) -> Integrity:
         info = self._j.client.api(f"STREAM.INFO.{self._j.stream}")
@@ -93,10 +87,15 @@ class NatsSnapshot(Snapshot):
         j = self._j
         subjects = j._subjects(f"{j.prefix}.h.*")
         for i in range(0, len(subjects), 1000):
-            for msg in j.client.get_many(j.stream, {"multi_last": subjects[i:i + 1000], "batch": 1000,
-                                                    "up_to_seq": self._upto}):
-                found = head_decode(msg.data)
-                if found is not None:
+            chunk = subjects[i:i + 1000]
+            msgs: list[Msg | None] = list(j.client.get_each(j.stream, [{"last_by_subj": s} for s in chunk]))
+            later = [s for s, m in zip(chunk, msgs) if m is not None and m.seq > self._upto]
+            if later:  # moved since the audit began: as they were then (a replica's, bounded)
+                msgs = [m for m in msgs if m is not None and m.seq <= self._upto]
+                msgs += j.client.get_many(j.stream, {"multi_last": later, "batch": len(later), "up_to_seq": self._upto})
+            for msg in msgs:
+                found = None if msg is None else head_decode(msg.data)
+                if msg is not None and found is not None:
                     yield found[0], msg.seq - found[1], found[2]
 
     def _head_records(self) -> dict[str, int]:

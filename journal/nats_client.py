@@ -11,6 +11,7 @@ servers by the redacted URL: never the client's own text, which may quote creden
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import threading
@@ -165,9 +166,32 @@ class NatsClient:
     # -- direct gets ---------------------------------------------------------------
 
     def get(self, stream: str, request: dict[str, Any]) -> Msg | None:
-        """One message by a direct get (`last_by_subj`, `seq`, `next_by_subj`); None: none."""
-        msg = self._run(self._request(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), None))
-        return self._stored(msg)
+        """One message (`last_by_subj`, `seq`, `next_by_subj`) as the stream's leader has
+        it; None: none. (A direct get may be answered by a replica that has not yet
+        applied the last commits: fine for reading what is known to be stored, not for
+        deciding what is.)"""
+        return self.get_each(stream, [request])[0]
+
+    def get_each(self, stream: str, requests: Sequence[dict[str, Any]]) -> list[Msg | None]:
+        """`get` of each request, sent at once."""
+        return self._run(self._get_each(stream, requests))
+
+    async def _get_each(self, stream: str, requests: Sequence[dict[str, Any]]) -> list[Msg | None]:
+        subject = f"$JS.API.STREAM.MSG.GET.{stream}"
+        answers = await asyncio.gather(*(self._request(subject, json.dumps(r).encode(), None) for r in requests))
+        return [self._leader_msg(a.data) for a in answers]
+
+    def _leader_msg(self, data: bytes) -> Msg | None:
+        answer = json.loads(data)
+        error = answer.get("error")
+        if error is not None:
+            if int(error.get("code", 0)) == 404:
+                return None
+            raise KvLedgerError(ErrorCode.DATABASE_ERROR, f"a read at {self.display} was refused (JetStream error "
+                                f"{error.get('err_code')}: {str(error.get('description', ''))[:120]})")
+        m = answer["message"]
+        headers = _parse_headers(base64.b64decode(m["hdrs"])) if m.get("hdrs") else {}
+        return Msg(int(m["seq"]), str(m["subject"]), headers, base64.b64decode(m.get("data") or b""))
 
     def get_many(self, stream: str, request: dict[str, Any]) -> list[Msg]:
         """The messages a batched direct get answers (`batch`, with `seq` and
@@ -203,6 +227,16 @@ class NatsClient:
             raise KvLedgerError(ErrorCode.DATABASE_ERROR, f"a direct get at {self.display} answered status "
                                 f"{status} ({str(headers.get('Description', ''))[:80]})")
         return Msg(int(headers["Nats-Sequence"]), headers.get("Nats-Subject", ""), headers, bytes(msg.data))
+
+
+def _parse_headers(block: bytes) -> dict[str, str]:
+    """A NATS header block (`NATS/1.0` then `Key: Value` lines) as a dict."""
+    headers: dict[str, str] = {}
+    for line in block.decode(errors="replace").split("\r\n")[1:]:
+        key, colon, value = line.partition(":")
+        if colon:
+            headers[key.strip()] = value.strip()
+    return headers
 
 
 def _ack(data: bytes) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import test_journal_contract as contract
-from nats_cluster import nats_cluster, nats_url  # noqa: F401  # fixtures
+from nats_cluster import nats_url  # noqa: F401  # a fixture
 
 from kvledger.journal.nats import NatsJournal
 

@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-from nats_cluster import fresh_cell, nats_cluster, nats_url  # noqa: F401  # fixtures
+from nats_cluster import fresh_cell, nats_url  # noqa: F401  # a fixture
 
 from kvledger.journal import Guard, Rejection
 from kvledger.journal.nats import NatsJournal, token
@@ -98,7 +98,7 @@ def test_init_refuses_servers_that_do_not_sync_every_write():
         lazy.stop()
 
 
-def test_credentials_stay_out_of_messages(nats_cluster):  # noqa: F811
+def test_credentials_stay_out_of_messages(nats_cluster):
     secret = "s3cr3t-pw"
     port = nats_cluster.client_ports[0]
     with pytest.raises(KvLedgerError) as exc:
@@ -116,7 +116,7 @@ def test_credentials_stay_out_of_messages(nats_cluster):  # noqa: F811
         assert exc.value.code is ErrorCode.BAD_DATABASE_URL and secret not in str(exc.value), bad
 
 
-def test_demo_verify_and_replay_run_on_a_cell(nats_cluster):  # noqa: F811
+def test_demo_verify_and_replay_run_on_a_cell(nats_cluster):
     url = fresh_cell(nats_cluster, "demo")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
