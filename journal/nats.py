@@ -143,6 +143,7 @@ class NatsJournal(Journal):
             validate(op)
         self._check()
         with self._lock:
+            unreachable_until = time.monotonic() + self.client.timeout
             for attempt in range(MAX_TRIES):
                 tail = self._tail or self._fetch_tail()
                 results, batch, written = self._decide(operations, tail)
@@ -160,9 +161,12 @@ class NatsJournal(Journal):
                             time.sleep(random.uniform(0, 0.001 * min(attempt, 50)))
                         continue
                     raise self._refused(refused) from None
-                except KvLedgerError:
+                except KvLedgerError as exc:
                     self._forget()  # the outcome is unknown: decide again from what is stored
-                    raise
+                    if exc.code is not ErrorCode.DATABASE_UNREACHABLE or time.monotonic() > unreachable_until:
+                        raise
+                    time.sleep(0.05)  # a failover: the stream's next leader answers in seconds
+                    continue
                 self._committed(ack, written)
                 return results
         raise KvLedgerError(ErrorCode.DATABASE_BUSY, f"{MAX_TRIES} other commits to {self.display_url} went "

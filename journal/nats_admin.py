@@ -28,6 +28,7 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 REVISION = "nats-1"  # the stream's layout (journal.nats), in its metadata
 DUPLICATE_WINDOW_NS = 120 * 10**9
+PEER_OFFLINE = 10005  # no suitable peers: a server the meta leader does not see yet
 MAX_MSG_BYTES = 8 << 20  # a record or checkpoint larger is refused (FIELD_TOO_LARGE)
 
 
@@ -83,8 +84,12 @@ def init_cell(raw_url: str, *, allow_lazy_fsync: bool = False, wait: float = 30.
                     raise
                 continue
             if made is None:
-                return REVISION
-            if time.monotonic() > deadline or int(made.get("code", 0)) not in (500, 503):
+                if (client.api(f"STREAM.INFO.{config['name']}").get("cluster") or {}).get("leader") \
+                        or config["num_replicas"] == 1:
+                    return REVISION
+                made = {"code": 503}  # created, its replicas still electing a leader
+            if time.monotonic() > deadline or (int(made.get("code", 0)) not in (500, 503)
+                                               and made.get("err_code") != PEER_OFFLINE):
                 raise KvLedgerError(ErrorCode.DATABASE_ERROR, f"{shown} refused to create the stream "
                                     f"{config['name']} (JetStream error {made.get('err_code')}: "
                                     f"{str(made.get('description', ''))[:160]})")

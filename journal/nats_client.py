@@ -31,6 +31,7 @@ WRONG_LAST_SEQUENCE = 10071  # an expected last subject sequence did not hold
 WRONG_LAST_SEQUENCE_CLUSTERED = 10164  # the same, or another publish on the subject is in flight
 LAST_SEQUENCE_NOT_READY = 10163  # the server cannot check an expectation yet (a new leader)
 BATCH_DUPLICATE = 10201  # an atomic batch held a message id already stored
+BATCH_INCOMPLETE = 10176  # a message of the batch did not arrive: nothing of it is stored
 STREAM_NOT_FOUND = 10059
 
 
@@ -120,17 +121,25 @@ class NatsClient:
     # -- requests ------------------------------------------------------------------
 
     async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Any:
+        """One request; while nobody answers it (a stream electing its leader, after a
+        failover or a create), asked again until the timeout."""
         import nats.errors
 
-        try:
-            return await self.nc.request(subject, payload, timeout=self.timeout, headers=headers)
-        except nats.errors.NoRespondersError:
-            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no JetStream answers at {self.display} "
-                                "(is JetStream enabled, and the stream's servers up?)") from None
-        except nats.errors.TimeoutError:
-            raise self._unreachable("did not answer in time") from None
-        except nats.errors.Error:
-            raise self._unreachable("closed the connection") from None
+        deadline = self._loop.time() + self.timeout
+        wait = 0.01
+        while True:
+            try:
+                return await self.nc.request(subject, payload, timeout=self.timeout, headers=headers)
+            except nats.errors.NoRespondersError:
+                if self._loop.time() + wait > deadline:
+                    raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no JetStream answers at {self.display} "
+                                        "(is JetStream enabled, and the stream's servers up?)") from None
+            except nats.errors.TimeoutError:
+                raise self._unreachable("did not answer in time") from None
+            except nats.errors.Error:
+                raise self._unreachable("closed the connection") from None
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, 0.5)
 
     def api(self, subject: str, request: dict[str, Any] | None = None) -> dict[str, Any]:
         """One JetStream API call ($JS.API.<subject>): its JSON answer, errors included."""
@@ -155,12 +164,9 @@ class NatsClient:
             if i == last:
                 h["Nats-Batch-Commit"] = "1"
                 return _ack((await self._request(subject, data, h)).data)
-            if i == 1:  # the server acknowledges a batch's start: a refusal comes back here
-                answer = (await self._request(subject, data, h)).data
-                if answer:
-                    _ack(answer)
-            else:
-                await self.nc.publish(subject, data, headers=h)
+            # unacknowledged: the server refuses the commit of a batch with a gap (BATCH_INCOMPLETE),
+            # and one round trip a commit is what a writer waits on
+            await self.nc.publish(subject, data, headers=h)
         raise AssertionError("an empty batch")
 
     # -- direct gets ---------------------------------------------------------------
@@ -257,7 +263,8 @@ async def _quiet_cb() -> None:
 
 
 # Refusals after which the batch is decided again on what is stored: another writer was first.
-RETRY = frozenset({WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CLUSTERED, LAST_SEQUENCE_NOT_READY, BATCH_DUPLICATE})
+RETRY = frozenset({WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CLUSTERED, LAST_SEQUENCE_NOT_READY, BATCH_DUPLICATE,
+                   BATCH_INCOMPLETE})
 
 __all__ = ["BATCH_DUPLICATE", "GET_BATCH", "RETRY", "STREAM_NOT_FOUND", "WRONG_LAST_SEQUENCE", "Msg", "NatsClient",
            "Refused"]

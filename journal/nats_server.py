@@ -111,7 +111,8 @@ class NatsCluster:
             self._procs[i] = None
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Until every running server answers and knows its JetStream meta leader."""
+        """Until every running server answers and knows its JetStream meta leader, and the
+        leader sees the others current."""
         deadline = time.monotonic() + timeout
         for i, proc in enumerate(self._procs):
             if proc is None:
@@ -123,7 +124,11 @@ class NatsCluster:
                     with urllib.request.urlopen(
                             f"http://127.0.0.1:{self.monitor_ports[i]}/jsz", timeout=1) as r:
                         jsz = json.loads(r.read())
-                    if self.size == 1 or jsz.get("meta_cluster", {}).get("leader"):
+                    meta = jsz.get("meta_cluster", {})
+                    peers = meta.get("replicas") or []
+                    # the leader sees every other server current: a stream can be placed on all three
+                    if self.size == 1 or (meta.get("leader") and (meta.get("leader") != f"n{i}" or (
+                            len(peers) == self.size - 1 and all(p.get("current") for p in peers)))):
                         break
                 except (OSError, ValueError):
                     pass
