@@ -120,24 +120,31 @@ class NatsClient:
 
     # -- requests ------------------------------------------------------------------
 
-    async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Any:
+    async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None,
+                       read: bool = True) -> Any:
         """One request; while nobody answers it (a stream electing its leader, after a
-        failover or a create), asked again until the timeout."""
+        failover or a create), asked again until the timeout. A read is asked again also
+        when its answer does not come (the server it went to was killed); a publish is
+        not: its caller decides again on what is stored."""
         import nats.errors
 
         deadline = self._loop.time() + self.timeout
         wait = 0.01
         while True:
+            left = deadline - self._loop.time()
             try:
-                return await self.nc.request(subject, payload, timeout=self.timeout, headers=headers)
+                return await self.nc.request(subject, payload, timeout=min(left, 2.0) if read else left,
+                                             headers=headers)
             except nats.errors.NoRespondersError:
                 if self._loop.time() + wait > deadline:
                     raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no JetStream answers at {self.display} "
                                         "(is JetStream enabled, and the stream's servers up?)") from None
             except nats.errors.TimeoutError:
-                raise self._unreachable("did not answer in time") from None
+                if not read or self._loop.time() + wait > deadline:
+                    raise self._unreachable("did not answer in time") from None
             except nats.errors.Error:
-                raise self._unreachable("closed the connection") from None
+                if not read or self._loop.time() + wait > deadline:
+                    raise self._unreachable("closed the connection") from None
             await asyncio.sleep(wait)
             wait = min(2 * wait, 0.5)
 
@@ -149,7 +156,7 @@ class NatsClient:
 
     def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> dict[str, Any]:
         """One message, acknowledged: the PubAck, or Refused."""
-        msg = self._run(self._request(subject, data, headers))
+        msg = self._run(self._request(subject, data, headers, read=False))
         return _ack(msg.data)
 
     def publish_batch(self, messages: Sequence[tuple[str, bytes, dict[str, str]]]) -> dict[str, Any]:
@@ -163,7 +170,7 @@ class NatsClient:
             h = {"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i), **headers}
             if i == last:
                 h["Nats-Batch-Commit"] = "1"
-                return _ack((await self._request(subject, data, h)).data)
+                return _ack((await self._request(subject, data, h, read=False)).data)
             # unacknowledged: the server refuses the commit of a batch with a gap (BATCH_INCOMPLETE),
             # and one round trip a commit is what a writer waits on
             await self.nc.publish(subject, data, headers=h)
