@@ -430,9 +430,11 @@ class NatsJournal(Journal):
     def heads_of(self, handle_ids: Sequence[str]) -> dict[str, HeadFacts]:
         """The stored heads of `handle_ids` (read now, not from what this process knows)."""
         self._check()
+        asked = list(dict.fromkeys(handle_ids))
         with self._lock:
-            self._heads.clear()
-            return {h: head.facts for h, head in self._read_heads(list(dict.fromkeys(handle_ids))).items()}
+            for h in asked:  # read now: what this process knew of them may be older
+                self._heads.pop(h, None)
+            return {h: head.facts for h, head in self._read_heads(asked).items()}
 
     def heads(self, *, prefix_identity_sha256: str | None = None) -> dict[str, HeadFacts]:
         self._check()
