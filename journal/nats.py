@@ -40,7 +40,6 @@ import contextlib
 import hashlib
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -52,7 +51,7 @@ from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, re
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
 from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
 from kvledger.journal.nats_client import GET_BATCH, RETRY, Msg, NatsClient, Refused
-from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode
+from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode, token
 from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.record_format import GENESIS
 from kvledger.journal.record_rows import Base, build_record
@@ -74,13 +73,6 @@ from kvledger.schemas.receipts import Receipt, receipt_decoder
 
 STREAM_PREFIX = "KVL_"
 MAX_TRIES = 200  # decisions of one append under contention before DATABASE_BUSY
-_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}").fullmatch
-
-
-def token(name: str) -> str:
-    """A subject token for an id: itself when it is one, else `~` and a digest (no id is
-    both: `~` is not in the first form)."""
-    return name if _TOKEN(name) else "~" + hashlib.sha256(name.encode()).hexdigest()[:40]
 
 
 def open_journal(raw_url: str) -> NatsJournal:
@@ -527,8 +519,12 @@ class NatsJournal(Journal):
 
     def import_events(self, events: Iterable[tuple[Event, bytes]],
                       tables: Callable[[], ImportTables]) -> None:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"import into a NATS journal ({self.display_url}) is not "
-                            "built yet")
+        from kvledger.journal.nats_import import import_into
+
+        self._check()
+        with self._lock:
+            self._forget()
+            import_into(self, events, tables)
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[Snapshot]:
@@ -565,4 +561,4 @@ class _ReceiptKey(msgspec.Struct):
 _receipt_key = msgspec.json.Decoder(_ReceiptKey).decode
 
 
-__all__ = ["NatsJournal", "open_journal", "token"]
+__all__ = ["NatsJournal", "open_journal"]

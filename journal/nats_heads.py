@@ -9,11 +9,21 @@ record's stream sequence is not known until the batch is stored), and its HeadFa
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any, NamedTuple
 
 import msgspec
 
 from kvledger.journal.contract import Guard, HeadFacts, StreamWrite, guard_of
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}").fullmatch
+
+
+def token(name: str) -> str:
+    """A subject token for an id: itself when it is one, else `~` and a digest (no id is
+    both: `~` is not in the first form)."""
+    return name if _TOKEN(name) else "~" + hashlib.sha256(name.encode()).hexdigest()[:40]
 
 
 class Tail(NamedTuple):
@@ -107,4 +117,4 @@ class HeadView:
         self._saved = None
 
 
-__all__ = ["Head", "HeadView", "Rec", "Tail", "head_decode", "head_encode"]
+__all__ = ["Head", "HeadView", "Rec", "Tail", "head_decode", "head_encode", "token"]
