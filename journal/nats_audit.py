@@ -85,6 +85,8 @@ class NatsSnapshot(Snapshot):
     def _heads(self) -> Iterator[tuple[str, int, HeadFacts]]:
         """(handle, its record's stream sequence, facts) of every head as of the snapshot."""
         j = self._j
+        if self._upto == 0:  # an empty stream when the audit began (a bound of 0 would be no bound)
+            return
         subjects = j._subjects(f"{j.prefix}.h.*")
         for i in range(0, len(subjects), 1000):
             chunk = subjects[i:i + 1000]
