@@ -27,16 +27,22 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("sqlite", ("sqlite",), "kvledger.journal.sql:open_journal"),
     Backend("postgres", ("postgresql",), "kvledger.journal.sql:open_journal"),
 )
+# Backends that open journals but do not yet pass every test that takes `db_url`, so the
+# suite is not parametrized over them: each has its contract tests of its own
+# (NATS: tests/test_nats_contract.py) until it moves up into BACKENDS.
+PENDING: tuple[Backend, ...] = (
+    Backend("nats", ("nats",), "kvledger.journal.nats:open_journal"),
+)
 
 
 def backend_of(url: URL) -> Backend:
     """The backend that opens `url` (parse_url's)."""
     scheme = url.get_backend_name()
-    for b in BACKENDS:
+    for b in BACKENDS + PENDING:
         if scheme in b.schemes:
             return b
     raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"no journal backend opens {scheme} URLs "
-                        f"(known: {', '.join(s for b in BACKENDS for s in b.schemes)})")
+                        f"(known: {', '.join(s for b in BACKENDS + PENDING for s in b.schemes)})")
 
 
 def open_journal(raw_url: str) -> Journal:
@@ -46,4 +52,4 @@ def open_journal(raw_url: str) -> Journal:
     return journal
 
 
-__all__ = ["BACKENDS", "Backend", "backend_of", "open_journal"]
+__all__ = ["BACKENDS", "PENDING", "Backend", "backend_of", "open_journal"]

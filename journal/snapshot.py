@@ -102,13 +102,8 @@ class SqlSnapshot(Snapshot):
         for row in self._pages(self._sql.RECEIPT_PAGES):
             yield StoredReceipt(*row)
         for row in self._pages(self._sql.RECORD_PAGES):
-            found = audit_record(row[3]) if isinstance(row[3], bytes) else None
-            if found is None or isinstance(found, Damage):
-                continue  # reported with the events
-            for r in found.receipts:
-                k = _receipt_names(r)
-                yield StoredReceipt(k.operation_id, k.fingerprint, k.first_global_position,
-                                    k.last_global_position, r)
+            if isinstance(row[3], bytes):
+                yield from record_receipts(row[3])
 
     def heads(self) -> dict[str, HeadFacts]:
         rows = self._call(lambda: self._sql.heads(self._cur, None, None))
@@ -269,6 +264,17 @@ def _receipt_names(body: bytes) -> _ReceiptNames:
         return _receipt_decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _ReceiptNames()
+
+
+def record_receipts(body: bytes) -> Iterator[StoredReceipt]:
+    """A stored record's receipts as rows (none from a damaged record: verify reports it
+    with the events)."""
+    found = audit_record(body)
+    if isinstance(found, Damage):
+        return
+    for r in found.receipts:
+        k = _receipt_names(r)
+        yield StoredReceipt(k.operation_id, k.fingerprint, k.first_global_position, k.last_global_position, r)
 
 
 def _stored(position: int, body: bytes) -> StoredEvent:

@@ -360,19 +360,9 @@ class Statements(VerifyReads):
             row = cur.fetchone()
             where = f"ending at position {pointer}"
             record = None if row is None else decode_record(stored_bytes(row[0], f"the record {where}"), where)
-            streams = None if record is None else record.streams()
             prev = None if row is None or row[1] is None else unpack_prev(stored_bytes(row[1], "a stream_prev"))
-            if record is None or streams is None or prev is None or len(prev) != len(streams) \
-                    or handle_id not in streams:
-                raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} breaks at the "
-                                    f"record {where} (run `kvledger verify`)")
-            own = record.stream_events(handle_id)
-            chained.append([e for e in own if e.stream_position > after])
-            earlier = prev[streams.index(handle_id)] if own[0].stream_position > after + 1 else PREV_NONE
-            if earlier >= pointer:  # a chain only goes back: a damaged pointer must not loop the read
-                raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} points from the "
-                                    f"record {where} to {earlier}, not back (run `kvledger verify`)")
-            pointer = earlier
+            own, pointer = chain_step(record, prev, handle_id, pointer, after, where)
+            chained.append(own)
         if pointer == PREV_INDEXED:
             # the records before 0006: by their lookup rows (bounded by where the chain ended)
             cur.execute(
@@ -514,6 +504,23 @@ class Statements(VerifyReads):
             if cur.fetchone() is not None:
                 return True
         return False
+
+
+def chain_step(record: Record | None, prev: list[int] | None, handle_id: str, pointer: int, after: int,
+               where: str) -> tuple[list[Event], int]:
+    """One step back along a stream's chain of records: the events of `handle_id` past
+    `after` that the record at `pointer` (its stream links: `prev`) holds, and the
+    pointer to the record before it on the stream (PREV_NONE: none is needed)."""
+    streams = None if record is None else record.streams()
+    if record is None or streams is None or prev is None or len(prev) != len(streams) or handle_id not in streams:
+        raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} breaks at the "
+                            f"record {where} (run `kvledger verify`)")
+    own = record.stream_events(handle_id)
+    earlier = prev[streams.index(handle_id)] if own[0].stream_position > after + 1 else PREV_NONE
+    if earlier >= pointer:  # a chain only goes back: a damaged pointer must not loop the read
+        raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"the chain of stream {handle_id} points from the "
+                            f"record {where} to {earlier}, not back (run `kvledger verify`)")
+    return [e for e in own if e.stream_position > after], earlier
 
 
 def _head_columns(w: StreamWrite) -> tuple[str, int, int, int, int, str, str, str]:

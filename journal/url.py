@@ -11,8 +11,9 @@ journal.driver_errors, which says what failed in its own words.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from urllib.parse import quote_plus
+from urllib.parse import parse_qsl, quote, quote_plus, unquote
 
 from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import ArgumentError
@@ -61,6 +62,8 @@ def resolve_url(url: str | None) -> str:
 def parse_url(raw: str) -> URL:
     """A validated URL with its driver set, or BAD_DATABASE_URL. Everything that can be
     checked without connecting is checked here, so a bad URL never reaches a driver."""
+    if raw.startswith(NATS_PREFIX):
+        return parse_nats_url(raw)
     try:
         url = make_url(raw)
     except (ArgumentError, ValueError, TypeError):
@@ -174,6 +177,13 @@ def clip(text: str, limit: int = _SHOWN_CHARS) -> str:
 def redact(url: URL | str) -> str:
     """The URL as it may be shown: no password, *** for every query value that is not
     known to be harmless (SHOWN_OPTIONS), and *** for the name of an unknown option."""
+    if isinstance(url, str) and url.startswith(NATS_PREFIX):
+        try:
+            url = parse_nats_url(url)
+        except KvLedgerError:
+            return "nats://<a URL that does not parse>"
+    if not isinstance(url, str) and url.get_backend_name() == "nats":
+        return _redact_nats(url)
     if isinstance(url, str):
         raw = url
         try:
@@ -201,6 +211,79 @@ def describe(url: URL) -> str:
     port and database (parts that hold no credential)."""
     if url.get_backend_name() == "sqlite":
         return f"SQLite database {clip(url.database or ':memory:')}"
+    if url.get_backend_name() == "nats":
+        return f"NATS JetStream at {clip(str(url.host))}, cell {url.database}"
     host = url.host or url.query.get("host") or "localhost"
     port = url.port or url.query.get("port") or 5432
     return f"PostgreSQL at {clip(str(host))}:{clip(str(port), 20)}, database {clip(str(url.database))}"
+
+
+# -- NATS JetStream (journal.nats): nats://[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]/CELL[?OPTIONS]
+NATS_PREFIX = "nats://"
+NATS_PORT = 4222
+# monitor: the servers' monitoring ports (`kvledger init` reads their fsync setting there);
+# replicas: the stream's (init); timeout: seconds a request waits; creds: a credentials file.
+NATS_OPTIONS = frozenset({"monitor", "replicas", "timeout", "creds"})
+_NATS_SHOWN = frozenset({"monitor", "replicas", "timeout"})
+_CELL = re.compile(r"[A-Za-z0-9_-]{1,64}").fullmatch
+_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}").fullmatch
+
+
+def nats_hosts(text: str, what: str) -> list[tuple[str, int]]:
+    hosts = []
+    for part in text.split(","):
+        host, colon, port = part.rpartition(":") if ":" in part else (part, "", str(NATS_PORT))
+        if not _HOST(host) or not port.isdigit() or not 0 < int(port) < 65536:
+            # not quoted: a password written without its '@' would land here
+            raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"{what} is not HOST[:PORT] in a NATS URL")
+        hosts.append((host, int(port)))
+    return hosts
+
+
+def parse_nats_url(raw: str) -> URL:
+    """A NATS journal URL as a URL (backend "nats", `host` the servers joined by commas,
+    `database` the cell), or BAD_DATABASE_URL. Messages never quote the user info."""
+    rest, _, query = raw[len(NATS_PREFIX):].partition("?")
+    if rest.count("@") > 1 or "#" in raw:
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, "a NATS URL has at most one '@' (write one inside a "
+                            "password as %40) and no '#'")
+    auth, _, rest = rest.rpartition("@")
+    hosts, _, cell = rest.partition("/")
+    servers = nats_hosts(hosts.strip("[]"), "the server") if hosts else []
+    if not servers or not _CELL(cell):
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, "expected nats://HOST:PORT[,HOST:PORT...]/CELL, the "
+                            "cell named by 1 to 64 letters, digits, '-' or '_'")
+    options: dict[str, str] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key not in NATS_OPTIONS or key in options:
+            raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, f"{'a repeated' if key in options else 'an unknown'} "
+                                f"option in a NATS URL (it takes {', '.join(sorted(NATS_OPTIONS))})")
+        options[key] = value
+    if "monitor" in options:
+        nats_hosts(options["monitor"], "the monitoring address")
+    if "replicas" in options and options["replicas"] not in ("1", "2", "3", "4", "5"):
+        raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, "replicas is 1 to 5")
+    if "timeout" in options:
+        try:
+            ok = 0 < float(options["timeout"]) <= 3600
+        except ValueError:
+            ok = False
+        if not ok:
+            raise KvLedgerError(ErrorCode.BAD_DATABASE_URL, "timeout is a number of seconds, over 0")
+    user, colon, password = auth.partition(":")
+    return URL.create("nats", username=unquote(user) or None, password=unquote(password) if colon else None,
+                      host=",".join(f"{h}:{p}" for h, p in servers), database=cell, query=options)
+
+
+def nats_servers(url: URL) -> list[str]:
+    """The server URLs a client connects to (credentials go to the client apart)."""
+    return [f"nats://{h}:{p}" for h, p in nats_hosts(str(url.host), "the server")]
+
+
+def _redact_nats(url: URL) -> str:
+    user = f"{quote_plus(url.username)}{':***' if url.password is not None else ''}@" if url.username else ""
+    if not user and url.password is not None:
+        user = ":***@"
+    pairs = [f"{k}={quote(str(v), safe=':,') if k in _NATS_SHOWN else '***'}" for k, v in sorted(url.query.items())]
+    return clip(f"{NATS_PREFIX}{user}{url.host}/{url.database}" + ("?" + "&".join(pairs) if pairs else ""),
+                4 * _SHOWN_CHARS)

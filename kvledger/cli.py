@@ -35,7 +35,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from kvledger.journal import redact, resolve_url
     from kvledger.migrations.storage import init_database
 
-    revision = init_database(args.db)
+    revision = init_database(args.db, allow_lazy_fsync=args.allow_lazy_fsync)
     target = redact(resolve_url(args.db))
     if args.json:
         print(json.dumps({"database": target, "revision": revision}))
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "succeeds and warns that the setting is left). Safe to run any number of times.")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--allow-lazy-fsync", action="store_true",
+                   help="NATS: create the cell's stream even on servers that do not sync every write "
+                        "(an acknowledged write can then be lost on power loss)")
     p.set_defaults(run=_cmd_init)
 
     p = sub.add_parser(

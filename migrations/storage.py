@@ -16,17 +16,34 @@ from pathlib import Path
 from sqlalchemy.engine import URL
 
 from kvledger import migrations
-from kvledger.journal import SqlJournal, make_engine, parse_url, resolve_url
+from kvledger.journal import Journal, SqlJournal, make_engine, parse_url, resolve_url
 from kvledger.journal.driver_errors import is_driver_error, translate
-from kvledger.journal.url import redact
+from kvledger.journal.url import NATS_PREFIX, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 
-def init_database(raw_url: str | None = None) -> str:
-    """Upgrade the database to the head revision; returns the revision."""
-    url = parse_url(resolve_url(raw_url))
+def init_database(raw_url: str | None = None, *, allow_lazy_fsync: bool = False) -> str:
+    """Upgrade the database to the head revision; returns the revision. A NATS cell gets
+    its stream (journal.nats_admin; `allow_lazy_fsync`: on servers that may not fsync
+    every write)."""
+    raw = resolve_url(raw_url)
+    if raw.startswith(NATS_PREFIX):
+        from kvledger.journal.nats_admin import init_cell
+
+        return init_cell(raw, allow_lazy_fsync=allow_lazy_fsync)
+    url = parse_url(raw)
     _migrate(url)
     return migrations.head_revision()
+
+
+def _backend_journal(raw: str) -> Journal | None:
+    """A journal of a backend that is no SQL database (NATS), opened by journal.backends;
+    None for SQL. Such a journal is made by `kvledger init`, never on the spot."""
+    if not raw.startswith(NATS_PREFIX):
+        return None
+    from kvledger.journal.backends import open_journal
+
+    return open_journal(raw)
 
 
 def _migrate(url: URL) -> None:
@@ -43,11 +60,14 @@ def _migrate(url: URL) -> None:
             engine.dispose()
 
 
-def open_or_create_journal(raw_url: str | None = None) -> SqlJournal:
+def open_or_create_journal(raw_url: str | None = None) -> Journal:
     """Open a journal to write, creating it if it is a new SQLite database (no kvledger
     tables at all: migrated on the spot; kvledger.journal.open_journal refuses it). Anything
-    else un-migrated (PostgreSQL, an older revision, an emptied version table) must go
-    through `kvledger init` first."""
+    else un-migrated (PostgreSQL, an older revision, an emptied version table, a NATS
+    cell) must go through `kvledger init` first."""
+    other = _backend_journal(resolve_url(raw_url))
+    if other is not None:
+        return other
     url = parse_url(resolve_url(raw_url))
     try:
         return SqlJournal(url)
@@ -60,11 +80,16 @@ def open_or_create_journal(raw_url: str | None = None) -> SqlJournal:
 
 
 @contextlib.contextmanager
-def creating_journal(raw_url: str | None = None) -> Iterator[SqlJournal]:
+def creating_journal(raw_url: str | None = None) -> Iterator[Journal]:
     """`open_or_create_journal` for a command that is all or nothing (import): a new SQLite file is
     built under a temporary name beside it and takes its own name only if the command
     succeeds, so a refused command leaves no file behind. The final name is taken with
     link(2), which never replaces a file another process created meanwhile."""
+    other = _backend_journal(resolve_url(raw_url))
+    if other is not None:
+        with other:
+            yield other
+        return
     url = parse_url(resolve_url(raw_url))
     path = _sqlite_path(url)
     if path is None or path.exists() or not os.access(path.parent, os.W_OK):
@@ -89,8 +114,11 @@ def creating_journal(raw_url: str | None = None) -> Iterator[SqlJournal]:
                 Path(f"{temp}{suffix}").unlink()
 
 
-def open_existing_journal(raw_url: str | None = None) -> SqlJournal:
+def open_existing_journal(raw_url: str | None = None) -> Journal:
     """Open a journal that must already exist: reading commands never create a database."""
+    other = _backend_journal(resolve_url(raw_url))
+    if other is not None:
+        return other
     url = parse_url(resolve_url(raw_url))
     require_existing(url)
     return SqlJournal(url)

