@@ -49,7 +49,7 @@ def lists(lengths: list[int], crcs: list[int]) -> bytes:
 
 
 def record5(events: int, receipts: int, data: bytes) -> bytes:
-    """A format 5 record around a frame (journal.records._Header5)."""
+    """A format 5 record around a frame (journal.record_format.Frame)."""
     return msgspec.msgpack.encode([5, events, receipts, data])
 
 

@@ -47,23 +47,17 @@ from typing import Any, cast
 
 import msgspec
 
+from kvledger.journal.audit import audit_record, decode_record
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
 from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
+from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
 from kvledger.journal.nats_client import GET_BATCH, RETRY, Msg, NatsClient, Refused
 from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode, token
 from kvledger.journal.port import Journal, Snapshot
+from kvledger.journal.readback import Damage, Record
 from kvledger.journal.record_format import GENESIS
 from kvledger.journal.record_rows import Base, build_record
-from kvledger.journal.records import (
-    Damage,
-    Record,
-    allocation_manifest,
-    audit_record,
-    decode_record,
-    manifest_ref_position,
-    unpack_manifest,
-)
 from kvledger.journal.statements import Statements, _positioned, chain_step
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.url import parse_url, redact
