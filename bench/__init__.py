@@ -51,6 +51,7 @@ SECTIONS: list[Section] = [
     Section("kv_events", "bench.kv_events", "7. KV-event recorder", ("kv_events_record_events_per_s",)),
     Section("hf", "bench.hf", "8. Hugging Face generate", ("hf_journal_overhead",)),
     Section("bounded", "bench.bounded", "9. Bounded memory under hostile input", ()),
+    Section("nats", "bench.nats", "10. NATS JetStream, three servers", ("nats_tokens_per_s", "nats_failover_pause_s")),
 ]
 
 MODES = ("smoke", "quick", "full")
