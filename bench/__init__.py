@@ -61,12 +61,19 @@ class Context:
     """What a section gets: the run mode, sizes, a temp dir, the shared PostgreSQL."""
 
     mode: str = "quick"  # smoke | quick | full
-    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    log: Callable[[str], None] = field(default=None)  # type: ignore[assignment]  # None: stderr, timed
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvledger-bench-")))
     _pg: Any = None
     _pg_error: str | None = None
     _pg_scratch: Any = None
     _names: int = 0
+    _t0: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        if self.log is None:
+            # seconds since the run began on every line: where a run's time goes
+            self.log = lambda msg: print(f"[{time.perf_counter() - self._t0:6.1f} s] {msg}", file=sys.stderr,
+                                         flush=True)
 
     @property
     def repeats(self) -> int:
@@ -177,6 +184,18 @@ def paired_ratio(a: list[float] | None, b: list[float] | None) -> float | None:
     return round(value, 3)
 
 
+def first_repeat_losers(rates: dict[Any, list[float]], rivals: list[tuple[Any, ...]]) -> set[Any]:
+    """Of each group of rival set-ups (one contender at torch's whole pool and at one core
+    fewer, say), every one but the fastest in the first repeat. Quick runs measure only
+    the winners after it: on a machine shared with other work the losing pool runs several
+    times slower, so it costs most of a section's time and never sets its best rate."""
+    out: set[Any] = set()
+    for group in rivals:
+        best = max(group, key=lambda k: rates[k][0])
+        out.update(k for k in group if k != best)
+    return out
+
+
 @contextlib.contextmanager
 def stopwatch() -> Iterator[list[float]]:
     out: list[float] = []
@@ -185,4 +204,5 @@ def stopwatch() -> Iterator[list[float]]:
     out.append(time.perf_counter() - t0)
 
 
-__all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "paired_ratio", "stopwatch"]
+__all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "first_repeat_losers", "paired_ratio",
+           "stopwatch"]
