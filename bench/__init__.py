@@ -184,6 +184,21 @@ def paired_ratio(a: list[float] | None, b: list[float] | None) -> float | None:
     return round(value, 3)
 
 
+def peak_rss_mb() -> float:
+    """This process's own high-water RSS. (getrusage's ru_maxrss survives exec on Linux,
+    so a child of a large parent, the bench's own process late in a run, would report the
+    parent's peak.)"""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def first_repeat_losers(rates: dict[Any, list[float]], rivals: list[tuple[Any, ...]]) -> set[Any]:
     """Of each group of rival set-ups (one contender at torch's whole pool and at one core
     fewer, say), every one but the fastest in the first repeat. Quick runs measure only
@@ -205,4 +220,4 @@ def stopwatch() -> Iterator[list[float]]:
 
 
 __all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "first_repeat_losers", "paired_ratio",
-           "stopwatch"]
+           "peak_rss_mb", "stopwatch"]
