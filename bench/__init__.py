@@ -199,15 +199,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def first_repeat_losers(rates: dict[Any, list[float]], rivals: list[tuple[Any, ...]]) -> set[Any]:
+def first_repeat_losers(rates: dict[Any, list[float]], rivals: list[tuple[Any, ...]],
+                        margin: float = 0.5) -> set[Any]:
     """Of each group of rival set-ups (one contender at torch's whole pool and at one core
-    fewer, say), every one but the fastest in the first repeat. Quick runs measure only
-    the winners after it: on a machine shared with other work the losing pool runs several
-    times slower, so it costs most of a section's time and never sets its best rate."""
+    fewer, say), those that ran at under `margin` times the fastest one's rate in the
+    first repeat. Quick runs measure only the others after it: on a machine shared with
+    other work a pool that loses like that runs several times slower, costs most of a
+    section's time and never sets its best rate; a closer loser is kept, since one run
+    cannot tell it from noise."""
     out: set[Any] = set()
     for group in rivals:
-        best = max(group, key=lambda k: rates[k][0])
-        out.update(k for k in group if k != best)
+        best = max(rates[k][0] for k in group)
+        out.update(k for k in group if rates[k][0] < margin * best)
     return out
 
 

@@ -4,8 +4,8 @@ on the same weights, at batch 1 and 16; on the default demo model and a larger o
 Each run serves B requests (32-token prompts, G greedy tokens each) end to end,
 prefill included, for all three contenders alike; runs are interleaved and repeated
 and the best rate of each is kept (noise on a shared machine only slows a run down). A quick
-run measures each contender at both pools in its first repeat only, and afterwards at
-the pool that served it faster then (bench.first_repeat_losers).
+run drops, after its first repeat, a pool that served a contender at under half the
+other pool's rate then (bench.first_repeat_losers).
 Journal on = SQLite WAL, synchronous=FULL, an fsync per iteration; off = the same
 worker loop with no command service at all. Journal on is measured with both writers
 a user can choose (`--writer`): `thread`, the command service in the worker's process

@@ -7,8 +7,8 @@ audit record and observation to a file and keeping the Prometheus metrics. An "o
 is timed until the telemetry is closed, so every record it emitted is written. Runs are
 interleaved and repeated at torch's full pool and at one core fewer (with the journal
 in the worker's process, its commit thread and the telemetry writer then have a core),
-and the best rate of each side is kept; a quick run keeps, after its first repeat, only
-each side's faster pool then (bench.first_repeat_losers).
+and the best rate of each side is kept; a quick run drops, after its first repeat, a
+pool that served a side at under half the other's rate then (bench.first_repeat_losers).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 cpu.setdefault((telemetry_on, n), []).append(s["cpu_s"])
                 if telemetry_on:
                     stats = s
-        if i == 0 and ctx.mode == "quick":  # each side at its faster pool from here on
+        if i == 0 and ctx.mode == "quick":  # a pool far behind in the first repeat: not again
             skip = first_repeat_losers(rates, [tuple((t, n) for n in pools) for t in (False, True)])
     on = [r for (t, _), v in rates.items() if t for r in v]
     off = [r for (t, _), v in rates.items() if not t for r in v]

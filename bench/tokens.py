@@ -453,7 +453,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 offs[name] = at_threads(n, _worker_run, None, 2, g, None)[0]
             else:
                 ons[name] = at_threads(n, _worker_run, ctx.sqlite_journal_url("ceiling"), 2, g, w)[0]
-        if rep == 0 and ctx.mode == "quick":  # each side in its set-up of the first repeat from here on
+        if rep == 0 and ctx.mode == "quick":  # a set-up far behind in the first repeat: not again
             skip = first_repeat_losers({k: [v] for k, v in {**offs, **ons}.items()}, [tuple(offs), tuple(ons)])
         for side, rates, runs in (("off", offs, off), ("on", ons, on)):
             best = max(rates, key=rates.__getitem__)
