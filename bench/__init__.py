@@ -62,12 +62,19 @@ class Context:
     """What a section gets: the run mode, sizes, a temp dir, the shared PostgreSQL."""
 
     mode: str = "quick"  # smoke | quick | full
-    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    log: Callable[[str], None] = field(default=None)  # type: ignore[assignment]  # None: stderr, timed
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvledger-bench-")))
     _pg: Any = None
     _pg_error: str | None = None
     _pg_scratch: Any = None
     _names: int = 0
+    _t0: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        if self.log is None:
+            # seconds since the run began on every line: where a run's time goes
+            self.log = lambda msg: print(f"[{time.perf_counter() - self._t0:6.1f} s] {msg}", file=sys.stderr,
+                                         flush=True)
 
     @property
     def repeats(self) -> int:
@@ -178,6 +185,36 @@ def paired_ratio(a: list[float] | None, b: list[float] | None) -> float | None:
     return round(value, 3)
 
 
+def peak_rss_mb() -> float:
+    """This process's own high-water RSS. (getrusage's ru_maxrss survives exec on Linux,
+    so a child of a large parent, the bench's own process late in a run, would report the
+    parent's peak.)"""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def first_repeat_losers(rates: dict[Any, list[float]], rivals: list[tuple[Any, ...]],
+                        margin: float = 0.5) -> set[Any]:
+    """Of each group of rival set-ups (one contender at torch's whole pool and at one core
+    fewer, say), those that ran at under `margin` times the fastest one's rate in the
+    first repeat. Quick runs measure only the others after it: on a machine shared with
+    other work a pool that loses like that runs several times slower, costs most of a
+    section's time and never sets its best rate; a closer loser is kept, since one run
+    cannot tell it from noise."""
+    out: set[Any] = set()
+    for group in rivals:
+        best = max(rates[k][0] for k in group)
+        out.update(k for k in group if rates[k][0] < margin * best)
+    return out
+
+
 @contextlib.contextmanager
 def stopwatch() -> Iterator[list[float]]:
     out: list[float] = []
@@ -186,4 +223,5 @@ def stopwatch() -> Iterator[list[float]]:
     out.append(time.perf_counter() - t0)
 
 
-__all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "paired_ratio", "stopwatch"]
+__all__ = ["MODES", "SECTIONS", "Context", "Section", "best_rate", "first_repeat_losers", "paired_ratio",
+           "peak_rss_mb", "stopwatch"]

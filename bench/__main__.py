@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="mode", const="quick",
-                      help="short runs, 3 repeats (under 5 minutes on 2 cores)")
+                      help="short runs, 3 repeats; a torch pool far behind in the first is not run "
+                           "again (under 8 minutes on 2 cores shared with other work)")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke",
                       help="tiny sizes, 1 repeat: checks that everything runs (CI)")
     size.add_argument("--full", action="store_const", dest="mode", const="full",

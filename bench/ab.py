@@ -197,6 +197,22 @@ for _ in range(int(sys.argv[3])):
 print(statistics.median(runs))
 """
 
+EPILOG = """examples:
+  python -m bench.ab main HEAD                 decode steps' write path (journal_tokens_per_s_sqlite's)
+  python -m bench.ab main HEAD --replay        replay_tokens_per_s's path
+  python -m bench.ab main HEAD --publish       journal_vs_eventsourcing_sqlite's kvledger side
+  python -m bench.ab main HEAD --ceiling       journal_ceiling_vs_off (off / on, sides in turn)
+  python -m bench.ab main HEAD --pairs 2 --groups 2 --json    a short run, one JSON object
+
+Run it from a checkout that holds both commits (uncommitted changes are not measured:
+commit first). Each pair prints both sides and A/B; the last line is the median of the
+pairs' A/B with its range. A/B > 1 means B is faster (for --ceiling: B's journal costs
+less). The range over the pairs is this machine's noise for that path: a change is a
+regression only when the median is below 1 by more than the range's spread around it.
+Keys no mode covers: compare `python -m bench --quick --json` of each commit, run one after
+the other, and read their ratios (the keys named *_vs_* and *_overhead), not their rates."""
+
+
 def unpack(rev: str, into: Path) -> Path:
     """The commit's tree laid out as the installed package; returns the PYTHONPATH entry."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
@@ -238,10 +254,11 @@ def measured(proc: subprocess.Popen[str], out: str, rev: str) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("a")
-    parser.add_argument("b")
-    parser.add_argument("--pairs", type=int, default=6)
+    parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    parser.add_argument("a", help="the commit before (any git revision: a branch, a hash, HEAD~3)")
+    parser.add_argument("b", help="the commit after")
+    parser.add_argument("--pairs", type=int, default=6, help="pairs of runs, one side each (default 6)")
     parser.add_argument("--groups", type=int, default=6,
                         help="groups of 40 steps a side a pair (--replay: replays of its journal)")
     parser.add_argument("--replay", action="store_true", help="time the replay path, not the write path")
@@ -256,7 +273,7 @@ def main() -> None:
     parser.add_argument("--publish", action="store_true",
                         help="the generic batched publication path (journal_vs_eventsourcing_sqlite's "
                              "kvledger side), us a publication, sides in turn")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the pairs and their median)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a, b = unpack(args.a, Path(tmp) / "a"), unpack(args.b, Path(tmp) / "b")

@@ -3,7 +3,9 @@ on the same weights, at batch 1 and 16; on the default demo model and a larger o
 
 Each run serves B requests (32-token prompts, G greedy tokens each) end to end,
 prefill included, for all three contenders alike; runs are interleaved and repeated
-and the best rate of each is kept (noise on a shared machine only slows a run down).
+and the best rate of each is kept (noise on a shared machine only slows a run down). A quick
+run drops, after its first repeat, a pool that served a contender at under half the
+other pool's rate then (bench.first_repeat_losers).
 Journal on = SQLite WAL, synchronous=FULL, an fsync per iteration; off = the same
 worker loop with no command service at all. Journal on is measured with both writers
 a user can choose (`--writer`): `thread`, the command service in the worker's process
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench import Context, at_threads, best_rate
+from bench import Context, at_threads, best_rate, first_repeat_losers
 
 GOALS = {"decode_journal_overhead": ("<=", 0.10), "decode_vs_transformers": (">=", 1.0)}
 NOTES = {
@@ -123,7 +125,8 @@ def run(ctx: Context) -> dict[str, Any]:
         # Every contender at torch's full pool and at the pool a writer process leaves
         # (one core fewer), the better kept; the process writer runs only at the latter.
         rates: dict[str, list[float]] = {}
-        for _ in range(ctx.repeats):
+        skip: set[str] = set()
+        for rep in range(ctx.repeats):
             for key, threads, fn, args in (
                     ("off_full", full, _worker_rate, (ctx, model, artifact, prompts, g, None)),
                     ("off_less", less, _worker_rate, (ctx, model, artifact, prompts, g, None)),
@@ -132,7 +135,11 @@ def run(ctx: Context) -> dict[str, Any]:
                     ("process", less, _worker_rate, (ctx, model, artifact, prompts, g, "process")),
                     ("hf_full", full, _hf_rate, (hf, prompts, g)),
                     ("hf_less", less, _hf_rate, (hf, prompts, g))):
-                rates.setdefault(key, []).append(at_threads(threads, fn, *args))
+                if key not in skip:
+                    rates.setdefault(key, []).append(at_threads(threads, fn, *args))
+            if rep == 0 and ctx.mode == "quick" and full != less:
+                skip = first_repeat_losers(rates, [("off_full", "off_less"), ("thread_full", "thread_less"),
+                                                   ("hf_full", "hf_less")])
         best = {k: best_rate(v) for k, v in rates.items()}
         r_thread, r_proc = max(best["thread_full"], best["thread_less"]), best["process"]
         r_on = max(r_thread, r_proc)

@@ -12,7 +12,6 @@ fresh child process each, so peak RSS is the replay's own.
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench import Context
+from bench import Context, peak_rss_mb
 
 GOALS = {
     "replay_events_per_s": (">=", 300_000),
@@ -174,19 +173,7 @@ def _child(path: str) -> None:
     p = project(jsonl_events(path))
     build(p, WindowSpec(slo_ttft_ns=1_000_000_000, slo_tbt_ns=100_000_000))
     dt = time.perf_counter() - t0
-    print(json.dumps({"events": p.position, "seconds": dt, "peak_rss_mb": _peak_rss_mb()}))
-
-
-def _peak_rss_mb() -> float:
-    """This process's own high-water RSS. (getrusage's ru_maxrss survives exec on Linux,
-    so a child forked from a large parent would report the parent's peak.)"""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"events": p.position, "seconds": dt, "peak_rss_mb": peak_rss_mb()}))
 
 
 def _scale_run(path: Path) -> dict[str, Any]:

@@ -7,7 +7,8 @@ audit record and observation to a file and keeping the Prometheus metrics. An "o
 is timed until the telemetry is closed, so every record it emitted is written. Runs are
 interleaved and repeated at torch's full pool and at one core fewer (with the journal
 in the worker's process, its commit thread and the telemetry writer then have a core),
-and the best rate of each side is kept.
+and the best rate of each side is kept; a quick run drops, after its first repeat, a
+pool that served a side at under half the other's rate then (bench.first_repeat_losers).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bench import Context, at_threads, best_rate
+from bench import Context, at_threads, best_rate, first_repeat_losers
 from bench.decode import bench_prompts, serving_worker
 
 GOALS = {"telemetry_overhead": ("<=", 0.05)}
@@ -126,14 +127,19 @@ def run(ctx: Context) -> dict[str, Any]:
     stats: dict = {}
     # Short runs, many of them, interleaved off/on/on/off: on a shared machine a burst of
     # other work lands on some runs; the best of each side is the one it spared.
+    skip: set[tuple[bool, int]] = set()
     for i in range(ctx.size(smoke=1, quick=8, full=10)):
         for telemetry_on in ((False, True) if i % 2 == 0 else (True, False)):
             for n in pools:
+                if (telemetry_on, n) in skip:
+                    continue
                 rate, s = at_threads(n, _rate, ctx, model, artifact, prompts, g, telemetry_on)
                 rates.setdefault((telemetry_on, n), []).append(rate)
                 cpu.setdefault((telemetry_on, n), []).append(s["cpu_s"])
                 if telemetry_on:
                     stats = s
+        if i == 0 and ctx.mode == "quick":  # a pool far behind in the first repeat: not again
+            skip = first_repeat_losers(rates, [tuple((t, n) for n in pools) for t in (False, True)])
     on = [r for (t, _), v in rates.items() if t for r in v]
     off = [r for (t, _), v in rates.items() if not t for r in v]
     # CPU at the pool size that served "off" best: a smaller pool spins less at barriers
