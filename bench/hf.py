@@ -31,8 +31,7 @@ NOTES = {
                            "plain time: 0.05-0.10 here, as plain generate's own time moves 10-60% "
                            "between phases of this VM; per call at b1 ~1.6 ms, all of it run cold after the "
                            "forward: the COMMIT ~0.45 ms (an fsync after a pause), statements and record ~0.32, "
-                           "row digests ~0.16, deciding ~0.14; the closing call ~23 ms (docs/PERFORMANCE.md, "
-                           "step 25)",
+                           "row digests ~0.16, deciding ~0.14; the closing call ~23 ms",
 }
 PROMPT = 32
 # Blocks per batch size (six generate calls each): a generate of 64 tokens here is 2-7 s,

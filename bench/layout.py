@@ -3,8 +3,8 @@
 handles, one commit of 64 decode chains per step), then for its last 20 records prints,
 per decoded token: the stored record; its events and receipts (in their stored, compact
 form) as one zstd frame (the rest is the header's lengths and CRCs); the events grouped
-by type; the events as columns (each field's values of one event type together, msgpack). docs/COMPACT.md
-quotes it. A one-off measurement, not a section of `python -m bench`."""
+by type; the events as columns (each field's values of one event type together, msgpack).
+docs/decisions/record-format.md rests on it. A one-off measurement, not a section of `python -m bench`."""
 
 from __future__ import annotations
 

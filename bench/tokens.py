@@ -42,7 +42,7 @@ GOALS = {
 NOTES = {
     "journal_tokens_per_s_sqlite": "command service alone: decide + encode + statements + commit of 64 "
                                    "decode steps (one DecodeBatch) per transaction, 32 layers; "
-                                   "us a token in place (docs/PERFORMANCE.md, step 26): the bench's own "
+                                   "us a token in place: the bench's own "
                                    "4.1, planning 6.1, the record 10, statements ~4, keys and the rest ~5, "
                                    "the COMMIT 7.1 (an fsync of ~450 us a commit): the COMMIT, the "
                                    "statements and the bench alone are ~15, above the goal's 10",
@@ -60,7 +60,7 @@ NOTES = {
                            "steps reading them, ~100 the frame, ~100 the fold: per-record overhead, not per-token",
     "journal_gc_us_per_token": "the cyclic garbage collector's time during the timed decode steps of the "
                                "SQLite service-alone run, per token: commands, operations and receipts are "
-                               "untracked (gc=False) since step 9",
+                               "untracked (gc=False)",
     "long_write_ratio": "service alone, 2 layers: µs a token over steps 90-100% / over steps 15-25% of one "
                         "long run (2,048 steps full, 1,024 quick); a handle's outputs are shared between "
                         "its versions (engine.state.Appended), not copied every step",
