@@ -158,7 +158,8 @@ def test_killing_the_stream_leader_loses_no_acknowledged_commit():
     stay gapless, and verify is clean once the killed server is back."""
     cluster = NatsCluster(3).start()
     try:
-        url = fresh_cell(cluster, "failover")
+        # an election under a loaded CI machine took over the default 10 s a request waits
+        url = fresh_cell(cluster, "failover") + "&timeout=60"
         with NatsJournal(url) as j:
             handles = [f"h{i}" for i in range(4)]
             j.append([allocate_op(h) for h in handles])
