@@ -24,7 +24,7 @@ from kvledger.journal.url import nats_servers, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 T = TypeVar("T")
-DEFAULT_TIMEOUT = 10.0
+DEFAULT_TIMEOUT = 30.0  # seconds a request waits: long enough to ride out a leader election on a loaded machine
 GET_BATCH = 256  # messages one direct get asks for at a time
 # JetStream's error codes the journal answers (server/errors.json)
 WRONG_LAST_SEQUENCE = 10071  # an expected last subject sequence did not hold
