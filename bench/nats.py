@@ -60,8 +60,7 @@ def failover_pause(ctx: Context, cluster: Any) -> float:
         group.step()
         for k in range(ctx.size(smoke=20, quick=120, full=300)):
             if k == 10:
-                leader = j.client.api(f"STREAM.INFO.{j.stream}")["cluster"]["leader"]
-                killed = int(leader.removeprefix("n"))
+                killed = cluster.index(j.client.api(f"STREAM.INFO.{j.stream}")["cluster"]["leader"])
                 cluster.kill(killed)
             t0 = time.perf_counter()
             group.step()

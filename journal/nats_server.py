@@ -102,6 +102,10 @@ class NatsCluster:
         if wait:
             self.wait_ready()
 
+    def index(self, server_name: str) -> int:
+        """The index of the server a JetStream answer names (its config's server_name)."""
+        return int(server_name.removeprefix("n"))
+
     def kill(self, i: int) -> None:
         """SIGKILL server `i` (its store stays)."""
         proc = self._procs[i]

@@ -150,7 +150,7 @@ def fail_over(cluster: NatsCluster, want: Baseline, tmp_path: Path, kill_demo_af
             time.sleep(0.05)
         killed_at = watch.last_position()
     assert running.poll() is None, "the demo ended before the kill: nothing was tested"
-    killed = int(stream_cluster(url)["leader"].removeprefix("n"))
+    killed = cluster.index(stream_cluster(url)["leader"])
     cluster.kill(killed)
     if kill_demo_after is not None:
         time.sleep(kill_demo_after)

@@ -167,8 +167,7 @@ def test_killing_the_stream_leader_loses_no_acknowledged_commit():
             killed = None
             for step in range(40):
                 if step == 10:
-                    leader = j.client.api(f"STREAM.INFO.{j.stream}")["cluster"]["leader"]
-                    killed = int(leader.removeprefix("n"))
+                    killed = cluster.index(j.client.api(f"STREAM.INFO.{j.stream}")["cluster"]["leader"])
                     cluster.kill(killed)
                 results = j.append([publish_op(h, guard_of(j.head(h)), f"s{step}-{h}") for h in handles])
                 assert all(isinstance(r, Receipt) for r in results), results
