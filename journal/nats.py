@@ -54,6 +54,7 @@ from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
 from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
 from kvledger.journal.nats_client import GET_BATCH, RETRY, Msg, NatsClient, Refused
 from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode, token
+from kvledger.journal.nats_import import import_into, unfinished
 from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.readback import Damage, Record
 from kvledger.journal.record_format import GENESIS
@@ -98,6 +99,7 @@ class NatsJournal(Journal):
             self.close()
             raise KvLedgerError(ErrorCode.SCHEMA_MISMATCH, f"the stream {self.stream} at {self.display_url} does "
                                 "not allow atomic publish and direct gets: not one `kvledger init` made")
+        self._unfinished = unfinished(self.client, self.stream, self.prefix)
         # What this process knows, valid while the last record is `_tail` (a commit that
         # expects it proves it): heads read or written, and the index of stored ids.
         self._tail: Tail | None = None
@@ -116,11 +118,14 @@ class NatsJournal(Journal):
             if os.getpid() == self._pid:
                 self.client.close()
 
-    def _check(self) -> None:
+    def _check(self, *, importing: bool = False) -> None:
         if self._closed:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "journal is closed")
         if os.getpid() != self._pid:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "journal opened in another process; open it after fork()")
+        if self._unfinished and not importing:
+            raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"{self.display_url}: an import into cell {self.cell} "
+                                "stopped partway (unfinished); `kvledger import FILE` into it again replaces it")
 
     def append(self, operations: Sequence[Operation]) -> list[Receipt | Rejection]:
         if not operations:
@@ -513,12 +518,11 @@ class NatsJournal(Journal):
 
     def import_events(self, events: Iterable[tuple[Event, bytes]],
                       tables: Callable[[], ImportTables]) -> None:
-        from kvledger.journal.nats_import import import_into
-
-        self._check()
+        self._check(importing=True)
         with self._lock:
             self._forget()
             import_into(self, events, tables)
+            self._unfinished = False
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[Snapshot]:
