@@ -27,8 +27,9 @@ Why it holds the contract, and how it is laid out:
   so read_stream follows a handle's chain back from its head by direct gets.
 - Operation and event ids are checked for reuse against an index of the records this
   process read (built on first write by reading the cell's records once, then kept up
-  to date from the records it appends or catches up on). That costs memory and a
-  startup read proportional to the journal; a server-side index is the next step.
+  to date from the records it appends or catches up on): runs of their keys, as SQL's
+  kvl_record_ids holds them (journal.run_index), a few dozen bytes a record. The
+  startup read is proportional to the journal; a server-side index is the next step.
 - Nothing is acknowledged before the server's acknowledgement of the commit, which with
   `sync_interval: always` (`kvledger init` requires it, journal.nats_admin) means every
   replica that stored it has fsynced it.
@@ -50,7 +51,7 @@ import msgspec
 from kvledger.journal.audit import audit_record, decode_record
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
-from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
+from kvledger.journal.keys import PREV_NONE, id_keys, id_runs, pack_prev, unpack_prev
 from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
 from kvledger.journal.nats_client import GET_BATCH, RETRY, Msg, NatsClient, Refused
 from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode, token
@@ -59,6 +60,7 @@ from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.readback import Damage, Record
 from kvledger.journal.record_format import GENESIS
 from kvledger.journal.record_rows import Base, build_record
+from kvledger.journal.run_index import RunIndex
 from kvledger.journal.statements import Statements, _positioned, chain_step
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.url import parse_url, redact
@@ -105,8 +107,7 @@ class NatsJournal(Journal):
         self._tail: Tail | None = None
         self._heads: dict[str, Head] = {}
         self._indexed = 0  # the stream sequence of the last record indexed
-        self._ops: dict[str, int] = {}  # operation id -> its record's stream sequence
-        self._event_ids: set[str] = set()
+        self._index = RunIndex()  # the stored ids' keys -> their records' stream sequences
         self._known_manifests: set[str] = set()
 
     def reopen_url(self) -> str:
@@ -169,8 +170,12 @@ class NatsJournal(Journal):
         commits them (None: nothing to write) with what _committed remembers of it."""
         self._catch_up(tail.seq)
         op_ids, event_ids, known = batch_ids(ops)
-        stored = {o: found for o in op_ids if o in self._ops and (found := self._stored_receipt(o)) is not None}
-        taken = {e for e in event_ids if e in self._event_ids}
+        stored: dict[str, tuple[str, bytes]] = {}
+        taken: set[str] = set()
+        for seq in self._index.candidates(known.runs):  # none, unless an id is reused (or its key is)
+            receipts, stored_ids = self._stored_ids(seq)
+            stored.update((o, receipts[o]) for o in op_ids if o in receipts)
+            taken.update(e for e in event_ids if e in stored_ids)
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         phantoms: dict[str, Any] = {}
         first_in_batch, pending = answer_stored(ops, stored, results, phantoms)
@@ -202,22 +207,19 @@ class NatsJournal(Journal):
             if self._has_manifest(sha):
                 continue
             batch.append((f"{self.prefix}.m.{sha}", body, {"Nats-Expected-Last-Subject-Sequence": "0"}))
-        ids = [(ops[i].operation_id, ops[i].event_ids()) for i in pending if isinstance(results[i], Receipt)]
-        return results, batch, (record, changed, ids, list(written.manifests))  # type: ignore[return-value]
+        return results, batch, (record, changed, list(written.manifests))  # type: ignore[return-value]
 
     def _committed(self, ack: dict[str, Any], written: Any) -> None:
         """Remember what a commit wrote: it is now the last record, its heads are the
         handles' heads, its ids are stored."""
-        record, changed, ids, manifests = written
+        record, changed, manifests = written
         seq = int(ack["seq"]) - int(ack.get("count", 1)) + 1  # the record is the batch's first message
         self._tail = Tail(seq, record.last_position, record.chain)
         for back, (h, facts) in enumerate(changed, 1):
             self._heads[h] = Head(facts, seq + back, seq)
         if len(self._heads) > 1 << 16:  # a cache: handles come and go
             self._heads.clear()
-        for op_id, event_ids in ids:
-            self._ops[op_id] = seq
-            self._event_ids.update(event_ids)
+        self._index.add(record.id_runs, seq)
         self._indexed = seq
         self._known_manifests.update(manifests)
 
@@ -269,26 +271,36 @@ class NatsJournal(Journal):
         if self._indexed >= upto:
             return
         for rec in self._records(self._indexed + 1, upto):
-            record = self._decode(rec)
-            ids = record.ids()
-            if ids is None:
-                raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"an event of the record ending at position "
-                                    f"{rec.last} does not decode (run `kvledger verify`)")
-            self._event_ids |= ids[0]
-            for op_id in ids[1]:
-                self._ops[op_id] = rec.seq
+            ids = self._ids(self._decode(rec), rec.last)
+            self._index.add(id_runs(id_keys(list(ids[0] | ids[1]))), rec.seq)
             self._indexed = rec.seq
         self._indexed = upto
 
+    @staticmethod
+    def _ids(record: Record, last: int) -> tuple[set[str], set[str]]:
+        ids = record.ids()
+        if ids is None:
+            raise KvLedgerError(ErrorCode.CORRUPT_JOURNAL, f"an event of the record ending at position "
+                                f"{last} does not decode (run `kvledger verify`)")
+        return ids
+
+    def _stored_ids(self, seq: int) -> tuple[dict[str, tuple[str, bytes]], set[str]]:
+        """The receipts (operation id -> fingerprint and body) and the event ids of the
+        record at stream sequence `seq`."""
+        rec = self._record_at(seq)
+        record = self._decode(rec)
+        receipts = {}
+        for body in record.receipts:
+            key = _receipt_key(body)
+            receipts[key.operation_id] = (key.fingerprint, body)
+        return receipts, self._ids(record, rec.last)[0]
+
     def _stored_receipt(self, operation_id: str) -> tuple[str, bytes] | None:
         """(fingerprint, receipt body) of a stored operation."""
-        seq = self._ops.get(operation_id)
-        if seq is None:
-            return None
-        for receipt in self._decode(self._record_at(seq)).receipts:
-            key = _receipt_key(receipt)
-            if key.operation_id == operation_id:
-                return key.fingerprint, receipt
+        for seq in self._index.candidates(id_runs(id_keys([operation_id]))):
+            found = self._stored_ids(seq)[0].get(operation_id)
+            if found is not None:
+                return found
         return None
 
     def _has_manifest(self, sha: str) -> bool:
