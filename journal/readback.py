@@ -52,6 +52,8 @@ class Record:
         steps = self._steps
         if steps is None:
             return len(self.events)
+        if len(steps.items) == 1 and len(steps.runs) == 1:  # a decode loop's record: one block
+            return 3 * steps.runs[0].count
         stored_as_steps = sum(end - start for start, end in zip(steps.starts, steps.ends))
         return len(steps.items) - stored_as_steps + 3 * sum(run.count for run in steps.runs)
 
@@ -68,9 +70,12 @@ class Record:
 
     def folded(self) -> list[Event | StepRun]:
         """The events, each run of step rows as its StepRun (what a projector folds at once)."""
-        if self._steps is None:
+        steps = self._steps
+        if steps is None:
             return list(self.decoded())  # a copy: list[Event] is not list[Event | StepRun] to mypy
-        return self._steps.folded()
+        if len(steps.items) == 1 and len(steps.runs) == 1:  # a decode loop's record: one block
+            return [steps.runs[0]]
+        return steps.folded()
 
     @property
     def receipts(self) -> list[bytes]:

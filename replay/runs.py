@@ -9,9 +9,10 @@ step is checked against (its open txn, committed length) and what its Work adds 
 handle's HandleState, Work and ledger Owner take those results at `flush`: before any
 other item of its stream is folded, and at the end of every `Projector.feed`.
 
-Consecutive records' runs are held (`hold`, up to 512 steps) and folded as one slice at
-`settle`, before any other item is folded (the ledger is one sequence): a lockstep record
-holds one step of each handle, and a record at a time paid every array call once a record.
+Consecutive records' runs are held (`hold`, up to `_SLICE` steps: a decode loop's records
+between two other items, most often) and folded as one slice at `settle`, before any
+other item is folded (the ledger is one sequence): a lockstep record holds one step of
+each handle, and a record at a time paid every array call once a record.
 
 A step is taken here only where `Projector._step` would take it (one open append whose
 txn the step publishes, not a verify), its handle already owns ledger bytes (a first
@@ -60,8 +61,10 @@ _ARRAYS = ("exp_prefix", "exp_counter", "exp_n", "exp_start", "committed", "b_to
 
 # Bounds under which a slice's int64 arithmetic is exact (the one-step fold uses Python
 # ints): a token's bytes, copies, a handle's length, a slice's steps, the ledger totals.
-# A slice's growth is at most _SLICE * _LENGTH * _B_TOKEN * _COPIES < 2**61 bytes.
-_B_TOKEN, _COPIES, _LENGTH, _SLICE, _TOTAL = 1 << 24, 16, 1 << 24, 512, 1 << 61
+# A slice's growth is at most _SLICE * _LENGTH * _B_TOKEN * _COPIES <= 2**61 bytes; a slice
+# as long as a decode loop's records between two other items pays its array calls once,
+# and a longer handle (past _LENGTH) is folded one step at a time.
+_B_TOKEN, _COPIES, _LENGTH, _SLICE, _TOTAL = 1 << 24, 16, 1 << 21, 4096, 1 << 61
 # The columns of held runs that a slice takes, in the order _together names them.
 _HELD = ("stream", "ptxn_prefix", "stxn_prefix", "ptxn", "stxn", "committed", "mono", "workspace", "token", "position",
          "snapshot")
@@ -322,27 +325,35 @@ class RunFold:
         armed = self.armed[slots]
         if armed.all():
             return True
-        for u in set(slots[~armed].tolist()):
-            self._arm(p, u)
+        self._arm(p, dict.fromkeys(slots[~armed].tolist()))
         return bool(self.armed[slots].all())
 
-    def _arm(self, p: Folding, u: int) -> None:
-        """Slot `u`'s handle, taken here from its folded state, if `_step` would take its
-        next step (an open append in engine.ids' form, owned, of a positive B_token)."""
-        sid = self.sids[u]
-        old, own = p.handles.get(sid), p.ledger.owners.get(sid)
-        if (old is None or own is None or not 0 < own.b_token < _B_TOKEN or len(own.tiers) >= _COPIES
-                or len(old.open_txns) != 1):
+    def _arm(self, p: Folding, slots: Iterable[int]) -> None:
+        """The slots' handles, taken here from their folded state, each if `_step` would
+        take its next step (an open append in engine.ids' form, owned, of a positive
+        B_token); their arrays set a column at a time, not a value at a time."""
+        handles, owners, sids = p.handles, p.ledger.owners, self.sids
+        taken: list[tuple[int, int, int, int, int, int, int, int]] = []
+        for u in slots:
+            sid = sids[u]
+            old, own = handles.get(sid), owners.get(sid)
+            if (old is None or own is None or not 0 < own.b_token < _B_TOKEN or len(own.tiers) >= _COPIES
+                    or len(old.open_txns) != 1):
+                continue
+            txn = old.open_txns[0]
+            counter = counter_of(txn.txn_id)
+            if txn.kind == "verify" or counter is None:
+                continue
+            self.live.add(sid)
+            taken.append((u, self._prefix_of(txn.txn_id[:16]), counter, txn.interval_count, txn.interval_start,
+                          own.committed, own.b_token, len(own.tiers)))
+        if not taken:
             return
-        txn = old.open_txns[0]
-        counter = counter_of(txn.txn_id)
-        if txn.kind == "verify" or counter is None:
-            return
-        self.armed[u] = True
-        self.live.add(sid)
-        self.exp_prefix[u], self.exp_counter[u] = self._prefix_of(txn.txn_id[:16]), counter
-        self.exp_n[u], self.exp_start[u] = txn.interval_count, txn.interval_start
-        self.committed[u], self.b_token[u], self.tiers[u] = own.committed, own.b_token, len(own.tiers)
+        at, prefix, counters, n, start, committed, b_token, tiers = (list(x) for x in zip(*taken))
+        self.armed[at] = True
+        self.exp_prefix[at], self.exp_counter[at] = prefix, np.array(counters, np.uint64)
+        self.exp_n[at], self.exp_start[at] = n, start
+        self.committed[at], self.b_token[at], self.tiers[at] = committed, b_token, tiers
 
     def _slot_of(self, sid: str) -> int:
         u = self.slot.get(sid)
