@@ -47,6 +47,7 @@ from typing import Any, cast
 
 import msgspec
 
+from kvledger.journal import faults
 from kvledger.journal.audit import audit_record, decode_record
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
@@ -129,6 +130,8 @@ class NatsJournal(Journal):
             validate(op)
         self._check()
         with self._lock:
+            if faults.INTENTS:
+                faults.intend([op.operation_id for op in operations])
             unreachable_until = time.monotonic() + self.client.timeout
             for attempt in range(MAX_TRIES):
                 tail = self._tail or self._fetch_tail()
@@ -139,7 +142,9 @@ class NatsJournal(Journal):
                     self._forget()
                     continue
                 try:
-                    ack = self.client.publish_batch(batch)
+                    faults.fault_unreachable("before_commit", self.display_url)
+                    ack = self.client.publish_batch(batch)  # mid_batch: before its commit message
+                    faults.fault_unreachable("after_commit", self.display_url)
                 except Refused as refused:
                     self._forget()
                     if refused.code in RETRY:
@@ -174,7 +179,9 @@ class NatsJournal(Journal):
         heads = self._read_heads(touched)
         view = HeadView({h: hd.facts for h, hd in heads.items()})
         prevs = {h: hd.record for h, hd in heads.items()}
+        faults.fault_unreachable("before_update", self.display_url)
         apply_rounds(cast(Statements, view), None, ops, pending, results, phantoms, 0)
+        faults.fault_unreachable("after_update", self.display_url)
         written = build_record(ops, pending, results, Base(tail.last, tail.chain, time.time_ns(), taken, prevs),
                                known)
         if len(first_in_batch) + len(stored) < len(ops):
@@ -484,6 +491,7 @@ class NatsJournal(Journal):
     def save_checkpoint(self, name: str, position: int, state: bytes) -> None:
         self._check()
         with self._lock:
+            faults.fault_unreachable("checkpoint", self.display_url)
             try:
                 self.client.publish(f"{self.prefix}.c.{token(name)}",
                                     _checkpoint_encode(_Checkpoint(name, position, state, time.time_ns())), {})

@@ -1,18 +1,15 @@
 """Crash-test backends: a fresh scratch journal per trial, on SQLite (copies of one
-migrated file) or on PostgreSQL (databases from a migrated template)."""
+migrated file), on PostgreSQL (databases from a migrated template) or on NATS (a cell
+of its own on the named cluster)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvledger.journal.tables import JOURNAL_TABLES
 from kvledger.journal.url import parse_url
-
-if TYPE_CHECKING:
-    pass
 
 
 class Backend:
@@ -98,3 +95,43 @@ class PostgresBackend(Backend):
 
     def close(self) -> None:
         self.scratch.drop(*([self.current] if self.current is not None else []), self.scratch.template)
+
+
+class NatsBackend(Backend):
+    """Trial journals are cells of their own on the named cell's cluster (`<cell>-x<pid>-<k>`),
+    each made by init with the URL's options; a passing trial's stream is deleted. The
+    trials kill processes, never a server, so the servers' fsync policy cannot change what
+    they check: the cells are made whatever it is."""
+
+    name = "nats"
+
+    def __init__(self, url: str) -> None:
+        head, _, query = url.partition("?")
+        self.base, _, cell = head.rpartition("/")
+        self.query = f"?{query}" if query else ""
+        self.prefix = f"{cell[:32]}-x{os.getpid()}"
+
+    def cell(self, k: int) -> str:
+        return f"{self.prefix}-{'b' if k < 0 else k}"
+
+    def url(self, k: int) -> str:
+        return f"{self.base}/{self.cell(k)}{self.query}"
+
+    def fresh(self, k: int) -> str:
+        from kvledger.journal.nats_admin import init_cell
+
+        init_cell(self.url(k), allow_lazy_fsync=True)  # its client is closed again: nothing open at fork
+        return self.url(k)
+
+    def release(self, k: int) -> None:
+        from kvledger.journal.nats import STREAM_PREFIX
+        from kvledger.journal.nats_client import NatsClient
+
+        client = NatsClient(parse_url(self.url(k)))
+        try:
+            client.api(f"STREAM.DELETE.{STREAM_PREFIX}{self.cell(k)}")
+        finally:
+            client.close()
+
+    def keep(self, k: int) -> str:
+        return self.url(k)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from kvledger.journal import faults
 from kvledger.journal.url import parse_url, redact, resolve_url
-from kvledger.recovery.crash_backends import Backend, PostgresBackend, SqliteBackend
+from kvledger.recovery.crash_backends import Backend, NatsBackend, PostgresBackend, SqliteBackend
 from kvledger.recovery.crash_children import (
     MAX_NEW_TOKENS,
     Result,
@@ -155,7 +155,8 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
     if base is None and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         base = Path(parsed.database).expanduser().resolve().parent
     root = Path(tempfile.mkdtemp(prefix=f"kvledger-crash-{os.getpid()}-", dir=base))
-    backend: Backend = (SqliteBackend(url, root) if parsed.get_backend_name() == "sqlite"
+    name = parsed.get_backend_name()
+    backend: Backend = (SqliteBackend(url, root) if name == "sqlite" else NatsBackend(url) if name == "nats"
                         else PostgresBackend(url))
     t0 = time.perf_counter()
     warm()
