@@ -25,8 +25,8 @@ they mean the same: before_update once the heads are read, after_update once the
 batch is decided in memory, before_commit with the batch built and nothing sent,
 mid_batch with every message but the commit one sent to the server (flushed first),
 after_commit once the server acknowledged the batch, checkpoint before a checkpoint's
-publish. There a `raise` stands for a lost connection (`fault_unreachable`): the
-journal's retry decides again from what is stored, as it does after a failover.
+publish. A `raise` there is a connection lost for good (`unreachable`): the caller
+sees DATABASE_UNREACHABLE, not the journal's retry of a failover.
 
 Rules come from the environment (read at import) or from `configure`:
 
@@ -99,14 +99,19 @@ def fault(point: str) -> None:
         _fire(point)
 
 
+def unreachable(exc: FaultInjected, where: str) -> KvLedgerError:
+    """What a `raise` rule stands for on a backend whose driver errors are coded by the
+    backend itself: the DATABASE_UNREACHABLE of a connection to `where` lost for good."""
+    return KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{where}: {exc} (FaultInjected)")
+
+
 def fault_unreachable(point: str, where: str) -> None:
-    """`fault` for a backend whose driver errors are its own coded ones: a `raise` rule
-    comes out as the DATABASE_UNREACHABLE of a lost connection to `where`."""
+    """`fault`, its `raise` coming out as `unreachable`."""
     if ACTIVE:
         try:
             _fire(point)
         except FaultInjected as exc:
-            raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{where}: {exc} (FaultInjected)") from None
+            raise unreachable(exc, where) from None
 
 
 def record_intents(path: str | None) -> None:

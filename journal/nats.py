@@ -141,10 +141,9 @@ class NatsJournal(Journal):
                         return results
                     self._forget()
                     continue
+                faults.fault_unreachable("before_commit", self.display_url)
                 try:
-                    faults.fault_unreachable("before_commit", self.display_url)
                     ack = self.client.publish_batch(batch)  # mid_batch: before its commit message
-                    faults.fault_unreachable("after_commit", self.display_url)
                 except Refused as refused:
                     self._forget()
                     if refused.code in RETRY:
@@ -152,6 +151,9 @@ class NatsJournal(Journal):
                             time.sleep(random.uniform(0, 0.001 * min(attempt, 50)))
                         continue
                     raise self._refused(refused) from None
+                except faults.FaultInjected as exc:  # mid_batch's raise: lost for good, not retried
+                    self._forget()
+                    raise faults.unreachable(exc, self.display_url) from None
                 except KvLedgerError as exc:
                     self._forget()  # the outcome is unknown: decide again from what is stored
                     if exc.code is not ErrorCode.DATABASE_UNREACHABLE or time.monotonic() > unreachable_until:
@@ -159,6 +161,7 @@ class NatsJournal(Journal):
                     time.sleep(0.05)  # a failover: the stream's next leader answers in seconds
                     continue
                 self._committed(ack, written)
+                faults.fault_unreachable("after_commit", self.display_url)
                 return results
         raise KvLedgerError(ErrorCode.DATABASE_BUSY, f"{MAX_TRIES} other commits to {self.display_url} went "
                             "first while this one was decided: the cell is too contended")

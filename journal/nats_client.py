@@ -172,7 +172,7 @@ class NatsClient:
             if i == last:
                 if faults.ACTIVE and last > 1:  # the messages so far reach the server before the point acts
                     await self.nc.flush()
-                    faults.fault_unreachable("mid_batch", self.display)
+                    faults.fault("mid_batch")
                 h["Nats-Batch-Commit"] = "1"
                 return _ack((await self._request(subject, data, h, read=False)).data)
             # unacknowledged: the server refuses the commit of a batch with a gap (BATCH_INCOMPLETE),
