@@ -106,10 +106,16 @@ class NatsBackend(Backend):
     name = "nats"
 
     def __init__(self, url: str) -> None:
+        self.named = url
         head, _, query = url.partition("?")
         self.base, _, cell = head.rpartition("/")
         self.query = f"?{query}" if query else ""
         self.prefix = f"{cell[:32]}-x{os.getpid()}"
+
+    def prepare(self) -> None:
+        from kvledger.journal.nats_client import NatsClient
+
+        NatsClient(parse_url(self.named)).close()  # the servers answer; nothing left open at fork
 
     def cell(self, k: int) -> str:
         return f"{self.prefix}-{'b' if k < 0 else k}"

@@ -23,6 +23,7 @@ several OpenMP threads can deadlock the children.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -156,11 +157,15 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
         base = Path(parsed.database).expanduser().resolve().parent
     root = Path(tempfile.mkdtemp(prefix=f"kvledger-crash-{os.getpid()}-", dir=base))
     name = parsed.get_backend_name()
-    backend: Backend = (SqliteBackend(url, root) if name == "sqlite" else NatsBackend(url) if name == "nats"
-                        else PostgresBackend(url))
     t0 = time.perf_counter()
-    warm()
-    backend.prepare()
+    try:
+        backend: Backend = (SqliteBackend(url, root) if name == "sqlite" else NatsBackend(url) if name == "nats"
+                            else PostgresBackend(url))
+        backend.prepare()  # first: an unreachable server is said before the model loads
+        warm()
+    except BaseException:
+        _drop_if_empty(root)
+        raise
     specs = workload(seed)
     try:
         baseline = baseline_run(backend, specs, root, writer)
@@ -178,6 +183,9 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
                 shutil.rmtree(root / f"trial-{plan.trial:05d}", ignore_errors=True)
             if on_trial:
                 on_trial(plan.trial, result)
+    except BaseException:
+        _drop_if_empty(root)  # a failed baseline keeps its log there
+        raise
     finally:
         backend.close()
     report = {
@@ -225,6 +233,13 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
         shutil.rmtree(root, ignore_errors=True)
     return report
 
+
+
+def _drop_if_empty(root: Path) -> None:
+    """Remove the work directory of a run that failed before writing to it (an
+    unreachable server): nothing there to look at."""
+    with contextlib.suppress(OSError):
+        root.rmdir()
 
 
 def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Result, root: Path, timeout: float,
