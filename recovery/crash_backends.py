@@ -4,12 +4,14 @@ of its own on the named cluster)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
 
 from kvledger.journal.tables import JOURNAL_TABLES
 from kvledger.journal.url import parse_url
+from kvledger.schemas.errors import KvLedgerError
 
 
 class Backend:
@@ -99,9 +101,9 @@ class PostgresBackend(Backend):
 
 class NatsBackend(Backend):
     """Trial journals are cells of their own on the named cell's cluster (`<cell>-x<pid>-<k>`),
-    each made by init with the URL's options; a passing trial's stream is deleted. The
-    trials kill processes, never a server, so the servers' fsync policy cannot change what
-    they check: the cells are made whatever it is."""
+    each made by init with the URL's options; a passing trial's stream is deleted, and so is
+    the current one when the run stops early. The trials kill processes, never a server, so
+    the servers' fsync policy cannot change what they check: the cells are made whatever it is."""
 
     name = "nats"
 
@@ -111,6 +113,7 @@ class NatsBackend(Backend):
         self.base, _, cell = head.rpartition("/")
         self.query = f"?{query}" if query else ""
         self.prefix = f"{cell[:32]}-x{os.getpid()}"
+        self.current: int | None = None  # the trial whose cell is made and neither released nor kept
 
     def prepare(self) -> None:
         from kvledger.journal.nats_client import NatsClient
@@ -126,6 +129,7 @@ class NatsBackend(Backend):
     def fresh(self, k: int) -> str:
         from kvledger.journal.nats_admin import init_cell
 
+        self.current = k
         init_cell(self.url(k), allow_lazy_fsync=True)  # its client is closed again: nothing open at fork
         return self.url(k)
 
@@ -133,6 +137,7 @@ class NatsBackend(Backend):
         from kvledger.journal.nats import STREAM_PREFIX
         from kvledger.journal.nats_client import NatsClient
 
+        self.current = None
         client = NatsClient(parse_url(self.url(k)))
         try:
             client.api(f"STREAM.DELETE.{STREAM_PREFIX}{self.cell(k)}")
@@ -140,4 +145,10 @@ class NatsBackend(Backend):
             client.close()
 
     def keep(self, k: int) -> str:
+        self.current = None
         return self.url(k)
+
+    def close(self) -> None:
+        if self.current is not None:
+            with contextlib.suppress(KvLedgerError):  # the servers went away: the run's own error says so
+                self.release(self.current)

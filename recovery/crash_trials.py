@@ -48,6 +48,7 @@ from kvledger.recovery.crash_children import (
     check_child,
     fork,
     kill_group,
+    reaped,
     run_child,
     wait_child,
     warm,
@@ -252,30 +253,31 @@ def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Res
     acks, flog, log = str(d / "acks.jsonl"), str(d / "faults.log"), str(d / "child.log")
     r, w = os.pipe()
     pid = fork(run_child, url, specs, acks, plan.fault_spec(), flog, w, writer=writer, log=log)
-    os.close(w)
-    ready, _, _ = select.select([r], [], [], timeout)
-    os.close(r)
-    status: int | None = None
-    t_ready = time.monotonic()
-    if not ready:
-        status = kill_group(pid)
-    elif plan.mode == "sigkill":
-        status, reached = _wait_until(pid, lambda: acknowledged(acks) >= plan.after_acks, t_ready + timeout, 0.0005)
-        if reached:
-            status = wait_child(pid, plan.delay_s)
-        if status is None:
+    with reaped(pid):  # an interrupted run leaves no child writing
+        os.close(w)
+        ready, _, _ = select.select([r], [], [], timeout)
+        os.close(r)
+        status: int | None = None
+        t_ready = time.monotonic()
+        if not ready:
             status = kill_group(pid)
-    elif plan.mode == "stall":
-        status, reached = _wait_until(pid, lambda: Path(flog).exists() and bool(Path(flog).read_text()),
-                                      t_ready + timeout, 0.001)
-        if reached:
-            time.sleep(plan.delay_s)  # stalled at its fault point, the writer lock held
-        if status is None:
-            status = kill_group(pid)
-    else:
-        status = wait_child(pid, timeout)
-        if status is None:
-            status = kill_group(pid)
+        elif plan.mode == "sigkill":
+            status, reached = _wait_until(pid, lambda: acknowledged(acks) >= plan.after_acks, t_ready + timeout, 0.0005)
+            if reached:
+                status = wait_child(pid, plan.delay_s)
+            if status is None:
+                status = kill_group(pid)
+        elif plan.mode == "stall":
+            status, reached = _wait_until(pid, lambda: Path(flog).exists() and bool(Path(flog).read_text()),
+                                          t_ready + timeout, 0.001)
+            if reached:
+                time.sleep(plan.delay_s)  # stalled at its fault point, the writer lock held
+            if status is None:
+                status = kill_group(pid)
+        else:
+            status = wait_child(pid, timeout)
+            if status is None:
+                status = kill_group(pid)
     fired = [line.split()[0] for line in Path(flog).read_text().splitlines()] if Path(flog).exists() else []
     crashed = status != 0
     result = {"trial": plan.trial, "moment": plan.label(), "mode": plan.mode, "status": status,
@@ -284,9 +286,10 @@ def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Res
     path = d / "check.json"
     t1 = time.monotonic()
     cpid = fork(check_child, url, specs, acks, baseline["outputs"], result=str(path), log=log)
-    cstatus = wait_child(cpid, timeout)
-    if cstatus is None:
-        cstatus = kill_group(cpid)
+    with reaped(cpid):
+        cstatus = wait_child(cpid, timeout)
+        if cstatus is None:
+            cstatus = kill_group(cpid)
     result["ms"] = {"fresh": round(t_fresh * 1000), "run": round((t1 - t0 - t_fresh) * 1000),
                     "check": round((time.monotonic() - t1) * 1000)}
     if cstatus == 0:
