@@ -180,13 +180,13 @@ class NatsJournal(Journal):
         touched = list(dict.fromkeys(h for i in pending for h in
                                      [w.handle_id for w in ops[i].writes] + [c.handle_id for c in ops[i].checks]))
         heads = self._read_heads(touched)
+        faults.fault_unreachable("before_update", self.display_url)
         view = HeadView({h: hd.facts for h, hd in heads.items()})
         prevs = {h: hd.record for h, hd in heads.items()}
-        faults.fault_unreachable("before_update", self.display_url)
         apply_rounds(cast(Statements, view), None, ops, pending, results, phantoms, 0)
-        faults.fault_unreachable("after_update", self.display_url)
         written = build_record(ops, pending, results, Base(tail.last, tail.chain, time.time_ns(), taken, prevs),
                                known)
+        faults.fault_unreachable("after_update", self.display_url)
         if len(first_in_batch) + len(stored) < len(ops):
             resolve_repeats(ops, results, first_in_batch)
         record = written.record
