@@ -20,6 +20,14 @@ inserts rows in one statement: of the points inside a transaction only before_up
 exists there, so a fault armed at after_update, mid_batch or before_commit fires when
 the general path runs (creates, retries, several operations on one handle).
 
+On NATS (journal.nats) a commit is one atomic batch publish, and the points sit where
+they mean the same: before_update once the heads are read, after_update once the
+batch is decided in memory, before_commit with the batch built and nothing sent,
+mid_batch with every message but the commit one sent to the server (flushed first),
+after_commit once the server acknowledged the batch, checkpoint before a checkpoint's
+publish. A `raise` there is a connection lost for good (`unreachable`): the caller
+sees DATABASE_UNREACHABLE, not the journal's retry of a failover.
+
 Rules come from the environment (read at import) or from `configure`:
 
     KVLEDGER_FAULTS="after_insert:exit:0.05,before_commit:sleep=0.01,mid_batch:raise@3"
@@ -34,7 +42,7 @@ a generator seeded by the seed; `@NTH` fires on the NTH hit of that point only.
 
 Crash tests also note each transaction's operation ids just before it is sent, to
 check afterwards that it committed all or nothing: `KVLEDGER_INTENTS_LOG=PATH` (or
-`record_intents(PATH)`) appends one JSON list per `SqlJournal.append` to PATH. Off by
+`record_intents(PATH)`) appends one JSON list per journal `append` to PATH. Off by
 default (one module-level test, like `fault`).
 """
 
@@ -46,6 +54,8 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 POINTS = ("before_update", "after_update", "mid_batch", "before_commit", "after_commit", "checkpoint")
 ALIASES = {"after_insert": "before_commit"}
@@ -87,6 +97,21 @@ def fault(point: str) -> None:
     """A named point in the write path. Does nothing unless a rule is armed."""
     if ACTIVE:
         _fire(point)
+
+
+def unreachable(exc: FaultInjected, where: str) -> KvLedgerError:
+    """What a `raise` rule stands for on a backend whose driver errors are coded by the
+    backend itself: the DATABASE_UNREACHABLE of a connection to `where` lost for good."""
+    return KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"{where}: {exc} (FaultInjected)")
+
+
+def fault_unreachable(point: str, where: str) -> None:
+    """`fault`, its `raise` coming out as `unreachable`."""
+    if ACTIVE:
+        try:
+            _fire(point)
+        except FaultInjected as exc:
+            raise unreachable(exc, where) from None
 
 
 def record_intents(path: str | None) -> None:

@@ -48,6 +48,7 @@ from typing import Any, cast
 
 import msgspec
 
+from kvledger.journal import faults
 from kvledger.journal.audit import audit_record, decode_record
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
@@ -135,6 +136,8 @@ class NatsJournal(Journal):
             validate(op)
         self._check()
         with self._lock:
+            if faults.INTENTS:
+                faults.intend([op.operation_id for op in operations])
             unreachable_until = time.monotonic() + self.client.timeout
             for attempt in range(MAX_TRIES):
                 tail = self._tail or self._fetch_tail()
@@ -144,8 +147,9 @@ class NatsJournal(Journal):
                         return results
                     self._forget()
                     continue
+                faults.fault_unreachable("before_commit", self.display_url)
                 try:
-                    ack = self.client.publish_batch(batch)
+                    ack = self.client.publish_batch(batch)  # mid_batch: before its commit message
                 except Refused as refused:
                     self._forget()
                     if refused.code in RETRY:
@@ -153,6 +157,9 @@ class NatsJournal(Journal):
                             time.sleep(random.uniform(0, 0.001 * min(attempt, 50)))
                         continue
                     raise self._refused(refused) from None
+                except faults.FaultInjected as exc:  # mid_batch's raise: lost for good, not retried
+                    self._forget()
+                    raise faults.unreachable(exc, self.display_url) from None
                 except KvLedgerError as exc:
                     self._forget()  # the outcome is unknown: decide again from what is stored
                     if exc.code is not ErrorCode.DATABASE_UNREACHABLE or time.monotonic() > unreachable_until:
@@ -160,6 +167,7 @@ class NatsJournal(Journal):
                     time.sleep(0.05)  # a failover: the stream's next leader answers in seconds
                     continue
                 self._committed(ack, written)
+                faults.fault_unreachable("after_commit", self.display_url)
                 return results
         raise KvLedgerError(ErrorCode.DATABASE_BUSY, f"{MAX_TRIES} other commits to {self.display_url} went "
                             "first while this one was decided: the cell is too contended")
@@ -182,11 +190,13 @@ class NatsJournal(Journal):
         touched = list(dict.fromkeys(h for i in pending for h in
                                      [w.handle_id for w in ops[i].writes] + [c.handle_id for c in ops[i].checks]))
         heads = self._read_heads(touched)
+        faults.fault_unreachable("before_update", self.display_url)
         view = HeadView({h: hd.facts for h, hd in heads.items()})
         prevs = {h: hd.record for h, hd in heads.items()}
         apply_rounds(cast(Statements, view), None, ops, pending, results, phantoms, 0)
         written = build_record(ops, pending, results, Base(tail.last, tail.chain, time.time_ns(), taken, prevs),
                                known)
+        faults.fault_unreachable("after_update", self.display_url)
         if len(first_in_batch) + len(stored) < len(ops):
             resolve_repeats(ops, results, first_in_batch)
         record = written.record
@@ -501,6 +511,7 @@ class NatsJournal(Journal):
     def save_checkpoint(self, name: str, position: int, state: bytes) -> None:
         self._check()
         with self._lock:
+            faults.fault_unreachable("checkpoint", self.display_url)
             try:
                 self.client.publish(f"{self.prefix}.c.{token(name)}",
                                     _checkpoint_encode(_Checkpoint(name, position, state, time.time_ns())), {})

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy.engine import URL
 
+from kvledger.journal import faults
 from kvledger.journal.url import nats_servers, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
@@ -169,6 +170,9 @@ class NatsClient:
         for i, (subject, data, headers) in enumerate(messages, 1):
             h = {"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i), **headers}
             if i == last:
+                if faults.ACTIVE and last > 1:  # the messages so far reach the server before the point acts
+                    await self.nc.flush()
+                    faults.fault("mid_batch")
                 h["Nats-Batch-Commit"] = "1"
                 return _ack((await self._request(subject, data, h, read=False)).data)
             # unacknowledged: the server refuses the commit of a batch with a gap (BATCH_INCOMPLETE),

@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                    "row digests match and outputs equal an uninterrupted run. Exit 1 on any "
                                    "violation. Needs kvledger[worker].")
     p.add_argument("--db", help=DB_HELP + "; trials use scratch journals beside it (SQLite files in a "
-                                          "scratch directory, PostgreSQL databases: needs CREATEDB)")
+                                          "scratch directory, PostgreSQL databases: needs CREATEDB, "
+                                          "NATS cells on its cluster)")
     p.add_argument("--trials", type=a.TRIALS, default=50, help="number of trials (default 50)")
     p.add_argument("--seed", type=a.SEED, default=0,
                    help="seed of the workload and the crash plan (32 bits; default 0)")

@@ -1,18 +1,17 @@
 """Crash-test backends: a fresh scratch journal per trial, on SQLite (copies of one
-migrated file) or on PostgreSQL (databases from a migrated template)."""
+migrated file), on PostgreSQL (databases from a migrated template) or on NATS (a cell
+of its own on the named cluster)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvledger.journal.tables import JOURNAL_TABLES
 from kvledger.journal.url import parse_url
-
-if TYPE_CHECKING:
-    pass
+from kvledger.schemas.errors import KvLedgerError
 
 
 class Backend:
@@ -98,3 +97,58 @@ class PostgresBackend(Backend):
 
     def close(self) -> None:
         self.scratch.drop(*([self.current] if self.current is not None else []), self.scratch.template)
+
+
+class NatsBackend(Backend):
+    """Trial journals are cells of their own on the named cell's cluster (`<cell>-x<pid>-<k>`),
+    each made by init with the URL's options; a passing trial's stream is deleted, and so is
+    the current one when the run stops early. The trials kill processes, never a server, so
+    the servers' fsync policy cannot change what they check: the cells are made whatever it is."""
+
+    name = "nats"
+
+    def __init__(self, url: str) -> None:
+        self.named = url
+        head, _, query = url.partition("?")
+        self.base, _, cell = head.rpartition("/")
+        self.query = f"?{query}" if query else ""
+        self.prefix = f"{cell[:32]}-x{os.getpid()}"
+        self.current: int | None = None  # the trial whose cell is made and neither released nor kept
+
+    def prepare(self) -> None:
+        from kvledger.journal.nats_client import NatsClient
+
+        NatsClient(parse_url(self.named)).close()  # the servers answer; nothing left open at fork
+
+    def cell(self, k: int) -> str:
+        return f"{self.prefix}-{'b' if k < 0 else k}"
+
+    def url(self, k: int) -> str:
+        return f"{self.base}/{self.cell(k)}{self.query}"
+
+    def fresh(self, k: int) -> str:
+        from kvledger.journal.nats_admin import init_cell
+
+        self.current = k
+        init_cell(self.url(k), allow_lazy_fsync=True)  # its client is closed again: nothing open at fork
+        return self.url(k)
+
+    def release(self, k: int) -> None:
+        from kvledger.journal.nats import STREAM_PREFIX
+        from kvledger.journal.nats_client import NatsClient
+
+        self.current = None
+        client = NatsClient(parse_url(self.url(k)))
+        try:
+            client.api(f"STREAM.DELETE.{STREAM_PREFIX}{self.cell(k)}")
+        finally:
+            client.close()
+
+    def keep(self, k: int) -> str:
+        self.current = None
+        return self.url(k)
+
+    def close(self) -> None:
+        if self.current is not None:
+            with contextlib.suppress(KvLedgerError):  # the servers went away: the run's own error says so
+                self.release(self.current)

@@ -4,6 +4,7 @@ the checks after a crash), and the uninterrupted baseline run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -11,7 +12,7 @@ import signal
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -389,15 +390,28 @@ def kill_group(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+@contextlib.contextmanager
+def reaped(pid: int) -> Iterator[None]:
+    """Kill the child `pid` (its group) if the parent stops waiting for it by an
+    exception (an interrupt): no run child keeps writing after its parent is gone."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(ChildProcessError):  # already reaped
+            kill_group(pid)
+        raise
+
+
 def baseline_run(backend: Backend, specs: list[RequestSpec], root: Path, writer: str) -> Result:
     """One uninterrupted run, counting how often each fault point is reached."""
     url = backend.fresh(-1)
     path = root / "baseline.json"
     pid = fork(run_child, url, specs, str(root / "baseline.acks"), None, str(root / "baseline.faults"), -1,
                count_faults=True, writer=writer, result=str(path), log=str(root / "baseline.log"))
-    status = wait_child(pid, 300)
-    if status is None:
-        kill_group(pid)
+    with reaped(pid):
+        status = wait_child(pid, 300)
+        if status is None:
+            kill_group(pid)
     out = json.loads(path.read_text()) if path.exists() else {}
     error = out.get("__error__")
     if error and error["code"]:  # e.g. the database is unreachable: the child's own code

@@ -23,6 +23,7 @@ several OpenMP threads can deadlock the children.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from kvledger.journal import faults
 from kvledger.journal.url import parse_url, redact, resolve_url
-from kvledger.recovery.crash_backends import Backend, PostgresBackend, SqliteBackend
+from kvledger.recovery.crash_backends import Backend, NatsBackend, PostgresBackend, SqliteBackend
 from kvledger.recovery.crash_children import (
     MAX_NEW_TOKENS,
     Result,
@@ -47,6 +48,7 @@ from kvledger.recovery.crash_children import (
     check_child,
     fork,
     kill_group,
+    reaped,
     run_child,
     wait_child,
     warm,
@@ -155,11 +157,16 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
     if base is None and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         base = Path(parsed.database).expanduser().resolve().parent
     root = Path(tempfile.mkdtemp(prefix=f"kvledger-crash-{os.getpid()}-", dir=base))
-    backend: Backend = (SqliteBackend(url, root) if parsed.get_backend_name() == "sqlite"
-                        else PostgresBackend(url))
+    name = parsed.get_backend_name()
     t0 = time.perf_counter()
-    warm()
-    backend.prepare()
+    try:
+        backend: Backend = (SqliteBackend(url, root) if name == "sqlite" else NatsBackend(url) if name == "nats"
+                            else PostgresBackend(url))
+        backend.prepare()  # first: an unreachable server is said before the model loads
+        warm()
+    except BaseException:
+        _drop_if_empty(root)
+        raise
     specs = workload(seed)
     try:
         baseline = baseline_run(backend, specs, root, writer)
@@ -177,6 +184,9 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
                 shutil.rmtree(root / f"trial-{plan.trial:05d}", ignore_errors=True)
             if on_trial:
                 on_trial(plan.trial, result)
+    except BaseException:
+        _drop_if_empty(root)  # a failed baseline keeps its log there
+        raise
     finally:
         backend.close()
     report = {
@@ -226,6 +236,13 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
 
 
 
+def _drop_if_empty(root: Path) -> None:
+    """Remove the work directory of a run that failed before writing to it (an
+    unreachable server): nothing there to look at."""
+    with contextlib.suppress(OSError):
+        root.rmdir()
+
+
 def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Result, root: Path, timeout: float,
            writer: str) -> Result:
     d = root / f"trial-{plan.trial:05d}"
@@ -236,30 +253,31 @@ def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Res
     acks, flog, log = str(d / "acks.jsonl"), str(d / "faults.log"), str(d / "child.log")
     r, w = os.pipe()
     pid = fork(run_child, url, specs, acks, plan.fault_spec(), flog, w, writer=writer, log=log)
-    os.close(w)
-    ready, _, _ = select.select([r], [], [], timeout)
-    os.close(r)
-    status: int | None = None
-    t_ready = time.monotonic()
-    if not ready:
-        status = kill_group(pid)
-    elif plan.mode == "sigkill":
-        status, reached = _wait_until(pid, lambda: acknowledged(acks) >= plan.after_acks, t_ready + timeout, 0.0005)
-        if reached:
-            status = wait_child(pid, plan.delay_s)
-        if status is None:
+    with reaped(pid):  # an interrupted run leaves no child writing
+        os.close(w)
+        ready, _, _ = select.select([r], [], [], timeout)
+        os.close(r)
+        status: int | None = None
+        t_ready = time.monotonic()
+        if not ready:
             status = kill_group(pid)
-    elif plan.mode == "stall":
-        status, reached = _wait_until(pid, lambda: Path(flog).exists() and bool(Path(flog).read_text()),
-                                      t_ready + timeout, 0.001)
-        if reached:
-            time.sleep(plan.delay_s)  # stalled at its fault point, the writer lock held
-        if status is None:
-            status = kill_group(pid)
-    else:
-        status = wait_child(pid, timeout)
-        if status is None:
-            status = kill_group(pid)
+        elif plan.mode == "sigkill":
+            status, reached = _wait_until(pid, lambda: acknowledged(acks) >= plan.after_acks, t_ready + timeout, 0.0005)
+            if reached:
+                status = wait_child(pid, plan.delay_s)
+            if status is None:
+                status = kill_group(pid)
+        elif plan.mode == "stall":
+            status, reached = _wait_until(pid, lambda: Path(flog).exists() and bool(Path(flog).read_text()),
+                                          t_ready + timeout, 0.001)
+            if reached:
+                time.sleep(plan.delay_s)  # stalled at its fault point, the writer lock held
+            if status is None:
+                status = kill_group(pid)
+        else:
+            status = wait_child(pid, timeout)
+            if status is None:
+                status = kill_group(pid)
     fired = [line.split()[0] for line in Path(flog).read_text().splitlines()] if Path(flog).exists() else []
     crashed = status != 0
     result = {"trial": plan.trial, "moment": plan.label(), "mode": plan.mode, "status": status,
@@ -268,9 +286,10 @@ def _trial(backend: Backend, plan: Plan, specs: list[RequestSpec], baseline: Res
     path = d / "check.json"
     t1 = time.monotonic()
     cpid = fork(check_child, url, specs, acks, baseline["outputs"], result=str(path), log=log)
-    cstatus = wait_child(cpid, timeout)
-    if cstatus is None:
-        cstatus = kill_group(cpid)
+    with reaped(cpid):
+        cstatus = wait_child(cpid, timeout)
+        if cstatus is None:
+            cstatus = kill_group(cpid)
     result["ms"] = {"fresh": round(t_fresh * 1000), "run": round((t1 - t0 - t_fresh) * 1000),
                     "check": round((time.monotonic() - t1) * 1000)}
     if cstatus == 0:

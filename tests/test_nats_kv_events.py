@@ -1,7 +1,7 @@
 """The KV-event recorder on a NATS cell (issue 46 item 2): a vLLM-form publisher's batches
 recorded exactly once, a range evicted past its replay buffer journaled as one gap, a
-publisher restart journaled; the cell then verifies clean. (`kv-events serve` from a cell
-is not tested yet.)"""
+publisher restart journaled; the cell then verifies clean. (`kv-events serve` from a cell:
+tests/test_nats_kv_events_serve.py.)"""
 
 from __future__ import annotations
 
