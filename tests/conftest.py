@@ -145,6 +145,29 @@ def db_url(fresh_url) -> str:
     return fresh_url("journal")
 
 
+# The backends whose journals are SQL tables. A test marked `sql_storage(reason)` edits or
+# inspects those tables in a way no other backend has an equivalent of (the reason says
+# why): it runs on these only, and its cases on any other backend are deselected.
+SQL_BACKENDS = frozenset({"sqlite", "postgres"})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sql_storage(reason): runs on the SQL backends only, for the reason given")
+
+
+def pytest_collection_modifyitems(config, items):
+    kept, dropped = [], []
+    for item in items:
+        mark = item.get_closest_marker("sql_storage")
+        backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+        if mark is not None:
+            assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: sql_storage needs its reason"
+        (dropped if mark is not None and backend is not None and backend not in SQL_BACKENDS else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Say per backend how many parametrized cases ran, so a CI log shows PostgreSQL
     was really exercised (not skipped)."""

@@ -8,6 +8,7 @@ import json
 import shutil
 import sqlite3
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import pytest
@@ -64,6 +65,24 @@ def sql(db_url: str, statement: str, **params) -> list[tuple]:
             return [tuple(r) for r in result] if result.returns_rows else []
     finally:
         engine.dispose()
+
+
+class StoredRecord(NamedTuple):
+    last: int  # its last global position
+    first: int
+    body: bytes
+    chain: bytes  # the chain digest through it
+
+
+def records(db_url: str) -> list[StoredRecord]:
+    """Every stored record, in order, as the backend stores it: kvl_records' rows on SQL,
+    the record messages of a NATS cell (their positions and chain in headers)."""
+    if db_url.startswith("nats"):
+        return [StoredRecord(int(h["Kvl-Last"]), int(h["Kvl-First"]), data, bytes.fromhex(h["Kvl-Chain"]))
+                for _, subject, headers, data in nats_messages(db_url) if subject.endswith(".r")
+                for h in [dict(headers)]]
+    rows = sql(db_url, "SELECT last_position, first_position, body, chain FROM kvl_records ORDER BY last_position")
+    return [StoredRecord(last, first, bytes(body), bytes(chain)) for last, first, body, chain in rows]
 
 
 def dump(db_url: str) -> dict[str, list[tuple]]:

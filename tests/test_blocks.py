@@ -27,7 +27,7 @@ from kvledger.journal.readback import Damage
 from kvledger.journal.record_format import block_records, pack_record
 from kvledger.journal.steps import BadRow, StepReader
 
-from stored_rows import sql
+from stored_rows import records
 
 I64 = st.integers(-(1 << 63), (1 << 63) - 1)
 # a column's values, drawn to need a given width
@@ -163,7 +163,7 @@ def test_a_record_with_a_forged_step_is_damaged_at_that_step(db_url):
         run = Lockstep(CommandService(journal), 2, 4, "blocks")
         run.step()
         run.step()
-    body = bytes(sql(db_url, "SELECT body FROM kvl_records ORDER BY last_position DESC LIMIT 1")[0][0])
+    body = records(db_url)[-1].body
     parts = unpack_record(body)
     assert parts.format == 7 and len(parts.event_lengths) == 1  # the 64 steps: one block
     block = parts.data[:parts.event_lengths[0]]
@@ -197,7 +197,7 @@ def _lockstep_bodies(db_url: str, steps: int) -> list[bytes]:
         run = Lockstep(CommandService(journal), 2, steps + 1, "pages")
         for _ in range(steps):
             run.step()
-    return [bytes(b) for (b,) in sql(db_url, "SELECT body FROM kvl_records ORDER BY last_position")]
+    return [r.body for r in records(db_url)]
 
 
 def _read(record) -> tuple:
