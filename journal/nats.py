@@ -52,7 +52,7 @@ from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, re
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
 from kvledger.journal.keys import PREV_NONE, pack_prev, unpack_prev
 from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
-from kvledger.journal.nats_client import GET_BATCH, RETRY, Msg, NatsClient, Refused
+from kvledger.journal.nats_client import GET_BATCH, MESSAGE_TOO_LARGE, RETRY, Msg, NatsClient, Refused
 from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode, token
 from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.readback import Damage, Record
@@ -221,7 +221,7 @@ class NatsJournal(Journal):
         self._heads.clear()
 
     def _refused(self, refused: Refused) -> KvLedgerError:
-        if refused.code in (10054, 10122):  # message too large, batch too large
+        if refused.code in (MESSAGE_TOO_LARGE, 10122):  # message too large, batch too large
             return KvLedgerError(ErrorCode.FIELD_TOO_LARGE, f"{self.display_url} refused a commit as too large "
                                  f"(JetStream {refused.code}): commit it in parts")
         return KvLedgerError(ErrorCode.DATABASE_ERROR, f"{self.display_url} refused a commit (JetStream error "
