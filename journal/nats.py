@@ -43,7 +43,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -58,7 +58,7 @@ from kvledger.journal.port import Journal, Snapshot
 from kvledger.journal.readback import Damage, Record
 from kvledger.journal.record_format import GENESIS
 from kvledger.journal.record_rows import Base, build_record
-from kvledger.journal.statements import Statements, _positioned, chain_step
+from kvledger.journal.statements import _positioned, chain_step
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.url import parse_url, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -174,7 +174,7 @@ class NatsJournal(Journal):
         heads = self._read_heads(touched)
         view = HeadView({h: hd.facts for h, hd in heads.items()})
         prevs = {h: hd.record for h, hd in heads.items()}
-        apply_rounds(cast(Statements, view), None, ops, pending, results, phantoms, 0)
+        apply_rounds(view, None, ops, pending, results, phantoms, 0)
         written = build_record(ops, pending, results, Base(tail.last, tail.chain, time.time_ns(), taken, prevs),
                                known)
         if len(first_in_batch) + len(stored) < len(ops):
