@@ -100,9 +100,11 @@ def _postgres_journal(directory: Path, name: str, request) -> str:
 
 
 def _nats_journal(directory: Path, name: str, request) -> str:
-    from nats_cluster import fresh_cell
+    from nats_cluster import drop_cell, fresh_cell
 
-    return fresh_cell(request.getfixturevalue("nats_cluster"))
+    url = fresh_cell(request.getfixturevalue("nats_cluster"))
+    request.addfinalizer(lambda: drop_cell(url))
+    return url
 
 
 # How a test gets a fresh, migrated journal of each registered backend (its URL), given

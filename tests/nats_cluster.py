@@ -33,6 +33,18 @@ def fresh_cell(cluster: NatsCluster, name: str = "t") -> str:
     return url
 
 
+def drop_cell(url: str) -> None:
+    """Delete a test's cell (its stream): every R3 stream left behind keeps a RAFT group
+    beating on all three servers, CPU the rest of the session's tests then lack."""
+    from kvledger.journal.nats import NatsJournal
+
+    with NatsJournal(url) as j:
+        answer = j.client.api(f"STREAM.DELETE.{j.stream}")
+    assert answer.get("success"), answer
+
+
 @pytest.fixture
-def nats_url(nats_cluster) -> str:
-    return fresh_cell(nats_cluster)
+def nats_url(nats_cluster):
+    url = fresh_cell(nats_cluster)
+    yield url
+    drop_cell(url)
