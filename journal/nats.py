@@ -106,6 +106,9 @@ class NatsJournal(Journal):
         self._ops: dict[str, int] = {}  # operation id -> its record's stream sequence
         self._event_ids: set[str] = set()
         self._known_manifests: set[str] = set()
+        # stream sequence -> (sequence, last position) of the first record at or after it:
+        # fixed once that record is stored (nothing is ever stored before it)
+        self._probes: dict[int, tuple[int, int]] = {}
 
     def reopen_url(self) -> str:
         return self._raw
@@ -354,12 +357,17 @@ class NatsJournal(Journal):
         lo, hi, found = 1, tail.seq, tail.seq
         while lo < hi:
             mid = (lo + hi) // 2
-            msg = self.client.get(self.stream, {"seq": mid, "next_by_subj": self.records_subject})
-            assert msg is not None  # the tail is a record at or after it
-            if self._rec(msg).last > position:
-                hi, found = mid, msg.seq
+            probe = self._probes.get(mid)
+            if probe is None:
+                msg = self.client.get(self.stream, {"seq": mid, "next_by_subj": self.records_subject})
+                assert msg is not None  # the tail is a record at or after it
+                if len(self._probes) > 1 << 16:  # a cache: the searches of recent reads
+                    self._probes.clear()
+                probe = self._probes[mid] = (msg.seq, self._rec(msg).last)
+            if probe[1] > position:
+                hi, found = mid, probe[0]
             else:
-                lo = msg.seq + 1  # every s up to that record finds it or one before
+                lo = probe[0] + 1  # every s up to that record finds it or one before
         return found  # the first record at or after hi, which lo has reached
 
     # -- reading -----------------------------------------------------------------
@@ -369,10 +377,11 @@ class NatsJournal(Journal):
         ("events"), or what a projector folds ("fold", a run of steps at its last position)."""
         self._check()
         with self._lock:
-            start = self._record_seq_after(after)
+            tail = self._fetch_tail()  # the read ends at the last record now
+            start = self._record_seq_after(after, tail)
         if start is None:
             return
-        for rec in self._records(start):
+        for rec in self._records(start, tail.seq):
             record = self._decode(rec, mode == "fold")
             if mode == "fold":
                 yield from _positioned(rec.first, record.folded(), after)
