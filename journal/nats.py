@@ -235,11 +235,14 @@ class NatsJournal(Journal):
     def _fetch_tail(self) -> Tail:
         msg = self.client.get(self.stream, {"last_by_subj": self.records_subject})
         if msg is None:
-            self._tail = Tail(0, 0, GENESIS)
+            tail = Tail(0, 0, GENESIS)
         else:
             rec = self._rec(msg)
-            self._tail = Tail(rec.seq, rec.last, rec.chain)
-        return self._tail
+            tail = Tail(rec.seq, rec.last, rec.chain)
+        if tail != self._tail:  # the heads held were read as of another last record
+            self._heads.clear()
+        self._tail = tail
+        return tail
 
     def _read_heads(self, handles: list[str]) -> dict[str, Head]:
         """The heads of `handles` that exist: from what this process knows, else read."""

@@ -437,3 +437,20 @@ def test_a_stream_read_follows_its_chain_from_any_position(journal, db_url):
         assert [f for f in verify_journal(journal).findings if f.code == "TAMPERED"] == []
     finally:
         other.close()
+
+
+def test_a_check_on_a_head_another_connection_moved_is_stale_after_any_read(db_url):
+    """A check (a fork's parent) is decided on the head as stored: a connection that
+    wrote the head itself, then read the journal after another connection moved it
+    (last_position, read_all), still refuses a check on the head it wrote."""
+    with open_or_create_journal(db_url) as a, open_or_create_journal(db_url) as b:
+        a.append([allocate_op("H")])
+        a.append([publish_op("H", guard_of(a.head("H")), "a-1")])
+        stale = guard_of(a.head("H"))
+        b.append([publish_op("H", guard_of(b.head("H")), "b-1")])
+        for read in (a.last_position, lambda: list(a.read_all())):
+            read()
+            child = allocate_op(f"C{len(a.heads())}", f"c-op{len(a.heads())}")
+            [refused] = a.append([Operation(f"fork{len(a.heads())}", "fp", child.writes, (Check("H", stale),),
+                                            child.manifests)])
+            assert isinstance(refused, Rejection) and refused.code == ErrorCode.STALE_BASE
