@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nats_cluster import nats_cluster  # noqa: F401  # a fixture: NATS's scratch journals start it
+from nats_cluster import nats_cells, nats_cluster  # noqa: F401  # fixtures: NATS's scratch journals start them
 
 from kvledger.journal.backends import BACKENDS, PENDING
 from kvledger.journal.pgserver import ScratchDatabases, ThrowawayPostgres, find_bin
@@ -100,9 +100,9 @@ def _postgres_journal(directory: Path, name: str, request) -> str:
 
 
 def _nats_journal(directory: Path, name: str, request) -> str:
-    from nats_cluster import drop_cell, fresh_cell
+    from nats_cluster import drop_cell
 
-    url = fresh_cell(request.getfixturevalue("nats_cluster"))
+    url = request.getfixturevalue("nats_cells").take()
     request.addfinalizer(lambda: drop_cell(url))
     return url
 
