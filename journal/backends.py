@@ -26,13 +26,12 @@ class Backend(NamedTuple):
 BACKENDS: tuple[Backend, ...] = (
     Backend("sqlite", ("sqlite",), "kvledger.journal.sql:open_journal"),
     Backend("postgres", ("postgresql",), "kvledger.journal.sql:open_journal"),
-)
-# Backends that open journals but do not yet pass every test that takes `db_url`, so the
-# suite is not parametrized over them: each has its contract tests of its own
-# (NATS: tests/test_nats_contract.py) until it moves up into BACKENDS.
-PENDING: tuple[Backend, ...] = (
     Backend("nats", ("nats",), "kvledger.journal.nats:open_journal"),
 )
+# Backends that open journals but do not yet pass every test that takes `db_url`, so the
+# suite is not parametrized over them (tests/conftest.py adds one named in
+# KVLEDGER_TEST_PENDING) until it moves up into BACKENDS.
+PENDING: tuple[Backend, ...] = ()
 
 
 def backend_of(url: URL) -> Backend:

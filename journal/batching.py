@@ -6,17 +6,35 @@ handles, the phantom heads a refused operation leaves, and a retry's answer.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from kvledger.journal.contract import Guard, HeadFacts, Operation, Rejection, StreamWrite, guard_of
 from kvledger.journal.keys import counted_keys, id_keys, id_runs
 from kvledger.journal.record_rows import Known
-from kvledger.journal.statements import Statements
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import CURRENT_VERSION
 from kvledger.schemas.receipts import Receipt, receipt_decoder
+
+
+class GuardStatements(Protocol):
+    """What a batch's rounds run its guards on (`cur`: the transaction's cursor): SQL
+    statements (journal.statements), or heads held in memory (journal.nats_heads.HeadView).
+    Each returns the handles whose guard held and changes only those."""
+
+    def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]],
+                       last_record: int | None = None) -> set[str]: ...
+
+    def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]: ...
+
+    def check_heads(self, cur: Any, rows: list[tuple[str, Guard]]) -> set[str]: ...
+
+    def savepoint(self, cur: Any) -> None: ...
+
+    def rollback_to_savepoint(self, cur: Any) -> None: ...
+
+    def release_savepoint(self, cur: Any) -> None: ...
 
 
 def leaves_phantoms(op: Operation, phantoms: dict[str, Guard]) -> None:
@@ -151,7 +169,7 @@ def refusal(op: Operation, ok: set[str], checked: set[str]) -> Rejection | None:
     )
 
 
-def _failed_guards(sql: Statements, cur: Any, guards: RoundGuards, last_record: int | None
+def _failed_guards(sql: GuardStatements, cur: Any, guards: RoundGuards, last_record: int | None
                    ) -> tuple[set[str], set[str]] | None:
     """One try of a round's statements: None when every guard held (handles are distinct
     within a round), else the handles whose update or create held and those whose check did."""
@@ -239,7 +257,7 @@ def _phantom_refusals(ops: Sequence[Operation], round_: list[list[int]], phantom
     return live, rejected
 
 
-def apply_rounds(sql: Statements, cur: Any, ops: Sequence[Operation], pending: list[int],
+def apply_rounds(sql: GuardStatements, cur: Any, ops: Sequence[Operation], pending: list[int],
                  results: list[Receipt | Rejection | None], phantoms: dict[str, Guard], predicted: int) -> None:
     """The guarded updates of the `pending` operations, round by round on disjoint
     handles (`predicted`: the record's last position if none is refused); each refusal
@@ -267,7 +285,7 @@ def resolve_repeats(ops: Sequence[Operation], results: list[Receipt | Rejection 
             )
 
 
-def apply_round(sql: Statements, cur: Any, ops: Sequence[Operation], units: list[list[int]],
+def apply_round(sql: GuardStatements, cur: Any, ops: Sequence[Operation], units: list[list[int]],
                 last_record: int | None = None) -> dict[int, Rejection]:
     """Apply the guards of the units of one round (disjoint handles). A unit is one
     operation, or a chain of single-handle operations each starting from the head the

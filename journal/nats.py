@@ -44,7 +44,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -54,7 +54,7 @@ from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, re
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
 from kvledger.journal.keys import PREV_NONE, id_keys, id_runs, pack_prev, unpack_prev
 from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
-from kvledger.journal.nats_client import GET_BATCH, RETRY, Msg, NatsClient, Refused
+from kvledger.journal.nats_client import GET_BATCH, MESSAGE_TOO_LARGE, RETRY, Msg, NatsClient, Refused
 from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode, token
 from kvledger.journal.nats_import import import_into, unfinished
 from kvledger.journal.port import Journal, Snapshot
@@ -62,7 +62,7 @@ from kvledger.journal.readback import Damage, Record
 from kvledger.journal.record_format import GENESIS
 from kvledger.journal.record_rows import Base, build_record
 from kvledger.journal.run_index import RunIndex
-from kvledger.journal.statements import Statements, _positioned, chain_step
+from kvledger.journal.statements import _positioned, chain_step
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.url import parse_url, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -110,6 +110,9 @@ class NatsJournal(Journal):
         self._indexed = 0  # the stream sequence of the last record indexed
         self._index = RunIndex()  # the stored ids' keys -> their records' stream sequences
         self._known_manifests: set[str] = set()
+        # stream sequence -> (sequence, last position) of the first record at or after it:
+        # fixed once that record is stored (nothing is ever stored before it)
+        self._probes: dict[int, tuple[int, int]] = {}
 
     def reopen_url(self) -> str:
         return self._raw
@@ -193,7 +196,7 @@ class NatsJournal(Journal):
         faults.fault_unreachable("before_update", self.display_url)
         view = HeadView({h: hd.facts for h, hd in heads.items()})
         prevs = {h: hd.record for h, hd in heads.items()}
-        apply_rounds(cast(Statements, view), None, ops, pending, results, phantoms, 0)
+        apply_rounds(view, None, ops, pending, results, phantoms, 0)
         written = build_record(ops, pending, results, Base(tail.last, tail.chain, time.time_ns(), taken, prevs),
                                known)
         faults.fault_unreachable("after_update", self.display_url)
@@ -238,7 +241,7 @@ class NatsJournal(Journal):
         self._heads.clear()
 
     def _refused(self, refused: Refused) -> KvLedgerError:
-        if refused.code in (10054, 10122):  # message too large, batch too large
+        if refused.code in (MESSAGE_TOO_LARGE, 10122):  # message too large, batch too large
             return KvLedgerError(ErrorCode.FIELD_TOO_LARGE, f"{self.display_url} refused a commit as too large "
                                  f"(JetStream {refused.code}): commit it in parts")
         return KvLedgerError(ErrorCode.DATABASE_ERROR, f"{self.display_url} refused a commit (JetStream error "
@@ -249,11 +252,14 @@ class NatsJournal(Journal):
     def _fetch_tail(self) -> Tail:
         msg = self.client.get(self.stream, {"last_by_subj": self.records_subject})
         if msg is None:
-            self._tail = Tail(0, 0, GENESIS)
+            tail = Tail(0, 0, GENESIS)
         else:
             rec = self._rec(msg)
-            self._tail = Tail(rec.seq, rec.last, rec.chain)
-        return self._tail
+            tail = Tail(rec.seq, rec.last, rec.chain)
+        if tail != self._tail:  # the heads held were read as of another last record
+            self._heads.clear()
+        self._tail = tail
+        return tail
 
     def _read_heads(self, handles: list[str]) -> dict[str, Head]:
         """The heads of `handles` that exist: from what this process knows, else read."""
@@ -381,12 +387,17 @@ class NatsJournal(Journal):
         lo, hi, found = 1, tail.seq, tail.seq
         while lo < hi:
             mid = (lo + hi) // 2
-            msg = self.client.get(self.stream, {"seq": mid, "next_by_subj": self.records_subject})
-            assert msg is not None  # the tail is a record at or after it
-            if self._rec(msg).last > position:
-                hi, found = mid, msg.seq
+            probe = self._probes.get(mid)
+            if probe is None:
+                msg = self.client.get(self.stream, {"seq": mid, "next_by_subj": self.records_subject})
+                assert msg is not None  # the tail is a record at or after it
+                if len(self._probes) > 1 << 16:  # a cache: the searches of recent reads
+                    self._probes.clear()
+                probe = self._probes[mid] = (msg.seq, self._rec(msg).last)
+            if probe[1] > position:
+                hi, found = mid, probe[0]
             else:
-                lo = msg.seq + 1  # every s up to that record finds it or one before
+                lo = probe[0] + 1  # every s up to that record finds it or one before
         return found  # the first record at or after hi, which lo has reached
 
     # -- reading -----------------------------------------------------------------
@@ -396,10 +407,11 @@ class NatsJournal(Journal):
         ("events"), or what a projector folds ("fold", a run of steps at its last position)."""
         self._check()
         with self._lock:
-            start = self._record_seq_after(after)
+            tail = self._fetch_tail()  # the read ends at the last record now
+            start = self._record_seq_after(after, tail)
         if start is None:
             return
-        for rec in self._records(start):
+        for rec in self._records(start, tail.seq):
             record = self._decode(rec, mode == "fold")
             if mode == "fold":
                 yield from _positioned(rec.first, record.folded(), after)

@@ -34,6 +34,7 @@ LAST_SEQUENCE_NOT_READY = 10163  # the server cannot check an expectation yet (a
 BATCH_DUPLICATE = 10201  # an atomic batch held a message id already stored
 BATCH_INCOMPLETE = 10176  # a message of the batch did not arrive: nothing of it is stored
 STREAM_NOT_FOUND = 10059
+MESSAGE_TOO_LARGE = 10054  # also what the client answers a message over the servers' max_payload
 
 
 class Msg(NamedTuple):
@@ -97,9 +98,13 @@ class NatsClient:
     # -- the loop ------------------------------------------------------------------
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        import nats.errors
+
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result((timeout or self.timeout) + 1)
+        except nats.errors.MaxPayloadError:  # refused before it is sent: nothing of it is stored
+            raise Refused(MESSAGE_TOO_LARGE, "a message over the servers' max_payload") from None
         except TimeoutError:
             future.cancel()
             raise self._unreachable("did not answer in time") from None
@@ -143,6 +148,8 @@ class NatsClient:
             except nats.errors.TimeoutError:
                 if not read or self._loop.time() + wait > deadline:
                     raise self._unreachable("did not answer in time") from None
+            except nats.errors.MaxPayloadError:
+                raise
             except nats.errors.Error:
                 if not read or self._loop.time() + wait > deadline:
                     raise self._unreachable("closed the connection") from None
@@ -277,5 +284,5 @@ async def _quiet_cb() -> None:
 RETRY = frozenset({WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CLUSTERED, LAST_SEQUENCE_NOT_READY, BATCH_DUPLICATE,
                    BATCH_INCOMPLETE})
 
-__all__ = ["BATCH_DUPLICATE", "GET_BATCH", "RETRY", "STREAM_NOT_FOUND", "WRONG_LAST_SEQUENCE", "Msg", "NatsClient",
-           "Refused"]
+__all__ = ["BATCH_DUPLICATE", "GET_BATCH", "MESSAGE_TOO_LARGE", "RETRY", "STREAM_NOT_FOUND", "WRONG_LAST_SEQUENCE",
+           "Msg", "NatsClient", "Refused"]

@@ -76,7 +76,7 @@ def head_decode(data: bytes) -> tuple[str, int, HeadFacts] | None:
 
 class HeadView:
     """The heads a batch reads, changed in memory as journal.batching.apply_rounds runs its
-    guarded updates, creates and checks on them (the Statements methods it calls, with
+    guarded updates, creates and checks on them (journal.batching.GuardStatements, with
     savepoints as copies). `changed`: each head the batch's accepted operations leave,
     which the batch then publishes, each expecting its subject as it was read."""
 

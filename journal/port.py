@@ -29,15 +29,16 @@ What an append promises, on every backend:
   backend stores; `read_raw` gives the stored JSON bodies that `export` writes.
 
 Implementations, and adding one. `journal.backends.BACKENDS` is the one list of
-implementations (today journal.sql.SqlJournal, for SQLite and for PostgreSQL); opening a
-journal by its URL goes through it. A new backend (NATS JetStream is next) is:
+implementations (journal.sql.SqlJournal for SQLite and PostgreSQL, journal.nats.NatsJournal
+for NATS JetStream); opening a journal by its URL goes through it. A new backend is:
 
 1. one module implementing `Journal` (and `Snapshot` for its audit);
 2. one entry in `journal.backends.BACKENDS` (its name, its URL schemes, its opener);
 3. the contract suite passing against it: tests/conftest.py parametrizes its `backend`
    fixture over BACKENDS (tests/test_journal_contract.py, the linearizability and
    crash tests, every test that takes `db_url`), and refuses to run while a registered
-   backend has no way there to make a fresh journal for a test (SCRATCH).
+   backend has no way there to make a fresh journal for a test (SCRATCH). A test that
+   edits or copies SQL tables carries `sql_storage(reason)` and runs on SQL only.
 
 The engine and replay import this module, journal.contract's data structs and the
 journal package's entry points only, never how a backend lays its records out

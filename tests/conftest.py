@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nats_cluster import nats_cluster  # noqa: F401  # a fixture: NATS's scratch journals start it
+from nats_cluster import nats_cells, nats_cluster  # noqa: F401  # fixtures: NATS's scratch journals start them
 
 from kvledger.journal.backends import BACKENDS, PENDING
 from kvledger.journal.pgserver import ScratchDatabases, ThrowawayPostgres, find_bin
@@ -100,9 +100,11 @@ def _postgres_journal(directory: Path, name: str, request) -> str:
 
 
 def _nats_journal(directory: Path, name: str, request) -> str:
-    from nats_cluster import fresh_cell
+    from nats_cluster import drop_cell
 
-    return fresh_cell(request.getfixturevalue("nats_cluster"))
+    url = request.getfixturevalue("nats_cells").take()
+    request.addfinalizer(lambda: drop_cell(url))
+    return url
 
 
 # How a test gets a fresh, migrated journal of each registered backend (its URL), given
@@ -143,6 +145,29 @@ def fresh_url(backend, tmp_path, request) -> Callable[[str], str]:
 def db_url(fresh_url) -> str:
     """A fresh, migrated journal database on the parametrized backend."""
     return fresh_url("journal")
+
+
+# The backends whose journals are SQL tables. A test marked `sql_storage(reason)` edits or
+# inspects those tables in a way no other backend has an equivalent of (the reason says
+# why): it runs on these only, and its cases on any other backend are deselected.
+SQL_BACKENDS = frozenset({"sqlite", "postgres"})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sql_storage(reason): runs on the SQL backends only, for the reason given")
+
+
+def pytest_collection_modifyitems(config, items):
+    kept, dropped = [], []
+    for item in items:
+        mark = item.get_closest_marker("sql_storage")
+        backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+        if mark is not None:
+            assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: sql_storage needs its reason"
+        (dropped if mark is not None and backend is not None and backend not in SQL_BACKENDS else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

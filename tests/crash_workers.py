@@ -28,7 +28,8 @@ CAPACITY = 24
 
 
 PRELOAD = ["kvledger", "kvledger.migrations.storage", "engine.service", "journal", "replay.linearizability", "psycopg",
-           "sqlalchemy.dialects.postgresql.psycopg", "sqlalchemy.dialects.sqlite.pysqlite"]
+           "sqlalchemy.dialects.postgresql.psycopg", "sqlalchemy.dialects.sqlite.pysqlite", "kvledger.journal.nats",
+           "nats"]
 
 
 def context():

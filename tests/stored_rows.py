@@ -8,6 +8,7 @@ import json
 import shutil
 import sqlite3
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import pytest
@@ -66,6 +67,24 @@ def sql(db_url: str, statement: str, **params) -> list[tuple]:
         engine.dispose()
 
 
+class StoredRecord(NamedTuple):
+    last: int  # its last global position
+    first: int
+    body: bytes
+    chain: bytes  # the chain digest through it
+
+
+def records(db_url: str) -> list[StoredRecord]:
+    """Every stored record, in order, as the backend stores it: kvl_records' rows on SQL,
+    the record messages of a NATS cell (their positions and chain in headers)."""
+    if db_url.startswith("nats"):
+        return [StoredRecord(int(h["Kvl-Last"]), int(h["Kvl-First"]), data, bytes.fromhex(h["Kvl-Chain"]))
+                for _, subject, headers, data in nats_messages(db_url) if subject.endswith(".r")
+                for h in [dict(headers)]]
+    rows = sql(db_url, "SELECT last_position, first_position, body, chain FROM kvl_records ORDER BY last_position")
+    return [StoredRecord(last, first, bytes(body), bytes(chain)) for last, first, body, chain in rows]
+
+
 def dump(db_url: str) -> dict[str, list[tuple]]:
     """Every row of every journal table, in a fixed order, with SQLite's storage type of
     each value (a TEXT '7' is not an INTEGER 7)."""
@@ -77,9 +96,27 @@ def dump(db_url: str) -> dict[str, list[tuple]]:
     return out
 
 
+def nats_messages(db_url: str) -> list[tuple[int, str, tuple[tuple[str, str], ...], bytes]]:
+    """Every message of a NATS cell's stream, in stream order: (sequence, subject,
+    headers, data). The stream denies delete and purge, so these are all it stores."""
+    from kvledger.journal.nats import NatsJournal
+    from kvledger.journal.nats_client import GET_BATCH
+
+    with NatsJournal(db_url) as j:
+        end = int((j.client.api(f"STREAM.INFO.{j.stream}").get("state") or {}).get("last_seq", 0))
+        out: list[tuple[int, str, tuple[tuple[str, str], ...], bytes]] = []
+        while len(out) < end:
+            page = j.client.get_many(j.stream, {"seq": len(out) + 1, "batch": GET_BATCH, "up_to_seq": end})
+            assert page and page[0].seq == len(out) + 1, "a gap in a stream that denies delete"
+            out += [(m.seq, m.subject, tuple(sorted(m.headers.items())), m.data) for m in page]
+        return out
+
+
 def picture(db_url: str) -> object:
     """What must not change: the database file's bytes on SQLite (with no WAL left
-    behind), the full dump on PostgreSQL."""
+    behind), the full dump on PostgreSQL, every stored message on NATS."""
+    if db_url.startswith("nats"):
+        return nats_messages(db_url)
     if db_url.startswith("sqlite"):
         path = Path(db_url.removeprefix("sqlite:///"))
         wal = path.with_name(path.name + "-wal")

@@ -71,6 +71,7 @@ def test_alembic_head_is_the_revision_the_code_reads():
     assert migrations.head_revision() == SCHEMA_REVISION
 
 
+@pytest.mark.sql_storage("compares the SQL tables alembic made with their metadata")
 def test_migrated_schema_matches_the_table_metadata(db_url):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext

@@ -27,6 +27,7 @@ from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.manifest import SamplingPolicy
 
 from factories import make_manifest
+from stored_rows import nats_messages
 
 INVALID = E.INVALID_ARGUMENT
 
@@ -49,6 +50,8 @@ def file_bytes(url: str) -> bytes | None:
 
 
 def snapshot(ledger: Ledger, url: str) -> tuple:
+    if url.startswith("nats"):  # no tables: every message the cell's stream stores
+        return nats_messages(url), None
     return rows(ledger), file_bytes(url)
 
 

@@ -126,6 +126,7 @@ def test_every_command_codes_an_unreachable_or_missing_postgres(dead_and_wrong, 
     assert info.value.code is ErrorCode.DATABASE_UNREACHABLE
 
 
+@pytest.mark.sql_storage("SQL constraint errors and a dropped SQL table")
 def test_value_too_long_constraint_and_dropped_table_have_their_own_codes(db_url, backend):
     _journal_with_events(db_url)
     before = snapshot(db_url)
@@ -178,6 +179,7 @@ def test_known_revisions_are_alembic_s():
     assert migrations.known_revisions() == REVISIONS and REVISIONS[-1] == SCHEMA_REVISION
 
 
+@pytest.mark.sql_storage("edits alembic's version table of a SQL journal")
 def test_a_newer_revision_is_refused_by_every_command(db_url):
     _journal_with_events(db_url)
     execute(db_url, "UPDATE kvl_alembic_version SET version_num = '9999_future'")
@@ -191,6 +193,7 @@ def test_a_newer_revision_is_refused_by_every_command(db_url):
     assert snapshot(db_url) == before
 
 
+@pytest.mark.sql_storage("edits alembic's version table of a SQL journal")
 def test_an_emptied_version_table_is_refused_then_repaired_by_init(db_url):
     _journal_with_events(db_url)
     events = snapshot(db_url) if db_url.startswith("postgres") else None
@@ -208,6 +211,7 @@ def test_an_emptied_version_table_is_refused_then_repaired_by_init(db_url):
         assert snapshot(db_url) == events
 
 
+@pytest.mark.sql_storage("edits alembic's version table of a SQL journal")
 def test_an_emptied_version_table_with_other_tables_is_a_schema_mismatch(db_url):
     _journal_with_events(db_url)
     execute(db_url, "DELETE FROM kvl_alembic_version", "DROP TABLE kvl_checkpoints")

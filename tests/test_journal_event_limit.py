@@ -70,6 +70,11 @@ def test_an_event_over_the_limit_is_refused_and_nothing_is_written(db_url):
             j.append([second, _fill(fresh, 3, MAX_EVENT_BYTES + 1)])
         assert info.value.code is ErrorCode.FIELD_TOO_LARGE
         assert _state(j) == before
+        if db_url.startswith("nats"):  # a record is one message: the servers' max_payload (64 MB at most) is less
+            with pytest.raises(KvLedgerError) as info:
+                j.append([_fill(second, 2, MAX_EVENT_BYTES), fresh])
+            assert info.value.code is ErrorCode.FIELD_TOO_LARGE and _state(j) == before
+            return
         # at exactly the limit it is written, and the journal reads back whole
         assert all(isinstance(r, Receipt) for r in j.append([_fill(second, 2, MAX_EVENT_BYTES), fresh]))
         events = list(j.read_all())

@@ -263,6 +263,7 @@ def test_consecutive_records_fold_together(journals, monkeypatch):
         _same(Projector().feed(events), p)
 
 
+@pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 @pytest.mark.parametrize("forge", ["counter", "prefix"])
 def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
     """The last record's step 10 forged to publish a txn its handle never started, by its

@@ -39,7 +39,7 @@ from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import decode_chain_fingerprint
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
-from stored_rows import sql
+from stored_rows import records
 
 U64 = st.integers(0, (1 << 64) - 1)
 HEX16 = st.text("0123456789abcdef", min_size=16, max_size=16)
@@ -213,7 +213,7 @@ def test_a_lockstep_journal_reads_back_what_was_stamped(db_url, layers):
         assert raw == sorted(expected.items())
         assert list(journal.read_all()) == [decode_event(b) for _, b in raw]
         assert [journal.receipt(r.operation_id) for r in returned] == returned
-    bodies = [bytes(b) for (b,) in sql(db_url, "SELECT body FROM kvl_records ORDER BY last_position")]
+    bodies = [r.body for r in records(db_url)]
     assert [unpack_record(b).format for b in bodies][-5:] == [FORMAT] * 5
     assert sum(decode_record(b, "t").step_rows for b in bodies) == 5 * 64  # every decode step a row
     receipts = []

@@ -21,6 +21,8 @@ from kvledger.replay import verify_journal
 
 from stored_rows import cli, sql
 
+pytestmark = pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
+
 
 @pytest.fixture
 def demo(db_url, capsys):

@@ -109,6 +109,7 @@ def _findings(db_url: str):
         return verify_journal(journal).findings
 
 
+@pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 def test_receipt_not_matching_its_events(imported):
     db_url, events = imported
     target = events[8]  # A's first decode: begin_append is its own operation
@@ -121,6 +122,7 @@ def test_receipt_not_matching_its_events(imported):
     assert (f.code, f.global_position, f.event_id) == ("RECEIPT_MISMATCH", 8, target.event_id)
 
 
+@pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 def test_receipt_missing_and_handle_result_drift(imported):
     db_url, events = imported
     target = events[3]  # A's prefill publish
@@ -138,6 +140,7 @@ def test_receipt_missing_and_handle_result_drift(imported):
     assert receipt_decoder.decode(receipt_encoder.encode(drifted)).handles[0].committed_length == 4
 
 
+@pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 def test_head_row_not_matching_its_stream(imported):
     db_url, events = imported
     _sql(db_url, "UPDATE kvl_heads SET committed_length = 3 WHERE handle_id = 'B'")
@@ -146,6 +149,7 @@ def test_head_row_not_matching_its_stream(imported):
     assert (f.code, f.global_position, f.stream_id) == ("HEAD_MISMATCH", last_b, "B")
 
 
+@pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 def test_stored_manifest_not_matching_its_digest(imported):
     db_url, events = imported
     alloc = events[4]  # B's request_allocate
@@ -158,6 +162,7 @@ def test_stored_manifest_not_matching_its_digest(imported):
     assert (f.code, f.global_position, f.event_id) == ("DIGEST_MISMATCH", 4, alloc.event_id)
 
 
+@pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 def test_a_stored_row_at_the_wrong_position(imported, capsys):
     db_url, events = imported
     body = json.loads(msgspec.json.encode(events[6]))
