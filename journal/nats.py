@@ -62,7 +62,7 @@ from kvledger.journal.readback import Damage, Record
 from kvledger.journal.record_format import GENESIS
 from kvledger.journal.record_rows import Base, build_record
 from kvledger.journal.run_index import RunIndex
-from kvledger.journal.statements import _positioned, chain_step
+from kvledger.journal.statements import chain_step, positioned
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.url import parse_url, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -414,7 +414,7 @@ class NatsJournal(Journal):
         for rec in self._records(start, tail.seq):
             record = self._decode(rec, mode == "fold")
             if mode == "fold":
-                yield from _positioned(rec.first, record.folded(), after)
+                yield from positioned(rec.first, record.folded(), after)
                 continue
             items: list[Any] = record.decoded() if mode == "events" else record.events
             first = rec.first

@@ -403,7 +403,7 @@ class Statements(VerifyReads):
             start = rows[-1][0] if rows else after
             for first, record in self.records_after(cur, start, mode == "fold"):
                 if mode == "fold":
-                    rows += _positioned(first, record.folded(), start)
+                    rows += positioned(first, record.folded(), start)
                 else:
                     events = record.decoded() if mode == "events" else record.events
                     if first <= start:  # the record holding `start`: its events after it
@@ -537,7 +537,7 @@ class _ReceiptKey(msgspec.Struct):
 _receipt_key = msgspec.json.Decoder(_ReceiptKey).decode
 
 
-def _positioned(first: int, items: list[Any], after: int) -> list[tuple[int, Any]]:
+def positioned(first: int, items: list[Any], after: int) -> list[tuple[int, Any]]:
     """A record's folded items from its position `first` on, those past `after`: a run of
     step rows at its last position, its steps one by one when `after` falls inside it
     (a step at its last position, or as its events when `after` falls inside the step)."""
@@ -549,7 +549,7 @@ def _positioned(first: int, items: list[Any], after: int) -> list[tuple[int, Any
             if p > after:
                 out.append((end - 1, item))
             elif end - 1 > after:
-                out += _positioned(p, item.values(), after)
+                out += positioned(p, item.values(), after)
             p = end
         elif type(item) is StepValues:
             if p > after:
