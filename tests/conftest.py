@@ -155,16 +155,36 @@ SQL_BACKENDS = frozenset({"sqlite", "postgres"})
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "sql_storage(reason): runs on the SQL backends only, for the reason given")
+    config.addinivalue_line("markers", "nats_case(reason, **params): on NATS, only the case with these other "
+                            "parameters (none given: no case; the reason names the NATS test that covers it)")
+
+
+def _dropped(item) -> bool:
+    """Whether the parametrized case `item` is deselected (see the two markers above).
+
+    `nats_case` keeps CI within its time: a test above the journal (the worker, the demo,
+    tuning, the collector) runs on NATS in one of its variants, or in a NATS test of its
+    own, rather than in every one; the journal's own contract runs there whole."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    backend = params.get("backend")
+    if backend is None:
+        return False
+    mark = item.get_closest_marker("sql_storage")
+    if mark is not None:
+        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: sql_storage needs its reason"
+        if backend not in SQL_BACKENDS:
+            return True
+    mark = item.get_closest_marker("nats_case")
+    if mark is not None and backend == "nats":
+        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: nats_case needs its reason"
+        return not mark.kwargs or any(params.get(k) != v for k, v in mark.kwargs.items())
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
     kept, dropped = [], []
     for item in items:
-        mark = item.get_closest_marker("sql_storage")
-        backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
-        if mark is not None:
-            assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: sql_storage needs its reason"
-        (dropped if mark is not None and backend is not None and backend not in SQL_BACKENDS else kept).append(item)
+        (dropped if _dropped(item) else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -14,7 +14,7 @@ import pytest
 
 from kvledger.journal import faults
 
-TRIALS = 32  # 24 fault plans cover the 18 (point, action) pairs; CI's time budget sets the rest
+TRIALS = 24  # 24 fault plans cover the 18 (point, action) pairs; CI's time budget sets no more
 
 
 def _kvledger(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -23,12 +23,11 @@ def _kvledger(*args: str, timeout: float = 600, env: dict[str, str] | None = Non
                           timeout=timeout, env=env)
 
 
+@pytest.mark.nats_case("NATS's crash trials are tests/test_crash_nats.py: fewer, for CI's time")
 @pytest.mark.parametrize("writer, trials", [("thread", TRIALS), ("process", 12)])
 def test_crash_test_trials(db_url, tmp_path, writer, trials):
     """`process`: the worker's command service in a writer process, both killed together
     (their process group) or the writer alone dying at a fault point."""
-    if db_url.startswith("nats"):
-        pytest.skip("NATS's crash trials are tests/test_crash_nats.py: fewer, for CI's time")
     url = db_url if db_url.startswith("postgresql") else f"sqlite:///{tmp_path}/crash.db"
     p = _kvledger("crash-test", "--db", url, "--trials", str(trials), "--seed", "3", "--json", "--writer", writer)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]

@@ -35,6 +35,7 @@ from kv_recording import VllmOracle, await_true, free_port
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 60.0
+pytestmark = pytest.mark.nats_case("the recorder on a NATS cell, its gap and restart: tests/test_nats_kv_events.py")
 
 
 def sid(name: str, rank: int = 0) -> str:

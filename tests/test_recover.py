@@ -188,6 +188,7 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+@pytest.mark.nats_case("one writer on NATS: tests/test_nats_failover.py kills a demo there too", writer="thread")
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
     rng = random.Random(os.getpid())
