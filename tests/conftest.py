@@ -157,14 +157,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "sql_storage(reason): runs on the SQL backends only, for the reason given")
     config.addinivalue_line("markers", "nats_case(reason, **params): on NATS, only the case with these other "
                             "parameters (none given: no case; the reason names the NATS test that covers it)")
+    config.addinivalue_line("markers", "sqlite_case(reason, **params): the cases with these other parameters "
+                            "(all, if none) run on SQLite only, for the reason given")
 
 
 def _dropped(item) -> bool:
-    """Whether the parametrized case `item` is deselected (see the two markers above).
+    """Whether the parametrized case `item` is deselected (see the markers above).
 
-    `nats_case` keeps CI within its time: a test above the journal (the worker, the demo,
-    tuning, the collector) runs on NATS in one of its variants, or in a NATS test of its
-    own, rather than in every one; the journal's own contract runs there whole."""
+    `nats_case` and `sqlite_case` keep CI within its time: a test above the journal (the
+    worker, the demo, tuning, the collector) runs in one of its variants on the other
+    backends, or in a test of its own there, rather than in every one; the journal's own
+    contract runs whole on every backend."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     backend = params.get("backend")
     if backend is None:
@@ -178,6 +181,10 @@ def _dropped(item) -> bool:
     if mark is not None and backend == "nats":
         assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: nats_case needs its reason"
         return not mark.kwargs or any(params.get(k) != v for k, v in mark.kwargs.items())
+    mark = item.get_closest_marker("sqlite_case")
+    if mark is not None and backend != "sqlite":
+        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: sqlite_case needs its reason"
+        return all(params.get(k) == v for k, v in mark.kwargs.items())
     return False
 
 

@@ -24,6 +24,8 @@ def _kvledger(*args: str, timeout: float = 600, env: dict[str, str] | None = Non
 
 
 @pytest.mark.nats_case("NATS's crash trials are tests/test_crash_nats.py: fewer, for CI's time")
+@pytest.mark.sqlite_case("a writer process's trials on SQLite; PostgreSQL's writers die in its thread trials",
+                         writer="process")
 @pytest.mark.parametrize("writer, trials", [("thread", TRIALS), ("process", 12)])
 def test_crash_test_trials(db_url, tmp_path, writer, trials):
     """`process`: the worker's command service in a writer process, both killed together

@@ -36,7 +36,7 @@ def _demo_then_export(db_url, tmp_path, capsys, *args) -> tuple[dict, list[dict]
     return summary, [json.loads(line) for line in out.read_text().splitlines()]
 
 
-@pytest.mark.nats_case("the demo's default size on NATS; its sizes are the worker's matter", requests=None)
+@pytest.mark.nats_case("a demo on a cell: tests/test_nats_journal.py; its sizes are the worker's matter")
 @pytest.mark.parametrize("requests", [8, None, 64])
 def test_demo_journal_holds_every_event_type_and_append_kind(db_url, tmp_path, capsys, requests):
     summary, events = _demo_then_export(db_url, tmp_path, capsys,

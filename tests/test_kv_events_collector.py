@@ -123,6 +123,7 @@ def settled(url: str, name: str, publish: Callable[[], int]) -> int:
     return last
 
 
+@pytest.mark.sqlite_case("the collector is above the journal's port: its writes are the recorder's, on every backend")
 def test_one_collector_records_three_engines_exactly_once(db_url, tmp_path):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (.ci/run installs vllm==0.33.0 --no-deps for this test)")

@@ -123,6 +123,7 @@ def test_killing_the_leader_under_a_demo_loses_nothing_acknowledged(cluster, wan
         assert demo.returncode == 2 and last.split(":")[0] in ErrorCode.__members__, demo.stderr[-2000:]
 
 
+@pytest.mark.slow  # a cluster of its own and two demos: `-m slow` runs it (CI's time holds the leader kill above)
 def test_a_demo_killed_during_the_election_is_finished_by_recover(cluster, want, tmp_path: Path):
     """The writer dies too, a moment after the leader: recover aborts its in-doubt
     appends, rebuilds every live handle (each row digest checked) and runs it to its end.

@@ -189,6 +189,8 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.nats_case("one writer on NATS: tests/test_nats_failover.py kills a demo there too", writer="thread")
+@pytest.mark.sqlite_case("a writer process killed with the demo, on SQLite: the thread case covers PostgreSQL",
+                         writer="process")
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
     rng = random.Random(os.getpid())

@@ -355,7 +355,8 @@ def two_journals(backend, tmp_path, request) -> tuple[str, str]:
     return admin.create(), admin.create()
 
 
-@pytest.mark.nats_case("tuning places the machine's threads, whatever the backend: SQLite and PostgreSQL show it")
+@pytest.mark.nats_case("tuning places the machine's threads, whatever the backend: SQLite shows it")
+@pytest.mark.sqlite_case("tuning places the machine's threads, whatever the backend")
 def test_a_demo_writes_the_same_journal_with_tuning_on_and_off(two_journals, tmp_path):
     """The demo's workload (forks, cancels, truncations, repairs, a reorder, a failed call)
     through a writer process, tuning on and off: the exports are the same event for event

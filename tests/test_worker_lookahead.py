@@ -59,7 +59,8 @@ def _run(url, specs, model, *, lookahead, writer="thread", on_step=None, script=
     return w, out, events
 
 
-@pytest.mark.nats_case("one writer on NATS: the lookahead is the worker's", writer="thread")
+@pytest.mark.nats_case("the lookahead is the worker's: SQLite and PostgreSQL show it")
+@pytest.mark.sqlite_case("the lookahead is the worker's: its writer process on SQLite", writer="process")
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_lookahead_journals_what_a_waiting_worker_journals(model, db_url, tmp_path, writer):
     """Every scenario of the demo (chunked prefill, fork and reorder, cancel, truncate,
@@ -111,7 +112,8 @@ def _overtake(url: str, handle: str, at_outputs: int):
     return hook, done, other
 
 
-@pytest.mark.nats_case("one writer on NATS: the lookahead is the worker's", writer="thread")
+@pytest.mark.nats_case("the lookahead is the worker's: SQLite and PostgreSQL show it")
+@pytest.mark.sqlite_case("the lookahead is the worker's: its writer process on SQLite", writer="process")
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_a_refused_in_flight_command_fails_its_handle_as_waiting_would(model, db_url, tmp_path, writer):
     """Another writer overtakes handle "a" mid-run. Whether the refusal is read before
