@@ -70,6 +70,9 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt, receipt_decoder
 
 STREAM_PREFIX = "KVL_"
+# A commit's acknowledgement awaited this long, then decided again (idempotent: the same
+# Msg-Id and operation ids): a batch sent to a leader that died is never answered.
+COMMIT_WAIT = 5.0
 MAX_TRIES = 200  # decisions of one append under contention before DATABASE_BUSY
 
 
@@ -152,7 +155,7 @@ class NatsJournal(Journal):
                     continue
                 faults.fault_unreachable("before_commit", self.display_url)
                 try:
-                    ack = self.client.publish_batch(batch)  # mid_batch: before its commit message
+                    ack = self.client.publish_batch(batch, COMMIT_WAIT)  # mid_batch: before its commit message
                 except Refused as refused:
                     self._forget()
                     if refused.code in RETRY:

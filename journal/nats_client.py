@@ -127,14 +127,14 @@ class NatsClient:
     # -- requests ------------------------------------------------------------------
 
     async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None,
-                       read: bool = True) -> Any:
+                       read: bool = True, wait: float | None = None) -> Any:
         """One request; while nobody answers it (a stream electing its leader, after a
-        failover or a create), asked again until the timeout. A read is asked again also
-        when its answer does not come (the server it went to was killed); a publish is
-        not: its caller decides again on what is stored."""
+        failover or a create), asked again until the timeout (`wait`, if shorter). A read
+        is asked again also when its answer does not come (the server it went to was
+        killed); a publish is not: its caller decides again on what is stored."""
         import nats.errors
 
-        deadline = self._loop.time() + self.timeout
+        deadline = self._loop.time() + min(self.timeout, wait or self.timeout)
         wait = 0.01
         while True:
             left = deadline - self._loop.time()
@@ -167,11 +167,14 @@ class NatsClient:
         msg = self._run(self._request(subject, data, headers, read=False))
         return _ack(msg.data)
 
-    def publish_batch(self, messages: Sequence[tuple[str, bytes, dict[str, str]]]) -> dict[str, Any]:
-        """An atomic batch (all stored or none): the commit's PubAck, or Refused."""
-        return self._run(self._batch(messages))
+    def publish_batch(self, messages: Sequence[tuple[str, bytes, dict[str, str]]],
+                      wait: float | None = None) -> dict[str, Any]:
+        """An atomic batch (all stored or none): the commit's PubAck, or Refused; its
+        acknowledgement awaited `wait` seconds at most (None: the timeout)."""
+        return self._run(self._batch(messages, wait))
 
-    async def _batch(self, messages: Sequence[tuple[str, bytes, dict[str, str]]]) -> dict[str, Any]:
+    async def _batch(self, messages: Sequence[tuple[str, bytes, dict[str, str]]],
+                     wait: float | None = None) -> dict[str, Any]:
         batch_id = self.nc._nuid.next().decode()
         last = len(messages)
         for i, (subject, data, headers) in enumerate(messages, 1):
@@ -181,7 +184,7 @@ class NatsClient:
                     await self.nc.flush()
                     faults.fault("mid_batch")
                 h["Nats-Batch-Commit"] = "1"
-                return _ack((await self._request(subject, data, h, read=False)).data)
+                return _ack((await self._request(subject, data, h, read=False, wait=wait)).data)
             # unacknowledged: the server refuses the commit of a batch with a gap (BATCH_INCOMPLETE),
             # and one round trip a commit is what a writer waits on
             await self.nc.publish(subject, data, headers=h)
