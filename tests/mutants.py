@@ -78,9 +78,9 @@ def _unguard_nats(journal: Any) -> Any:
         finally:
             journal._read_heads = read_heads
 
-    def unexpected_heads(batch: list[tuple[str, bytes, dict[str, str]]]) -> Any:
+    def unexpected_heads(batch: list[tuple[str, bytes, dict[str, str]]], wait: float | None = None) -> Any:
         return publish_batch([(s, d, {k: v for k, v in h.items() if not (
-            f"{journal.prefix}.h." in s and k == "Nats-Expected-Last-Subject-Sequence")}) for s, d, h in batch])
+            f"{journal.prefix}.h." in s and k == "Nats-Expected-Last-Subject-Sequence")}) for s, d, h in batch], wait)
 
     journal._decide = unguarded_decide
     journal.client.publish_batch = unexpected_heads
