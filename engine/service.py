@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Self
 import msgspec
 
 from kvledger.engine import commands as c
-from kvledger.engine.batch_plan import plan_step
+from kvledger.engine.batch_plan import plan_run, plan_step, runnable
 from kvledger.engine.chain import apply
 from kvledger.engine.decide import Draft
 from kvledger.engine.decide_batch import decide_batch
@@ -28,7 +28,7 @@ from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Operation, Rejection, StreamWrite
-from kvledger.journal.port import STEP_VERSIONS, Journal
+from kvledger.journal.port import STEP_VERSIONS, DecodeRun, Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -74,10 +74,18 @@ class Plan:
     # As decided: bound, with its operation id. None for a plain step of a decode batch, whose
     # bound chain is built by command() only if a retry or a refusal hook needs it.
     cmd: c.Command | None
-    op: Operation
+    planned: Operation | tuple[DecodeRun, int]  # its operation, or the run and index it is a step of
     states: dict[str, HandleState]
     stamped: list[ev.Event]  # its events; empty when op.step holds them as values
     chain: c.Chain | Callable[[], c.Chain] | None = None  # a plain step's chain, or how to build it
+
+    @property
+    def op(self) -> Operation:
+        """Its operation (a run's step's built here, once: for retries, hooks and messages)."""
+        if isinstance(self.planned, tuple):
+            run, i = self.planned
+            self.planned = run.operation(i)
+        return self.planned
 
     @property
     def events(self) -> list[ev.Event]:
@@ -96,11 +104,15 @@ class Plan:
         return self.cmd
 
     def handles(self) -> tuple[str, ...]:
+        if isinstance(self.planned, tuple):
+            return (self.planned[0].handle_ids[self.planned[1]],)
         return (self.op.writes[0].handle_id,) if self.cmd is None else c.handles_of(self.cmd)
 
     def wrote(self, r: Receipt) -> bool:
         """`r` is this plan's commit, not an earlier one's receipt answered to a retry of
         its operation id (event ids are unique: the first tells them apart)."""
+        if isinstance(self.planned, tuple):
+            return r.event_ids[:1] == (self.planned[0].first_event_id(self.planned[1]),)
         if self.op.step is not None:
             return r.event_ids[:1] == (self.op.step.first_event_id,)
         return r.event_ids == tuple([e.event_id for e in self.stamped])
@@ -224,7 +236,10 @@ class CommandService(BatchSurface):
         handles = steps.handle_ids
         decided = decide_batch(steps, {h: self.state(h) for h in handles}, mono)
         local: dict[str, HandleState | None] = {}  # as the steps before leave a handle
+        run, in_run = self._run(steps, decided.plain, local, planned, mono, wall)
         for i, after in enumerate(decided.plain):
+            if i in in_run:
+                continue
             h = handles[i]
             s = local[h] if h in local else self.state(h)
             op = None if after is None or s is None else plan_step(
@@ -238,21 +253,41 @@ class CommandService(BatchSurface):
                 local[h] = after
                 planned.append((i, Plan(None, op, {h: after}, [], partial(c.batch_chain, steps, i))))
         planned += self._decide(given, results, range(n, len(given)))
-        return self._commit(given, results, planned, defer)
+        return self._commit(given, results, planned, defer, run)
+
+    def _run(self, steps: DecodeBatch, plain: Sequence[HandleState | None], local: dict[str, HandleState | None],
+             planned: list[tuple[int, Plan]], mono: int, wall: int) -> tuple[DecodeRun | None, set[int]]:
+        """The batch's leading plain steps on distinct handles, as one run
+        (journal.decode_run; the batch's order is the journal's): their plans go into
+        `planned`, the states they leave into `local`. Returns the run (None: no such
+        step, or ids are seeded) and its steps' indexes."""
+        members: list[tuple[int, HandleState, HandleState]] = []
+        seen: set[str] = set()
+        for i, after in enumerate(plain):
+            h = steps.handle_ids[i]
+            s = self.state(h)
+            if h in seen or after is None or s is None or not runnable(steps, i):
+                break
+            seen.add(h)
+            members.append((i, s, after))
+        run = plan_run(steps, members, self.local_sequence, self.source_instance, mono, wall) if members else None
+        if run is None:
+            return None, set()
+        self.local_sequence += 3 * len(members)
+        for k, (i, _, after) in enumerate(members):
+            h = steps.handle_ids[i]
+            local[h] = after
+            planned.append((i, Plan(None, (run, k), {h: after}, [], partial(c.batch_chain, steps, i))))
+        return run, {i for i, _, _ in members}
 
     def _commit(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
-                planned: list[tuple[int, Plan]], defer: bool) -> Callable[[], list[Receipt | KvLedgerError]]:
-        """Append the planned operations (deferred or not); the function that waits for
-        them, decides again what contention refused, and returns the results. A step of
-        a decode batch is bound in `cmds` only when a retry or a hook needs it."""
-        first = None
-        if planned:
-            ops = [p.op for _, p in planned]
-            if defer:
-                first = self.journal.append_deferred(ops)
-            else:
-                outcomes = self.journal.append(ops)
-                first = lambda: outcomes  # noqa: E731 - the already-known outcome as the wait function
+                planned: list[tuple[int, Plan]], defer: bool, run: DecodeRun | None = None
+                ) -> Callable[[], list[Receipt | KvLedgerError]]:
+        """Append the planned operations (deferred or not), the first `len(run)` of them
+        as that run; the function that waits for them, decides again what contention
+        refused, and returns the results. A step of a decode batch is bound in `cmds`
+        only when a retry or a hook needs it."""
+        first = self._send(planned, defer, run) if planned else None
         plans = dict(planned)
 
         def command(i: int) -> c.Command | c.Relative:
@@ -287,6 +322,18 @@ class CommandService(BatchSurface):
             return results  # type: ignore[return-value]  # the loops above fill every slot
 
         return wait
+
+    def _send(self, planned: list[tuple[int, Plan]], defer: bool, run: DecodeRun | None
+              ) -> Callable[[], Sequence[Receipt | Rejection]]:
+        """Append the planned operations, the first `len(run)` as that run; the function
+        that waits for the outcomes."""
+        if run is not None:
+            return self.journal.append_run(run, [p.op for _, p in planned[len(run):]], defer=defer)
+        ops = [p.op for _, p in planned]
+        if defer:
+            return self.journal.append_deferred(ops)
+        outcomes = self.journal.append(ops)
+        return lambda: outcomes
 
     def _decide(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
                 todo: Sequence[int], local: dict[str, HandleState | None] | None = None) -> list[tuple[int, Plan]]:

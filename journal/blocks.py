@@ -58,9 +58,21 @@ def pack(rows: Sequence[Row]) -> bytes:
     n = len(rows)
     values = [r[0] for r in rows]
     flat = struct.pack(f"<{VALUES * n}q", *itertools.chain.from_iterable(values))
-    columns = _few_columns(values) if n <= FEW else _columns(flat, n)
-    digests = [NO_DIGEST if d is None else d for _, d in rows]
-    return b"".join([struct.pack("<BI", MARK, n), *columns, *digests, struct.pack(f"<{n}I", *_crcs(flat, digests))])
+    return _block(flat, n, _few_columns(values) if n <= FEW else _columns(flat, n), [d for _, d in rows])
+
+
+def pack_matrix(m: np.ndarray, digests: Sequence[bytes | None]) -> bytes:
+    """pack of n steps whose values are the rows of `m` (n x 30, int64): a run's block
+    built from its columns (journal.run_writer)."""
+    n = len(m)
+    flat = np.ascontiguousarray(m, "<i8").tobytes()
+    return _block(flat, n, _few_columns(m.tolist()) if n <= FEW else _columns(flat, n), digests)
+
+
+def _block(flat: bytes, n: int, columns: list[bytes], digests: Sequence[bytes | None]) -> bytes:
+    """The block of n steps: their values as int64 (`flat`), their columns' bytes, digests."""
+    stored = [NO_DIGEST if d is None else d for d in digests]
+    return b"".join([struct.pack("<BI", MARK, n), *columns, *stored, struct.pack(f"<{n}I", *_crcs(flat, stored))])
 
 
 def _columns(flat: bytes, n: int) -> list[bytes]:

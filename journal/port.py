@@ -63,6 +63,7 @@ from kvledger.journal.contract import (
     StoredEvent,
     StoredReceipt,
 )
+from kvledger.journal.decode_run import DecodeRun
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.journal.step_values import DecodeStep, FoldItem, StepColumns, StepRun, StepValues
 from kvledger.schemas.events import Event
@@ -104,6 +105,18 @@ class StreamRecorder(Recorder):
         happens), but must call it, from the same thread, before using this journal again.
         Nothing is acknowledged before it returns. This default commits at once."""
         results = self.append(operations)
+        return lambda: results
+
+    def append_run(self, run: DecodeRun, operations: Sequence[Operation], *, defer: bool = False
+                   ) -> Callable[[], list[Receipt | Rejection]]:
+        """append (`defer`: append_deferred) of the run's steps followed by `operations`,
+        in one transaction; the function that waits for the results, positional over
+        both. A backend may store the run from its columns; this default appends
+        `run.operations()`, whose answers a run's must equal."""
+        ops = [*run.operations(), *operations]
+        if defer:
+            return self.append_deferred(ops)
+        results = self.append(ops)
         return lambda: results
 
     @abc.abstractmethod
@@ -218,6 +231,7 @@ class Journal(StreamRecorder, LogReader, CheckpointRecorder, AuditRecorder):
 __all__ = [
     "AuditRecorder",
     "CheckpointRecorder",
+    "DecodeRun",
     "DecodeStep",
     "FoldItem",
     "Journal",

@@ -44,8 +44,9 @@ from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
 from kvledger.journal.manifests import pack_manifest
-from kvledger.journal.port import Journal, Snapshot
+from kvledger.journal.port import DecodeRun, Journal, Snapshot
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
+from kvledger.journal.run_writer import guard_rows, id_runs_of, run_record, validate_run
 from kvledger.journal.statements import EventRow, Statements, T
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, too_new
@@ -134,17 +135,42 @@ class SqlJournal(Journal):
             return []
         for op in operations:
             validate(op)
+        speculative = self._append_speculative if self.sql.speculative else None
+        return self._now([op.operation_id for op in operations] if faults.INTENTS else [],
+                         lambda cur: self._append(cur, operations), partial(speculative, operations) if speculative
+                         else None)
+
+    def append_run(self, run: DecodeRun, operations: Sequence[Operation], *, defer: bool = False
+                   ) -> Callable[[], list[Receipt | Rejection]]:
+        """The run as one block from its columns (journal.run_writer) when it is all the
+        batch; the general path (the port's default) when not, or where a statement per
+        batch is this backend's own (PostgreSQL's speculative append)."""
+        if operations or self.sql.speculative:
+            return super().append_run(run, operations, defer=defer)
+        validate_run(run)
+        intents = run.operation_ids() if faults.INTENTS else []
+        if defer and self.sql.deferred_commit:
+            return self._deferred(intents, lambda cur: self._append_run(cur, run))
+        results = self._now(intents, lambda cur: self._append_run(cur, run))
+        return lambda: results
+
+    def _now(self, intents: list[str], body: Callable[[Any], list[Receipt | Rejection]],
+             speculative: Callable[[], list[Receipt | Rejection] | None] | None = None
+             ) -> list[Receipt | Rejection]:
+        """Run `body` in one transaction and commit; `intents`: the operation ids a
+        crash test's fault points expect (faults.intend); `speculative`: a one-round-trip
+        attempt first (None: not done)."""
         self._check_process()
         with self._lock:
             if faults.INTENTS:
-                faults.intend([op.operation_id for op in operations])
+                faults.intend(intents)
             try:
-                if self.sql.speculative and self._predicted is not None:
-                    fast = self._append_speculative(operations)
+                if speculative is not None and self._predicted is not None:
+                    fast = speculative()
                     if fast is not None:
                         fault("after_commit")
                         return fast
-                results = self.sql.transaction(lambda cur: self._append(cur, operations))
+                results = self.sql.transaction(body)
                 self._predicted, self._predicted_chain = self._committed, self._committed_chain
                 self._remember()
                 fault("after_commit")
@@ -166,14 +192,20 @@ class SqlJournal(Journal):
             return super().append_deferred(operations)
         for op in operations:
             validate(op)
+        return self._deferred([op.operation_id for op in operations] if faults.INTENTS else [],
+                              lambda cur: self._append(cur, operations))
+
+    def _deferred(self, intents: list[str], body: Callable[[Any], list[Receipt | Rejection]]
+                  ) -> Callable[[], list[Receipt | Rejection]]:
+        """append_deferred's two halves of `body` (see _now for `intents`)."""
         self._check_process()
         self._lock.acquire()
         if faults.INTENTS:
-            faults.intend([op.operation_id for op in operations])
+            faults.intend(intents)
         try:
             cur = self.sql.begin()
             try:
-                results = self._append(cur, operations)
+                results = body(cur)
             except BaseException:
                 self.sql.end(cur, False)
                 raise
@@ -297,6 +329,29 @@ class SqlJournal(Journal):
         fault("before_commit")
         return results  # type: ignore[return-value]  # stored, rejected, build_record or the retry loop filled each slot
 
+    def _append_run(self, cur: Any, run: DecodeRun) -> list[Receipt | Rejection]:
+        """The run's transaction: its block, when no id of it is stored and every guard
+        holds (one statement for all of them); otherwise the general path decides its
+        operations, in the same transaction."""
+        runs = id_runs_of(run)
+        self.sql.lock(cur)
+        last, chain = self.sql.last_record(cur)
+        written = None
+        if not self.sql.ids_stored(cur, runs):
+            prevs = self._last_records(cur, zip(run.handle_ids, run.guards))
+            written = run_record(run, last, chain, time.time_ns(), prevs, runs)
+        if written is None:
+            return self._append(cur, run.operations())
+        fault("before_update")
+        if not self.sql.guard_all(cur, guard_rows(run, written.record.last_position)):
+            return self._append(cur, run.operations())  # which refuses what failed
+        fault("after_update")
+        self._uncommitted = written.tails
+        self._committed, self._committed_chain = written.record.last_position, written.record.chain
+        self.sql.insert_record(cur, written.record, run.handle_ids)
+        fault("before_commit")
+        return list(written.receipts)
+
     def _prevs(self, cur: Any, ops: Sequence[Operation], indexes: list[int],
                results: list[Receipt | Rejection | None]) -> dict[str, int]:
         """The last record of each existing handle the operations at `indexes` still to
@@ -304,23 +359,24 @@ class SqlJournal(Journal):
         heads): from _tails when its first write's guard expects the position cached (if
         the guard holds, that is the head's; if not, the operation is refused and the
         pointer goes unused), else read from the heads."""
+        return self._last_records(cur, ((w.handle_id, w.expected) for i in indexes if results[i] is None
+                                        for w in ops[i].writes))
+
+    def _last_records(self, cur: Any, writes: Iterable[tuple[str, Guard | None]]) -> dict[str, int]:
+        """_prevs of (handle, the guard its first write names) pairs."""
         prevs: dict[str, int] = {}
-        unknown: list[str] = []
-        for i in indexes:
-            if results[i] is not None:
+        unknown: dict[str, None] = {}  # in order, and a set
+        for h, expected in writes:
+            if h in prevs or h in unknown:
                 continue
-            for w in ops[i].writes:
-                h = w.handle_id
-                if h in prevs or h in unknown:
-                    continue
-                if w.expected is None:
-                    prevs[h] = PREV_NONE  # created by this batch
-                elif (tail := self._tails.get(h)) is not None and tail[0] == w.expected.stream_position:
-                    prevs[h] = tail[1]
-                else:
-                    unknown.append(h)
+            if expected is None:
+                prevs[h] = PREV_NONE  # created by this batch
+            elif (tail := self._tails.get(h)) is not None and tail[0] == expected.stream_position:
+                prevs[h] = tail[1]
+            else:
+                unknown[h] = None
         if unknown:
-            prevs.update(self.sql.last_records(cur, unknown))
+            prevs.update(self.sql.last_records(cur, list(unknown)))
         return prevs
 
     def _remember(self) -> None:

@@ -188,6 +188,24 @@ class Statements(VerifyReads):
                 ok.add(w.handle_id)
         return ok
 
+    def guard_all(self, cur: Any, params: list[tuple[Any, ...]]) -> bool:
+        """GUARDED_UPDATE with last_record of every row of `params` (distinct handles, in
+        the order guarded_update binds them) in one statement: True if every guard held;
+        False, with nothing changed, if not."""
+        cur.execute("SAVEPOINT kvl_guards")
+        cur.executemany(self.q(self.GUARDED_UPDATE.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD)),
+                        params)
+        held = bool(cur.rowcount == len(params))
+        if not held:
+            cur.execute("ROLLBACK TO SAVEPOINT kvl_guards")
+        cur.execute("RELEASE SAVEPOINT kvl_guards")
+        return held
+
+    def ids_stored(self, cur: Any, runs: list[tuple[int, int]]) -> bool:
+        """Whether any stored id may have a key in `runs` (keys.id_runs): a record holding
+        one, or rows of the one-row-per-event tables to look in."""
+        return bool(self.records_holding(cur, runs)) or self.has_event_rows(cur)
+
     def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]:
         sql, ok = self.q(self.CREATE_HEAD), set()
         for w in writes:

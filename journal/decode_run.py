@@ -1,0 +1,82 @@
+"""A decided decode batch as the engine hands it to the journal: one value, as columns.
+
+The command service decides a batch of decode steps (engine.decide_batch) and gives the
+plain steps on handles the batch touches first as one `DecodeRun`: n steps on n
+distinct existing handles, decided at one clock reading, their ids one contiguous
+block. Step i is the operation f"{prefix}{first_counter + 4 * i:016x}", whose three
+events (publish, emit, start) have the three counters after it, as engine.batch_plan
+draws a single step's; its events start at local sequence `local_sequence + 3 * i` and
+at the stream position after its guard's. Everything else a step's three events and
+receipt hold is in its columns or follows from them (journal.step_values.DecodeStep).
+
+A backend may write a run as it is, one block of columns (journal.run_writer); the
+port's default appends `operations()`, the same steps as Operations, which is also the
+general path a backend falls back to when a run's conditions do not hold (a guard
+failed, an id is stored already). tests/test_decode_run.py holds the two to the same
+journal and the same answers.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
+from kvledger.journal.step_values import DecodeStep
+from kvledger.schemas.events import ForwardCall
+
+GAPS = (1, 1, 1)  # an operation's three event ids follow its own
+
+
+class DecodeRun(msgspec.Struct, frozen=True, gc=False):
+    source_instance: str
+    monotonic_ns: int
+    observed_wall_time: int
+    prefix: str  # of the run's operation and event ids
+    first_counter: int  # the first step's operation id's counter
+    local_sequence: int  # the first step's first event's
+    handle_ids: tuple[str, ...]
+    request_ids: tuple[str, ...]
+    cache_abis: tuple[str, ...]
+    guards: tuple[Guard, ...]  # each handle's head the step was decided on
+    heads: tuple[HeadFacts, ...]  # the head it leaves
+    publish_txns: tuple[str, ...]
+    start_txns: tuple[str, ...]
+    committed: tuple[int, ...]  # the committed length after the publication: where the start's row goes
+    accepted: tuple[int, ...]
+    layers: tuple[int, ...]
+    workspace: tuple[int, ...]
+    rows_sha256: tuple[str | None, ...]
+    outputs: tuple[int, ...]  # the output index emitted
+    tokens: tuple[int, ...]
+    calls: tuple[ForwardCall | None, ...]
+    fingerprints: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.handle_ids)
+
+    def operation_id(self, i: int) -> str:
+        return f"{self.prefix}{self.first_counter + 4 * i:016x}"
+
+    def first_event_id(self, i: int) -> str:
+        return f"{self.prefix}{self.first_counter + 4 * i + 1:016x}"
+
+    def operation_ids(self) -> list[str]:
+        return [self.operation_id(i) for i in range(len(self))]
+
+    def step(self, i: int) -> DecodeStep:
+        g = self.guards[i]
+        return DecodeStep(
+            0, self.handle_ids[i], self.request_ids[i], g.generation, self.source_instance, self.cache_abis[i],
+            g.stream_position + 1, self.local_sequence + 3 * i, self.monotonic_ns, self.observed_wall_time,
+            self.prefix, self.first_counter + 4 * i, GAPS, self.publish_txns[i], self.start_txns[i],
+            g.snapshot_version, self.committed[i], self.accepted[i], self.layers[i], self.workspace[i],
+            self.rows_sha256[i], self.outputs[i], self.tokens[i], self.calls[i])
+
+    def operation(self, i: int) -> Operation:
+        """Step i as the Operation a single planned step is (engine.batch_plan)."""
+        return Operation(self.operation_id(i), self.fingerprints[i],
+                         (StreamWrite(self.handle_ids[i], self.guards[i], self.heads[i], ()),),
+                         derived=True, stamped=True, step=self.step(i))
+
+    def operations(self) -> list[Operation]:
+        return [self.operation(i) for i in range(len(self))]

@@ -1,0 +1,129 @@
+"""A decode run written from its columns (journal.run_writer, SqlJournal.append_run) against
+the same run appended as its operations (the port's default, the general path): the
+same stored rows byte for byte, the same answers, for random batches, including steps
+the block path declines (an id not in engine.ids' form), stale bases (another writer
+moved a head), model calls, and random digests, counts and id prefixes."""
+
+from __future__ import annotations
+
+import itertools
+import sqlite3
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvledger.engine import commands as c
+from kvledger.engine import ids
+from kvledger.engine.service import CommandService, ManualClock
+from kvledger.journal.port import Journal
+from kvledger.migrations.storage import open_or_create_journal
+from kvledger.schemas.decode_batch import BatchBuilder, DecodeBatch
+from kvledger.schemas.errors import KvLedgerError
+from kvledger.schemas.events import ForwardCall
+
+from lane_helpers import fixed_commit_time, same_ids
+from lifecycle_helpers import make_manifest
+
+PROMPT = (3, 1, 4, 1)
+TABLES = ("kvl_records", "kvl_heads", "kvl_record_ids", "kvl_manifests")
+
+step = st.fixed_dictionaries({
+    "digest": st.one_of(st.none(), st.binary(min_size=32, max_size=32).map(bytes.hex)),
+    "token": st.integers(0, 1 << 40),
+    "workspace": st.sampled_from([0, 1, 64, 1 << 40]),
+    "txn": st.sampled_from(["engine", "engine", "engine", "other_prefix", "not_engine_form"]),
+    "stale": st.sampled_from([False] * 5 + [True]),  # another writer moves its handle first
+    "call": st.sampled_from([None, None, "engine", "engine", "not_engine_form"]),
+    "call_numbers": st.tuples(st.integers(0, 1 << 20), st.integers(1, 64), st.integers(1, 8), st.integers(1, 1 << 20),
+                              st.integers(0, 64)),
+})
+batches = st.integers(1, 6).flatmap(lambda n: st.lists(st.lists(step, min_size=n, max_size=n), min_size=1,
+                                                        max_size=3))
+
+
+def _txn(kind: str, k: int) -> str:
+    if kind == "other_prefix":
+        return f"0be7000000000001{k:016x}"
+    if kind == "not_engine_form":
+        return f"txn-{k}"
+    return ids.new_id()
+
+
+def _batch(rows: list[tuple], abi: str) -> DecodeBatch:
+    """A batch of (handle, txn, its state as the sender knows it, token, next txn, digest[,
+    workspace, call]) steps."""
+    batch = BatchBuilder()
+    for h, txn, s, token, nxt, digest, *detail in rows:
+        t = s.open_txns[0]
+        i = batch.add(h, txn, t.interval_start + t.interval_count, len(s.outputs), token, nxt, digest, abi)
+        batch.detail(i, workspace_bytes=detail[0] if detail else 0, call=detail[1] if detail else None)
+    return batch.build()
+
+
+def _call(kind: str | None, call_ids: dict[str, str], numbers: tuple[int, ...]) -> ForwardCall | None:
+    """A step's model call: the round's one call id (a batch's steps share one forward
+    call), in engine.ids' form or not."""
+    if kind is None:
+        return None
+    index, size, new_pad, key_extent, threads = numbers
+    return ForwardCall(call_ids[kind], index, size, new_pad, key_extent, threads)
+
+
+def _journal(path: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[str, list], list]:
+    """The tables of a journal the rounds were written to, each a batch of one step a
+    handle, and every answer; `columns` False: runs appended as their operations."""
+    n = len(rounds[0])
+    handles = [f"run-{i}" for i in range(n)]
+    with open_or_create_journal(f"sqlite:///{path}") as journal:
+        if not columns:
+            journal.append_run = lambda run, ops, **kw: Journal.append_run(journal, run, ops, **kw)  # type: ignore[method-assign]  # the default
+        service = CommandService(journal, clock=ManualClock().at(5.0))
+        other = CommandService(journal, clock=ManualClock().at(6.0), source_instance="other")
+        txn = {h: ids.new_id() for h in handles}
+        out: list = list(service.execute_many(
+            [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT), reserved_capacity=40)
+             for h in handles] +
+            [c.Relative(c.BeginAppend(handle_id=h, txn_id=txn[h], kind="prefill", base_generation=None,
+                                      base_snapshot_version=None, interval_start=0, interval_count=len(PROMPT),
+                                      token_ids=PROMPT, cache_positions=(0, 1, 2, 3),
+                                      mask_key_extent=len(PROMPT), cache_abi_sha256="")) for h in handles]))
+        abi = service.state(handles[0]).cache_abi_sha256
+        counter = itertools.count()
+        for steps in rounds:
+            moved = {}
+            for h, x in zip(handles, steps):
+                if x["stale"]:  # another writer decodes the handle's step first: the service's head is stale
+                    moved[h] = ids.new_id()
+                    out += other.execute_steps(_batch([(h, txn[h], other.state(h, refresh=True), 7, moved[h],
+                                                        None)], abi))
+            call_ids = {"engine": ids.new_id(), "not_engine_form": f"call-{next(counter)}"}
+            rows = [(h, txn[h], service.state(h), x["token"], _txn(x["txn"], next(counter)), x["digest"],
+                     x["workspace"], _call(x["call"], call_ids, x["call_numbers"])) for h, x in zip(handles, steps)]
+            batch = _batch(rows, abi)
+            results = service.execute_steps(batch)
+            for h, nxt_step, r in zip(handles, batch.next_txn_ids, results):
+                if not isinstance(r, KvLedgerError):
+                    txn[h] = nxt_step
+                elif h in moved:
+                    txn[h] = moved[h]
+            out += [(r.code, r.message) if isinstance(r, KvLedgerError) else r for r in results]
+    con = sqlite3.connect(path)
+    try:
+        tables = {t: con.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in TABLES}  # constant table names
+    finally:
+        con.close()
+    return tables, out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rounds=batches)
+def test_a_run_from_its_columns_stores_what_its_operations_store(rounds):
+    with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
+        runs = {}
+        for columns in (True, False):
+            same_ids(mp)
+            fixed_commit_time(mp)
+            runs[columns] = _journal(f"{d}/{columns}.db", columns, rounds)
+        assert runs[True] == runs[False]
