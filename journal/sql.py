@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-import msgspec
 from sqlalchemy.engine import URL
 
 from kvledger.journal import faults, tuning
@@ -43,26 +42,26 @@ from kvledger.journal.contract import Guard, HeadFacts, ImportTables, Operation,
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
-from kvledger.journal.manifests import pack_manifest
 from kvledger.journal.port import DecodeRun, Journal, Snapshot
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
 from kvledger.journal.run_writer import guard_rows, id_runs_of, run_record, validate_run
-from kvledger.journal.statements import EventRow, Statements, T
+from kvledger.journal.sql_import import load_import
+from kvledger.journal.statements import Statements, T
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, too_new
 from kvledger.journal.url import parse_url, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
-from kvledger.schemas.receipts import Receipt, receipt_decoder, receipt_encoder
-
-READ_PAGE = 5000
-IMPORT_PAGE_BYTES = 16 << 20  # an import inserts events in pages of at most this many body bytes
+from kvledger.schemas.receipts import Receipt, receipt_decoder
 
 
 def open_journal(raw_url: str) -> SqlJournal:
     """Open a migrated journal. An un-migrated database is NOT_MIGRATED (run `kvledger init`)."""
     url = parse_url(raw_url)
     return SqlJournal(url)
+
+
+READ_PAGE = 5000
 
 
 class SqlJournal(Journal):
@@ -143,12 +142,16 @@ class SqlJournal(Journal):
     def append_run(self, run: DecodeRun, operations: Sequence[Operation], *, defer: bool = False
                    ) -> Callable[[], list[Receipt | Rejection]]:
         """The run as one block from its columns (journal.run_writer) when it is all the
-        batch; the general path (the port's default) when not, or where a statement per
-        batch is this backend's own (PostgreSQL's speculative append)."""
-        if operations or self.sql.speculative:
+        batch (PostgreSQL: in its one-statement append); the general path (the port's
+        default) when not."""
+        if operations:
             return super().append_run(run, operations, defer=defer)
         validate_run(run)
         intents = run.operation_ids() if faults.INTENTS else []
+        if self.sql.speculative:  # one statement when it holds; the general path when not
+            results = self._now(intents, lambda cur: self._append(cur, run.operations()),
+                                partial(self._run_speculative, run))
+            return lambda: results
         if defer and self.sql.deferred_commit:
             return self._deferred(intents, lambda cur: self._append_run(cur, run))
         results = self._now(intents, lambda cur: self._append_run(cur, run))
@@ -278,17 +281,47 @@ class SqlJournal(Journal):
         record, _, position = self._record(ops, range(len(ops)), results,
                                            Base(last, self._predicted_chain, time.time_ns(), set(), prevs))
         assert record is not None  # every operation writes an event
+        receipts = [r for r in results if isinstance(r, Receipt)]  # build_record made one for each
+        if not self._speculate(updates, record, list(op_ids), receipts, last):
+            return None
+        return results  # type: ignore[return-value]  # build_record filled every slot
+
+    def _run_speculative(self, run: DecodeRun) -> list[Receipt | Rejection] | None:
+        """_append_speculative of a run, its record built from its columns."""
+        if self._skip:
+            self._skip -= 1
+            return None
+        prevs: dict[str, int] = {}
+        for h, g in zip(run.handle_ids, run.guards):
+            tail = self._tails.get(h)
+            if tail is None or tail[0] != g.stream_position:
+                return None  # its last record is not known here: the general path reads it
+            prevs[h] = tail[1]
+        last = self._predicted
+        assert last is not None
+        self._uncommitted = {}
+        written = run_record(run, last, self._predicted_chain, time.time_ns(), prevs, id_runs_of(run))
+        if written is None:
+            return None
+        self._uncommitted = written.tails
+        updates = [(StreamWrite(h, g, x, ()), g) for h, g, x in zip(run.handle_ids, run.guards, run.heads)]
+        ok = self._speculate(updates, written.record, run.operation_ids(), written.receipts, last)
+        return list(written.receipts) if ok else None
+
+    def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow, op_ids: list[str],
+                   receipts: list[Receipt], last: int) -> bool:
+        """The one-statement append of a record whose operations' receipts are `receipts`."""
         fault("before_update")
-        event_ids = [e for r in results if isinstance(r, Receipt) for e in r.event_ids]  # build_record made each
-        if self.sql.append_if(updates, record, list(op_ids), event_ids, last):
-            self._predicted, self._predicted_chain, self._misses = position, record.chain, 0
+        event_ids = [e for r in receipts for e in r.event_ids]
+        if self.sql.append_if(updates, record, op_ids, event_ids, last):
+            self._predicted, self._predicted_chain, self._misses = record.last_position, record.chain, 0
             self._remember()
-            return results  # type: ignore[return-value]  # build_record filled every slot
+            return True
         # Another writer moved the journal (or a guard failed, or this is a retry): back
         # off exponentially so a contended journal does not pay a wasted round trip each time.
         self._misses = min(self._misses + 1, 6)
         self._skip = (1 << self._misses) - 1
-        return None
+        return False
 
     def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
         # A few steps a batch, no per-event helper calls: the Python a publication pays on top of the database's.
@@ -508,40 +541,10 @@ class SqlJournal(Journal):
 
     def import_events(self, events: Iterable[tuple[Event, bytes]],
                       tables: Callable[[], ImportTables]) -> None:
-        def load(cur: Any) -> None:
-            self.sql.lock_and_last_position(cur)
-            if self.sql.has_rows(cur):
-                raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{self.display_url} is not empty: "
-                                    "import loads an exported journal into an empty one")
-            page: list[EventRow] = []
-            size = 0
-            for e, body in events:
-                # The schema_version column describes the stored body, which an upcast
-                # event no longer does: read it from the body itself.
-                page.append((e.global_position, e.event_id, e.stream_id, e.stream_position,
-                             e.event_type, _stored_version.decode(body).schema_version,
-                             e.operation_id, body))
-                size += len(body)
-                if len(page) == READ_PAGE or size >= IMPORT_PAGE_BYTES:
-                    self.sql.insert_events(cur, page)
-                    page, size = [], 0
-            if page:
-                self.sql.insert_events(cur, page)
-            derived = tables()
-            head_rows = [StreamWrite(h, None, facts, ()) for h, facts in derived.heads.items()]
-            receipt_rows = [(r.operation_id, r.fingerprint, r.first_global_position,
-                             r.last_global_position, receipt_encoder.encode(r)) for r in derived.receipts]
-            for i in range(0, len(head_rows), READ_PAGE):
-                self.sql.create_heads(cur, head_rows[i:i + READ_PAGE])
-            for i in range(0, len(receipt_rows), READ_PAGE):
-                self.sql.insert_receipts(cur, receipt_rows[i:i + READ_PAGE])
-            if derived.manifests:
-                self.sql.insert_manifests(cur, [(sha, pack_manifest(m)) for sha, m in derived.manifests])
-
         self._check_process()
         with self._lock:
             try:
-                self.sql.transaction(load)
+                self.sql.transaction(partial(load_import, self.sql, events, tables, self.display_url))
             except KvLedgerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
@@ -576,13 +579,6 @@ class SqlJournal(Journal):
             if len(rows) < READ_PAGE:
                 return
             after = rows[-1][0]
-
-
-class _StoredVersion(msgspec.Struct):
-    schema_version: int
-
-
-_stored_version = msgspec.json.Decoder(_StoredVersion)
 
 
 __all__ = ["Guard", "SqlJournal", "make_engine", "open_journal"]

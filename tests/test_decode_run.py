@@ -10,6 +10,7 @@ import itertools
 import sqlite3
 import tempfile
 
+import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from kvledger.schemas.decode_batch import BatchBuilder, DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.events import ForwardCall
 
+from hardening_db import conninfo
 from lane_helpers import fixed_commit_time, same_ids
 from lifecycle_helpers import make_manifest
 
@@ -71,12 +73,12 @@ def _call(kind: str | None, call_ids: dict[str, str], numbers: tuple[int, ...]) 
     return ForwardCall(call_ids[kind], index, size, new_pad, key_extent, threads)
 
 
-def _journal(path: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[str, list], list]:
+def _journal(url: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[str, list], list]:
     """The tables of a journal the rounds were written to, each a batch of one step a
     handle, and every answer; `columns` False: runs appended as their operations."""
     n = len(rounds[0])
     handles = [f"run-{i}" for i in range(n)]
-    with open_or_create_journal(f"sqlite:///{path}") as journal:
+    with open_or_create_journal(url) as journal:
         if not columns:
             journal.append_run = lambda run, ops, **kw: Journal.append_run(journal, run, ops, **kw)  # type: ignore[method-assign]  # the default
         service = CommandService(journal, clock=ManualClock().at(5.0))
@@ -109,21 +111,38 @@ def _journal(path: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[s
                 elif h in moved:
                     txn[h] = moved[h]
             out += [(r.code, r.message) if isinstance(r, KvLedgerError) else r for r in results]
-    con = sqlite3.connect(path)
-    try:
-        tables = {t: con.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in TABLES}  # constant table names
-    finally:
-        con.close()
-    return tables, out
+    return _tables(url), out
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rounds=batches)
-def test_a_run_from_its_columns_stores_what_its_operations_store(rounds):
-    with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
-        runs = {}
-        for columns in (True, False):
-            same_ids(mp)
-            fixed_commit_time(mp)
-            runs[columns] = _journal(f"{d}/{columns}.db", columns, rounds)
-        assert runs[True] == runs[False]
+def _tables(url: str) -> dict[str, list]:
+    queries = {t: f"SELECT * FROM {t} ORDER BY 1" for t in TABLES}  # constant table names
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"))
+        try:
+            return {t: con.execute(q).fetchall() for t, q in queries.items()}
+        finally:
+            con.close()
+    with psycopg.connect(conninfo(url)) as pg:
+        return {t: [tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)
+                    for row in pg.execute(q).fetchall()] for t, q in queries.items()}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_run_from_its_columns_stores_what_its_operations_store(kind, request):
+    """SQLite writes a run's block in its transaction; PostgreSQL in its one-statement append."""
+    pg = request.getfixturevalue("pg_admin") if kind == "postgres" else None
+
+    @settings(max_examples=25 if pg is None else 10, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(rounds=batches)
+    def check(rounds: list[list[dict]]) -> None:
+        with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
+            runs = {}
+            for columns in (True, False):
+                same_ids(mp)
+                fixed_commit_time(mp)
+                url = f"sqlite:///{d}/{columns}.db" if pg is None else pg.create()
+                runs[columns] = _journal(url, columns, rounds)
+            assert runs[True] == runs[False]
+
+    check()
