@@ -24,6 +24,11 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.ids import lower_hex
 from kvledger.schemas.receipts import HandleResult, Receipt
 
+# Runs this short are written by the general path: the block path's array calls cost more
+# than they save below this, and a batch-1 commit follows a model call that evicted numpy's
+# code (blocks.FEW).
+SMALL = 2
+
 
 class RunWritten(NamedTuple):
     record: RecordRow

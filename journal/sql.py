@@ -44,7 +44,7 @@ from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
 from kvledger.journal.port import DecodeRun, Journal, Snapshot
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
-from kvledger.journal.run_writer import guard_rows, id_runs_of, run_record, validate_run
+from kvledger.journal.run_writer import SMALL, guard_rows, id_runs_of, run_record, validate_run
 from kvledger.journal.sql_import import load_import
 from kvledger.journal.statements import Statements, T
 from kvledger.journal.step_values import FoldItem
@@ -144,7 +144,7 @@ class SqlJournal(Journal):
         """The run as one block from its columns (journal.run_writer) when it is all the
         batch (PostgreSQL: in its one-statement append); the general path (the port's
         default) when not."""
-        if operations:
+        if operations or len(run) <= SMALL:
             return super().append_run(run, operations, defer=defer)
         validate_run(run)
         intents = run.operation_ids() if faults.INTENTS else []
