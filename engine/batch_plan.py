@@ -1,24 +1,22 @@
-"""The operation of a decided plain decode step, as the journal's DecodeStep.
+"""Decided plain decode steps as the journal takes them: one DecodeRun (journal.decode_run).
 
-engine.decide_batch decides a step and gives the state it leaves; this turns it into the
-Operation the journal appends: its ids (an operation id and three event ids, drawn in
-the general path's order), its fingerprint (schemas.decode_fingerprint, the one its
-chain's command gives) and the step's facts in their events' form (journal.contract's
-DecodeStep), with no event structs: the journal derives what a record stores of it.
-None when a step has no such form (seeded ids, a value of another type): the caller
-plans it by the general path, which stamps its events.
-
-`plan_run` gives the steps a batch takes first on their handles as one value instead
-(journal.decode_run): their columns, one block of ids, the same facts and fingerprints.
+engine.decide_batch decides a step and gives the state it leaves; `plan_run` turns the
+steps a batch takes first on their handles into one run: their columns, one block of ids
+(an operation id and three event ids a step, in the general path's order), each step's
+fingerprint (schemas.decode_fingerprint, the one its chain's command gives), guard and
+head, with no event structs: the journal derives what a record stores of them. A later
+step on one of those handles is a run of one (`plan_step`, as an Operation). None when
+a step has no such form (seeded ids, a value of another type): the caller plans it by
+the general path, which stamps its events.
 """
 
 from __future__ import annotations
 
 from kvledger.engine.heads import guard, head
-from kvledger.engine.ids import new_block, new_counted
+from kvledger.engine.ids import new_block
 from kvledger.engine.state import HandleState
-from kvledger.journal.contract import Operation, StreamWrite
-from kvledger.journal.port import DecodeRun, DecodeStep
+from kvledger.journal.contract import Operation
+from kvledger.journal.port import DecodeRun
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.decode_fingerprint import step_fingerprint
 
@@ -26,31 +24,17 @@ from kvledger.schemas.decode_fingerprint import step_fingerprint
 def plan_step(s: HandleState, after: HandleState, batch: DecodeBatch, i: int, local_sequence: int,
               source_instance: str, mono: int, wall: int) -> Operation | None:
     """The operation of step i of `batch`, decided on the handle in state `s` to leave
-    `after` (its events' local sequence numbers follow `local_sequence`), or None. Ids
-    are drawn only once everything else holds."""
-    token, workspace, rows, call = batch.tokens[i], batch.workspace(i), batch.rows_sha256[i], batch.call(i)
-    if type(token) is not int or type(workspace) is not int:  # what the fingerprint encodes as given
+    `after` (its events' local sequence numbers follow `local_sequence`), or None: a run
+    of one step, as an Operation."""
+    if not runnable(batch, i):
         return None
-    drawn = new_counted()
-    if drawn is None:  # seeded ids have no counters
-        return None
-    prefix, n = drawn
-    e1, e2, e3 = new_counted(), new_counted(), new_counted()
-    if e1 is None or e2 is None or e3 is None or not e1[0] == e2[0] == e3[0] == prefix:
-        return None  # seeded, or a forked child's new prefix
-    h, txn_id, next_txn, at, abi = (batch.handle_ids[i], batch.txn_ids[i], batch.next_txn_ids[i],
-                                    batch.positions[i], batch.cache_abi_sha256[i])
-    g, v = s.generation, s.snapshot_version
-    step = DecodeStep(
-        0, h, s.request_id, g, source_instance, abi, s.stream_position + 1, local_sequence + 1, mono, wall,
-        prefix, n, (e1[1] - n, e2[1] - e1[1], e3[1] - e2[1]), txn_id, next_txn, v, at, s.open_txns[0].interval_count,
-        s.num_layers, workspace, rows, len(s.outputs), token, call)
-    return Operation(f"{prefix}{n:016x}", step_fingerprint(batch, i, g, v),
-                     (StreamWrite(h, guard(s), head(after), ()),), derived=True, stamped=True, step=step)
+    run = plan_run(batch, [(i, s, after)], local_sequence, source_instance, mono, wall)
+    return None if run is None else run.operation(0)
 
 
 def runnable(batch: DecodeBatch, i: int) -> bool:
-    """Step i's caller-given values have the types a run's columns hold (as plan_step's)."""
+    """Step i's caller-given values have the types a run's columns hold: what the
+    fingerprint encodes as given."""
     return type(batch.tokens[i]) is int and type(batch.workspace(i)) is int
 
 

@@ -41,15 +41,6 @@ def new_id() -> str:
     return _next()
 
 
-def new_counted() -> tuple[str, int] | None:
-    """A new id as its prefix and counter (the id is f"{prefix}{counter:016x}"), drawn as
-    new_id draws it; None while ids are seeded (they have no counter). A decode step
-    stored as a row keeps its ids' counters (journal.steps), not their text."""
-    if _next is not _unique:
-        return None
-    return _prefix, next(_counter)
-
-
 def new_block(count: int) -> tuple[str, int] | None:
     """`count` new ids as one prefix and the first of `count` consecutive counters (a
     decode run's, journal.decode_run), or None while ids are seeded or if the block is
