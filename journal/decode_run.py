@@ -72,6 +72,14 @@ class DecodeRun(msgspec.Struct, frozen=True, gc=False):
             g.snapshot_version, self.committed[i], self.accepted[i], self.layers[i], self.workspace[i],
             self.rows_sha256[i], self.outputs[i], self.tokens[i], self.calls[i])
 
+    def event_ids(self, i: int) -> tuple[str, str, str]:
+        n = self.first_counter + 4 * i
+        return f"{self.prefix}{n + 1:016x}", f"{self.prefix}{n + 2:016x}", f"{self.prefix}{n + 3:016x}"
+
+    def writes(self) -> list[tuple[StreamWrite, Guard]]:
+        """Each step's write (its events left to the run) with the guard it expects."""
+        return [(StreamWrite(h, g, x, ()), g) for h, g, x in zip(self.handle_ids, self.guards, self.heads)]
+
     def operation(self, i: int) -> Operation:
         """Step i as the Operation a single planned step is (engine.batch_plan)."""
         return Operation(self.operation_id(i), self.fingerprints[i],

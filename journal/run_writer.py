@@ -57,13 +57,6 @@ def validate_run(run: DecodeRun) -> None:
                                 "last event")
 
 
-def guard_rows(run: DecodeRun, last_record: int) -> list[tuple[object, ...]]:
-    """Statements.guard_all's rows: each head from its guard to the head its step leaves."""
-    return [(x.generation, x.snapshot_version, x.stream_position, x.committed_length, x.lifecycle, last_record, h,
-             g.generation, g.snapshot_version, g.stream_position)
-            for h, g, x in zip(run.handle_ids, run.guards, run.heads)]
-
-
 def id_runs_of(run: DecodeRun) -> list[tuple[int, int]]:
     """The id keys of the run's operation and event ids, as runs (keys.id_runs)."""
     return id_runs(counted_keys(run.prefix, range(run.first_counter, run.first_counter + 4 * len(run))))
@@ -161,13 +154,7 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
 
 def receipts(run: DecodeRun, first: int, now: int) -> list[Receipt]:
     """Each step's receipt, its events at `first` on (three a step)."""
-    prefix, n0 = run.prefix, run.first_counter
-    out = []
-    for i, (h, x, fp) in enumerate(zip(run.handle_ids, run.heads, run.fingerprints)):
-        n, g = n0 + 4 * i, first + 3 * i
-        out.append(Receipt(f"{prefix}{n:016x}", fp,
-                           (HandleResult(h, x.generation, x.snapshot_version, x.stream_position,
-                                         x.committed_length),),
-                           (f"{prefix}{n + 1:016x}", f"{prefix}{n + 2:016x}", f"{prefix}{n + 3:016x}"),
-                           g, g + 2, now))
-    return out
+    return [Receipt(run.operation_id(i), fp,
+                    (HandleResult(h, x.generation, x.snapshot_version, x.stream_position, x.committed_length),),
+                    run.event_ids(i), first + 3 * i, first + 3 * i + 2, now)
+            for i, (h, x, fp) in enumerate(zip(run.handle_ids, run.heads, run.fingerprints))]

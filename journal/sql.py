@@ -44,7 +44,7 @@ from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
 from kvledger.journal.port import DecodeRun, Journal, Snapshot
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
-from kvledger.journal.run_writer import SMALL, guard_rows, id_runs_of, run_record, validate_run
+from kvledger.journal.run_writer import SMALL, id_runs_of, run_record, validate_run
 from kvledger.journal.sql_import import load_import
 from kvledger.journal.statements import Statements, T
 from kvledger.journal.step_values import FoldItem
@@ -54,14 +54,13 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt, receipt_decoder
 
+READ_PAGE = 5000
+
 
 def open_journal(raw_url: str) -> SqlJournal:
     """Open a migrated journal. An un-migrated database is NOT_MIGRATED (run `kvledger init`)."""
     url = parse_url(raw_url)
     return SqlJournal(url)
-
-
-READ_PAGE = 5000
 
 
 class SqlJournal(Journal):
@@ -304,8 +303,7 @@ class SqlJournal(Journal):
         if written is None:
             return None
         self._uncommitted = written.tails
-        updates = [(StreamWrite(h, g, x, ()), g) for h, g, x in zip(run.handle_ids, run.guards, run.heads)]
-        ok = self._speculate(updates, written.record, run.operation_ids(), written.receipts, last)
+        ok = self._speculate(run.writes(), written.record, run.operation_ids(), written.receipts, last)
         return list(written.receipts) if ok else None
 
     def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow, op_ids: list[str],
@@ -376,7 +374,7 @@ class SqlJournal(Journal):
         if written is None:
             return self._append(cur, run.operations())
         fault("before_update")
-        if not self.sql.guard_all(cur, guard_rows(run, written.record.last_position)):
+        if not self.sql.guard_all(cur, run.writes(), written.record.last_position):
             return self._append(cur, run.operations())  # which refuses what failed
         fault("after_update")
         self._uncommitted = written.tails

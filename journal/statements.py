@@ -160,27 +160,12 @@ class Statements(VerifyReads):
     def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]],
                        last_record: int | None = None) -> set[str]:
         """Handles in `rows` are distinct. Many rows go through one executemany under a
-        savepoint: a summed rowcount equal to the row count means every guard held (a
-        handle matches at most one row); otherwise the savepoint undoes it and the rows
-        are redone one by one to learn which guards failed. `last_record`: the last
-        position of the record this commit will write, if known, stored as each
-        updated head's last_record."""
-        sql = self.GUARDED_UPDATE
-        at: tuple[int, ...] = ()
-        if last_record is not None:
-            sql, at = sql.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD), (last_record,)
-        sql = self.q(sql)
-        params = [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
-                   w.head.committed_length, w.head.lifecycle, *at, w.handle_id, g.generation,
-                   g.snapshot_version, g.stream_position) for w, g in rows]
-        if len(rows) >= 4:
-            cur.execute("SAVEPOINT kvl_guards")
-            cur.executemany(sql, params)
-            if cur.rowcount == len(rows):
-                cur.execute("RELEASE SAVEPOINT kvl_guards")
-                return {w.handle_id for w, _ in rows}
-            cur.execute("ROLLBACK TO SAVEPOINT kvl_guards")
-            cur.execute("RELEASE SAVEPOINT kvl_guards")
+        savepoint (guard_all); when not every guard held, the rows are redone one by one
+        to learn which failed. `last_record`: the last position of the record this commit
+        will write, if known, stored as each updated head's last_record."""
+        sql, params = self._guarded(rows, last_record)
+        if len(rows) >= 4 and self._all_held(cur, sql, params):
+            return {w.handle_id for w, _ in rows}
         ok = set()
         for (w, _), p in zip(rows, params):
             cur.execute(sql, p)
@@ -188,13 +173,28 @@ class Statements(VerifyReads):
                 ok.add(w.handle_id)
         return ok
 
-    def guard_all(self, cur: Any, params: list[tuple[Any, ...]]) -> bool:
-        """GUARDED_UPDATE with last_record of every row of `params` (distinct handles, in
-        the order guarded_update binds them) in one statement: True if every guard held;
-        False, with nothing changed, if not."""
+    def guard_all(self, cur: Any, rows: list[tuple[StreamWrite, Guard]], last_record: int) -> bool:
+        """guarded_update of every row or none: True if every guard held; False, with
+        nothing changed, if not."""
+        return self._all_held(cur, *self._guarded(rows, last_record))
+
+    def _guarded(self, rows: list[tuple[StreamWrite, Guard]], last_record: int | None
+                 ) -> tuple[str, list[tuple[Any, ...]]]:
+        """GUARDED_UPDATE (setting last_record, if given) and its parameters for `rows`."""
+        sql = self.GUARDED_UPDATE
+        at: tuple[int, ...] = ()
+        if last_record is not None:
+            sql, at = sql.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD), (last_record,)
+        return self.q(sql), [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
+                              w.head.committed_length, w.head.lifecycle, *at, w.handle_id, g.generation,
+                              g.snapshot_version, g.stream_position) for w, g in rows]
+
+    def _all_held(self, cur: Any, sql: str, params: list[tuple[Any, ...]]) -> bool:
+        """`sql` for every row of `params` in one executemany under a savepoint: a summed
+        rowcount equal to the row count means every guard held (a handle matches at most
+        one row); otherwise the savepoint undoes it."""
         cur.execute("SAVEPOINT kvl_guards")
-        cur.executemany(self.q(self.GUARDED_UPDATE.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD)),
-                        params)
+        cur.executemany(sql, params)
         held = bool(cur.rowcount == len(params))
         if not held:
             cur.execute("ROLLBACK TO SAVEPOINT kvl_guards")
