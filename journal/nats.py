@@ -54,7 +54,7 @@ from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, re
 from kvledger.journal.contract import HeadFacts, ImportTables, Operation, Rejection
 from kvledger.journal.keys import PREV_NONE, id_keys, id_runs, pack_prev, unpack_prev
 from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
-from kvledger.journal.nats_client import GET_BATCH, MESSAGE_TOO_LARGE, RETRY, Msg, NatsClient, Refused
+from kvledger.journal.nats_client import COMMIT_WAIT, GET_BATCH, MESSAGE_TOO_LARGE, RETRY, Msg, NatsClient, Refused
 from kvledger.journal.nats_heads import Head, HeadView, Rec, Tail, head_decode, head_encode, token
 from kvledger.journal.nats_import import import_into, unfinished
 from kvledger.journal.port import Journal, Snapshot
@@ -70,9 +70,6 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt, receipt_decoder
 
 STREAM_PREFIX = "KVL_"
-# A commit's acknowledgement awaited this long, then decided again (idempotent: the same
-# Msg-Id and operation ids): a batch sent to a leader that died is never answered.
-COMMIT_WAIT = 5.0
 MAX_TRIES = 200  # decisions of one append under contention before DATABASE_BUSY
 
 

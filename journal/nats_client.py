@@ -26,6 +26,9 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 30.0  # seconds a request waits: long enough to ride out a leader election on a loaded machine
+# A commit's acknowledgement awaited this long, then decided again (idempotent: the same
+# Msg-Id and operation ids): a batch sent to a leader that died is never answered.
+COMMIT_WAIT = 5.0
 GET_BATCH = 256  # messages one direct get asks for at a time
 # JetStream's error codes the journal answers (server/errors.json)
 WRONG_LAST_SEQUENCE = 10071  # an expected last subject sequence did not hold
