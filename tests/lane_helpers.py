@@ -1,11 +1,14 @@
 """Helpers for tests that run the same decode steps twice and compare the journals byte
-for byte: ids drawn from the same counter each run, and a fixed commit time."""
+for byte: ids drawn from the same counter each run, a fixed commit time, and a watch on
+what the service appends."""
 
 from __future__ import annotations
 
 import itertools
 import time
 import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -31,3 +34,34 @@ def fresh_url(backend: str, tmp_path, request: pytest.FixtureRequest, name: str)
     if backend == "sqlite":
         return f"sqlite:///{tmp_path}/{name}.db"
     return request.getfixturevalue("pg_admin").create()
+
+
+def watch_appends(journal: Any, seen: Callable[[list[Any], list[Any]], None]) -> None:
+    """`seen(operations, results)` for each append the journal is asked for, once its
+    results are known: append, append_deferred, and append_run (a run as its
+    operations), counted once though a backend's append_run appends them itself."""
+    append, deferred, append_run = journal.append, journal.append_deferred, journal.append_run
+    inside = [False]
+
+    def told(ops: list[Any], results: list[Any]) -> list[Any]:
+        if not inside[0]:
+            seen(ops, results)
+        return results
+
+    def watched_run(run: Any, ops: list[Any], **kw: Any) -> Callable[[], list[Any]]:
+        inside[0] = True
+        try:
+            wait = append_run(run, ops, **kw)
+        finally:
+            inside[0] = False
+        return lambda: told([*run.operations(), *ops], wait())
+
+    def watched_deferred(ops: list[Any]) -> Callable[[], list[Any]]:
+        wait = deferred(ops)
+        if inside[0]:
+            return wait
+        return lambda: told(list(ops), wait())
+
+    journal.append = lambda ops: told(list(ops), append(ops))
+    journal.append_deferred = watched_deferred
+    journal.append_run = watched_run

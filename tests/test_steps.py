@@ -39,6 +39,7 @@ from kvledger.schemas.codec import decode_event, encode_event
 from kvledger.schemas.decode_fingerprint import decode_chain_fingerprint
 from kvledger.schemas.receipts import HandleResult, Receipt, receipt_encoder
 
+from lane_helpers import watch_appends
 from stored_rows import records
 
 U64 = st.integers(0, (1 << 64) - 1)
@@ -191,25 +192,11 @@ def test_a_lockstep_journal_reads_back_what_was_stamped(db_url, layers):
     stamped: list[Operation] = []
     returned: list[Receipt] = []
     with open_or_create_journal(db_url) as journal:
-        append, append_run = journal.append, journal.append_run
-        in_run = [False]  # a backend's append_run may append the run's operations: record them once
-
         def record(ops, results):
-            if not in_run[0]:
-                stamped.extend(op for op, r in zip(ops, results) if isinstance(r, Receipt))
-                returned.extend(r for r in results if isinstance(r, Receipt))
-            return results
+            stamped.extend(op for op, r in zip(ops, results) if isinstance(r, Receipt))
+            returned.extend(r for r in results if isinstance(r, Receipt))
 
-        def recording_run(run, ops, **kw):
-            in_run[0] = True
-            try:
-                wait = append_run(run, ops, **kw)
-            finally:
-                in_run[0] = False
-            return lambda: record([*run.operations(), *ops], wait())
-
-        journal.append = lambda ops: record(ops, append(ops))  # type: ignore[method-assign]  # watch what the service writes
-        journal.append_run = recording_run  # type: ignore[method-assign]  # as above
+        watch_appends(journal, record)  # what the service writes
         run = Lockstep(CommandService(journal), layers, 6, "steps")
         for _ in range(5):
             run.step()

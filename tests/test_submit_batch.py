@@ -8,7 +8,6 @@ again as their bound chains, as the chains are)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -20,7 +19,7 @@ from kvledger.schemas.decode_batch import BatchBuilder, DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.events import ForwardCall
 
-from lane_helpers import fixed_commit_time, fresh_url, same_ids
+from lane_helpers import fixed_commit_time, fresh_url, same_ids, watch_appends
 from lifecycle_helpers import make_manifest
 
 HANDLES = [f"lane-{i}" for i in range(5)]
@@ -91,28 +90,7 @@ def _run(backend, tmp_path, request, monkeypatch, columns: bool, body: Callable[
         service.on_commit.append(lambda r, events: hooked.append(("commit", r, list(events))))
         service.on_reject.append(lambda cmd, exc: hooked.append(("reject", cmd, exc.code)))
         lanes: list[bool] = []
-        in_run = [False]  # a backend's append_run may append the run's operations: count them once
-
-        def watch(append: Callable[..., Any]) -> Callable[..., Any]:
-            def watched(ops: list, **kw: Any) -> Any:
-                if not in_run[0]:
-                    lanes.extend(op.step is not None for op in ops)
-                return append(ops, **kw)
-            return watched
-
-        def watch_run(append_run: Callable[..., Any]) -> Callable[..., Any]:
-            def watched(run: Any, ops: list, **kw: Any) -> Any:
-                lanes.extend([True] * len(run) + [op.step is not None for op in ops])
-                in_run[0] = True
-                try:
-                    return append_run(run, ops, **kw)
-                finally:
-                    in_run[0] = False
-            return watched
-
-        journal.append = watch(journal.append)  # type: ignore[method-assign]  # watch
-        journal.append_deferred = watch(journal.append_deferred)  # type: ignore[method-assign]  # watch
-        journal.append_run = watch_run(journal.append_run)  # type: ignore[method-assign]  # watch
+        watch_appends(journal, lambda ops, _: lanes.extend(op.step is not None for op in ops))
         out = body(journal, service, Runner(service), columns)
         return list(journal.read_raw()), hooked, [_outcome(r) for r in out], sum(lanes), list(journal.read_all())
 
