@@ -26,6 +26,11 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _log(stderr: str) -> str:
+    """The log without the table: a failing section's traceback, not the figures after it."""
+    return "\n".join(x for x in stderr.splitlines() if not x.startswith(("│", "┃")))[-4000:]
+
+
 @pytest.fixture(scope="module")
 def report() -> dict:
     if find_bin() is None and os.environ.get("KVLEDGER_REQUIRE_POSTGRES") != "1":
@@ -34,8 +39,7 @@ def report() -> dict:
         [sys.executable, "-m", "bench", "--smoke", "--json"], cwd=ROOT,
         capture_output=True, text=True, timeout=600,
     )
-    # the log without the table: a failing section's traceback, not the figures after it
-    assert proc.returncode == 0, "\n".join(x for x in proc.stderr.splitlines() if not x.startswith(("│", "┃")))[-4000:]
+    assert proc.returncode == 0, _log(proc.stderr)
     return json.loads(proc.stdout)
 
 
@@ -87,8 +91,7 @@ def test_goals_of_a_peer_not_installed_are_na_with_the_reason():
     code = ("import sys; sys.modules['eventsourcing'] = None\n"
             "from bench.__main__ import main; sys.exit(main(['--smoke', '--only', 'journal', '--json']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    # the log without the table: a failing section's traceback, not the figures after it
-    assert proc.returncode == 0, "\n".join(x for x in proc.stderr.splitlines() if not x.startswith(("│", "┃")))[-4000:]
+    assert proc.returncode == 0, _log(proc.stderr)
     report = json.loads(proc.stdout)
     for key in PEER_KEYS:
         goal = report["goals"][key]
