@@ -172,20 +172,24 @@ def _dropped(item) -> bool:
     backend = params.get("backend")
     if backend is None:
         return False
-    mark = item.get_closest_marker("sql_storage")
-    if mark is not None:
-        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: sql_storage needs its reason"
-        if backend not in SQL_BACKENDS:
-            return True
-    mark = item.get_closest_marker("nats_case")
+    mark = _marked(item, "sql_storage")
+    if mark is not None and backend not in SQL_BACKENDS:
+        return True
+    mark = _marked(item, "nats_case")
     if mark is not None and backend == "nats":
-        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: nats_case needs its reason"
         return not mark.kwargs or any(params.get(k) != v for k, v in mark.kwargs.items())
-    mark = item.get_closest_marker("sqlite_case")
+    mark = _marked(item, "sqlite_case")
     if mark is not None and backend != "sqlite":
-        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: sqlite_case needs its reason"
         return all(params.get(k) == v for k, v in mark.kwargs.items())
     return False
+
+
+def _marked(item, name: str):
+    """The item's `name` marker, which must give its reason, or None."""
+    mark = item.get_closest_marker(name)
+    if mark is not None:
+        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: {name} needs its reason"
+    return mark
 
 
 def pytest_collection_modifyitems(config, items):
