@@ -234,9 +234,10 @@ class CommandService(BatchSurface):
         planned: list[tuple[int, Plan]] = []
         mono, wall = self.clock.monotonic_ns(), self.clock.wall_ns()
         handles = steps.handle_ids
-        decided = decide_batch(steps, {h: self.state(h) for h in handles}, mono)
+        states = {h: self.state(h) for h in handles}
+        decided = decide_batch(steps, states, mono)
         local: dict[str, HandleState | None] = {}  # as the steps before leave a handle
-        run, in_run = self._run(steps, decided.plain, local, planned, mono, wall)
+        run, in_run = self._run(steps, states, decided.plain, local, planned, mono, wall)
         for i, after in enumerate(decided.plain):
             if i in in_run:
                 continue
@@ -255,17 +256,18 @@ class CommandService(BatchSurface):
         planned += self._decide(given, results, range(n, len(given)))
         return self._commit(given, results, planned, defer, run)
 
-    def _run(self, steps: DecodeBatch, plain: Sequence[HandleState | None], local: dict[str, HandleState | None],
-             planned: list[tuple[int, Plan]], mono: int, wall: int) -> tuple[DecodeRun | None, set[int]]:
+    def _run(self, steps: DecodeBatch, states: Mapping[str, HandleState | None], plain: Sequence[HandleState | None],
+             local: dict[str, HandleState | None], planned: list[tuple[int, Plan]], mono: int, wall: int
+             ) -> tuple[DecodeRun | None, set[int]]:
         """The batch's leading plain steps on distinct handles, as one run
-        (journal.decode_run; the batch's order is the journal's): their plans go into
-        `planned`, the states they leave into `local`. Returns the run (None: no such
-        step, or ids are seeded) and its steps' indexes."""
+        (journal.decode_run; the batch's order is the journal's), decided on `states`:
+        their plans go into `planned`, the states they leave into `local`. Returns the run
+        (None: no such step, or ids are seeded) and its steps' indexes."""
         members: list[tuple[int, HandleState, HandleState]] = []
         seen: set[str] = set()
         for i, after in enumerate(plain):
             h = steps.handle_ids[i]
-            s = self.state(h)
+            s = states[h]
             if h in seen or after is None or s is None or not runnable(steps, i):
                 break
             seen.add(h)
