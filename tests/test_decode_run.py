@@ -37,7 +37,7 @@ step = st.fixed_dictionaries({
     "workspace": st.sampled_from([0, 1, 64, 1 << 40]),
     "txn": st.sampled_from(["engine", "engine", "engine", "other_prefix", "not_engine_form"]),
     "stale": st.sampled_from([False] * 5 + [True]),  # another writer moves its handle first
-    "call": st.sampled_from([None, None, "engine", "engine", "not_engine_form"]),
+    "call": st.sampled_from([None, None, "engine", "engine", "other_prefix", "not_engine_form"]),
     "call_numbers": st.tuples(st.integers(0, 1 << 20), st.integers(1, 64), st.integers(1, 8), st.integers(1, 1 << 20),
                               st.integers(0, 64)),
 })
@@ -100,7 +100,8 @@ def _journal(url: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[st
                     moved[h] = ids.new_id()
                     out += other.execute_steps(_batch([(h, txn[h], other.state(h, refresh=True), 7, moved[h],
                                                         None)], abi))
-            call_ids = {"engine": ids.new_id(), "not_engine_form": f"call-{next(counter)}"}
+            call_ids = {"engine": ids.new_id(), "other_prefix": f"0ca1100000000002{next(counter):016x}",
+                        "not_engine_form": f"call-{next(counter)}"}
             rows = [(h, txn[h], service.state(h), x["token"], _txn(x["txn"], next(counter)), x["digest"],
                      x["workspace"], _call(x["call"], call_ids, x["call_numbers"])) for h, x in zip(handles, steps)]
             batch = _batch(rows, abi)
