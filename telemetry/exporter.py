@@ -152,6 +152,7 @@ class Exporter:
         self._lock = threading.Lock()  # the pending batch; taken inside the Telemetry lock
         self._pending: list[tuple[Item, int]] = []
         self._q: queue.SimpleQueue[_Chunk | _Stop] = queue.SimpleQueue()  # rendered (lines, records), in order
+        self._stopping = False  # the stop mark is queued (under self._lock): the thread renders no more early
         self._in = 0  # audit records accepted (under self._lock)
         self._out = 0  # audit records written or dropped by the sink (writer thread only)
         self.written = 0
@@ -178,8 +179,8 @@ class Exporter:
 
     def put(self, item: Item, records: int) -> bool:
         with self._lock:
-            if records and self._in - self._out + records > self.capacity:
-                self.metrics.dropped_queue += records
+            if self._stopping or (records and self._in - self._out + records > self.capacity):
+                self.metrics.dropped_queue += records  # stopped: nothing would write it
                 return False
             self._in += records
             self._pending.append((item, records))
@@ -191,7 +192,9 @@ class Exporter:
     def stop(self, timeout: float | None = None) -> None:
         """Write everything put so far (the thread renders what is pending last, so a
         trailer counts the drops of every write before it), then stop the thread."""
-        self._q.put(_STOP)
+        with self._lock:  # a render the thread starts after this would queue its chunk after the mark
+            self._stopping = True
+            self._q.put(_STOP)
         self._thread.join(timeout)
         if self._owns:
             try:
@@ -243,8 +246,9 @@ class Exporter:
             try:
                 chunk = self._q.get(timeout=self.linger)
             except queue.Empty:
-                with self._lock:  # producers are idle: render what they left
-                    self._flush()
+                with self._lock:  # producers are idle: render what they left (at the stop mark, below)
+                    if not self._stopping:
+                        self._flush()
                 continue
             if chunk is _STOP:
                 with self._lock:
