@@ -252,27 +252,24 @@ class SqlJournal(Journal):
         position. The backend commits all of it only if, under the writer lock, every guard
         held, no receipt exists and the last position is the predicted one; otherwise it
         rolls back and returns False, and the general path decides (None here)."""
-        if self._skip:
-            self._skip -= 1
+        if self._backing_off():
             return None
         handles: set[str] = set()
         op_ids: set[str] = set()
         updates: list[tuple[StreamWrite, Guard]] = []
-        prevs: dict[str, int] = {}
         for op in ops:
             if len(op.writes) != 1 or op.checks or op.manifests:
                 return None
             w = op.writes[0]
             if w.expected is None:
                 return None
-            tail = self._tails.get(w.handle_id)
-            if tail is None or tail[0] != w.expected.stream_position:
-                return None  # its last record is not known here: the general path reads it
-            prevs[w.handle_id] = tail[1]
             handles.add(w.handle_id)
             op_ids.add(op.operation_id)
             updates.append((w, w.expected))
         if len(handles) != len(ops) or len(op_ids) != len(ops):
+            return None
+        prevs = self._cached_prevs([(w.handle_id, g) for w, g in updates])
+        if prevs is None:
             return None
         last = self._predicted
         assert last is not None
@@ -287,15 +284,11 @@ class SqlJournal(Journal):
 
     def _run_speculative(self, run: DecodeRun) -> list[Receipt | Rejection] | None:
         """_append_speculative of a run, its record built from its columns."""
-        if self._skip:
-            self._skip -= 1
+        if self._backing_off():
             return None
-        prevs: dict[str, int] = {}
-        for h, g in zip(run.handle_ids, run.guards):
-            tail = self._tails.get(h)
-            if tail is None or tail[0] != g.stream_position:
-                return None  # its last record is not known here: the general path reads it
-            prevs[h] = tail[1]
+        prevs = self._cached_prevs(zip(run.handle_ids, run.guards))
+        if prevs is None:
+            return None
         last = self._predicted
         assert last is not None
         self._uncommitted = {}
@@ -305,6 +298,25 @@ class SqlJournal(Journal):
         self._uncommitted = written.tails
         ok = self._speculate(run.writes(), written.record, run.operation_ids(), written.receipts, last)
         return list(written.receipts) if ok else None
+
+    def _backing_off(self) -> bool:
+        """Whether to skip this speculation: the last ones missed (_speculate's back-off)."""
+        if self._skip:
+            self._skip -= 1
+            return True
+        return False
+
+    def _cached_prevs(self, guards: Iterable[tuple[str, Guard]]) -> dict[str, int] | None:
+        """Each handle's last record, from this connection's cache, when every one is
+        known at the stream position its guard expects; None otherwise: the general path
+        reads them."""
+        prevs: dict[str, int] = {}
+        for h, g in guards:
+            tail = self._tails.get(h)
+            if tail is None or tail[0] != g.stream_position:
+                return None
+            prevs[h] = tail[1]
+        return prevs
 
     def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow, op_ids: list[str],
                    receipts: list[Receipt], last: int) -> bool:
