@@ -274,8 +274,8 @@ class SqlJournal(Journal):
         last = self._predicted
         assert last is not None
         results: list[Receipt | Rejection | None] = [None] * len(ops)
-        record, _, position = self._record(ops, range(len(ops)), results,
-                                           Base(last, self._predicted_chain, time.time_ns(), set(), prevs))
+        record, _, _ = self._record(ops, range(len(ops)), results,
+                                    Base(last, self._predicted_chain, time.time_ns(), set(), prevs))
         assert record is not None  # every operation writes an event
         receipts = [r for r in results if isinstance(r, Receipt)]  # build_record made one for each
         if not self._speculate(updates, record, list(op_ids), receipts, last):
@@ -312,11 +312,15 @@ class SqlJournal(Journal):
         reads them."""
         prevs: dict[str, int] = {}
         for h, g in guards:
-            tail = self._tails.get(h)
-            if tail is None or tail[0] != g.stream_position:
+            if (record := self._cached_record(h, g)) is None:
                 return None
-            prevs[h] = tail[1]
+            prevs[h] = record
         return prevs
+
+    def _cached_record(self, handle_id: str, expected: Guard) -> int | None:
+        """The handle's last record from _tails, if cached at the stream position `expected` names."""
+        tail = self._tails.get(handle_id)
+        return tail[1] if tail is not None and tail[0] == expected.stream_position else None
 
     def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow, op_ids: list[str],
                    receipts: list[Receipt], last: int) -> bool:
@@ -414,8 +418,8 @@ class SqlJournal(Journal):
                 continue
             if expected is None:
                 prevs[h] = PREV_NONE  # created by this batch
-            elif (tail := self._tails.get(h)) is not None and tail[0] == expected.stream_position:
-                prevs[h] = tail[1]
+            elif (record := self._cached_record(h, expected)) is not None:
+                prevs[h] = record
             else:
                 unknown[h] = None
         if unknown:
