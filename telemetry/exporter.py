@@ -180,7 +180,7 @@ class Exporter:
     def put(self, item: Item, records: int) -> bool:
         with self._lock:
             if self._stopping or (records and self._in - self._out + records > self.capacity):
-                self.metrics.dropped_queue += records  # stopped: nothing would write it
+                self.metrics.dropped_queue += records  # full, or stopped: nothing would write it
                 return False
             self._in += records
             self._pending.append((item, records))
