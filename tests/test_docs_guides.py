@@ -22,11 +22,6 @@ MARKER = "<!-- runnable -->"
 _BLOCK = re.compile(r"^" + re.escape(MARKER) + r"[ \t]*\n```(python|bash)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 # Guides whose walk-through runs here (the PostgreSQL one needs a server and its roles).
 EXPECTED = {"hf-model.md", "kv-events.md", "recover-after-crash.md", "reconcile-telemetry.md"}
-# A product bug a walk-through finds now and then, by the signature of its output; any other
-# failure stays a failure. A demo killed at a commit on a loaded 2-core VM now and then
-# records row digests that `kvledger recover` does not reproduce (about 1 run in 7 there;
-# the journal then reproduces it every time): fixtures/recover_digest_mismatch keeps one.
-KNOWN = {"recover-after-crash.md": re.compile(r"digest mismatches\W+[1-9]")}
 
 
 def runnable_blocks(text: str) -> list[tuple[str, str]]:
@@ -58,7 +53,5 @@ def _run(lang: str, code: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_guide_walk_through_runs(guide, tmp_path):
     for i, (lang, code) in enumerate(runnable_blocks((GUIDES / guide).read_text())):
         r = _run(lang, code, tmp_path)
-        if r.returncode != 0 and guide in KNOWN and KNOWN[guide].search(r.stdout):
-            pytest.xfail(f"{guide}: the known recovery digest mismatch (see KNOWN)")
         assert r.returncode == 0, (f"{guide} block {i} ({lang}) failed (exit {r.returncode}):\n{code}\n"
                                    f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")

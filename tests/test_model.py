@@ -1,5 +1,8 @@
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -88,6 +91,28 @@ def test_from_config_deterministic():
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["embed_tokens.weight"], sc["embed_tokens.weight"])
     assert torch.equal(sa["norm.weight"], torch.ones(DEFAULT_CONFIG.hidden_size))
+
+
+# A fresh process whose first torch math is a 2-thread cos, as a worker's first RoPE table.
+_FIRST_COS = """
+import torch, kvledger.worker.model
+torch.set_num_threads(2)
+f = torch.arange(256)[:, None].float() * (1.0 / 10000.0 ** (torch.arange(0, 32, 2).float() / 32))
+e = torch.cat([f, f], dim=-1)
+print(int(torch.equal(e.cos(), e.cos())))
+"""
+
+
+@pytest.mark.slow  # 40 fresh interpreters, one after another: ~55 s
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the race needs two CPU threads")
+def test_a_process_first_parallel_cos_equals_its_later_ones():
+    """Importing the model makes MKL's first vector-math call on one thread. Without it,
+    5-20% of fresh processes here computed one thread's share of their first cos
+    ~1e-4 off (and every K/V row of that process with it): 40 all pass about one run in
+    thirty. One at a time: two starting together on 2 cores hid the race."""
+    results = [subprocess.run([sys.executable, "-c", _FIRST_COS], capture_output=True, text=True,
+                              timeout=120).stdout.strip() for _ in range(40)]
+    assert results == ["1"] * 40
 
 
 def test_seeded_weights_are_part_of_the_artifact_identity():

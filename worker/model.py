@@ -24,6 +24,12 @@ __all__ = [
     "DEFAULT_CONFIG", "KVView", "ModelConfig", "SimpleKV", "Transformer", "causal_mask",
 ]
 
+# MKL's vector math, behind torch's CPU cos and sin, sets itself up on first use, and a
+# first use split across torch's threads races: one thread's share can come out ~1e-4
+# off, so that process's RoPE table, and every K/V row from it, differs from any other
+# process's and its journal fails re-execution. One first call on one thread, here.
+torch.ones(1).cos()
+
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     vocab_size: int
