@@ -93,13 +93,14 @@ def test_from_config_deterministic():
     assert torch.equal(sa["norm.weight"], torch.ones(DEFAULT_CONFIG.hidden_size))
 
 
-# A fresh process whose first torch math is a 2-thread cos, as a worker's first RoPE table.
+# A fresh process whose first torch math after the import is a worker's first RoPE table,
+# on 2 threads; then the same table again.
 _FIRST_COS = """
-import torch, kvledger.worker.model
+import torch
+from kvledger.worker.model import rope_tables
 torch.set_num_threads(2)
-f = torch.arange(256)[:, None].float() * (1.0 / 10000.0 ** (torch.arange(0, 32, 2).float() / 32))
-e = torch.cat([f, f], dim=-1)
-print(int(torch.equal(e.cos(), e.cos())))
+a, b = (rope_tables(torch.arange(256)[None], 32, 10000.0, torch.float32) for _ in range(2))
+print(int(all(torch.equal(x, y) for x, y in zip(a, b))))
 """
 
 
