@@ -40,7 +40,7 @@ off) the last token is emitted and the handle finishes one row short.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,7 @@ from kvledger.adapters import hf_rows
 from kvledger.engine import commands as c
 from kvledger.engine.gather import take_steps
 from kvledger.engine.ids import new_id
-from kvledger.engine.port import CommandPort
+from kvledger.engine.port import CommandPort, Results
 from kvledger.schemas.canonical import layers_sha256
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -105,10 +105,9 @@ class Plan:
     reserve_for: Any  # prompt -> reserved capacity
 
 
-def _check(results: Sequence[object]) -> None:
-    for r in results:
-        if isinstance(r, KvLedgerError):
-            raise r
+def _check(results: Results) -> None:
+    if refused := results.refused():
+        raise refused[0][1]
 
 
 class Tracker:

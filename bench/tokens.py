@@ -161,9 +161,12 @@ class Lockstep:
 
     def send(self, steps: Any) -> None:
         """Commit one batch of next_batch's through the service."""
-        for r in self.service.execute_steps(steps):
-            if isinstance(r, Exception):
-                raise r
+        results = self.service.execute_steps(steps)
+        # as a worker checks a commit (engine.port.Results); older commits' lists (bench.ab)
+        refused = (results.refused() if hasattr(results, "refused")
+                   else [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)])
+        if refused:
+            raise refused[0][1]
 
     def next_batch(self) -> Any:
         """The next step of every handle as one batch (what a worker builds), assuming the

@@ -3,8 +3,8 @@
 engine.decide_batch decides a step and gives the state it leaves; `plan_run` turns the
 steps a batch takes first on their handles into one run: their columns, one block of ids
 (an operation id and three event ids a step, in the general path's order), each step's
-fingerprint (schemas.decode_fingerprint, the one its chain's command gives), guard and
-head, with no event structs: the journal derives what a record stores of them. A later
+guard and head, with no event structs or fingerprints: the journal derives what a record
+and a receipt hold of them (a fingerprint when a receipt is read, DecodeRun.fingerprint). A later
 step on one of those handles is a run of one (`plan_step`, as an Operation). None when
 a step has no such form (seeded ids, a value of another type): the caller plans it by
 the general path, which stamps its events.
@@ -18,7 +18,6 @@ from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Operation
 from kvledger.journal.port import DecodeRun
 from kvledger.schemas.decode_batch import DecodeBatch
-from kvledger.schemas.decode_fingerprint import step_fingerprint
 
 
 def plan_step(s: HandleState, after: HandleState, batch: DecodeBatch, i: int, local_sequence: int,
@@ -47,12 +46,11 @@ def plan_run(batch: DecodeBatch, members: list[tuple[int, HandleState, HandleSta
     if block is None:
         return None
     prefix, first = block
-    cols: tuple[list, ...] = tuple([] for _ in range(16))  # type: ignore[type-arg]  # DecodeRun's columns, in order
+    cols: tuple[list, ...] = tuple([] for _ in range(15))  # type: ignore[type-arg]  # DecodeRun's columns, in order
     (handles, requests, abis, guards, heads, ptxns, stxns, committed, accepted, layers, workspace, rows, outputs,
-     tokens, calls, fingerprints) = cols
+     tokens, calls) = cols
     ws = batch.workspace_bytes
     for i, s, after in members:
-        g, v = s.generation, s.snapshot_version
         handles.append(batch.handle_ids[i])
         requests.append(s.request_id)
         abis.append(batch.cache_abi_sha256[i])
@@ -68,5 +66,4 @@ def plan_run(batch: DecodeBatch, members: list[tuple[int, HandleState, HandleSta
         outputs.append(len(s.outputs))
         tokens.append(batch.tokens[i])
         calls.append(batch.call(i))
-        fingerprints.append(step_fingerprint(batch, i, g, v))
     return DecodeRun(source_instance, mono, wall, prefix, first, local_sequence + 1, *map(tuple, cols))

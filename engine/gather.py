@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvledger.engine import commands as c
-from kvledger.engine.port import CommandPort
+from kvledger.engine.port import CommandPort, Results
 from kvledger.schemas.decode_batch import BatchBuilder, DecodeBatch
-from kvledger.schemas.errors import KvLedgerError
-from kvledger.schemas.receipts import Receipt
 
 
 def decode_shape(steps: Sequence[c.Command]) -> tuple[c.Publish, c.EmitOutput, c.BeginAppend] | None:
@@ -85,7 +83,7 @@ def split_steps(cmds: Sequence[c.Command | c.Relative]) -> tuple[DecodeBatch, li
 
 
 def submit_split(port: CommandPort, cmds: Sequence[c.Command | c.Relative], *,
-                 defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                 defer: bool = True) -> Callable[[], Results]:
     """`cmds` in one commit: its plain decode steps as one DecodeBatch (split_steps),
     the rest as commands (port.submit_batch); the results come back in the order of
     `cmds`."""
@@ -97,11 +95,11 @@ def submit_split(port: CommandPort, cmds: Sequence[c.Command | c.Relative], *,
     order = at + [i for i in range(len(cmds)) if i not in taken]
     wait = port.submit_batch(steps, [cmds[i] for i in order[len(at):]], defer=defer)
 
-    def results() -> list[Receipt | KvLedgerError]:
+    def results() -> Results:
         got = wait()
         out = list(got)
         for j, i in enumerate(order):
             out[i] = got[j]
-        return out
+        return Results(out)
 
     return results

@@ -9,8 +9,8 @@ dict of states) or delegate (the acking wrapper's properties).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, Self, runtime_checkable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol, Self, overload, runtime_checkable
 
 from kvledger.engine import commands as c
 from kvledger.engine.state import HandleState
@@ -19,6 +19,47 @@ from kvledger.schemas import events as ev
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.receipts import Receipt
+
+
+class Results(Sequence[Receipt | KvLedgerError]):
+    """A batch's results, positional: the receipts of a decode run the journal wrote whole
+    (journal.port.RunReceipts, each built when read), for the batch's first steps, then
+    one result for each other step and command. `refused()` finds the refusals without
+    building a receipt: a decoding worker asks only that of most of its commits."""
+
+    __slots__ = ("_run", "_rest")
+
+    def __init__(self, rest: Sequence[Receipt | KvLedgerError], run: Sequence[Receipt] = ()) -> None:
+        self._run, self._rest = run, rest
+
+    def __len__(self) -> int:
+        return len(self._run) + len(self._rest)
+
+    @overload
+    def __getitem__(self, i: int) -> Receipt | KvLedgerError: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Receipt | KvLedgerError]: ...
+
+    def __getitem__(self, i: int | slice) -> Receipt | KvLedgerError | list[Receipt | KvLedgerError]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        k = len(self._run)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._run[i] if i < k else self._rest[i - k]
+
+    def __iter__(self) -> Iterator[Receipt | KvLedgerError]:
+        yield from self._run
+        yield from self._rest
+
+    def refused(self) -> list[tuple[int, KvLedgerError]]:
+        """(index, error) of every refused step or command, in order."""
+        k = len(self._run)
+        return [(k + j, r) for j, r in enumerate(self._rest) if isinstance(r, KvLedgerError)]
+
 
 # Called for each commit with its receipt and the events it wrote, after it is durable.
 CommitHook = Callable[[Receipt, list[ev.Event]], None]
@@ -61,17 +102,17 @@ class CommandPort(Protocol):
     def state(self, handle_id: str, *, refresh: bool = False) -> HandleState | None: ...
 
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
-                    defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]: ...
+                    defer: bool = True) -> Callable[[], Results]: ...
 
     def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
-                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                     defer: bool = True) -> Callable[[], Results]:
         """submit_many of a decode batch's steps followed by `cmds`, one commit; results
         positional over both. No command may act on a step's handle."""
         ...
 
     def execute(self, cmd: c.Command | c.Relative) -> Receipt: ...
 
-    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> list[Receipt | KvLedgerError]: ...
+    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> Results: ...
 
     def close(self) -> None: ...
 

@@ -34,7 +34,7 @@ import msgspec
 
 from kvledger.engine import commands as c
 from kvledger.engine.evolve import fold
-from kvledger.engine.port import CommandPort, CommitHook, RejectHook
+from kvledger.engine.port import CommandPort, CommitHook, RejectHook, Results
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.journal import open_journal, tuning
@@ -99,7 +99,7 @@ class RemoteService(BatchSurface):
         self.states: dict[str, HandleState] = {}
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(_Reply).decode
-        self._pending: Callable[[], list[Receipt | KvLedgerError]] | None = None
+        self._pending: Callable[[], Results] | None = None
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             [sys.executable, "-m", "kvledger.engine.remote"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
@@ -134,27 +134,27 @@ class RemoteService(BatchSurface):
     # -- the CommandService surface a worker uses ---------------------------------------
 
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *, defer: bool = True
-                    ) -> Callable[[], list[Receipt | KvLedgerError]]:
+                    ) -> Callable[[], Results]:
         """Send the batch; the returned function waits for the writer's commit and
         returns the results (see CommandService.submit_many). Commands must be data."""
         return self._send(None, cmds, defer)
 
     def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
-                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                     defer: bool = True) -> Callable[[], Results]:
         """The decode batch and `cmds` in one frame, decided by the writer's
         CommandService.submit_batch; results positional over both."""
         steps.check()
         return self._send(steps, cmds, defer)
 
     def _send(self, steps: DecodeBatch | None, cmds: Sequence[c.Command | c.Relative], defer: bool
-              ) -> Callable[[], list[Receipt | KvLedgerError]]:
+              ) -> Callable[[], Results]:
         if self._pending is not None:
             self._pending()  # never two batches in flight
         cmds = list(cmds)
         if steps is not None and not len(steps):
             steps = None
         if not cmds and steps is None:
-            return lambda: []
+            return lambda: Results(())
         self._check_sendable(cmds)
         request = _Request(cmds, bool(self.on_commit), bool(self.on_reject), steps)
         try:
@@ -162,20 +162,21 @@ class RemoteService(BatchSurface):
         except OSError as exc:
             raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE,
                                 f"{self.display_url}: the journal writer process is gone ({exc})") from None
-        results: list[Receipt | KvLedgerError] | None = None
+        results: Results | None = None
         n = 0 if steps is None else len(steps)
 
         def sent(i: int) -> c.Command | c.Relative:
             assert steps is not None or i >= n
             return c.batch_step(steps, i) if steps is not None and i < n else cmds[i - n]
 
-        def wait() -> list[Receipt | KvLedgerError]:
+        def wait() -> Results:
             nonlocal results
             if results is None:
                 self._pending = None
                 reply = self._answer()
-                results = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
-                self._notify(reply, results, sent)
+                got = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
+                self._notify(reply, got, sent)
+                results = Results(got)
             return results
 
         self._pending = wait

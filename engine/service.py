@@ -25,10 +25,10 @@ from kvledger.engine.decide_batch import decide_batch
 from kvledger.engine.evolve import fold
 from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_id
-from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
+from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook, Results
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Operation, Rejection, StreamWrite
-from kvledger.journal.port import STEP_VERSIONS, DecodeRun, Journal
+from kvledger.journal.port import STEP_VERSIONS, DecodeRun, Journal, RunReceipts
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -124,7 +124,7 @@ class BatchSurface(ABC):
 
     @abstractmethod
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
-                    defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]: ...
+                    defer: bool = True) -> Callable[[], Results]: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -135,7 +135,7 @@ class BatchSurface(ABC):
             raise result
         return result
 
-    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> list[Receipt | KvLedgerError]:
+    def execute_many(self, cmds: Sequence[c.Command | c.Relative]) -> Results:
         """Decide every command and commit the accepted ones in one journal transaction.
         Commands on the same handle apply in order. Results are positional.
 
@@ -146,12 +146,12 @@ class BatchSurface(ABC):
         return self.submit_many(cmds, defer=False)()
 
     def submit_steps(self, steps: DecodeBatch, *,
-                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                     defer: bool = True) -> Callable[[], Results]:
         """submit_batch of the steps alone, one result a step."""
         return self.submit_batch(steps, (), defer=defer)
 
     def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
-                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                     defer: bool = True) -> Callable[[], Results]:
         """submit_many of the steps' chains (c.batch_step) followed by `cmds`, in one
         commit; results are positional over both. No command may act on a step's
         handle. Sent as chains here; this process's service decides plain steps from
@@ -159,7 +159,7 @@ class BatchSurface(ABC):
         steps.check()
         return self.submit_many([*(c.batch_step(steps, i) for i in range(len(steps))), *cmds], defer=defer)
 
-    def execute_steps(self, steps: DecodeBatch) -> list[Receipt | KvLedgerError]:
+    def execute_steps(self, steps: DecodeBatch) -> Results:
         return self.submit_steps(steps, defer=False)()
 
     def __enter__(self) -> Self:
@@ -202,7 +202,7 @@ class CommandService(BatchSurface):
         service, which has a writer process to stop, has the same method."""
 
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
-                    defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                    defer: bool = True) -> Callable[[], Results]:
         """execute_many in two halves: decide and write now, and return a function that
         waits for the commit to be durable and returns the results (see
         Journal.append_deferred; `defer=False` commits before returning). The caller may
@@ -214,7 +214,7 @@ class CommandService(BatchSurface):
         return self._commit(given, results, self._decide(given, results, range(len(given))), defer)
 
     def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
-                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                     defer: bool = True) -> Callable[[], Results]:
         """submit_many of the steps' chains followed by `cmds`, one commit, results
         positional over both. The steps are decided at once (engine.decide_batch), at
         one clock reading, and a plain one goes to the journal as its values
@@ -284,7 +284,7 @@ class CommandService(BatchSurface):
 
     def _commit(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
                 planned: list[tuple[int, Plan]], defer: bool, run: DecodeRun | None = None
-                ) -> Callable[[], list[Receipt | KvLedgerError]]:
+                ) -> Callable[[], Results]:
         """Append the planned operations (deferred or not), the first `len(run)` of them
         as that run; the function that waits for them, decides again what contention
         refused, and returns the results. A step of a decode batch is bound in `cmds`
@@ -300,8 +300,12 @@ class CommandService(BatchSurface):
             assert found is not None  # submit_batch leaves a slot empty only for a plan
             return found
 
-        def wait() -> list[Receipt | KvLedgerError]:
-            pending = self._settle(results, planned, first()) if first is not None else []
+        def wait() -> Results:
+            outcomes = first() if first is not None else []
+            if type(outcomes) is RunReceipts and len(outcomes) == len(planned):  # the run was the batch, written whole
+                self._settle_run(planned, outcomes)
+                return Results((), outcomes)
+            pending = self._settle(results, planned, outcomes)
             for _ in range(MAX_ATTEMPTS - 1):
                 if not pending:
                     break
@@ -321,7 +325,7 @@ class CommandService(BatchSurface):
                     if isinstance(r, KvLedgerError):
                         for hook in self.on_reject:
                             hook(command(i), r)
-            return results  # type: ignore[return-value]  # the loops above fill every slot
+            return Results(results)  # type: ignore[arg-type]  # the loops above fill every slot
 
         return wait
 
@@ -377,6 +381,17 @@ class CommandService(BatchSurface):
             local.update(plan.states)
             planned.append((i, plan))
         return planned
+
+    def _settle_run(self, planned: list[tuple[int, Plan]], receipts: RunReceipts) -> None:
+        """Record a run the journal wrote whole: its plans, in its order, are all of
+        `planned`; fresh ids (the journal found none stored), so each wrote its receipt."""
+        for _, plan in planned:
+            self.states.update(plan.states)
+        if self.on_commit:
+            for k, (_, plan) in enumerate(planned):
+                receipt = receipts[k]
+                for hook in self.on_commit:
+                    hook(receipt, plan.events)
 
     def _settle(self, results: list[Receipt | KvLedgerError | None], planned: list[tuple[int, Plan]],
                 outcomes: Sequence[Receipt | Rejection]) -> list[tuple[int, Plan]]:

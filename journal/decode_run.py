@@ -18,11 +18,16 @@ journal and the same answers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import overload
+
 import msgspec
 
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.journal.step_values import DecodeStep
+from kvledger.schemas.decode_fingerprint import chain_fingerprint
 from kvledger.schemas.events import ForwardCall
+from kvledger.schemas.receipts import HandleResult, Receipt
 
 GAPS = (1, 1, 1)  # an operation's three event ids follow its own
 
@@ -49,7 +54,6 @@ class DecodeRun(msgspec.Struct, frozen=True, gc=False):
     outputs: tuple[int, ...]  # the output index emitted
     tokens: tuple[int, ...]
     calls: tuple[ForwardCall | None, ...]
-    fingerprints: tuple[str, ...]
 
     def __len__(self) -> int:
         return len(self.handle_ids)
@@ -82,9 +86,64 @@ class DecodeRun(msgspec.Struct, frozen=True, gc=False):
 
     def operation(self, i: int) -> Operation:
         """Step i as the Operation a single planned step is (engine.batch_plan)."""
-        return Operation(self.operation_id(i), self.fingerprints[i],
+        return Operation(self.operation_id(i), self.fingerprint(i),
                          (StreamWrite(self.handle_ids[i], self.guards[i], self.heads[i], ()),),
                          derived=True, stamped=True, step=self.step(i))
 
     def operations(self) -> list[Operation]:
         return [self.operation(i) for i in range(len(self))]
+
+    def fingerprint(self, i: int) -> str:
+        """Step i's fingerprint: its chain command's, from the values its events hold."""
+        g = self.guards[i]
+        return chain_fingerprint(self.handle_ids[i], g.generation, g.snapshot_version, self.rows_sha256[i],
+                                 self.publish_txns[i], self.workspace[i], self.outputs[i], self.tokens[i],
+                                 self.cache_abis[i], self.committed[i], self.calls[i], self.start_txns[i])
+
+
+class RunReceipts(Sequence[Receipt]):
+    """The receipts of a run written whole, its events from global position `first` on
+    (three a step), committed at `now`. Each is built when read: a step's fingerprint
+    is a SHA-256 that only a retry, a hook or an acknowledgement log reads, and a run
+    is most of a decoding service's commits."""
+
+    __slots__ = ("run", "first", "now", "_built")
+
+    def __init__(self, run: DecodeRun, first: int, now: int) -> None:
+        self.run, self.first, self.now = run, first, now
+        self._built: list[Receipt | None] = [None] * len(run)  # a hook and a reader may both ask
+
+    def __len__(self) -> int:
+        return len(self.run)
+
+    @overload
+    def __getitem__(self, i: int) -> Receipt: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Receipt]: ...
+
+    def __getitem__(self, i: int | slice) -> Receipt | list[Receipt]:
+        n = len(self.run)
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        built = self._built[i]
+        if built is None:
+            run, first = self.run, self.first + 3 * i
+            x = run.heads[i]
+            built = self._built[i] = Receipt(
+                run.operation_id(i), run.fingerprint(i),
+                (HandleResult(run.handle_ids[i], x.generation, x.snapshot_version, x.stream_position,
+                              x.committed_length),),
+                run.event_ids(i), first, first + 2, self.now)
+        return built
+
+    def __iter__(self) -> Iterator[Receipt]:
+        return (self[i] for i in range(len(self.run)))
+
+    def event_ids(self) -> list[str]:
+        """Every event id of the run, in order (what reading each receipt's would give)."""
+        return [e for i in range(len(self.run)) for e in self.run.event_ids(i)]

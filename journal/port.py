@@ -63,7 +63,7 @@ from kvledger.journal.contract import (
     StoredEvent,
     StoredReceipt,
 )
-from kvledger.journal.decode_run import DecodeRun
+from kvledger.journal.decode_run import DecodeRun, RunReceipts
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.journal.step_values import DecodeStep, FoldItem, StepColumns, StepRun, StepValues
 from kvledger.schemas.events import Event
@@ -108,10 +108,11 @@ class StreamRecorder(Recorder):
         return lambda: results
 
     def append_run(self, run: DecodeRun, operations: Sequence[Operation], *, defer: bool = False
-                   ) -> Callable[[], list[Receipt | Rejection]]:
+                   ) -> Callable[[], Sequence[Receipt | Rejection]]:
         """append (`defer`: append_deferred) of the run's steps followed by `operations`,
         in one transaction; the function that waits for the results, positional over
-        both. A backend may store the run from its columns; this default appends
+        both. A backend may store the run from its columns, and answer a run written
+        whole with its RunReceipts (each built when read); this default appends
         `run.operations()`, whose answers a run's must equal."""
         ops = [*run.operations(), *operations]
         if defer:
@@ -237,6 +238,7 @@ __all__ = [
     "Journal",
     "LogReader",
     "Recorder",
+    "RunReceipts",
     "STEP_VERSIONS",
     "Snapshot",
     "StepColumns",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvledger.journal.decode_run import DecodeRun
+from kvledger.journal.decode_run import DecodeRun, RunReceipts
 from kvledger.journal.keys import PREV_NONE, counted_keys, id_runs, pack_prev
 from kvledger.journal.record_format import FORMAT, chain, encode_record
 from kvledger.journal.record_rows import RecordRow
@@ -22,7 +22,6 @@ from kvledger.journal.step_rows import Context, _encode
 from kvledger.journal.step_values import _HALF, _MASK, _U64, parsed_counter
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.ids import lower_hex
-from kvledger.schemas.receipts import HandleResult, Receipt
 
 # Runs this short are written by the general path: the block path's array calls cost more
 # than they save below this, and a batch-1 commit follows a model call that evicted numpy's
@@ -32,7 +31,7 @@ SMALL = 2
 
 class RunWritten(NamedTuple):
     record: RecordRow
-    receipts: list[Receipt]
+    receipts: RunReceipts
     tails: dict[str, tuple[int, int]]  # as record_rows.Written's
 
 
@@ -47,7 +46,7 @@ def validate_run(run: DecodeRun) -> None:
     n = len(run.handle_ids)
     columns = (run.request_ids, run.cache_abis, run.guards, run.heads, run.publish_txns, run.start_txns,
                run.committed, run.accepted, run.layers, run.workspace, run.rows_sha256, run.outputs, run.tokens,
-               run.calls, run.fingerprints)
+               run.calls)
     if any(len(col) != n for col in columns) or len(set(run.handle_ids)) != n:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a decode run's columns differ in length, or name a "
                             "handle twice")
@@ -148,13 +147,6 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
     position = last + 3 * n
     record = RecordRow(position, first, chain(previous_chain, body), body, handles,
                        pack_prev([prevs.get(h, PREV_NONE) for h in handles]), runs)
-    return RunWritten(record, receipts(run, first, now), {h: (x.stream_position, position)
+    return RunWritten(record, RunReceipts(run, first, now), {h: (x.stream_position, position)
                                                           for h, x in zip(handles, run.heads)})
 
-
-def receipts(run: DecodeRun, first: int, now: int) -> list[Receipt]:
-    """Each step's receipt, its events at `first` on (three a step)."""
-    return [Receipt(run.operation_id(i), fp,
-                    (HandleResult(h, x.generation, x.snapshot_version, x.stream_position, x.committed_length),),
-                    run.event_ids(i), first + 3 * i, first + 3 * i + 2, now)
-            for i, (h, x, fp) in enumerate(zip(run.handle_ids, run.heads, run.fingerprints))]

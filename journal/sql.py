@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
 
@@ -55,6 +55,7 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt, receipt_decoder
 
 READ_PAGE = 5000
+R = TypeVar("R", bound=Sequence[Receipt | Rejection])  # an append's results: a list, or a run's receipts
 
 
 def open_journal(raw_url: str) -> SqlJournal:
@@ -139,7 +140,7 @@ class SqlJournal(Journal):
                          else None)
 
     def append_run(self, run: DecodeRun, operations: Sequence[Operation], *, defer: bool = False
-                   ) -> Callable[[], list[Receipt | Rejection]]:
+                   ) -> Callable[[], Sequence[Receipt | Rejection]]:
         """The run as one block from its columns (journal.run_writer) when it is all the
         batch (PostgreSQL: in its one-statement append); the general path (the port's
         default) when not."""
@@ -148,17 +149,16 @@ class SqlJournal(Journal):
         validate_run(run)
         intents = run.operation_ids() if faults.INTENTS else []
         if self.sql.speculative:  # one statement when it holds; the general path when not
-            results = self._now(intents, lambda cur: self._append(cur, run.operations()),
-                                partial(self._run_speculative, run))
+            results: Sequence[Receipt | Rejection] = self._now(
+                intents, lambda cur: self._append(cur, run.operations()), partial(self._run_speculative, run))
             return lambda: results
         if defer and self.sql.deferred_commit:
             return self._deferred(intents, lambda cur: self._append_run(cur, run))
         results = self._now(intents, lambda cur: self._append_run(cur, run))
         return lambda: results
 
-    def _now(self, intents: list[str], body: Callable[[Any], list[Receipt | Rejection]],
-             speculative: Callable[[], list[Receipt | Rejection] | None] | None = None
-             ) -> list[Receipt | Rejection]:
+    def _now(self, intents: list[str], body: Callable[[Any], R], speculative: Callable[[], R | None] | None = None
+             ) -> R:
         """Run `body` in one transaction and commit; `intents`: the operation ids a
         crash test's fault points expect (faults.intend); `speculative`: a one-round-trip
         attempt first (None: not done)."""
@@ -197,8 +197,7 @@ class SqlJournal(Journal):
         return self._deferred([op.operation_id for op in operations] if faults.INTENTS else [],
                               lambda cur: self._append(cur, operations))
 
-    def _deferred(self, intents: list[str], body: Callable[[Any], list[Receipt | Rejection]]
-                  ) -> Callable[[], list[Receipt | Rejection]]:
+    def _deferred(self, intents: list[str], body: Callable[[Any], R]) -> Callable[[], R]:
         """append_deferred's two halves of `body` (see _now for `intents`)."""
         self._check_process()
         self._lock.acquire()
@@ -223,7 +222,7 @@ class SqlJournal(Journal):
         committed = self._lock.committing = self._committer.submit(self.sql.end, cur, True)
         waited = False
 
-        def wait() -> list[Receipt | Rejection]:
+        def wait() -> R:
             nonlocal waited
             if waited:
                 return results
@@ -277,12 +276,12 @@ class SqlJournal(Journal):
         record, _, _ = self._record(ops, range(len(ops)), results,
                                     Base(last, self._predicted_chain, time.time_ns(), set(), prevs))
         assert record is not None  # every operation writes an event
-        receipts = [r for r in results if isinstance(r, Receipt)]  # build_record made one for each
-        if not self._speculate(updates, record, list(op_ids), receipts, last):
+        event_ids = [e for r in results if isinstance(r, Receipt) for e in r.event_ids]  # build_record made each
+        if not self._speculate(updates, record, list(op_ids), event_ids, last):
             return None
         return results  # type: ignore[return-value]  # build_record filled every slot
 
-    def _run_speculative(self, run: DecodeRun) -> list[Receipt | Rejection] | None:
+    def _run_speculative(self, run: DecodeRun) -> Sequence[Receipt | Rejection] | None:
         """_append_speculative of a run, its record built from its columns."""
         if self._backing_off():
             return None
@@ -296,8 +295,8 @@ class SqlJournal(Journal):
         if written is None:
             return None
         self._uncommitted = written.tails
-        ok = self._speculate(run.writes(), written.record, run.operation_ids(), written.receipts, last)
-        return list(written.receipts) if ok else None
+        ok = self._speculate(run.writes(), written.record, run.operation_ids(), written.receipts.event_ids(), last)
+        return written.receipts if ok else None
 
     def _backing_off(self) -> bool:
         """Whether to skip this speculation: the last ones missed (_speculate's back-off)."""
@@ -323,10 +322,10 @@ class SqlJournal(Journal):
         return tail[1] if tail is not None and tail[0] == expected.stream_position else None
 
     def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow, op_ids: list[str],
-                   receipts: list[Receipt], last: int) -> bool:
-        """The one-statement append of a record whose operations' receipts are `receipts`."""
+                   event_ids: list[str], last: int) -> bool:
+        """The one-statement append of a record holding the operations `op_ids`, whose
+        events are `event_ids`."""
         fault("before_update")
-        event_ids = [e for r in receipts for e in r.event_ids]
         if self.sql.append_if(updates, record, op_ids, event_ids, last):
             self._predicted, self._predicted_chain, self._misses = record.last_position, record.chain, 0
             self._remember()
@@ -376,7 +375,7 @@ class SqlJournal(Journal):
         fault("before_commit")
         return results  # type: ignore[return-value]  # stored, rejected, build_record or the retry loop filled each slot
 
-    def _append_run(self, cur: Any, run: DecodeRun) -> list[Receipt | Rejection]:
+    def _append_run(self, cur: Any, run: DecodeRun) -> Sequence[Receipt | Rejection]:
         """The run's transaction: its block, when no id of it is stored and every guard
         holds (one statement for all of them); otherwise the general path decides its
         operations, in the same transaction."""
@@ -397,7 +396,7 @@ class SqlJournal(Journal):
         self._committed, self._committed_chain = written.record.last_position, written.record.chain
         self.sql.insert_record(cur, written.record, run.handle_ids)
         fault("before_commit")
-        return list(written.receipts)
+        return written.receipts
 
     def _prevs(self, cur: Any, ops: Sequence[Operation], indexes: list[int],
                results: list[Receipt | Rejection | None]) -> dict[str, int]:

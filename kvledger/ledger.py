@@ -99,7 +99,7 @@ class Ledger:
         """Many commands (e.g. one iteration's publications) in one journal commit."""
         with _arguments():
             cmds = list(cmds)
-        return self.service.execute_many(cmds)
+        return list(self.service.execute_many(cmds))
 
     def allocate(self, handle_id: str, manifest: Manifest, *, reserved_capacity: int,
                  copy_tiers: tuple[str, ...] = ("gpu",), allocator_bytes_per_copy: int = 0,

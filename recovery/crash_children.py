@@ -25,12 +25,11 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 if TYPE_CHECKING:
     from kvledger.engine import commands as c
-    from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook
+    from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook, Results
     from kvledger.engine.state import HandleState
     from kvledger.journal.port import Journal
     from kvledger.schemas.decode_batch import DecodeBatch
     from kvledger.schemas.manifest import ArtifactIdentity
-    from kvledger.schemas.receipts import Receipt
     from kvledger.worker.model import Transformer
     from kvledger.worker.serving import RequestSpec, Worker
 
@@ -144,16 +143,16 @@ class _Acking(BatchSurface):
         self._service.close()
 
     def submit_many(self, cmds: Sequence[c.Command | c.Relative], *,
-                    defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                    defer: bool = True) -> Callable[[], Results]:
         # execute and execute_many (BatchSurface) come through here too
         return self._acked(self._service.submit_many(cmds, defer=defer))
 
     def submit_batch(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], *,
-                     defer: bool = True) -> Callable[[], list[Receipt | KvLedgerError]]:
+                     defer: bool = True) -> Callable[[], Results]:
         return self._acked(self._service.submit_batch(steps, cmds, defer=defer))
 
-    def _acked(self, wait: Callable[[], list[Receipt | KvLedgerError]]) -> Callable[[], list[Receipt | KvLedgerError]]:
-        def acknowledged() -> list[Receipt | KvLedgerError]:
+    def _acked(self, wait: Callable[[], Results]) -> Callable[[], Results]:
+        def acknowledged() -> Results:
             results = wait()
             lines = [self._encode({"op": r.operation_id, "first": r.first_global_position,
                                    "last": r.last_global_position, "events": r.event_ids}) + b"\n"

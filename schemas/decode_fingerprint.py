@@ -61,14 +61,26 @@ _STEP = (b'{"handle_id":%s,"operation_id":null,"steps":[{"accepted_count":null,"
 def step_fingerprint(batch: DecodeBatch, i: int, generation: int, snapshot_version: int) -> str:
     """The fingerprint of step `i` of `batch` decided at the base (generation,
     snapshot_version): decode_chain_fingerprint of the chain it writes, from the values alone."""
+    ws = batch.workspace_bytes
+    return chain_fingerprint(batch.handle_ids[i], generation, snapshot_version, batch.rows_sha256[i], batch.txn_ids[i],
+                             0 if ws is None else ws[i], batch.output_indexes[i], batch.tokens[i],
+                             batch.cache_abi_sha256[i], batch.positions[i],
+                             None if batch.call_ids is None else batch.call(i), batch.next_txn_ids[i])
+
+
+def chain_fingerprint(  # noqa: PLR0913 - the twelve values the chain's JSON spells out, unboxed: no struct a step
+        handle_id: str, generation: int, snapshot_version: int, rows_sha256: str | None, txn_id: str,
+        workspace_bytes: int, output_index: int, token: int, cache_abi_sha256: str, position: int,
+        call: ev.ForwardCall | None, next_txn_id: str) -> str:
+    """The fingerprint of a decode step with these values (step_fingerprint's; a
+    journal's run of steps computes it when a receipt or a retry asks, from its columns)."""
     # The numbers a decision derives are ints (formatted as JSON formats them); the
     # token and the workspace are encoded as given (a bool would be `true`).
-    h, token, at, ws = _json(batch.handle_ids[i]), _json(batch.tokens[i]), batch.positions[i], batch.workspace_bytes
-    call = None if batch.call_ids is None else batch.call(i)  # most batches record no call: no method call
+    h, t = _json(handle_id), _json(token)
     return hashlib.sha256(_STEP % (
-        h, generation, snapshot_version, h, _json(batch.rows_sha256[i]), _json(batch.txn_ids[i]),
-        b"0" if ws is None else _json(ws[i]), h, batch.output_indexes[i], token, _json(batch.cache_abi_sha256[i]), at,
-        b"null" if call is None else _canonical(call), h, at, at + 1, token, _json(batch.next_txn_ids[i]))).hexdigest()
+        h, generation, snapshot_version, h, _json(rows_sha256), _json(txn_id), _json(workspace_bytes), h,
+        output_index, t, _json(cache_abi_sha256), position, b"null" if call is None else _canonical(call), h,
+        position, position + 1, t, _json(next_txn_id))).hexdigest()
 
 
 def _spelled_out(publish: ev.AppendPublishEvent, emit: ev.OutputEmitEvent, start: ev.AppendStartEvent) -> str:

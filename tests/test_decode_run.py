@@ -147,3 +147,37 @@ def test_a_run_from_its_columns_stores_what_its_operations_store(kind, request):
             assert runs[True] == runs[False]
 
     check()
+
+
+def test_a_run_written_whole_builds_each_receipt_when_read(tmp_path, monkeypatch):
+    """A run the journal wrote whole answers with receipts built when read: a worker's
+    check for refusals computes no fingerprint, and each receipt read is the one the
+    journal gives a retry of its operation, built once however often it is read."""
+    from kvledger.journal import decode_run
+
+    computed = []
+    real = decode_run.chain_fingerprint
+    monkeypatch.setattr(decode_run, "chain_fingerprint", lambda *a: computed.append(a[0]) or real(*a))
+    handles = [f"lazy-{i}" for i in range(4)]
+    with open_or_create_journal(f"sqlite:///{tmp_path}/k.db") as journal:
+        service = CommandService(journal, clock=ManualClock().at(5.0))
+        txn = {h: ids.new_id() for h in handles}
+        service.execute_many(
+            [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT), reserved_capacity=40)
+             for h in handles] +
+            [c.Relative(c.BeginAppend(handle_id=h, txn_id=txn[h], kind="prefill", base_generation=None,
+                                      base_snapshot_version=None, interval_start=0, interval_count=len(PROMPT),
+                                      token_ids=PROMPT, cache_positions=(0, 1, 2, 3),
+                                      mask_key_extent=len(PROMPT), cache_abi_sha256="")) for h in handles])
+        abi = service.state(handles[0]).cache_abi_sha256
+        batch = _batch([(h, txn[h], service.state(h), 7 + i, ids.new_id(), None) for i, h in enumerate(handles)], abi)
+        results = service.execute_steps(batch)
+        assert results.refused() == [] and len(results) == len(handles)
+        assert computed == []  # nothing read a receipt yet
+        assert results[-1] == results[3] and results[1:3] == [results[1], results[2]]
+        receipts = list(results)
+        assert [r.handles[0].handle_id for r in receipts] == handles
+        assert receipts == [journal.receipt(r.operation_id) for r in receipts]
+        assert sorted(computed) == sorted(handles)  # each once, however often read
+        with pytest.raises(IndexError):
+            results[len(handles)]

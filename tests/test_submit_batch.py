@@ -67,8 +67,8 @@ class Runner:
 
 def _send(service: CommandService, steps: DecodeBatch, columns: bool) -> list:
     if columns:
-        return service.execute_steps(steps)
-    return service.execute_many([c.batch_step(steps, i) for i in range(len(steps))])
+        return list(service.execute_steps(steps))
+    return list(service.execute_many([c.batch_step(steps, i) for i in range(len(steps))]))
 
 
 def _outcome(r: object) -> object:

@@ -26,7 +26,6 @@ from kvledger.schemas.manifest import (
     cache_abi_sha256,
     new_manifest,
 )
-from kvledger.schemas.receipts import Receipt
 from kvledger.worker.kvstore import KVStore
 from kvledger.worker.loading import DTYPE_NAMES
 from kvledger.worker.model import ModelConfig
@@ -105,7 +104,7 @@ class IterationBuilder:
             self.errors.append(str(exc))
             self.live[h].done = self.live[h].done or "failed"
 
-        chain = Chain(p.handle, publish, lambda r: self.store.commit(p.handle, end), failed)
+        chain = Chain(p.handle, publish, lambda: self.store.commit(p.handle, end), failed)
         batch.append(chain)
         self._chains[p.handle] = chain
         if p.kind == "repair":
@@ -272,7 +271,7 @@ class IterationBuilder:
         h = lv.handle
         batch.append(self._simple(lv, c.Truncate(handle_id=h, base_generation=0, base_snapshot_version=0,
                                                  new_length=new_len),
-                                  ok=lambda r: self.store.truncate(h, new_len)))
+                                  ok=lambda: self.store.truncate(h, new_len)))
         if lv.outputs and new_len >= len(lv.spec.prompt):
             nxt.append(Planned(h, new_txn(), "decode", new_len, (lv.outputs[-1],)))
 
@@ -286,7 +285,7 @@ class IterationBuilder:
                 self._chains.pop(h, None)  # the reorder comes after their chains
             self._structural = True
 
-            def reordered(r: Receipt | None, rows: tuple[str, ...] = rows, perm: tuple[int, ...] = perm) -> None:
+            def reordered(rows: tuple[str, ...] = rows, perm: tuple[int, ...] = perm) -> None:
                 self.store.reorder(rows, perm)
 
             batch.append((c.Relative(c.Reorder(group_id=rows[0], rows=rows, bases=(), permutation=perm)),
@@ -395,10 +394,10 @@ class IterationBuilder:
     def _release(self, lv: Live) -> Entry:
         self._repairs.discard(lv.handle)
         return self._simple(lv, c.Release(handle_id=lv.handle, base_generation=None),
-                            ok=lambda r: self.store.release(lv.handle))
+                            ok=lambda: self.store.release(lv.handle))
 
     def _fork(self, lv: Live, kids: list[str]) -> Entry:
-        def ok(r: Receipt | None, parent: str = lv.handle) -> None:
+        def ok(parent: str = lv.handle) -> None:
             for k in kids:
                 self.store.fork(parent, k, self.store.pending[parent])
 

@@ -15,7 +15,6 @@ from kvledger.engine.gather import add_step
 from kvledger.engine.ids import new_id
 from kvledger.schemas.decode_batch import BatchBuilder
 from kvledger.schemas.events import AppendKind
-from kvledger.schemas.receipts import Receipt
 from kvledger.worker.executor import CallShape
 
 
@@ -63,7 +62,7 @@ class Ran:
     greedy: int | None = None  # argmax of the last row, computed for the whole call at once
 
 
-Ok = Callable[[Receipt | None], None]  # a command's receipt (None: journaling off)
+Ok = Callable[[], None]  # called once the command committed (at once, journaling off)
 Err = Callable[[Exception], None]  # why it was refused
 Entry = tuple[c.Command | c.Relative, Ok | None, Err | None]
 
@@ -100,10 +99,10 @@ class Chain:
         return (c.Relative(c.Chain(handle_id=self.handle, steps=(self.first, *self.steps))), *self.callbacks())
 
     def callbacks(self) -> tuple[Ok, Err]:
-        def ok(r: Receipt | None) -> None:
+        def ok() -> None:
             for f in self.oks:
                 if f:
-                    f(r)
+                    f()
 
         def err(exc: Exception) -> None:
             for f in self.errs:

@@ -298,20 +298,25 @@ class Worker(IterationBuilder):
             if hit is not None:
                 return hit
             hit = set()
-            results: Sequence[Receipt | Exception | None] = [None] * len(outcomes) if wait is None else wait()
-            for (handles, ok, err), r in zip(outcomes, results):
-                if isinstance(r, Exception):
+            results = None if wait is None else wait()
+            # Most commits refuse nothing: their receipts are read only for on_applied.
+            refused = {} if results is None else dict(results.refused())
+            applied = self.on_applied
+            for i, (handles, ok, err) in enumerate(outcomes):
+                if (exc := refused.get(i)) is not None:
                     hit.update(handles)
                     if err:
-                        err(r)
+                        err(exc)
                     else:
-                        self.errors.append(str(r))
-                        log.warning("command rejected: %s", r)
+                        self.errors.append(str(exc))
+                        log.warning("command rejected: %s", exc)
                 else:
                     if ok:
-                        ok(r)
-                    if r is not None and self.on_applied is not None:
-                        self.on_applied(r)
+                        ok()
+                    if applied is not None and results is not None:
+                        receipt = results[i]
+                        assert isinstance(receipt, Receipt)  # not refused
+                        applied(receipt)
             return hit
         return done
 
