@@ -118,6 +118,23 @@ class Plan:
         return r.event_ids == tuple([e.event_id for e in self.stamped])
 
 
+@dataclass(slots=True)
+class RunPlan:
+    """A batch's leading plain steps as one run: the run, the batch, and each step's
+    (index, state before, state after). A step's Plan is made only when the run is not
+    written whole (each step then settles, and is retried, as an operation) or a hook
+    wants its events."""
+
+    run: DecodeRun
+    steps: DecodeBatch
+    members: list[tuple[int, HandleState, HandleState]]
+
+    def plans(self) -> list[tuple[int, Plan]]:
+        return [(i, Plan(None, (self.run, k), {self.steps.handle_ids[i]: after}, [],
+                         partial(c.batch_chain, self.steps, i)))
+                for k, (i, _, after) in enumerate(self.members)]
+
+
 class BatchSurface(ABC):
     """execute, execute_many and the context manager, built on `submit_many` and
     `close`: the same for this process's service and kvledger.engine.remote's writer process."""
@@ -237,10 +254,9 @@ class CommandService(BatchSurface):
         states = {h: self.state(h) for h in handles}
         decided = decide_batch(steps, states, mono)
         local: dict[str, HandleState | None] = {}  # as the steps before leave a handle
-        run, in_run = self._run(steps, states, decided.plain, local, planned, mono, wall)
-        for i, after in enumerate(decided.plain):
-            if i in in_run:
-                continue
+        run = self._run(steps, states, decided.plain, local, mono, wall)
+        for i in range(0 if run is None else len(run.members), n):
+            after = decided.plain[i]
             h = handles[i]
             s = local[h] if h in local else self.state(h)
             op = None if after is None or s is None else plan_step(
@@ -257,12 +273,10 @@ class CommandService(BatchSurface):
         return self._commit(given, results, planned, defer, run)
 
     def _run(self, steps: DecodeBatch, states: Mapping[str, HandleState | None], plain: Sequence[HandleState | None],
-             local: dict[str, HandleState | None], planned: list[tuple[int, Plan]], mono: int, wall: int
-             ) -> tuple[DecodeRun | None, set[int]]:
+             local: dict[str, HandleState | None], mono: int, wall: int) -> RunPlan | None:
         """The batch's leading plain steps on distinct handles, as one run
-        (journal.decode_run; the batch's order is the journal's), decided on `states`:
-        their plans go into `planned`, the states they leave into `local`. Returns the run
-        (None: no such step, or ids are seeded) and its steps' indexes."""
+        (journal.decode_run; the batch's order is the journal's), decided on `states`;
+        the states they leave go into `local`. None: no such step, or ids are seeded."""
         members: list[tuple[int, HandleState, HandleState]] = []
         seen: set[str] = set()
         for i, after in enumerate(plain):
@@ -274,22 +288,19 @@ class CommandService(BatchSurface):
             members.append((i, s, after))
         run = plan_run(steps, members, self.local_sequence, self.source_instance, mono, wall) if members else None
         if run is None:
-            return None, set()
+            return None
         self.local_sequence += 3 * len(members)
-        for k, (i, _, after) in enumerate(members):
-            h = steps.handle_ids[i]
-            local[h] = after
-            planned.append((i, Plan(None, (run, k), {h: after}, [], partial(c.batch_chain, steps, i))))
-        return run, {i for i, _, _ in members}
+        local.update((steps.handle_ids[i], after) for i, _, after in members)
+        return RunPlan(run, steps, members)
 
     def _commit(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
-                planned: list[tuple[int, Plan]], defer: bool, run: DecodeRun | None = None
+                planned: list[tuple[int, Plan]], defer: bool, run: RunPlan | None = None
                 ) -> Callable[[], Results]:
-        """Append the planned operations (deferred or not), the first `len(run)` of them
-        as that run; the function that waits for them, decides again what contention
+        """Append the run (the batch's first steps) and the planned operations after it,
+        deferred or not; the function that waits for them, decides again what contention
         refused, and returns the results. A step of a decode batch is bound in `cmds`
         only when a retry or a hook needs it."""
-        first = self._send(planned, defer, run) if planned else None
+        first = self._send(planned, defer, run) if planned or run else None
         plans = dict(planned)
 
         def command(i: int) -> c.Command | c.Relative:
@@ -302,10 +313,15 @@ class CommandService(BatchSurface):
 
         def wait() -> Results:
             outcomes = first() if first is not None else []
-            if type(outcomes) is RunReceipts and len(outcomes) == len(planned):  # the run was the batch, written whole
-                self._settle_run(planned, outcomes)
+            if run is not None and not planned and type(outcomes) is RunReceipts:  # the batch, written whole
+                self._settle_run(run, outcomes)
                 return Results((), outcomes)
-            pending = self._settle(results, planned, outcomes)
+            if run is not None:  # its steps settle, and are retried, one by one
+                stepped = run.plans()
+                plans.update(stepped)
+                pending = self._settle(results, stepped + planned, outcomes)
+            else:
+                pending = self._settle(results, planned, outcomes)
             for _ in range(MAX_ATTEMPTS - 1):
                 if not pending:
                     break
@@ -329,12 +345,12 @@ class CommandService(BatchSurface):
 
         return wait
 
-    def _send(self, planned: list[tuple[int, Plan]], defer: bool, run: DecodeRun | None
+    def _send(self, planned: list[tuple[int, Plan]], defer: bool, run: RunPlan | None
               ) -> Callable[[], Sequence[Receipt | Rejection]]:
-        """Append the planned operations, the first `len(run)` as that run; the function
-        that waits for the outcomes."""
+        """Append the run and the planned operations after it; the function that waits
+        for the outcomes."""
         if run is not None:
-            return self.journal.append_run(run, [p.op for _, p in planned[len(run):]], defer=defer)
+            return self.journal.append_run(run.run, [p.op for _, p in planned], defer=defer)
         ops = [p.op for _, p in planned]
         if defer:
             return self.journal.append_deferred(ops)
@@ -382,13 +398,13 @@ class CommandService(BatchSurface):
             planned.append((i, plan))
         return planned
 
-    def _settle_run(self, planned: list[tuple[int, Plan]], receipts: RunReceipts) -> None:
-        """Record a run the journal wrote whole: its plans, in its order, are all of
-        `planned`; fresh ids (the journal found none stored), so each wrote its receipt."""
-        for _, plan in planned:
-            self.states.update(plan.states)
+    def _settle_run(self, run: RunPlan, receipts: RunReceipts) -> None:
+        """Record a run the journal wrote whole, the batch's only operations: fresh ids
+        (the journal found none stored), so each step wrote its receipt."""
+        handles = run.steps.handle_ids
+        self.states.update((handles[i], after) for i, _, after in run.members)
         if self.on_commit:
-            for k, (_, plan) in enumerate(planned):
+            for k, (_, plan) in enumerate(run.plans()):
                 receipt = receipts[k]
                 for hook in self.on_commit:
                     hook(receipt, plan.events)
