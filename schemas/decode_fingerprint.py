@@ -23,7 +23,6 @@ import msgspec
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json as _canonical
 from kvledger.schemas.canonical import sha256_hex
-from kvledger.schemas.decode_batch import DecodeBatch
 
 # A decode chain's events, in the order the service stamps them (engine.batch_plan).
 DECODE_CHAIN = (ev.AppendPublishEvent, ev.OutputEmitEvent, ev.AppendStartEvent)
@@ -36,12 +35,9 @@ def decode_chain_fingerprint(publish: ev.AppendPublishEvent, emit: ev.OutputEmit
     if (s.kind != "decode" or s.interval_count != 1 or s.token_ids != (o.token_id,)
             or s.cache_positions != (s.interval_start,) or s.mask_key_extent != s.interval_start + 1):
         return _spelled_out(publish, emit, start)  # not a decode step's own form: the long way
-    k = s.call
-    calls = (None,) * 6 if k is None else ((k.call_id,), (k.index,), (k.size,), (k.new_pad,), (k.key_extent,),
-                                           (k.threads,))
-    step = DecodeBatch((publish.stream_id,), (p.txn_id,), (s.interval_start,), (o.output_index,), (o.token_id,),
-                       (s.txn_id,), (p.rows_sha256,), (s.cache_abi_sha256,), (p.workspace_bytes,), None, *calls)
-    return step_fingerprint(step, 0, publish.handle_generation, p.base_snapshot_version)
+    return chain_fingerprint(publish.stream_id, publish.handle_generation, p.base_snapshot_version, p.rows_sha256,
+                             p.txn_id, p.workspace_bytes, o.output_index, o.token_id, s.cache_abi_sha256,
+                             s.interval_start, s.call, s.txn_id)
 
 
 _json = msgspec.json.encode
@@ -58,22 +54,13 @@ _STEP = (b'{"handle_id":%s,"operation_id":null,"steps":[{"accepted_count":null,"
          b'"type":"BeginAppend"}],"type":"Chain"}')
 
 
-def step_fingerprint(batch: DecodeBatch, i: int, generation: int, snapshot_version: int) -> str:
-    """The fingerprint of step `i` of `batch` decided at the base (generation,
-    snapshot_version): decode_chain_fingerprint of the chain it writes, from the values alone."""
-    ws = batch.workspace_bytes
-    return chain_fingerprint(batch.handle_ids[i], generation, snapshot_version, batch.rows_sha256[i], batch.txn_ids[i],
-                             0 if ws is None else ws[i], batch.output_indexes[i], batch.tokens[i],
-                             batch.cache_abi_sha256[i], batch.positions[i],
-                             None if batch.call_ids is None else batch.call(i), batch.next_txn_ids[i])
-
-
 def chain_fingerprint(  # noqa: PLR0913 - the twelve values the chain's JSON spells out, unboxed: no struct a step
         handle_id: str, generation: int, snapshot_version: int, rows_sha256: str | None, txn_id: str,
         workspace_bytes: int, output_index: int, token: int, cache_abi_sha256: str, position: int,
         call: ev.ForwardCall | None, next_txn_id: str) -> str:
-    """The fingerprint of a decode step with these values (step_fingerprint's; a
-    journal's run of steps computes it when a receipt or a retry asks, from its columns)."""
+    """The fingerprint of the decode step with these values, decided at the base
+    (generation, snapshot_version): Chain.fingerprint() of the chain it writes. A journal's
+    run computes it from its columns when a receipt or a retry asks (DecodeRun.fingerprint)."""
     # The numbers a decision derives are ints (formatted as JSON formats them); the
     # token and the workspace are encoded as given (a bool would be `true`).
     h, t = _json(handle_id), _json(token)

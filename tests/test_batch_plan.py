@@ -194,9 +194,9 @@ _ints = st.integers(min_value=0, max_value=2**63 - 1)
        at=st.integers(min_value=0, max_value=2**62), rows=st.none() | _ids,
        call=st.none() | st.builds(ForwardCall, _ids, _ints, _ints, _ints, _ints, _ints))
 def test_a_steps_fingerprint_from_its_values_is_the_chains(ids_, numbers, at, rows, call):
-    """schemas.decode_fingerprint.step_fingerprint spells out a decode chain's canonical
+    """schemas.decode_fingerprint.chain_fingerprint spells out a decode chain's canonical
     JSON: it equals Chain.fingerprint() of the bound chain for any ids and numbers."""
-    from kvledger.schemas.decode_fingerprint import step_fingerprint
+    from kvledger.schemas.decode_fingerprint import chain_fingerprint
 
     h, txn, nxt, abi = ids_
     g, v, ws, out, token = numbers
@@ -208,6 +208,4 @@ def test_a_steps_fingerprint_from_its_values_is_the_chains(ids_, numbers, at, ro
         c.BeginAppend(handle_id=h, txn_id=nxt, kind="decode", base_generation=None, base_snapshot_version=None,
                       interval_start=at, interval_count=1, token_ids=(token,), cache_positions=(at,),
                       mask_key_extent=at + 1, cache_abi_sha256=abi, call=call)))
-    batch = BatchBuilder()
-    batch.detail(batch.add(h, txn, at, out, token, nxt, rows, abi), workspace_bytes=ws, call=call)
-    assert step_fingerprint(batch.build(), 0, g, v) == chain.fingerprint()
+    assert chain_fingerprint(h, g, v, rows, txn, ws, out, token, abi, at, call, nxt) == chain.fingerprint()
