@@ -39,6 +39,43 @@ _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
+def _append_if(legacy: bool) -> str:
+    """The one-statement append (PostgresStatements.append_if): the guarded head updates,
+    a verdict, and the record with its lookup rows. The verdict is true only if every
+    guard held, the last position is the one the record was numbered after (so the chain
+    it links to is the last record's), and no operation has a receipt yet (none is a
+    retry; a key another operation shares only sends this append down the general path),
+    all read under the writer lock in the statement's snapshot. A false verdict makes the
+    record's position NULL: the insert fails (not-null violation), so the transaction,
+    head updates included, rolls back and nothing is committed. `legacy`: the ids and the
+    last position are looked for in the one-row-per-event tables too."""
+    return (
+        "WITH u AS (UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
+        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph, last_record = %(rlast)b::bigint "
+        "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
+        "AS v(h, g, s, p, ng, ns, np, nc, ph) "
+        "WHERE h.handle_id = v.h AND h.generation = v.g "
+        "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING 1), "
+        "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)b::bigint "
+        "AND coalesce((SELECT max(last_position) FROM kvl_records), "
+        + ("(SELECT max(global_position) FROM kvl_events), " if legacy else "")
+        + "0) = %(last)b::bigint "
+        "AND NOT EXISTS (SELECT 1 FROM unnest(%(lo)b, %(hi)b, %(a)b) AS q(lo, hi, a) JOIN kvl_record_ids i "
+        "ON i.first_key BETWEEN q.lo AND q.hi AND i.last_key >= q.a) "
+        + ("AND NOT EXISTS (SELECT 1 FROM kvl_receipts WHERE operation_id = ANY(%(ops)b)) "
+           "AND NOT EXISTS (SELECT 1 FROM kvl_events WHERE event_id = ANY(%(eids)b)) " if legacy else "")
+        + "AS ok), "
+        "r AS (INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
+        "SELECT CASE WHEN verdict.ok THEN %(rlast)b::bigint END, %(rfirst)b::bigint, %(chain)b, %(body)b, "
+        "%(prev)b FROM verdict) "
+        "INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
+        "SELECT f, l, %(rlast)b::bigint FROM unnest(%(rf)b, %(rl)b) AS k(f, l)"
+    )
+
+
+APPEND_IF = {legacy: _append_if(legacy) for legacy in (False, True)}
+
+
 class PostgresStatements(Statements):
     placeholder = "%s"
 
@@ -134,53 +171,46 @@ class PostgresStatements(Statements):
         cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
 
     speculative = True
-    # One statement: the guarded head updates, a verdict, and the record with its lookup
-    # rows. The verdict is true only if every guard held, the last position is the one
-    # the record was numbered after (so the chain it links to is the last record's), and
-    # no operation has a receipt yet (none is a retry; a key another operation shares
-    # only sends this append down the general path), all read under the writer lock in
-    # the statement's snapshot. A false verdict makes the record's position NULL: the
-    # insert fails (not-null violation), so the transaction, head updates included,
-    # rolls back and nothing is committed.
-    APPEND_IF = (
-        "WITH u AS (UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
-        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph, last_record = %(rlast)b::bigint "
-        "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
-        "AS v(h, g, s, p, ng, ns, np, nc, ph) "
-        "WHERE h.handle_id = v.h AND h.generation = v.g "
-        "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING 1), "
-        "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)b::bigint "
-        "AND coalesce((SELECT max(last_position) FROM kvl_records), "
-        "(SELECT max(global_position) FROM kvl_events), 0) = %(last)b::bigint "
-        "AND NOT EXISTS (SELECT 1 FROM unnest(%(lo)b, %(hi)b, %(a)b) AS q(lo, hi, a) JOIN kvl_record_ids i "
-        "ON i.first_key BETWEEN q.lo AND q.hi AND i.last_key >= q.a) "
-        "AND NOT EXISTS (SELECT 1 FROM kvl_receipts WHERE operation_id = ANY(%(ops)b)) "
-        "AND NOT EXISTS (SELECT 1 FROM kvl_events WHERE event_id = ANY(%(eids)b)) AS ok), "
-        "r AS (INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
-        "SELECT CASE WHEN verdict.ok THEN %(rlast)b::bigint END, %(rfirst)b::bigint, %(chain)b, %(body)b, "
-        "%(prev)b FROM verdict) "
-        "INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
-        "SELECT f, l, %(rlast)b::bigint FROM unnest(%(rf)b, %(rl)b) AS k(f, l)"
-    )
+    # Whether this connection's appends look for their ids in the one-row-per-event tables
+    # (written before revision 0003, or imported): None until it has seen a record or such
+    # a row. Once a journal holds a record with those tables empty they stay empty (only
+    # an import writes them, and it needs an empty journal); rows there are never deleted.
+    _legacy_rows: bool | None = None
+
+    def _legacy(self) -> bool:
+        """Whether an append must look in the one-row-per-event tables too."""
+        if self._legacy_rows is None:
+            record, legacy = self.conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM kvl_records), "
+                "EXISTS (SELECT 1 FROM kvl_events) OR EXISTS (SELECT 1 FROM kvl_receipts)").fetchone()
+            if record or legacy:
+                self._legacy_rows = legacy
+        return self._legacy_rows is not False
 
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
-                  operation_ids: list[str], event_ids: list[str], last: int) -> bool:
+                  ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
         params = _guarded_update_params(updates)
         rlast, rfirst, chain_, body, _, prev, runs = record
         lo, hi, a = zip(*stab(runs))  # a record holds an event: one run at least
         params.update(
             lo=_int8s(lo), hi=_int8s(hi), a=_int8s(a), rf=_int8s([r[0] for r in runs]),
-            rl=_int8s([r[1] for r in runs]), prev=prev, ops=_texts(operation_ids),
-            eids=_texts(event_ids), rlast=rlast, rfirst=rfirst, chain=chain_, body=body, n=len(updates), last=last,
+            rl=_int8s([r[1] for r in runs]), prev=prev, rlast=rlast, rfirst=rfirst, chain=chain_, body=body,
+            n=len(updates), last=last,
         )
+        legacy = self._legacy()
+        if legacy:
+            operation_ids, event_ids = ids()
+            params.update(ops=_texts(operation_ids), eids=_texts(event_ids))
         conn = self.conn
         try:
             with self._pipeline(), conn.transaction(), conn.cursor() as cur:
                 cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
-                cur.execute(self.APPEND_IF, params, prepare=True)  # planned once per connection
+                cur.execute(APPEND_IF[legacy], params, prepare=True)  # planned once per connection
         except psycopg.errors.IntegrityError:
             # the verdict was false (or a row broke a constraint): rolled back, nothing
-            # written; the general path decides what to do with these operations.
+            # written; the general path decides what to do with these operations. (What
+            # moved the journal under this connection may be a reset: look again.)
+            self._legacy_rows = None
             return False
         return True
 

@@ -276,8 +276,8 @@ class SqlJournal(Journal):
         record, _, _ = self._record(ops, range(len(ops)), results,
                                     Base(last, self._predicted_chain, time.time_ns(), set(), prevs))
         assert record is not None  # every operation writes an event
-        event_ids = [e for r in results if isinstance(r, Receipt) for e in r.event_ids]  # build_record made each
-        if not self._speculate(updates, record, list(op_ids), event_ids, last):
+        if not self._speculate(updates, record, lambda: (list(op_ids), [  # build_record made each receipt
+                e for r in results if isinstance(r, Receipt) for e in r.event_ids]), last):
             return None
         return results  # type: ignore[return-value]  # build_record filled every slot
 
@@ -295,8 +295,9 @@ class SqlJournal(Journal):
         if written is None:
             return None
         self._uncommitted = written.tails
-        ok = self._speculate(run.writes(), written.record, run.operation_ids(), written.receipts.event_ids(), last)
-        return written.receipts if ok else None
+        receipts = written.receipts
+        ok = self._speculate(run.writes(), written.record, lambda: (run.operation_ids(), receipts.event_ids()), last)
+        return receipts if ok else None
 
     def _backing_off(self) -> bool:
         """Whether to skip this speculation: the last ones missed (_speculate's back-off)."""
@@ -321,12 +322,12 @@ class SqlJournal(Journal):
         tail = self._tails.get(handle_id)
         return tail[1] if tail is not None and tail[0] == expected.stream_position else None
 
-    def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow, op_ids: list[str],
-                   event_ids: list[str], last: int) -> bool:
-        """The one-statement append of a record holding the operations `op_ids`, whose
-        events are `event_ids`."""
+    def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
+                   ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
+        """The one-statement append of a record holding the operations and events whose ids
+        `ids()` gives."""
         fault("before_update")
-        if self.sql.append_if(updates, record, op_ids, event_ids, last):
+        if self.sql.append_if(updates, record, ids, last):
             self._predicted, self._predicted_chain, self._misses = record.last_position, record.chain, 0
             self._remember()
             return True

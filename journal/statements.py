@@ -90,7 +90,9 @@ class Statements(VerifyReads):
 
     # Only where speculative is set.
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
-                  operation_ids: list[str], event_ids: list[str], last: int) -> bool:
+                  ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
+        """`ids()`: the operation ids and event ids of the record, asked for only where a
+        table of them must be looked in."""
         raise NotImplementedError
 
     def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str], runs: list[tuple[int, int]]

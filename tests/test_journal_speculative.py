@@ -7,10 +7,11 @@ import pytest
 
 from kvledger.journal import Rejection
 from kvledger.migrations.storage import open_or_create_journal
-from kvledger.schemas.errors import ErrorCode
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
 from factories import allocate_op, guard_of, publish_op
+from stored_rows import FIXTURES
 
 
 @pytest.fixture
@@ -164,3 +165,45 @@ def test_the_journal_polls_its_connection_for_replies(pg_url):
         [again] = j.append([allocate_op("h", "other")])
         assert isinstance(again, Rejection) and again.code == ErrorCode.HANDLE_EXISTS.value
         assert j.last_position() == r.last_global_position
+
+
+def test_an_imported_journal_keeps_looking_for_ids_in_its_event_rows(pg_url):
+    """The one-statement append leaves the one-row-per-event tables out once its connection
+    has seen a record with them empty (only an import writes them, into an empty journal).
+    An imported journal keeps them in: an operation reusing an imported operation's id, or
+    an imported event's id, on a head whose guard holds is not written by it."""
+    from kvledger.replay import import_jsonl
+
+    with open_or_create_journal(pg_url) as j:
+        import_jsonl(j, FIXTURES / "two_request_trajectory.jsonl")
+        imported = list(j.read_all())[-1]
+    with open_or_create_journal(pg_url) as a:
+        calls = _spy(a)
+        a.append([allocate_op("h1")])  # a record beside the imported rows
+        assert isinstance(a.append([publish_op("h1", guard_of(a.head("h1")), "new-op")])[0], Receipt)
+        assert calls == {"fast": 1, "committed": 1}
+        before = list(a.read_raw())
+        [r] = a.append([publish_op("h1", guard_of(a.head("h1")), imported.operation_id)])
+        assert isinstance(r, Rejection) and r.code == ErrorCode.CONFLICT, r
+        a._skip = 0
+        with pytest.raises(KvLedgerError) as reused:
+            a.append([publish_op("h1", guard_of(a.head("h1")), "fresh-op", event_id=imported.event_id)])
+        assert reused.value.code == ErrorCode.CONSTRAINT_VIOLATION
+        assert list(a.read_raw()) == before
+        assert calls == {"fast": 3, "committed": 1}
+
+
+def test_a_journal_of_records_only_stops_looking_in_the_event_rows(pg_url):
+    """...and a journal with none stops looking (one statement fewer array a commit), yet
+    still finds a reused id among its records."""
+    with open_or_create_journal(pg_url) as a:
+        calls = _spy(a)
+        a.append([allocate_op("h1")])
+        assert a.sql._legacy() is False
+        first = a.append([publish_op("h1", guard_of(a.head("h1")), "op-1")])
+        a._skip = 0
+        before = list(a.read_raw())
+        [r] = a.append([publish_op("h1", guard_of(a.head("h1")), "op-1", fingerprint="another")])
+        assert isinstance(r, Rejection) and r.code == ErrorCode.CONFLICT, r
+        assert list(a.read_raw()) == before and isinstance(first[0], Receipt)
+        assert calls == {"fast": 2, "committed": 1}
