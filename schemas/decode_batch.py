@@ -16,8 +16,7 @@ alone turns what was decided into its records.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -89,10 +88,13 @@ class DecodeBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
         given = [getattr(self, name) is not None for name in _CALL_COLUMNS]
         if any(given) and not all(given):
             raise _bad("the call columns are given together or not at all")
-        if self.call_ids is not None:
-            for i, call_id in enumerate(self.call_ids):
-                call = self.call(i)
-                if call is not None and min(call.size, call.new_pad, call.key_extent) <= 0:
+        if self.call_ids:
+            assert self.call_sizes is not None and self.call_new_pads is not None and self.call_key_extents is not None
+            sizes = (self.call_sizes, self.call_new_pads, self.call_key_extents)
+            if None not in self.call_ids and min(map(min, sizes)) > 0:  # a worker's batch: one call, every step
+                return
+            for i, (call_id, size, pad, extent) in enumerate(zip(self.call_ids, *sizes)):
+                if call_id is not None and min(size, pad, extent) <= 0:
                     raise _bad(f"step {i} of call {call_id}: a model call's size, padding and key extent "
                                "are positive")
 
@@ -178,17 +180,15 @@ class BatchBuilder:
         self._workspace[i], self._bases[i], self._calls[i] = workspace_bytes, base, call
 
     def build(self) -> DecodeBatch:
-        calls = self._calls
-        given = any(x is not None for x in calls)
-
-        def column(f: Callable[[ForwardCall], int]) -> tuple[int, ...] | None:
-            return tuple(0 if x is None else f(x) for x in calls) if given else None
-
+        calls: tuple[tuple[Any, ...] | None, ...] = (None,) * 6  # the call columns: none given
+        if any(x is not None for x in self._calls):
+            calls = tuple(zip(*[_NO_CALL if x is None else (x.call_id, x.index, x.size, x.new_pad, x.key_extent,
+                                                              x.threads) for x in self._calls]))
         return DecodeBatch(
             tuple(self.handle_ids), tuple(self._txns), tuple(self._positions), tuple(self._outputs),
             tuple(self._tokens), tuple(self._next), tuple(self._rows), tuple(self._abis),
             tuple(self._workspace) if any(self._workspace) else None,
-            tuple(self._bases) if any(b is not None for b in self._bases) else None,
-            tuple(None if x is None else x.call_id for x in calls) if given else None,
-            column(lambda x: x.index), column(lambda x: x.size), column(lambda x: x.new_pad),
-            column(lambda x: x.key_extent), column(lambda x: x.threads))
+            tuple(self._bases) if any(b is not None for b in self._bases) else None, *calls)
+
+
+_NO_CALL = (None, 0, 0, 0, 0, 0)  # a step without a model call, in a batch with some
