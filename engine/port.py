@@ -10,7 +10,7 @@ dict of states) or delegate (the acking wrapper's properties).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol, Self, overload, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from kvledger.engine import commands as c
 from kvledger.engine.state import HandleState
@@ -18,10 +18,11 @@ from kvledger.journal.port import Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
+from kvledger.schemas.positional import Positional
 from kvledger.schemas.receipts import Receipt
 
 
-class Results(Sequence[Receipt | KvLedgerError]):
+class Results(Positional[Receipt | KvLedgerError]):
     """A batch's results, positional: the receipts of a decode run the journal wrote whole
     (journal.port.RunReceipts, each built when read), for the batch's first steps, then
     one result for each other step and command. `refused()` finds the refusals without
@@ -35,20 +36,8 @@ class Results(Sequence[Receipt | KvLedgerError]):
     def __len__(self) -> int:
         return len(self._run) + len(self._rest)
 
-    @overload
-    def __getitem__(self, i: int) -> Receipt | KvLedgerError: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[Receipt | KvLedgerError]: ...
-
-    def __getitem__(self, i: int | slice) -> Receipt | KvLedgerError | list[Receipt | KvLedgerError]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
+    def _at(self, i: int) -> Receipt | KvLedgerError:
         k = len(self._run)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
         return self._run[i] if i < k else self._rest[i - k]
 
     def __iter__(self) -> Iterator[Receipt | KvLedgerError]:

@@ -18,8 +18,7 @@ journal and the same answers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import overload
+from collections.abc import Iterator
 
 import msgspec
 
@@ -27,6 +26,7 @@ from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.journal.step_values import DecodeStep
 from kvledger.schemas.decode_fingerprint import chain_fingerprint
 from kvledger.schemas.events import ForwardCall
+from kvledger.schemas.positional import Positional
 from kvledger.schemas.receipts import HandleResult, Receipt
 
 GAPS = (1, 1, 1)  # an operation's three event ids follow its own
@@ -101,7 +101,7 @@ class DecodeRun(msgspec.Struct, frozen=True, gc=False):
                                  self.cache_abis[i], self.committed[i], self.calls[i], self.start_txns[i])
 
 
-class RunReceipts(Sequence[Receipt]):
+class RunReceipts(Positional[Receipt]):
     """The receipts of a run written whole, its events from global position `first` on
     (three a step), committed at `now`. Each is built when read: a step's fingerprint
     is a SHA-256 that only a retry, a hook or an acknowledgement log reads, and a run
@@ -116,20 +116,7 @@ class RunReceipts(Sequence[Receipt]):
     def __len__(self) -> int:
         return len(self.run)
 
-    @overload
-    def __getitem__(self, i: int) -> Receipt: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[Receipt]: ...
-
-    def __getitem__(self, i: int | slice) -> Receipt | list[Receipt]:
-        n = len(self.run)
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(n))]
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(i)
+    def _at(self, i: int) -> Receipt:
         built = self._built[i]
         if built is None:
             run, first = self.run, self.first + 3 * i
@@ -142,7 +129,7 @@ class RunReceipts(Sequence[Receipt]):
         return built
 
     def __iter__(self) -> Iterator[Receipt]:
-        return (self[i] for i in range(len(self.run)))
+        return map(self._at, range(len(self.run)))
 
     def event_ids(self) -> list[str]:
         """Every event id of the run, in order (what reading each receipt's would give)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json, digest, layers_sha256
@@ -19,6 +21,7 @@ from kvledger.schemas.manifest import (
     prompt_token_ids_sha256,
     validate_manifest,
 )
+from kvledger.schemas.positional import Positional
 
 from factories import allocate_op, make_manifest
 
@@ -237,3 +240,33 @@ def test_every_event_type_has_a_payload_and_a_schema_entry():
         "truncate", "reorder", "cancel_request", "finish", "release",
         "kv_events_batch", "kv_events_gap", "kv_events_restart",
     }
+
+
+class _Squares(Positional[int]):
+    __slots__ = ("n", "made")
+
+    def __init__(self, n: int) -> None:
+        self.n, self.made = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _at(self, i: int) -> int:
+        self.made.append(i)
+        return i * i
+
+
+@given(st.integers(0, 6), st.integers(-9, 9), st.one_of(st.none(), st.integers(-9, 9)),
+       st.one_of(st.none(), st.integers(-9, 9)), st.sampled_from([None, 1, 2, -1, -3]))
+def test_a_positional_sequence_indexes_and_slices_as_a_list(n, i, start, stop, step):
+    """Results and RunReceipts (schemas.positional): items made when read, indexed as a list."""
+    seq, want = _Squares(n), [k * k for k in range(n)]
+    if -n <= i < n:
+        assert seq[i] == want[i] and seq.made == [i % n]
+    else:
+        with pytest.raises(IndexError):
+            seq[i]
+        assert seq.made == []
+    assert seq[start:stop:step] == want[start:stop:step]
+    assert list(seq) == want and list(reversed(seq)) == want[::-1]
+    assert ((n - 1) ** 2 in seq) == (n > 0)

@@ -1,0 +1,33 @@
+"""A read-only sequence whose items are made when read (a batch's receipts and results):
+indexing, negative indexes and slices as a list's, over one `_at(i)` of 0 <= i < len."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar, overload
+
+T = TypeVar("T", covariant=True)
+
+
+class Positional(Sequence[T]):
+    __slots__ = ()
+
+    def _at(self, i: int) -> T:
+        """Item i, 0 <= i < len(self)."""
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        n = len(self)
+        if isinstance(i, slice):
+            return [self._at(k) for k in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self._at(i)
