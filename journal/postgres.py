@@ -19,7 +19,8 @@ binary arrays faster than array literals.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import nullcontext
 from itertools import chain, repeat
 from typing import Any, ClassVar
@@ -310,7 +311,7 @@ class PostgresStatements(Statements):
         rows: list[Row] = cur.fetchall()
         return rows
 
-    def insert_record(self, cur: Any, row: RecordRow, pointed: Collection[str] = ()) -> None:
+    def insert_record(self, cur: Any, row: RecordRow, pointed: AbstractSet[str] = frozenset()) -> None:
         last, first, chain_, body, handles, prev, runs = row
         cur.execute("INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
                     "VALUES (%s, %s, %s, %s, %s)", (last, first, chain_, body, prev))

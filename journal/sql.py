@@ -395,7 +395,7 @@ class SqlJournal(Journal):
         fault("after_update")
         self._uncommitted = written.tails
         self._committed, self._committed_chain = written.record.last_position, written.record.chain
-        self.sql.insert_record(cur, written.record, run.handle_ids)
+        self.sql.insert_record(cur, written.record, frozenset(run.handle_ids))  # guard_all pointed each
         fault("before_commit")
         return written.receipts
 

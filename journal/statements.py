@@ -7,7 +7,8 @@ the statements whose best form differs over a network (set-based, one round trip
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any, TypeVar
 
 import msgspec
@@ -245,7 +246,7 @@ class Statements(VerifyReads):
     # the head rows the guarded update just rewrote: no page a commit did not dirty already
     SET_LAST_RECORD = "UPDATE kvl_heads SET last_record = ? WHERE handle_id = ?"
 
-    def insert_record(self, cur: Any, row: RecordRow, pointed: Collection[str] = ()) -> None:
+    def insert_record(self, cur: Any, row: RecordRow, pointed: AbstractSet[str] = frozenset()) -> None:
         """The record, its id runs, and each of its handles' last_record, but for those
         in `pointed` (guarded_update already set it)."""
         last, first, chain, body, handles, prev, runs = row
