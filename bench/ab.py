@@ -35,7 +35,7 @@ import kvledger
 assert kvledger.__file__.startswith(sys.argv[1]), kvledger.__file__
 sys.path.insert(0, sys.argv[2])
 from bench.tokens import group_rates
-rates, _ = group_rates(f"sqlite:///{tempfile.mkdtemp()}/ab.db", 32, 40, int(sys.argv[3]))
+rates, _ = group_rates(f"sqlite:///{tempfile.mkdtemp()}/ab.db", 32, 40, int(sys.argv[3]), batch=int(sys.argv[4]))
 print(statistics.median(1e6 / r for r in rates))
 """
 # --replay: the replay key's path instead (bench.tokens.replay_rate: read, inflate, decode
@@ -199,6 +199,7 @@ print(statistics.median(runs))
 
 EPILOG = """examples:
   python -m bench.ab main HEAD                 decode steps' write path (journal_tokens_per_s_sqlite's)
+  python -m bench.ab main HEAD --batch 256     the same at 256 steps a commit (journal_tokens_per_s_sqlite_b256's)
   python -m bench.ab main HEAD --replay        replay_tokens_per_s's path
   python -m bench.ab main HEAD --publish       journal_vs_eventsourcing_sqlite's kvledger side
   python -m bench.ab main HEAD --ceiling       journal_ceiling_vs_off (off / on, sides in turn)
@@ -232,11 +233,12 @@ def unpack(rev: str, into: Path) -> Path:
     return pkg
 
 
-def side(pkg: Path, cpu: int | None, groups: int, child: str = CHILD) -> subprocess.Popen[str]:
-    """A child measuring with `pkg`'s code, on CPU `cpu` (None: on any)."""
+def side(pkg: Path, cpu: int | None, groups: int, child: str = CHILD, batch: int = 64) -> subprocess.Popen[str]:
+    """A child measuring with `pkg`'s code, on CPU `cpu` (None: on any); `batch`: the
+    write path's steps a commit."""
     env = {**os.environ, "PYTHONPATH": str(pkg)}
     pin = [] if cpu is None else ["taskset", "-c", str(cpu)]
-    return subprocess.Popen([*pin, sys.executable, "-c", child, str(pkg), str(ROOT), str(groups)], env=env,
+    return subprocess.Popen([*pin, sys.executable, "-c", child, str(pkg), str(ROOT), str(groups), str(batch)], env=env,
                             stdout=subprocess.PIPE, text=True,
                             cwd=pkg.parent)  # not this checkout: its kvledger/ would shadow the package
 
@@ -261,6 +263,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6, help="pairs of runs, one side each (default 6)")
     parser.add_argument("--groups", type=int, default=6,
                         help="groups of 40 steps a side a pair (--replay: replays of its journal)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="the write path's decode steps a commit (default 64; 256: the _b256 key's)")
     parser.add_argument("--replay", action="store_true", help="time the replay path, not the write path")
     parser.add_argument("--ceiling", action="store_true",
                         help="the worker's ceiling (off rate / on rate, process writer), sides in turn")
@@ -296,7 +300,8 @@ def main() -> None:
                     parts.append(([round(x, 2) for x in got[a][1:]], [round(x, 2) for x in got[b][1:]]))
             else:
                 child = CHILD_REPLAY if args.replay else CHILD_FRAMES if args.frames else CHILD
-                procs = side(a, i % 2, args.groups, child), side(b, 1 - i % 2, args.groups, child)
+                procs = (side(a, i % 2, args.groups, child, args.batch),
+                         side(b, 1 - i % 2, args.groups, child, args.batch))
                 outs = [p.communicate()[0] for p in procs]  # both ended before either is judged
                 us = [measured(p, out, rev)[0] for p, out, rev in zip(procs, outs, (args.a, args.b))]
             pairs.append(us)
