@@ -58,27 +58,30 @@ def pack(rows: Sequence[Row]) -> bytes:
     n = len(rows)
     values = [r[0] for r in rows]
     flat = struct.pack(f"<{VALUES * n}q", *itertools.chain.from_iterable(values))
-    return _block(flat, n, _few_columns(values) if n <= FEW else _columns(flat, n), [d for _, d in rows])
+    digests = b"".join([NO_DIGEST if d is None else d for _, d in rows])
+    return _block(flat, n, _few_columns(values) if n <= FEW else _columns(flat, n), digests)
 
 
-def pack_matrix(m: np.ndarray, digests: Sequence[bytes | None]) -> bytes:
-    """pack of n steps whose values are the rows of `m` (n x 30, int64): a run's block
-    built from its columns (journal.run_writer)."""
+def pack_matrix(m: np.ndarray, digests: bytes) -> bytes:
+    """pack of n steps whose values are the rows of `m` (n x 30, int64) and whose digests
+    are `digests` (n x 32 bytes, NO_DIGEST for none): a run's block built from its columns
+    (journal.run_writer)."""
     n = len(m)
     flat = np.ascontiguousarray(m, "<i8").tobytes()
     return _block(flat, n, _few_columns(m.tolist()) if n <= FEW else _columns(flat, n), digests)
 
 
-def _block(flat: bytes, n: int, columns: list[bytes], digests: Sequence[bytes | None]) -> bytes:
-    """The block of n steps: their values as int64 (`flat`), their columns' bytes, digests."""
-    stored = [NO_DIGEST if d is None else d for d in digests]
-    return b"".join([struct.pack("<BI", MARK, n), *columns, *stored, struct.pack(f"<{n}I", *_crcs(flat, stored))])
+def _block(flat: bytes, n: int, columns: list[bytes], digests: bytes) -> bytes:
+    """The block of n steps: their values as int64 (`flat`), their columns' bytes, their
+    digests (n x 32 bytes)."""
+    return b"".join([struct.pack("<BI", MARK, n), *columns, digests, struct.pack(f"<{n}I", *_crcs(flat, digests))])
 
 
 def _columns(flat: bytes, n: int) -> list[bytes]:
     """The widths and the width groups' bytes of n steps' values (`flat`, as int64)."""
     m = np.frombuffer(flat, "<i8").reshape(n, VALUES)
-    widths = bytes(max(_width(lo), _width(hi)) for lo, hi in zip(m.min(axis=0).tolist(), m.max(axis=0).tolist()))
+    top = (m ^ (m >> 63)).max(axis=0)  # as _width: a column's widest value, less the sign
+    widths = (1 + (top >= 1 << 7) + 2 * (top >= 1 << 15) + 4 * (top >= 1 << 31)).astype(np.uint8).tobytes()
     cols = m.T
     return [widths, *(cols[g].astype(f"<i{w}").tobytes() for w in _WIDTHS if (g := _group(widths, w)))]
 
@@ -97,11 +100,12 @@ def _few_columns(values: list[tuple[int, ...]]) -> list[bytes]:
         [cols[i] for i in g])) for w in _WIDTHS if (g := _group(widths, w)))]
 
 
-def _crcs(flat: bytes, digests: Sequence[bytes]) -> list[int]:
+def _crcs(flat: bytes, digests: bytes) -> list[int]:
     """Each step's CRC-32: of its values as int64 (`flat`: the steps' rows, one after the
-    other), then its digest."""
+    other), then its digest (`digests`: 32 bytes a step)."""
     crc = zlib.crc32
-    return [crc(d, crc(flat[i:i + _ROW])) for i, d in zip(range(0, len(digests) * _ROW, _ROW), digests)]
+    return [crc(digests[j:j + 32], crc(flat[i:i + _ROW]))
+            for i, j in zip(range(0, len(flat), _ROW), range(0, len(digests), 32))]
 
 
 # a value's width in bytes by its bit length without the sign (v ^ (v >> 63): v, or ~v below zero)
@@ -195,7 +199,7 @@ def damaged(item: bytes) -> int:
     n = m.shape[1]
     stored = struct.unpack_from(f"<{n}I", item, len(item) - 4 * n)
     rows = np.ascontiguousarray(m.T, "<i8").tobytes()
-    found = _crcs(rows, [digests[i:i + 32] for i in range(0, 32 * n, 32)])
+    found = _crcs(rows, digests)
     return next((i for i, (a, b) in enumerate(zip(found, stored)) if a != b), 0)
 
 

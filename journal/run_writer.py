@@ -12,21 +12,27 @@ caller then appends `run.operations()`, the general path, which stores the same 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvledger.journal.decode_run import DecodeRun, RunReceipts
 from kvledger.journal.keys import PREV_NONE, counted_keys, id_runs, pack_prev
 from kvledger.journal.record_format import FORMAT, chain, encode_record
 from kvledger.journal.record_rows import RecordRow
 from kvledger.journal.step_rows import Context, _encode
-from kvledger.journal.step_values import _HALF, _MASK, _U64, parsed_counter
+from kvledger.journal.step_values import _HALF, _MASK, _U64
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.ids import lower_hex
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Runs this short are written by the general path: the block path's array calls cost more
 # than they save below this, and a batch-1 commit follows a model call that evicted numpy's
 # code (blocks.FEW).
 SMALL = 2
+_NO_DIGEST = "0" * 64  # a step without a digest stores blocks.NO_DIGEST (its flag says which)
 
 
 class RunWritten(NamedTuple):
@@ -61,6 +67,32 @@ def id_runs_of(run: DecodeRun) -> list[tuple[int, int]]:
     return id_runs(counted_keys(run.prefix, range(run.first_counter, run.first_counter + 4 * len(run))))
 
 
+def _hex_column(column: Sequence[str], size: int) -> bytes | None:
+    """The bytes a column of strings of `size` lowercase-hex bytes each spell, one after
+    the other (schemas.ids.lower_hex of each, in one call), or None if one is not such."""
+    try:
+        if set(map(len, column)) != {2 * size}:  # each as long: the joined text cuts where each ends
+            return None
+        text = "".join(column)
+        raw = bytes.fromhex(text)
+    except (TypeError, ValueError):  # a value that is not a str, or not hex
+        return None
+    return raw if raw.hex() == text else None  # fromhex also takes capitals and spaces
+
+
+def _numbered(slots: list[np.ndarray]) -> tuple[np.ndarray, list[str]]:
+    """Each slot's prefix (uint64) numbered in order of first appearance, read step by step
+    and in slot order within a step, as a Context numbers them; and the prefixes in that
+    order, as their 16 hex digits."""
+    import numpy as np
+
+    unique, first = np.unique(np.stack(slots, axis=1).ravel(), return_index=True)
+    by_first = np.argsort(first)
+    number = np.empty(len(unique), np.int64)
+    number[by_first] = np.arange(len(unique))
+    return number[np.searchsorted(unique, np.stack(slots))], [f"{v:016x}" for v in unique[by_first].tolist()]
+
+
 def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs: dict[str, int],
                runs: list[tuple[int, int]]) -> RunWritten | None:
     """The record of the run after global position `last`, linked to `previous_chain`,
@@ -72,81 +104,73 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
 
     n = len(run)
     seq, mono, wall = run.local_sequence, run.monotonic_ns, run.observed_wall_time
-    if not (0 <= seq and seq + 3 * n < _U64 and 0 <= mono < _U64 and 0 <= wall < _U64):
+    op = lower_hex(run.prefix, 8)
+    publish, start = _hex_column(run.publish_txns, 16), _hex_column(run.start_txns, 16)
+    if (op is None or publish is None or start is None
+            or not (0 <= seq and seq + 3 * n < _U64 and 0 <= mono < _U64 and 0 <= wall < _U64)):
         return None
-    prefixes: dict[str, int] = {}
-    ptxn_prefix, ptxn, stxn_prefix, stxn = [], [], [], []
-    calls: list[tuple[int, ...]] | None = [] if any(k is not None for k in run.calls) else None
-    last_call = 0
-    for p, s, k in zip(run.publish_txns, run.start_txns, run.calls):
-        a, b = parsed_counter(p), parsed_counter(s)
-        if a is None or b is None:
-            return None
-        # prefixes are numbered as StepWriter numbers them: publish txn, start txn, call, then the op's
-        ptxn_prefix.append(prefixes.setdefault(p[:16], len(prefixes)))
-        stxn_prefix.append(prefixes.setdefault(s[:16], len(prefixes)))
-        if calls is not None:
-            if k is None:
-                calls.append((0,) * 8)
-            else:
-                counter, values = parsed_counter(k.call_id), (k.index, k.threads, k.size, k.new_pad, k.key_extent)
-                if counter is None or any(type(v) is not int for v in values):
-                    return None
-                calls.append((prefixes.setdefault(k.call_id[:16], len(prefixes)), *values, 1,
-                              _wrap(counter - last_call)))
-                last_call = counter
-        prefixes.setdefault(run.prefix, len(prefixes))
-        ptxn.append(a)
-        stxn.append(b)
-    op_prefix = prefixes[run.prefix]
-    abis: dict[str, bytes | None] = {}
-    digests: list[bytes | None] = []
-    streams = []
-    for h, r, g, abi, rows in zip(run.handle_ids, run.request_ids, run.guards, run.cache_abis, run.rows_sha256):
-        if abi not in abis:
-            abis[abi] = lower_hex(abi, 32)
-        stored_abi = abis[abi]
-        digest = None if rows is None else lower_hex(rows, 32)
-        if stored_abi is None or (digest is None) != (rows is None):
-            return None
-        digests.append(digest)
-        streams.append((h, r, g.generation, run.source_instance, stored_abi))
+    txns = np.stack([np.frombuffer(publish, ">u8").reshape(n, 2), np.frombuffer(start, ">u8").reshape(n, 2)])
     m = np.zeros((n, VALUES), np.int64)
+    # A step names its prefixes in this order, as StepWriter numbers them: publish txn,
+    # start txn, call, the op's. A step without a call stands the op's in the call's slot:
+    # the op's own slot comes next, so the order of first appearances is the same.
+    slots = [txns[0, :, 0], txns[1, :, 0], np.full(n, int.from_bytes(op), np.uint64)]
+    called = [i for i, k in enumerate(run.calls) if k is not None]
+    if called:
+        calls = [k for k in run.calls if k is not None]
+        numbers = [(k.index, k.threads, k.size, k.new_pad, k.key_extent) for k in calls]
+        raw = _hex_column([k.call_id for k in calls], 16)
+        if raw is None or set(map(type, itertools.chain.from_iterable(numbers))) != {int}:
+            return None
+        call_ids = np.frombuffer(raw, ">u8").reshape(len(called), 2)
+        prefix = slots[2].copy()
+        prefix[called] = call_ids[:, 0]
+        slots.insert(2, prefix)
+        try:
+            m[called, 13:18] = numbers
+        except OverflowError:  # a count past int64: not a block's
+            return None
+        m[called, 19] = 1
+        m[called, 29] = np.diff(call_ids[:, 1], prepend=np.uint64(0)).view(np.int64)  # from the last call's
+    numbers_of, prefixes = _numbered(slots)
+    m[:, 2], m[:, 3], m[:, 1] = numbers_of[0], numbers_of[1], numbers_of[-1]
+    if called:
+        m[called, 4] = numbers_of[2][called]
+
+    abis: dict[str, bytes] = {}
+    for abi in set(run.cache_abis):
+        if (stored := lower_hex(abi, 32)) is None:
+            return None
+        abis[abi] = stored
+    digests = _hex_column([_NO_DIGEST if d is None else d for d in run.rows_sha256], 32)
+    if digests is None:
+        return None
+    streams = [(h, r, g.generation, run.source_instance, abis[abi])
+               for h, r, g, abi in zip(run.handle_ids, run.request_ids, run.guards, run.cache_abis)]
     try:
-        m[:, 0] = np.arange(n)
-        m[:, 1] = op_prefix
-        m[:, 2] = ptxn_prefix
-        m[:, 3] = stxn_prefix
-        m[:, 5] = [g.stream_position + 1 for g in run.guards]
-        m[:, 6] = [g.snapshot_version for g in run.guards]
-        m[:, 7] = run.committed
-        m[:, 8] = run.accepted
-        m[:, 9] = run.layers
-        m[:, 10] = run.workspace
-        m[:, 11] = run.outputs
-        m[:, 12] = run.tokens
-        if calls is not None:  # the call's prefix, its five numbers, its flag and counter's difference
-            m[:, [4, 13, 14, 15, 16, 17, 19, 29]] = calls
+        m[:, 5:7] = np.array([(g.stream_position + 1, g.snapshot_version) for g in run.guards], np.int64)
+        m[:, 7:13] = np.array([run.committed, run.accepted, run.layers, run.workspace, run.outputs, run.tokens],
+                              np.int64).T
     except OverflowError:  # a count past int64: not a block's
         return None
     if m[:, 5:18].min() < 0:
         return None
-    m[:, 18] = [d is not None for d in digests]
+    m[:, 0] = np.arange(n)
+    m[:, 18] = [d is not None for d in run.rows_sha256]
     # differences from the step before (the first's from zero), as StepWriter stores them
     dmono = _wrap(mono)
     m[0, 20:24] = (_wrap(seq - 3), dmono, _wrap(wall - dmono), _wrap(run.first_counter))
     m[1:, 23] = 4
     m[:, 24:27] = 1
-    for col, counters in ((27, ptxn), (28, stxn)):
-        c = np.array(counters, np.uint64)
-        m[0, col] = _wrap(counters[0])
-        m[1:, col] = np.diff(c).view(np.int64)
-    first = last + 1
-    body = encode_record([pack_matrix(m, digests)], [_encode(Context(first, now, list(prefixes), streams))], FORMAT)
+    counters = txns[:, :, 1]
+    m[0, 27:29] = [_wrap(int(c)) for c in counters[:, 0]]
+    m[1:, 27:29] = np.diff(counters, axis=1).T.view(np.int64)
+    first_position = last + 1
+    body = encode_record([pack_matrix(m, digests)],
+                         [_encode(Context(first_position, now, prefixes, streams))], FORMAT)
     handles = list(run.handle_ids)
     position = last + 3 * n
-    record = RecordRow(position, first, chain(previous_chain, body), body, handles,
+    record = RecordRow(position, first_position, chain(previous_chain, body), body, handles,
                        pack_prev([prevs.get(h, PREV_NONE) for h in handles]), runs)
-    return RunWritten(record, RunReceipts(run, first, now), {h: (x.stream_position, position)
-                                                          for h, x in zip(handles, run.heads)})
-
+    return RunWritten(record, RunReceipts(run, first_position, now), {h: (x.stream_position, position)
+                                                                   for h, x in zip(handles, run.heads)})

@@ -79,9 +79,9 @@ def test_a_few_steps_pack_without_numpy_to_the_same_bytes(rows):
         next(w for w in (1, 2, 4, 8) if -(1 << (8 * w - 1)) <= min(col) and max(col) < 1 << (8 * w - 1))
         for col in zip(*values)]
     if len(rows) <= blocks.FEW:  # and pack takes that path
-        digests = [bytes(32) if d is None else d for _, d in rows]
+        digests = b"".join(bytes(32) if d is None else d for _, d in rows)
         assert pack(rows) == b"".join([struct.pack("<BI", blocks.MARK, len(rows)), *blocks._columns(flat, len(rows)),
-                                       *digests, struct.pack(f"<{len(rows)}I", *blocks._crcs(flat, digests))])
+                                       digests, struct.pack(f"<{len(rows)}I", *blocks._crcs(flat, digests))])
 
 
 def _valid(n: int, calls: bool) -> list:
