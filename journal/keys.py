@@ -128,6 +128,17 @@ def counted_keys(prefix: str, counters: Iterable[int]) -> list[int]:
     return [high + (n & low) for n in counters]
 
 
+def counted_runs(prefix: str, first: int, count: int) -> list[tuple[int, int]]:
+    """id_runs of the keys of `count` ids from f"{prefix}{first:016x}" on, counter by counter
+    (one block of a writer's ids): one run, unless the counters cross a multiple of 2**40
+    or are more than a run holds."""
+    low = first & _LOW
+    if count <= MAX_RUN and low + count - 1 <= _LOW:
+        high = counted_keys(prefix, (0,))[0]
+        return [(high + low, high + low + count - 1)]
+    return id_runs(counted_keys(prefix, range(first, first + count)))
+
+
 def id_key(value: str) -> int:
     return id_keys((value,))[0]
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvledger.journal.decode_run import DecodeRun, RunReceipts
-from kvledger.journal.keys import PREV_NONE, counted_keys, id_runs, pack_prev
+from kvledger.journal.keys import PREV_NONE, counted_runs, pack_prev
 from kvledger.journal.record_format import FORMAT, chain, encode_record
 from kvledger.journal.record_rows import RecordRow
 from kvledger.journal.step_rows import Context, _encode
@@ -64,7 +64,7 @@ def validate_run(run: DecodeRun) -> None:
 
 def id_runs_of(run: DecodeRun) -> list[tuple[int, int]]:
     """The id keys of the run's operation and event ids, as runs (keys.id_runs)."""
-    return id_runs(counted_keys(run.prefix, range(run.first_counter, run.first_counter + 4 * len(run))))
+    return counted_runs(run.prefix, run.first_counter, 4 * len(run))
 
 
 def _hex_column(column: Sequence[str], size: int) -> bytes | None:

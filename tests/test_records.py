@@ -16,7 +16,17 @@ from hypothesis import strategies as st
 
 from kvledger.engine import commands as c
 from kvledger.journal.audit import audit_record, decode_record, unpack_record
-from kvledger.journal.keys import MAX_RUN, id_key, id_keys, id_runs, op_key, stab, stable_key
+from kvledger.journal.keys import (
+    MAX_RUN,
+    counted_keys,
+    counted_runs,
+    id_key,
+    id_keys,
+    id_runs,
+    op_key,
+    stab,
+    stable_key,
+)
 from kvledger.journal.legacy import Header4 as _Header
 from kvledger.journal.manifests import pack_manifest, unpack_manifest
 from kvledger.journal.readback import Damage, compact_receipt
@@ -331,6 +341,15 @@ def test_id_runs_cover_exactly_the_keys_in_capped_runs(keys):
     assert all(0 <= b - a < MAX_RUN for a, b in runs)
     # maximal: two runs are apart, or the first is full
     assert all(c > b + 1 or b - a == MAX_RUN - 1 for (a, b), (c, _) in zip(runs, runs[1:]))
+
+
+@given(st.text("0123456789abcdef", min_size=16, max_size=16),
+       st.one_of(st.integers(0, (1 << 64) - 1), st.integers((1 << 40) - 5000, (1 << 40) + 10)),
+       st.integers(1, MAX_RUN + 8))
+def test_a_block_of_counted_ids_keys_as_its_ids_do(prefix, first, count):
+    """A decode run's id block (journal.run_writer): its runs from its first counter and
+    size, as id_runs finds them in its ids' keys, across a 2**40 boundary and past MAX_RUN."""
+    assert counted_runs(prefix, first, count) == id_runs(counted_keys(prefix, range(first, first + count)))
 
 
 @given(st.one_of(st.lists(KEYS, max_size=30), CLUSTERED), st.one_of(st.lists(KEYS, max_size=10), CLUSTERED))
