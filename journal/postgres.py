@@ -172,21 +172,6 @@ class PostgresStatements(Statements):
         cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
 
     speculative = True
-    # Whether this connection's appends look for their ids in the one-row-per-event tables
-    # (written before revision 0003, or imported): None until it has seen a record or such
-    # a row. Once a journal holds a record with those tables empty they stay empty (only
-    # an import writes them, and it needs an empty journal); rows there are never deleted.
-    _legacy_rows: bool | None = None
-
-    def _legacy(self) -> bool:
-        """Whether an append must look in the one-row-per-event tables too."""
-        if self._legacy_rows is None:
-            record, legacy = self.conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM kvl_records), "
-                "EXISTS (SELECT 1 FROM kvl_events) OR EXISTS (SELECT 1 FROM kvl_receipts)").fetchone()
-            if record or legacy:
-                self._legacy_rows = legacy
-        return self._legacy_rows is not False
 
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
                   ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
@@ -198,7 +183,7 @@ class PostgresStatements(Statements):
             rl=_int8s([r[1] for r in runs]), prev=prev, rlast=rlast, rfirst=rfirst, chain=chain_, body=body,
             n=len(updates), last=last,
         )
-        legacy = self._legacy()
+        legacy = self.has_event_rows(self.conn)
         if legacy:
             operation_ids, event_ids = ids()
             params.update(ops=_texts(operation_ids), eids=_texts(event_ids))
@@ -211,7 +196,7 @@ class PostgresStatements(Statements):
             # the verdict was false (or a row broke a constraint): rolled back, nothing
             # written; the general path decides what to do with these operations. (What
             # moved the journal under this connection may be a reset: look again.)
-            self._legacy_rows = None
+            self._event_rows = None
             return False
         return True
 

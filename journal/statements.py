@@ -305,11 +305,22 @@ class Statements(VerifyReads):
             taken |= self.row_event_ids(cur, [e for e in events if e not in taken])
         return found, taken
 
+    # Whether the one-row-per-event tables may hold rows: None until this connection has
+    # seen a record or such a row. A journal holding a record with them empty keeps them
+    # empty (only an import writes them, and it needs an empty journal; nothing deletes them).
+    _event_rows: bool | None = None
+
     def has_event_rows(self, cur: Any) -> bool:
         """Whether the one-row-per-event tables hold anything (written before revision
-        0003, or imported); most journals have none, and skip their lookups."""
-        cur.execute("SELECT 1 FROM kvl_events LIMIT 1")
-        return cur.fetchone() is not None
+        0003, or imported); most journals have none, and skip their lookups. `cur`: a
+        cursor, or a connection that executes."""
+        if self._event_rows is not None:
+            return self._event_rows
+        record, rows = cur.execute("SELECT EXISTS (SELECT 1 FROM kvl_records), EXISTS (SELECT 1 FROM kvl_events) "
+                                   "OR EXISTS (SELECT 1 FROM kvl_receipts)").fetchone()
+        if record or rows:
+            self._event_rows = bool(rows)
+        return bool(rows)
 
     # One statement for many runs: the bounds travel as one bound JSON array (json_each).
     RECORDS_HOLDING_RUN = (

@@ -199,7 +199,7 @@ def test_a_journal_of_records_only_stops_looking_in_the_event_rows(pg_url):
     with open_or_create_journal(pg_url) as a:
         calls = _spy(a)
         a.append([allocate_op("h1")])
-        assert a.sql._legacy() is False
+        assert a.sql.has_event_rows(a.conn) is False
         first = a.append([publish_op("h1", guard_of(a.head("h1")), "op-1")])
         a._skip = 0
         before = list(a.read_raw())
