@@ -58,6 +58,13 @@ class Refused(Exception):
         self.description = description
 
 
+class _NoResponder(Exception):
+    """A direct get found no server to answer it (status 503)."""
+
+
+_NO_RESPONDER_WAITS = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between direct gets no server answered
+
+
 class NatsClient:
     """One connection to the servers of `url`, used by one journal from any thread
     (calls are serialized by the caller's lock)."""
@@ -229,6 +236,19 @@ class NatsClient:
         return self._run(self._get_many(stream, request))
 
     async def _get_many(self, stream: str, request: dict[str, Any]) -> list[Msg]:
+        # No responder (503) comes while the cluster still spreads the stream's direct-get
+        # interest to the server this client is on (a new stream, a moved replica): ask again.
+        for delay in _NO_RESPONDER_WAITS:
+            try:
+                return await self._get_many_once(stream, request)
+            except _NoResponder:
+                await asyncio.sleep(delay)
+        try:
+            return await self._get_many_once(stream, request)
+        except _NoResponder:
+            raise self._unreachable("have no JetStream responder for the stream") from None
+
+    async def _get_many_once(self, stream: str, request: dict[str, Any]) -> list[Msg]:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         try:
@@ -253,7 +273,7 @@ class NatsClient:
             return None
         if status is not None or "Nats-Sequence" not in headers:
             if status == "503":
-                raise self._unreachable("have no JetStream responder for the stream")
+                raise _NoResponder
             raise KvLedgerError(ErrorCode.DATABASE_ERROR, f"a direct get at {self.display} answered status "
                                 f"{status} ({str(headers.get('Description', ''))[:80]})")
         return Msg(int(headers["Nats-Sequence"]), headers.get("Nats-Subject", ""), headers, bytes(msg.data))

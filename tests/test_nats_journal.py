@@ -179,3 +179,30 @@ def test_killing_the_stream_leader_loses_no_acknowledged_commit():
             assert [f for f in verify_journal(j).findings if f.code in ("TAMPERED", "STORAGE_CORRUPT")] == []
     finally:
         cluster.stop()
+
+
+def test_a_direct_get_no_server_answers_is_asked_again_then_unreachable(nats_url):  # noqa: F811
+    """A 503 (no responder) comes while a cluster still spreads a stream's direct-get
+    interest: the client asks again, briefly, before DATABASE_UNREACHABLE. A stream that
+    does not exist is never answered: the error, after every wait."""
+    import time
+
+    from kvledger.journal import nats_client
+
+    with NatsJournal(nats_url) as j:
+        j.append([allocate_op("h1")])
+        asked = []
+        once = j.client._get_many_once
+
+        async def counted(stream, request):
+            asked.append(stream)
+            return await once(stream, request)
+
+        j.client._get_many_once = counted
+        assert [m.seq for m in j.client.get_many(j.stream, {"seq": 1, "batch": 8})] != [] and len(asked) == 1
+        t0 = time.monotonic()
+        with pytest.raises(KvLedgerError) as gone:
+            j.client.get_many(j.stream + "_NONE", {"seq": 1, "batch": 8})
+        assert gone.value.code == ErrorCode.DATABASE_UNREACHABLE and "no JetStream responder" in gone.value.message
+        assert len(asked) - 1 == len(nats_client._NO_RESPONDER_WAITS) + 1 >= 3
+        assert time.monotonic() - t0 >= sum(nats_client._NO_RESPONDER_WAITS)
