@@ -62,7 +62,7 @@ class _NoResponder(Exception):
     """A direct get found no server to answer it (status 503)."""
 
 
-_NO_RESPONDER_WAITS = (0.05, 0.1, 0.2, 0.4, 0.8)  # seconds between direct gets no server answered
+_FIRST_WAIT = 0.01  # seconds before asking again what went unanswered (then doubling: _again)
 
 
 class NatsClient:
@@ -145,26 +145,34 @@ class NatsClient:
         import nats.errors
 
         deadline = self._loop.time() + min(self.timeout, wait or self.timeout)
-        wait = 0.01
+        wait = _FIRST_WAIT
         while True:
             left = deadline - self._loop.time()
             try:
                 return await self.nc.request(subject, payload, timeout=min(left, 2.0) if read else left,
                                              headers=headers)
             except nats.errors.NoRespondersError:
-                if self._loop.time() + wait > deadline:
-                    raise KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no JetStream answers at {self.display} "
-                                        "(is JetStream enabled, and the stream's servers up?)") from None
+                error = KvLedgerError(ErrorCode.DATABASE_UNREACHABLE, f"no JetStream answers at {self.display} "
+                                      "(is JetStream enabled, and the stream's servers up?)")
             except nats.errors.TimeoutError:
-                if not read or self._loop.time() + wait > deadline:
-                    raise self._unreachable("did not answer in time") from None
+                error = self._unreachable("did not answer in time")
+                if not read:
+                    raise error from None
             except nats.errors.MaxPayloadError:
                 raise
             except nats.errors.Error:
-                if not read or self._loop.time() + wait > deadline:
-                    raise self._unreachable("closed the connection") from None
-            await asyncio.sleep(wait)
-            wait = min(2 * wait, 0.5)
+                error = self._unreachable("closed the connection")
+                if not read:
+                    raise error from None
+            wait = await self._again(deadline, wait, error)
+
+    async def _again(self, deadline: float, wait: float, error: KvLedgerError) -> float:
+        """Wait `wait` seconds before asking again what went unanswered, and return the next
+        wait (doubling, up to 0.5 s); raise `error` instead when that would pass `deadline`."""
+        if self._loop.time() + wait > deadline:
+            raise error
+        await asyncio.sleep(wait)
+        return min(2 * wait, 0.5)
 
     def api(self, subject: str, request: dict[str, Any] | None = None) -> dict[str, Any]:
         """One JetStream API call ($JS.API.<subject>): its JSON answer, errors included."""
@@ -237,16 +245,15 @@ class NatsClient:
 
     async def _get_many(self, stream: str, request: dict[str, Any]) -> list[Msg]:
         # No responder (503) comes while the cluster still spreads the stream's direct-get
-        # interest to the server this client is on (a new stream, a moved replica): ask again.
-        for delay in _NO_RESPONDER_WAITS:
+        # interest to the server this client is on (a new stream, a moved replica): asked
+        # again until the timeout, as a request nobody answers is (_request).
+        deadline, wait = self._loop.time() + self.timeout, _FIRST_WAIT
+        while True:
             try:
                 return await self._get_many_once(stream, request)
             except _NoResponder:
-                await asyncio.sleep(delay)
-        try:
-            return await self._get_many_once(stream, request)
-        except _NoResponder:
-            raise self._unreachable("have no JetStream responder for the stream") from None
+                pass
+            wait = await self._again(deadline, wait, self._unreachable("have no JetStream responder for the stream"))
 
     async def _get_many_once(self, stream: str, request: dict[str, Any]) -> list[Msg]:
         inbox = self.nc.new_inbox()

@@ -183,13 +183,12 @@ def test_killing_the_stream_leader_loses_no_acknowledged_commit():
 
 def test_a_direct_get_no_server_answers_is_asked_again_then_unreachable(nats_url):  # noqa: F811
     """A 503 (no responder) comes while a cluster still spreads a stream's direct-get
-    interest: the client asks again, briefly, before DATABASE_UNREACHABLE. A stream that
-    does not exist is never answered: the error, after every wait."""
+    interest: the client asks again until its timeout, as it asks a request nobody
+    answers, then DATABASE_UNREACHABLE. A stream that does not exist is never answered."""
     import time
 
-    from kvledger.journal import nats_client
-
-    with NatsJournal(nats_url) as j:
+    timeout = 1.0
+    with NatsJournal(f"{nats_url}&timeout={timeout}") as j:
         j.append([allocate_op("h1")])
         asked = []
         once = j.client._get_many_once
@@ -204,5 +203,4 @@ def test_a_direct_get_no_server_answers_is_asked_again_then_unreachable(nats_url
         with pytest.raises(KvLedgerError) as gone:
             j.client.get_many(j.stream + "_NONE", {"seq": 1, "batch": 8})
         assert gone.value.code == ErrorCode.DATABASE_UNREACHABLE and "no JetStream responder" in gone.value.message
-        assert len(asked) - 1 == len(nats_client._NO_RESPONDER_WAITS) + 1 >= 3
-        assert time.monotonic() - t0 >= sum(nats_client._NO_RESPONDER_WAITS)
+        assert len(asked) - 1 >= 3 and time.monotonic() - t0 >= timeout - 0.5  # the last wait is 0.5 s at most
