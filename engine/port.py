@@ -44,6 +44,10 @@ class Results(Positional[Receipt | KvLedgerError]):
         yield from self._run
         yield from self._rest
 
+    def parts(self) -> tuple[Sequence[Receipt], Sequence[Receipt | KvLedgerError]]:
+        """The run's receipts and the results after them, as given."""
+        return self._run, self._rest
+
     def refused(self) -> list[tuple[int, KvLedgerError]]:
         """(index, error) of every refused step or command, in order."""
         k = len(self._run)

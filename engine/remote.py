@@ -38,7 +38,7 @@ from kvledger.engine.port import CommandPort, CommitHook, RejectHook, Results
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.journal import open_journal, tuning
-from kvledger.journal.port import Journal
+from kvledger.journal.port import DecodeRun, Journal, RunReceipts
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
@@ -75,13 +75,18 @@ class _Request(msgspec.Struct, frozen=True, array_like=True):
 
 class _Reply(msgspec.Struct, frozen=True, array_like=True):
     """Positional: `receipts[i]` or `errors[i]` (code, message) is set; or `failure`
-    (code, message) when the batch as a whole failed."""
+    (code, message) when the batch as a whole failed. With `run`, the batch's first
+    steps were a decode run written whole, (run, first position, commit time), and the
+    lists hold the results after it."""
 
     receipts: list[Receipt | None] = []
     errors: list[tuple[str, str] | None] = []
     events: list[list[Event]] | None = None
     rejected: list[c.Command | c.Relative | None] | None = None
     failure: tuple[str, str] | None = None
+    # Its receipts are built on the caller's side when read (RunReceipts): each costs a
+    # SHA-256 fingerprint that the writer, the busier process, would otherwise pay.
+    run: tuple[DecodeRun, int, int] | None = None
 
 
 class RemoteService(BatchSurface):
@@ -175,8 +180,9 @@ class RemoteService(BatchSurface):
                 self._pending = None
                 reply = self._answer()
                 got = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
-                self._notify(reply, got, sent)
-                results = Results(got)
+                run = () if reply.run is None else RunReceipts(*reply.run)
+                self._notify(reply, got, lambda j: sent(len(run) + j))
+                results = Results(got, run)
             return results
 
         self._pending = wait
@@ -308,15 +314,28 @@ def serve(fd_in: int, fd_out: int) -> None:
             except msgspec.ValidationError as exc:
                 reply = _Reply(failure=(ErrorCode.INVALID_ARGUMENT.value, str(exc)))
             else:
-                ok = [r if type(r) is Receipt else None for r in results]
-                reply = _Reply(
-                    ok, [(e.code.value, e.message) if isinstance(e, KvLedgerError) else None for e in results],
-                    [committed.get(r.operation_id, []) if r else [] for r in ok] if request.events else None,
-                    _at_refusals(ok, refused) if request.rejected else None)
+                reply = _reply(results, request, committed, refused)
             try:
                 send(fd_out, encode(reply))
             except BrokenPipeError:
                 return  # the parent is gone: what committed is in the journal, unacknowledged
+
+
+def _reply(results: Results, request: _Request, committed: dict[str, list[Event]],
+           refused: list[c.Command | c.Relative]) -> _Reply:
+    """The reply to `request`: a run written whole goes as itself, unless hooks want each
+    of its receipts' events."""
+    run, rest = results.parts()
+    sent = None
+    if type(run) is RunReceipts and not request.events:
+        sent = (run.run, run.first, run.now)
+    else:
+        rest = list(results)
+    ok = [r if type(r) is Receipt else None for r in rest]
+    return _Reply(
+        ok, [(e.code.value, e.message) if isinstance(e, KvLedgerError) else None for e in rest],
+        [committed.get(r.operation_id, []) if r else [] for r in ok] if request.events else None,
+        _at_refusals(ok, refused) if request.rejected else None, None, sent)
 
 
 def _at_refusals(ok: list[Receipt | None], refused: list[c.Command | c.Relative]

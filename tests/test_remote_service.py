@@ -305,3 +305,44 @@ def test_a_frame_is_received_whole_whether_it_comes_while_polling_or_after():
         sender.join()
     finally:
         os.close(r)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_run_written_whole_comes_back_as_the_run(db_url, hooked):
+    """A batch of plain decode steps the writer wrote whole comes back as its run, whose
+    receipts are built here when read, each the one the journal gives a retry of its
+    operation; with a commit hook listening, as receipts with their events."""
+    from kvledger.engine import ids
+    from kvledger.journal.port import RunReceipts
+    from kvledger.schemas.decode_batch import BatchBuilder
+
+    handles = [f"run-{i}" for i in range(3)]
+    txn = {h: ids.new_id() for h in handles}
+    with open_or_create_journal(db_url) as j:
+        remote = command_service(j, writer="process", source_instance="t")
+        try:
+            kinds: list[list[str]] = []
+            if hooked:
+                remote.on_commit.append(lambda r, evs: kinds.append([e.event_type for e in evs]))
+            remote.execute_many([_allocate(h) for h in handles] + [c.Relative(c.BeginAppend(
+                handle_id=h, txn_id=txn[h], kind="prefill", base_generation=None, base_snapshot_version=None,
+                interval_start=0, interval_count=4, token_ids=(11, 22, 33, 44), cache_positions=(0, 1, 2, 3),
+                mask_key_extent=4, cache_abi_sha256="")) for h in handles])
+            abi = remote.state(handles[0]).cache_abi_sha256
+            batch = BatchBuilder()
+            for k, h in enumerate(handles):
+                batch.add(h, txn[h], 4, 0, 7 + k, ids.new_id(), None, abi)
+            kinds.clear()
+            results = remote.submit_batch(batch.build(), [], defer=False)()
+            run, rest = results.parts()
+            assert results.refused() == [] and len(results) == len(handles)
+            whole = not hooked and not db_url.startswith("nats")  # NATS appends a run as its operations
+            assert (type(run) is RunReceipts, len(rest)) == ((True, 0) if whole else (False, 3))
+            receipts = list(results)
+            assert [r.handles[0].handle_id for r in receipts] == handles
+            assert receipts == [j.receipt(r.operation_id) for r in receipts]
+            assert [r.handles[0].snapshot_version for r in receipts] == [1, 1, 1]
+            assert kinds == ([["append_publish", "output_emit", "append_start"]] * 3 if hooked else [])
+            assert [remote.state(h).outputs for h in handles] == [(7,), (8,), (9,)]
+        finally:
+            remote.close()
