@@ -42,6 +42,7 @@ from kvledger.journal.port import DecodeRun, Journal, RunReceipts
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
+from kvledger.schemas.positional import Positional
 from kvledger.schemas.receipts import Receipt
 
 WRITERS = ("thread", "process")
@@ -73,10 +74,13 @@ class _Request(msgspec.Struct, frozen=True, array_like=True):
     steps: DecodeBatch | None = None
 
 
+_NO_RUN = msgspec.Raw(b"\xc0")  # msgpack's nil: msgspec takes no Raw in a union with None
+
+
 class _Reply(msgspec.Struct, frozen=True, array_like=True):
     """Positional: `receipts[i]` or `errors[i]` (code, message) is set; or `failure`
     (code, message) when the batch as a whole failed. With `run`, the batch's first
-    steps were a decode run written whole, (run, first position, commit time), and the
+    `run_steps` steps were a decode run written whole (the msgpack of a _Run), and the
     lists hold the results after it."""
 
     receipts: list[Receipt | None] = []
@@ -85,8 +89,40 @@ class _Reply(msgspec.Struct, frozen=True, array_like=True):
     rejected: list[c.Command | c.Relative | None] | None = None
     failure: tuple[str, str] | None = None
     # Its receipts are built on the caller's side when read (RunReceipts): each costs a
-    # SHA-256 fingerprint that the writer, the busier process, would otherwise pay.
-    run: tuple[DecodeRun, int, int] | None = None
+    # SHA-256 fingerprint that the writer, the busier process, would otherwise pay; and
+    # it is decoded only then: a worker reads of most commits only what was refused.
+    run: msgspec.Raw = _NO_RUN
+    run_steps: int = 0  # none: no run
+
+
+class _Run(msgspec.Struct, frozen=True, array_like=True):
+    run: DecodeRun
+    first: int
+    now: int
+
+
+_encode_run = msgspec.msgpack.Encoder().encode
+_decode_run = msgspec.msgpack.Decoder(_Run).decode
+
+
+class _SentRun(Positional[Receipt]):
+    """The receipts of a run the writer wrote whole, from its reply's bytes, decoded
+    when the first one is read."""
+
+    __slots__ = ("_steps", "_raw", "_receipts")
+
+    def __init__(self, steps: int, raw: msgspec.Raw) -> None:
+        self._steps, self._raw = steps, raw
+        self._receipts: RunReceipts | None = None
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def _at(self, i: int) -> Receipt:
+        if self._receipts is None:
+            sent = _decode_run(self._raw)
+            self._receipts = RunReceipts(sent.run, sent.first, sent.now)
+        return self._receipts[i]
 
 
 class RemoteService(BatchSurface):
@@ -180,7 +216,7 @@ class RemoteService(BatchSurface):
                 self._pending = None
                 reply = self._answer()
                 got = [r if r is not None else _error(e) for r, e in zip(reply.receipts, reply.errors)]
-                run = () if reply.run is None else RunReceipts(*reply.run)
+                run = _SentRun(reply.run_steps, reply.run) if reply.run_steps else ()
                 self._notify(reply, got, lambda j: sent(len(run) + j))
                 results = Results(got, run)
             return results
@@ -326,16 +362,15 @@ def _reply(results: Results, request: _Request, committed: dict[str, list[Event]
     """The reply to `request`: a run written whole goes as itself, unless hooks want each
     of its receipts' events."""
     run, rest = results.parts()
-    sent = None
     if type(run) is RunReceipts and not request.events:
-        sent = (run.run, run.first, run.now)
+        sent = msgspec.Raw(_encode_run(_Run(run.run, run.first, run.now)))
     else:
-        rest = list(results)
+        run, rest, sent = (), list(results), _NO_RUN
     ok = [r if type(r) is Receipt else None for r in rest]
     return _Reply(
         ok, [(e.code.value, e.message) if isinstance(e, KvLedgerError) else None for e in rest],
         [committed.get(r.operation_id, []) if r else [] for r in ok] if request.events else None,
-        _at_refusals(ok, refused) if request.rejected else None, None, sent)
+        _at_refusals(ok, refused) if request.rejected else None, None, sent, len(run))
 
 
 def _at_refusals(ok: list[Receipt | None], refused: list[c.Command | c.Relative]
