@@ -181,3 +181,42 @@ def test_a_run_written_whole_builds_each_receipt_when_read(tmp_path, monkeypatch
         assert sorted(computed) == sorted(handles)  # each once, however often read
         with pytest.raises(IndexError):
             results[len(handles)]
+
+
+@pytest.mark.sql_storage("calls the guarded head update of a run's transaction (Statements.guard_all) itself")
+@pytest.mark.parametrize("stale", [None, 0, 4])
+def test_a_runs_guarded_head_updates_move_every_head_or_none(db_url, stale):
+    """guard_all, which writes a run's heads: every head moves and points at the run's
+    record when every guard holds; one stale guard, first or last, leaves every head as
+    it was."""
+    from kvledger.journal.builders import allocate_op, head
+    from kvledger.journal.contract import Guard, HeadFacts, StreamWrite
+
+    handles = [f"guarded-{i}" for i in range(5)]
+    with open_or_create_journal(db_url) as journal:
+        journal.append([allocate_op(h) for h in handles])
+        before = {h: journal.head(h) for h in handles}
+        guards = [Guard(0, 0, 2 if k == stale else 1) for k in range(len(handles))]
+        rows = [(StreamWrite(h, g, head(h, 0, 1, 4, 5), ()), g) for h, g in zip(handles, guards)]
+        sql, seen = journal.sql, {}
+
+        def look(cur):
+            seen["held"] = sql.guard_all(cur, rows, 77)
+            seen["after"] = dict(sql.last_record_rows(cur, handles))
+            seen["facts"] = {h: HeadFacts(*sql.heads(cur, None, h)[0][1:]) for h in handles}
+            raise LookedAt  # rolled back: nothing of it is the test's journal's
+
+        with pytest.raises(LookedAt):
+            sql.transaction(look)
+    held, after, facts = seen["held"], seen["after"], seen["facts"]
+    assert held is (stale is None)
+    if stale is None:
+        assert after == dict.fromkeys(handles, 77)
+        assert {h: (f.snapshot_version, f.stream_position, f.committed_length) for h, f in facts.items()} == \
+            dict.fromkeys(handles, (1, 4, 5))
+    else:
+        assert facts == before and 77 not in after.values()
+
+
+class LookedAt(Exception):
+    pass
