@@ -19,9 +19,9 @@ binary arrays faster than array literals.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from itertools import chain, repeat
 from typing import Any, ClassVar
 
@@ -166,10 +166,32 @@ class PostgresStatements(Statements):
             row = cur.fetchone()
             return None if row is None else row[0]
 
+    # EXCLUSIVE conflicts with every writer but not with plain SELECTs: writers are
+    # serialized, so positions are gapless and in commit order, and readers never wait.
+    LOCK = "LOCK TABLE kvl_events IN EXCLUSIVE MODE"
+
     def lock(self, cur: Any) -> None:
-        # EXCLUSIVE conflicts with every writer but not with plain SELECTs: writers are
-        # serialized, so positions are gapless and in commit order, and readers never wait.
-        cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
+        cur.execute(self.LOCK)
+
+    @contextmanager
+    def _locked(self) -> Iterator[Any]:
+        """A write transaction holding the writer lock, as its cursor: committed if the
+        block returns, rolled back if it raises. Without a pipeline, BEGIN and the lock
+        go as one simple query: one round trip, not two (~85 us a commit on loopback)."""
+        conn = self.conn
+        if self.pipeline:
+            with conn.pipeline(), conn.transaction(), conn.cursor() as cur:
+                cur.execute(self.LOCK)
+                yield cur
+            return
+        with conn.cursor() as cur:
+            cur.execute("BEGIN; " + self.LOCK)  # constants; no parameters: the simple protocol takes both
+            try:
+                yield cur
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
 
     speculative = True
 
@@ -187,10 +209,8 @@ class PostgresStatements(Statements):
         if legacy:
             operation_ids, event_ids = ids()
             params.update(ops=_texts(operation_ids), eids=_texts(event_ids))
-        conn = self.conn
         try:
-            with self._pipeline(), conn.transaction(), conn.cursor() as cur:
-                cur.execute("LOCK TABLE kvl_events IN EXCLUSIVE MODE")
+            with self._locked() as cur:
                 cur.execute(APPEND_IF[legacy], params, prepare=True)  # planned once per connection
         except psycopg.errors.IntegrityError:
             # the verdict was false (or a row broke a constraint): rolled back, nothing
