@@ -122,10 +122,15 @@ def _hex_keys(ids: list[str]) -> list[int] | None:
 
 def counted_keys(prefix: str, counters: Iterable[int]) -> list[int]:
     """id_keys of the ids f"{prefix}{n:016x}" (engine.ids' form), from their counters."""
-    high, low = _stem(prefix), _LOW
-    if high >= 1 << 63:  # two's complement: a signed 64-bit column; the counter is below bit 40
-        high -= 1 << 64
+    high, low = _signed_stem(prefix), _LOW
     return [high + (n & low) for n in counters]
+
+
+def _signed_stem(prefix: str) -> int:
+    """The key bits `prefix` sets, as the signed 64-bit column holds them (two's
+    complement; a counter's bits, below bit 40, add to it)."""
+    high = _stem(prefix)
+    return high - (1 << 64) if high >= 1 << 63 else high
 
 
 def counted_runs(prefix: str, first: int, count: int) -> list[tuple[int, int]]:
@@ -134,7 +139,7 @@ def counted_runs(prefix: str, first: int, count: int) -> list[tuple[int, int]]:
     or are more than a run holds."""
     low = first & _LOW
     if count <= MAX_RUN and low + count - 1 <= _LOW:
-        high = counted_keys(prefix, (0,))[0]
+        high = _signed_stem(prefix)
         return [(high + low, high + low + count - 1)]
     return id_runs(counted_keys(prefix, range(first, first + count)))
 
