@@ -12,6 +12,8 @@ the general path, which stamps its events.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_block
 from kvledger.engine.state import HandleState
@@ -27,7 +29,7 @@ def plan_step(s: HandleState, after: HandleState, batch: DecodeBatch, i: int, lo
     of one step, as an Operation."""
     if not runnable(batch, i):
         return None
-    run = plan_run(batch, [(i, s, after)], local_sequence, source_instance, mono, wall)
+    run = plan_run(batch, i, [s], [after], local_sequence, source_instance, mono, wall)
     return None if run is None else run.operation(0)
 
 
@@ -37,33 +39,24 @@ def runnable(batch: DecodeBatch, i: int) -> bool:
     return type(batch.tokens[i]) is int and type(batch.workspace(i)) is int
 
 
-def plan_run(batch: DecodeBatch, members: list[tuple[int, HandleState, HandleState]], local_sequence: int,
-             source_instance: str, mono: int, wall: int) -> DecodeRun | None:
-    """The run of the batch's steps at `members` ((index, state before, state after), on
-    distinct handles, each `runnable`), their events' local sequence numbers following
-    `local_sequence`; None when its ids cannot be one block (seeded)."""
-    block = new_block(4 * len(members))
+def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], afters: Sequence[HandleState],
+             local_sequence: int, source_instance: str, mono: int, wall: int) -> DecodeRun | None:
+    """The run of the batch's plain steps from `start` on, one a state in `befores` (on
+    distinct handles, each `runnable`), decided to leave `afters`; their events' local
+    sequence numbers follow `local_sequence`. None when its ids cannot be one block
+    (seeded). The batch's own columns are the run's, sliced: a plain step emits output
+    len(s.outputs) (decide_batch.plain_after checks it)."""
+    n = len(befores)
+    block = new_block(4 * n)
     if block is None:
         return None
     prefix, first = block
-    cols: tuple[list, ...] = tuple([] for _ in range(15))  # type: ignore[type-arg]  # DecodeRun's columns, in order
-    (handles, requests, abis, guards, heads, ptxns, stxns, committed, accepted, layers, workspace, rows, outputs,
-     tokens, calls) = cols
+    at = slice(start, start + n)
     ws = batch.workspace_bytes
-    for i, s, after in members:
-        handles.append(batch.handle_ids[i])
-        requests.append(s.request_id)
-        abis.append(batch.cache_abi_sha256[i])
-        guards.append(guard(s))
-        heads.append(head(after))
-        ptxns.append(batch.txn_ids[i])
-        stxns.append(batch.next_txn_ids[i])
-        committed.append(batch.positions[i])
-        accepted.append(s.open_txns[0].interval_count)
-        layers.append(s.num_layers)
-        workspace.append(0 if ws is None else ws[i])
-        rows.append(batch.rows_sha256[i])
-        outputs.append(len(s.outputs))
-        tokens.append(batch.tokens[i])
-        calls.append(batch.call(i))
-    return DecodeRun(source_instance, mono, wall, prefix, first, local_sequence + 1, *map(tuple, cols))
+    calls = (None,) * n if batch.call_ids is None else tuple(map(batch.call, range(start, start + n)))
+    return DecodeRun(
+        source_instance, mono, wall, prefix, first, local_sequence + 1, batch.handle_ids[at],
+        tuple(s.request_id for s in befores), batch.cache_abi_sha256[at], tuple(map(guard, befores)),
+        tuple(map(head, afters)), batch.txn_ids[at], batch.next_txn_ids[at], batch.positions[at],
+        tuple(s.open_txns[0].interval_count for s in befores), tuple(s.num_layers for s in befores),
+        (0,) * n if ws is None else ws[at], batch.rows_sha256[at], batch.output_indexes[at], batch.tokens[at], calls)

@@ -120,19 +120,19 @@ class Plan:
 
 @dataclass(slots=True)
 class RunPlan:
-    """A batch's leading plain steps as one run: the run, the batch, and each step's
-    (index, state before, state after). A step's Plan is made only when the run is not
-    written whole (each step then settles, and is retried, as an operation) or a hook
-    wants its events."""
+    """A batch's leading plain steps as one run: the run, the batch, and the state each
+    step leaves (step i of the batch, the run's step i). A step's Plan is made only when
+    the run is not written whole (each step then settles, and is retried, as an
+    operation) or a hook wants its events."""
 
     run: DecodeRun
     steps: DecodeBatch
-    members: list[tuple[int, HandleState, HandleState]]
+    afters: list[HandleState]
 
     def plans(self) -> list[tuple[int, Plan]]:
-        return [(i, Plan(None, (self.run, k), {self.steps.handle_ids[i]: after}, [],
+        return [(i, Plan(None, (self.run, i), {self.steps.handle_ids[i]: after}, [],
                          partial(c.batch_chain, self.steps, i)))
-                for k, (i, _, after) in enumerate(self.members)]
+                for i, after in enumerate(self.afters)]
 
 
 class BatchSurface(ABC):
@@ -255,7 +255,7 @@ class CommandService(BatchSurface):
         decided = decide_batch(steps, states, mono)
         local: dict[str, HandleState | None] = {}  # as the steps before leave a handle
         run = self._run(steps, states, decided.plain, local, mono, wall)
-        for i in range(0 if run is None else len(run.members), n):
+        for i in range(0 if run is None else len(run.afters), n):
             after = decided.plain[i]
             h = handles[i]
             s = local[h] if h in local else self.state(h)
@@ -277,21 +277,26 @@ class CommandService(BatchSurface):
         """The batch's leading plain steps on distinct handles, as one run
         (journal.decode_run; the batch's order is the journal's), decided on `states`;
         the states they leave go into `local`. None: no such step, or ids are seeded."""
-        members: list[tuple[int, HandleState, HandleState]] = []
+        befores: list[HandleState] = []
+        afters: list[HandleState] = []
         seen: set[str] = set()
+        handles = steps.handle_ids
         for i, after in enumerate(plain):
-            h = steps.handle_ids[i]
+            h = handles[i]
             s = states[h]
             if h in seen or after is None or s is None or not runnable(steps, i):
                 break
             seen.add(h)
-            members.append((i, s, after))
-        run = plan_run(steps, members, self.local_sequence, self.source_instance, mono, wall) if members else None
+            befores.append(s)
+            afters.append(after)
+        if not afters:
+            return None
+        run = plan_run(steps, 0, befores, afters, self.local_sequence, self.source_instance, mono, wall)
         if run is None:
             return None
-        self.local_sequence += 3 * len(members)
-        local.update((steps.handle_ids[i], after) for i, _, after in members)
-        return RunPlan(run, steps, members)
+        self.local_sequence += 3 * len(afters)
+        local.update(zip(handles, afters))
+        return RunPlan(run, steps, afters)
 
     def _commit(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
                 planned: list[tuple[int, Plan]], defer: bool, run: RunPlan | None = None
@@ -402,7 +407,7 @@ class CommandService(BatchSurface):
         """Record a run the journal wrote whole, the batch's only operations: fresh ids
         (the journal found none stored), so each step wrote its receipt."""
         handles = run.steps.handle_ids
-        self.states.update((handles[i], after) for i, _, after in run.members)
+        self.states.update(zip(handles, run.afters))
         if self.on_commit:
             for k, (_, plan) in enumerate(run.plans()):
                 receipt = receipts[k]
