@@ -4,12 +4,13 @@ bound arrays), and the writer lock is an explicit table lock.
 
 The common append (every operation writes one existing handle) is one statement,
 `append_if`: guarded updates, a verdict and the inserts, committed only if the verdict
-holds. Anything else takes the general path: lock + last position + stored receipts;
-the guarded updates per round; the inserts; commit. Over a network a transaction runs
-in pipeline mode (statements whose results are not needed travel with the next one
-whose results are: one round trip for append_if, three for the general path). On a
-loopback or Unix-socket connection a round trip costs less than psycopg's pipeline
-bookkeeping, so there statements go one by one.
+holds; with the writer lock, one call of a function the session makes for itself
+(pg_temp.kvl_append_if), one round trip. Anything else takes the general path: lock +
+last position + stored receipts; the guarded updates per round; the inserts; commit.
+Over a network such a transaction runs in pipeline mode (statements whose results are
+not needed travel with the next one whose results are: three round trips for the
+general path). On a loopback or Unix-socket connection a round trip costs less than
+psycopg's pipeline bookkeeping, so there statements go one by one.
 
 Columns travel as one array parameter each, in binary (see `_arrays`): a text-format
 bytea array costs the client a hex encoding of every body, and the server parses
@@ -18,6 +19,7 @@ binary arrays faster than array literals.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -75,6 +77,26 @@ def _append_if(legacy: bool) -> str:
 
 
 APPEND_IF = {legacy: _append_if(legacy) for legacy in (False, True)}
+LOCK = "LOCK TABLE kvl_events IN EXCLUSIVE MODE"
+
+# The one-statement append of a journal without pre-0003 rows as a function of the
+# session (pg_temp: no schema change, no privilege beyond TEMP): the writer lock and the
+# statement in one call, which autocommit runs and commits in one round trip (three
+# apart: BEGIN with the lock, the statement, COMMIT). In a plpgsql function each
+# statement takes its snapshot when it starts, so the append sees every commit made
+# before it held the lock, as the separate statements do.
+_APPEND_ARGS = (("h", "text[]"), ("g", "int8[]"), ("s", "int8[]"), ("p", "int8[]"), ("ng", "int8[]"),
+                ("ns", "int8[]"), ("np", "int8[]"), ("nc", "int8[]"), ("ph", "text[]"), ("rlast", "int8"),
+                ("rfirst", "int8"), ("chain", "bytea"), ("body", "bytea"), ("prev", "bytea"), ("n", "int8"),
+                ("last", "int8"), ("lo", "int8[]"), ("hi", "int8[]"), ("a", "int8[]"), ("rf", "int8[]"),
+                ("rl", "int8[]"))
+APPEND_FUNCTION = (
+    "CREATE FUNCTION pg_temp.kvl_append_if(" + ", ".join(f"a_{n} {t}" for n, t in _APPEND_ARGS)
+    + ") RETURNS void LANGUAGE plpgsql AS $f$ BEGIN " + LOCK + "; "
+    + re.sub(r"%\((\w+)\)b", r"a_\1", APPEND_IF[False]) + "; END $f$"
+)
+CALL_APPEND = ("SELECT pg_temp.kvl_append_if("
+               + ", ".join(f"%({n})b::{t}" for n, t in _APPEND_ARGS) + ")")
 
 
 class PostgresStatements(Statements):
@@ -166,12 +188,10 @@ class PostgresStatements(Statements):
             row = cur.fetchone()
             return None if row is None else row[0]
 
-    # EXCLUSIVE conflicts with every writer but not with plain SELECTs: writers are
-    # serialized, so positions are gapless and in commit order, and readers never wait.
-    LOCK = "LOCK TABLE kvl_events IN EXCLUSIVE MODE"
-
     def lock(self, cur: Any) -> None:
-        cur.execute(self.LOCK)
+        # EXCLUSIVE conflicts with every writer but not with plain SELECTs: writers are
+        # serialized, so positions are gapless and in commit order, and readers never wait.
+        cur.execute(LOCK)
 
     @contextmanager
     def _locked(self) -> Iterator[Any]:
@@ -181,11 +201,11 @@ class PostgresStatements(Statements):
         conn = self.conn
         if self.pipeline:
             with conn.pipeline(), conn.transaction(), conn.cursor() as cur:
-                cur.execute(self.LOCK)
+                cur.execute(LOCK)
                 yield cur
             return
         with conn.cursor() as cur:
-            cur.execute("BEGIN; " + self.LOCK)  # constants; no parameters: the simple protocol takes both
+            cur.execute("BEGIN; " + LOCK)  # constants; no parameters: the simple protocol takes both
             try:
                 yield cur
             except BaseException:
@@ -194,6 +214,16 @@ class PostgresStatements(Statements):
             conn.commit()
 
     speculative = True
+    _function: bool | None = None  # whether this session made pg_temp.kvl_append_if (None: not yet asked)
+
+    def _has_function(self) -> bool:
+        if self._function is None:
+            try:
+                self.conn.execute(APPEND_FUNCTION)
+                self._function = True
+            except psycopg.errors.InsufficientPrivilege:  # no TEMP on this database: the statements apart
+                self._function = False
+        return self._function
 
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
                   ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
@@ -210,8 +240,12 @@ class PostgresStatements(Statements):
             operation_ids, event_ids = ids()
             params.update(ops=_texts(operation_ids), eids=_texts(event_ids))
         try:
-            with self._locked() as cur:
-                cur.execute(APPEND_IF[legacy], params, prepare=True)  # planned once per connection
+            if not legacy and self._has_function():
+                with self.conn.cursor() as cur:
+                    cur.execute(CALL_APPEND, params, prepare=True)  # autocommit: committed as it returns
+            else:
+                with self._locked() as cur:
+                    cur.execute(APPEND_IF[legacy], params, prepare=True)  # planned once per connection
         except psycopg.errors.IntegrityError:
             # the verdict was false (or a row broke a constraint): rolled back, nothing
             # written; the general path decides what to do with these operations. (What

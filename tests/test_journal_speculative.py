@@ -3,6 +3,8 @@ and every misprediction falls back to the general path with the same results."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvledger.journal import Rejection
@@ -77,6 +79,64 @@ def test_fast_path_commits_and_falls_back(pg_url, pipelined):
         assert a.heads()["h3"] == before[1]["h3"]
         assert [p for p, _ in a.read_raw()] == list(range(1, len(after) + 1))
         assert a.conn.info.transaction_status == 0  # idle: the failed attempt rolled back
+
+
+def test_a_fast_append_is_one_statement_that_commits_itself(pg_url, monkeypatch):
+    """On a journal without pre-0003 rows the one-statement append is this session's
+    function (pg_temp.kvl_append_if): the writer lock and the append in one statement,
+    committed by autocommit, nothing else on the wire; another connection reads it."""
+    import psycopg
+
+    with open_or_create_journal(pg_url) as a, open_or_create_journal(pg_url) as b:
+        a.append([allocate_op(f"h{i}") for i in range(3)])  # creates: general path
+        a.append([publish_op("h0", guard_of(a.head("h0")), "warm")])  # the first fast one makes the function
+        ops = [publish_op(f"h{i}", guard_of(a.head(f"h{i}")), f"p-{i}") for i in (1, 2)]
+        sent = []
+        real = psycopg.Cursor.execute
+
+        def spy(self, query, *args, **kwargs):
+            sent.append(str(query).split("(")[0])
+            return real(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(psycopg.Cursor, "execute", spy)
+        results = a.append(ops)
+        monkeypatch.undo()
+        assert sent == ["SELECT pg_temp.kvl_append_if"]
+        assert all(isinstance(r, Receipt) for r in results) and a.conn.info.transaction_status == 0
+        assert [e.operation_id for e in b.read_all()][-2:] == ["p-1", "p-2"]
+
+
+def test_without_temp_privilege_the_fast_path_runs_its_statements_apart(pg_admin, pg_url):
+    """A role that may not create temporary objects gets no session function: the same
+    one-statement append, its lock and commit sent apart (and still committed whole)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from kvledger.journal.pgserver import conninfo
+
+    admin = make_url(pg_url)
+    role = f"kvl_notemp_{os.getpid()}"
+    try:
+        with psycopg.connect(conninfo(admin), autocommit=True) as conn:  # names made here, not input
+            conn.execute(f'DROP ROLE IF EXISTS "{role}"')
+            conn.execute(f'CREATE ROLE "{role}" LOGIN')
+            conn.execute(f'REVOKE TEMPORARY ON DATABASE "{admin.database}" FROM PUBLIC')
+            conn.execute(f'GRANT ALL ON ALL TABLES IN SCHEMA public TO "{role}"')
+    except psycopg.Error as exc:
+        pytest.skip(f"cannot make a role without TEMP on this server: {exc}")
+    url = admin.set(username=role).render_as_string(hide_password=False)
+    try:
+        with open_or_create_journal(url) as a:
+            calls = _spy(a)
+            a.append([allocate_op(f"h{i}") for i in range(2)])
+            results = a.append([publish_op(f"h{i}", guard_of(a.head(f"h{i}")), f"p-{i}") for i in range(2)])
+            assert calls == {"fast": 1, "committed": 1} and a.sql._function is False
+            assert all(isinstance(r, Receipt) for r in results) and a.conn.info.transaction_status == 0
+            assert [p for p, _ in a.read_raw()] == [1, 2, 3, 4]
+    finally:
+        with psycopg.connect(conninfo(admin), autocommit=True) as conn:
+            conn.execute(f'DROP OWNED BY "{role}"')
+            conn.execute(f'DROP ROLE "{role}"')
 
 
 def test_a_refused_fast_attempt_leaves_no_stale_stream_pointer(pg_url):
