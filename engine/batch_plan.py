@@ -41,11 +41,11 @@ def runnable(batch: DecodeBatch, i: int) -> bool:
 
 def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], afters: Sequence[HandleState],
              local_sequence: int, source_instance: str, mono: int, wall: int) -> DecodeRun | None:
-    """The run of the batch's plain steps from `start` on, one a state in `befores` (on
-    distinct handles, each `runnable`), decided to leave `afters`; their events' local
-    sequence numbers follow `local_sequence`. None when its ids cannot be one block
-    (seeded). The batch's own columns are the run's, sliced: a plain step emits output
-    len(s.outputs) (decide_batch.plain_after checks it)."""
+    """The run of the batch's plain steps start, start + 1, ...: one for each state in
+    `befores` (distinct handles, each step `runnable`), decided to leave the state in
+    `afters`; their events' local sequence numbers follow `local_sequence`. None when its
+    ids cannot be one block (seeded). The run's columns are the batch's, sliced, but for
+    those the states give (a plain step's output index is len(s.outputs): plain_after)."""
     n = len(befores)
     block = new_block(4 * n)
     if block is None:
