@@ -73,11 +73,9 @@ def _hex_column(column: Sequence[str], size: int) -> bytes | None:
     try:
         if set(map(len, column)) != {2 * size}:  # each as long: the joined text cuts where each ends
             return None
-        text = "".join(column)
-        raw = bytes.fromhex(text)
-    except (TypeError, ValueError):  # a value that is not a str, or not hex
+        return lower_hex("".join(column), size * len(column))
+    except TypeError:  # a value that is not a str
         return None
-    return raw if raw.hex() == text else None  # fromhex also takes capitals and spaces
 
 
 def _numbered(slots: list[np.ndarray]) -> tuple[np.ndarray, list[str]]:
