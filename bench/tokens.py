@@ -55,9 +55,10 @@ NOTES = {
     "journal_bytes_per_token_L32": "record format 6: a decode step is one row (~60 bytes, 32 of them its "
                                    "random row digest); plus the heads, empty pre-0003 tables and page "
                                    "slack",
-    "replay_tokens_per_s": "kvledger replay's path: read + inflate a record, its decode steps as columns "
-                           "(StepRun), folded together (replay.runs, array operations); ~130 us a record of 64 "
-                           "steps reading them, ~100 the frame, ~100 the fold: per-record overhead, not per-token",
+    "replay_tokens_per_s": "kvledger replay's path, in a process of its own: read + inflate a record, its decode "
+                           "steps as columns (StepRun), folded together (replay.runs); ~0.86 us a token read and "
+                           "folded, and ~41 us a request (its allocation and prefill events read, folded and "
+                           "reported), ~0.7 us a token at this journal's 60 tokens a request",
     "journal_gc_us_per_token": "the cyclic garbage collector's time during the timed decode steps of the "
                                "SQLite service-alone run, per token: commands, operations and receipts are "
                                "untracked (gc=False)",
