@@ -5,8 +5,9 @@ bound arrays), and the writer lock is an explicit table lock.
 The common append (every operation writes one existing handle) is one statement,
 `append_if`: guarded updates, a verdict and the inserts, committed only if the verdict
 holds; with the writer lock, one call of a function the session makes for itself
-(pg_temp.kvl_append_if), one round trip. Anything else takes the general path: lock +
-last position + stored receipts; the guarded updates per round; the inserts; commit.
+(pg_temp.kvl_append_if), one round trip. Anything else takes the general path: BEGIN
+with the lock, the last position and stored receipts; the guarded updates per round;
+the inserts; commit.
 Over a network such a transaction runs in pipeline mode (statements whose results are
 not needed travel with the next one whose results are: three round trips for the
 general path). On a loopback or Unix-socket connection a round trip costs less than
@@ -23,13 +24,13 @@ import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from itertools import chain, repeat
 from typing import Any, ClassVar
 
 import psycopg
 from psycopg.adapt import Dumper
-from psycopg.pq import Format
+from psycopg.pq import Format, TransactionStatus
 
 from kvledger.journal import faults, tuning
 from kvledger.journal.contract import Guard, Integrity, StreamWrite
@@ -113,12 +114,8 @@ class PostgresStatements(Statements):
             conn.execute("SET client_encoding TO 'UTF8'")
         _register_arrays(conn)
 
-    def _pipeline(self) -> Any:
-        return self.conn.pipeline() if self.pipeline else nullcontext()
-
     def transaction(self, fn: Callable[[Any], T]) -> T:
-        conn = self.conn
-        with self._pipeline(), conn.transaction(), conn.cursor() as cur:
+        with self._locked() as cur:
             return fn(cur)
 
     def begin_read(self) -> Any:
@@ -188,19 +185,19 @@ class PostgresStatements(Statements):
             row = cur.fetchone()
             return None if row is None else row[0]
 
-    def lock(self, cur: Any) -> None:
-        # EXCLUSIVE conflicts with every writer but not with plain SELECTs: writers are
-        # serialized, so positions are gapless and in commit order, and readers never wait.
-        cur.execute(LOCK)
-
     @contextmanager
     def _locked(self) -> Iterator[Any]:
         """A write transaction holding the writer lock, as its cursor: committed if the
-        block returns, rolled back if it raises. Without a pipeline, BEGIN and the lock
-        go as one simple query: one round trip, not two."""
+        block returns, rolled back if it raises. The lock is the table's EXCLUSIVE mode,
+        which conflicts with every writer but not with plain SELECTs: writers are
+        serialized, so positions are gapless and in commit order, and readers never
+        wait. Without a pipeline, BEGIN and the lock go as one simple query: one round
+        trip, not two."""
         conn = self.conn
-        if self.pipeline:
-            with conn.pipeline(), conn.transaction(), conn.cursor() as cur:
+        if self.pipeline or conn.info.transaction_status != TransactionStatus.IDLE:
+            # psycopg's block: its pipeline, and inside an open transaction a savepoint
+            # (a failure then leaves that transaction as it was)
+            with conn.pipeline() if self.pipeline else nullcontext(), conn.transaction(), conn.cursor() as cur:
                 cur.execute(LOCK)
                 yield cur
             return
@@ -209,7 +206,8 @@ class PostgresStatements(Statements):
             try:
                 yield cur
             except BaseException:
-                conn.rollback()
+                with suppress(psycopg.Error):  # a lost connection: what the block raised is the news
+                    conn.rollback()
                 raise
             conn.commit()
 

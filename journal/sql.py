@@ -381,7 +381,6 @@ class SqlJournal(Journal):
         holds (one statement for all of them); otherwise the general path decides its
         operations, in the same transaction."""
         runs = id_runs_of(run)
-        self.sql.lock(cur)
         last, chain = self.sql.last_record(cur)
         written = None
         if not self.sql.ids_stored(cur, runs):

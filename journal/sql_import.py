@@ -23,7 +23,6 @@ def load_import(sql: Statements, events: Iterable[tuple[Event, bytes]], tables: 
                 display_url: str, cur: Any) -> None:
     """Each stored body verbatim at its envelope's global position, then the head rows,
     receipts and manifests `tables()` derives; INVALID_ARGUMENT if the journal is not empty."""
-    sql.lock_and_last_position(cur)
     if sql.has_rows(cur):
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"{display_url} is not empty: "
                             "import loads an exported journal into an empty one")

@@ -78,6 +78,3 @@ class SqliteStatements(Statements):
             return None if row is None else row[0]
         finally:
             cur.close()
-
-    def lock(self, cur: Any) -> None:
-        pass  # BEGIN IMMEDIATE already holds the writer lock

@@ -81,14 +81,6 @@ class Statements(VerifyReads):
     @abc.abstractmethod
     def existing_tables(self, names: tuple[str, ...]) -> set[str]: ...
 
-    @abc.abstractmethod
-    def lock(self, cur: Any) -> None:
-        """Take the writer lock for the rest of the transaction `cur` is in."""
-
-    def lock_and_last_position(self, cur: Any) -> int:
-        self.lock(cur)
-        return self.last_position(cur)
-
     # Only where speculative is set.
     def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
                   ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
@@ -98,10 +90,10 @@ class Statements(VerifyReads):
 
     def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str], runs: list[tuple[int, int]]
                      ) -> tuple[int, bytes, dict[str, tuple[str, bytes]], set[str]]:
-        """Take the writer lock; return the last global position, the chain digest the
-        next record links to, the stored receipts of `operation_ids` and which of
-        `event_ids` the journal already holds (`runs`: all their id keys, records.id_runs)."""
-        self.lock(cur)
+        """In a write transaction (which holds the writer lock): the last global position,
+        the chain digest the next record links to, the stored receipts of `operation_ids`
+        and which of `event_ids` the journal already holds (`runs`: all their id keys,
+        records.id_runs)."""
         last, chain = self.last_record(cur)
         return last, chain, *self.find_ids(cur, operation_ids, event_ids, runs)
 

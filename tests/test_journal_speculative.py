@@ -106,6 +106,44 @@ def test_a_fast_append_is_one_statement_that_commits_itself(pg_url, monkeypatch)
         assert [e.operation_id for e in b.read_all()][-2:] == ["p-1", "p-2"]
 
 
+def test_the_general_path_takes_its_lock_with_begin(pg_url, monkeypatch):
+    """An append the one statement cannot take (here, creations) opens its transaction
+    and takes the writer lock in one query, and sends no lock of its own after it."""
+    import psycopg
+
+    with open_or_create_journal(pg_url) as a:
+        a.append([allocate_op("warm")])
+        sent = []
+        real = psycopg.Cursor.execute
+
+        def spy(self, query, *args, **kwargs):
+            sent.append(str(query))
+            return real(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(psycopg.Cursor, "execute", spy)
+        results = a.append([allocate_op(f"h{i}") for i in range(3)])
+        monkeypatch.undo()
+        assert sent[0] == "BEGIN; LOCK TABLE kvl_events IN EXCLUSIVE MODE"
+        assert not [q for q in sent[1:] if "LOCK" in q or q.startswith("BEGIN")]
+        assert all(isinstance(r, Receipt) for r in results) and a.conn.info.transaction_status == 0
+
+
+def test_an_append_inside_a_snapshot_leaves_the_snapshot_open(pg_url):
+    """The same connection's read transaction is open: the write goes in a savepoint,
+    is refused (the snapshot is read-only), and the snapshot reads on as it was."""
+    from psycopg.pq import TransactionStatus
+
+    with open_or_create_journal(pg_url) as a:
+        a.append([allocate_op("h0")])
+        with a.snapshot() as snap:
+            before = snap.chain_at()
+            with pytest.raises(KvLedgerError):
+                a.append([allocate_op("h1")])
+            assert a.conn.info.transaction_status == TransactionStatus.INTRANS
+            assert snap.chain_at() == before
+        assert [p for p, _ in a.read_raw()] == [1]
+
+
 def test_without_temp_privilege_the_fast_path_runs_its_statements_apart(pg_admin, pg_url):
     """A role that may not create temporary objects gets no session function: the same
     one-statement append, its lock and commit sent apart (and still committed whole)."""
