@@ -348,16 +348,22 @@ class PostgresStatements(Statements):
         rows: list[Row] = cur.fetchall()
         return rows
 
+    # The record, its handles' last_record and its id runs: one statement, one round trip.
+    INSERT_RECORD_ALL = (
+        "WITH r AS (INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
+        "VALUES (%(last)b::bigint, %(first)b::bigint, %(chain)b, %(body)b, %(prev)b)), "
+        "u AS (UPDATE kvl_heads AS h SET last_record = %(last)b::bigint FROM unnest(%(h)b) AS v(h) "
+        "WHERE h.handle_id = v.h) "
+        "INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
+        "SELECT f, l, %(last)b::bigint FROM unnest(%(rf)b, %(rl)b) AS k(f, l)"
+    )
+
     def insert_record(self, cur: Any, row: RecordRow, pointed: AbstractSet[str] = frozenset()) -> None:
         last, first, chain_, body, handles, prev, runs = row
-        cur.execute("INSERT INTO kvl_records (last_position, first_position, chain, body, stream_prev) "
-                    "VALUES (%s, %s, %s, %s, %s)", (last, first, chain_, body, prev))
-        faults.fault("mid_batch")  # the record is written, its lookup rows not yet
-        cur.execute("UPDATE kvl_heads AS h SET last_record = %s FROM unnest(%b) AS v(h) WHERE h.handle_id = v.h",
-                    (last, _texts(handles)))
-        cur.execute("INSERT INTO kvl_record_ids (first_key, last_key, last_position) "
-                    "SELECT f, l, %s FROM unnest(%b, %b) AS k(f, l)",
-                    (last, _int8s([r[0] for r in runs]), _int8s([r[1] for r in runs])))
+        cur.execute(self.INSERT_RECORD_ALL, {
+            "last": last, "first": first, "chain": chain_, "body": body, "prev": prev, "h": _texts(handles),
+            "rf": _int8s([r[0] for r in runs]), "rl": _int8s([r[1] for r in runs])})
+        faults.fault("mid_batch")  # the record and its lookup rows are written, the manifests not yet
 
 
 def _guarded_update_params(rows: list[tuple[StreamWrite, Guard]]) -> dict[str, Any]:

@@ -108,7 +108,8 @@ def test_a_fast_append_is_one_statement_that_commits_itself(pg_url, monkeypatch)
 
 def test_the_general_path_takes_its_lock_with_begin(pg_url, monkeypatch):
     """An append the one statement cannot take (here, creations) opens its transaction
-    and takes the writer lock in one query, and sends no lock of its own after it."""
+    and takes the writer lock in one query, sends no lock of its own after it, and
+    writes its record with the record's lookup rows in one statement."""
     import psycopg
 
     with open_or_create_journal(pg_url) as a:
@@ -125,6 +126,8 @@ def test_the_general_path_takes_its_lock_with_begin(pg_url, monkeypatch):
         monkeypatch.undo()
         assert sent[0] == "BEGIN; LOCK TABLE kvl_events IN EXCLUSIVE MODE"
         assert not [q for q in sent[1:] if "LOCK" in q or q.startswith("BEGIN")]
+        [record] = [q for q in sent if "INTO kvl_records" in q or "INTO kvl_record_ids" in q]
+        assert "INTO kvl_records" in record and "INTO kvl_record_ids" in record and "UPDATE kvl_heads" in record
         assert all(isinstance(r, Receipt) for r in results) and a.conn.info.transaction_status == 0
 
 
