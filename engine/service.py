@@ -28,7 +28,7 @@ from kvledger.engine.ids import new_id
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook, Results
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Operation, Rejection, StreamWrite
-from kvledger.journal.port import STEP_VERSIONS, DecodeRun, Journal, RunReceipts
+from kvledger.journal.port import STEP_VERSIONS, DecodeRun, Journal, RunReceipts, RunThen
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -321,12 +321,7 @@ class CommandService(BatchSurface):
             if run is not None and not planned and type(outcomes) is RunReceipts:  # the batch, written whole
                 self._settle_run(run, outcomes)
                 return Results((), outcomes)
-            if run is not None:  # its steps settle, and are retried, one by one
-                stepped = run.plans()
-                plans.update(stepped)
-                pending = self._settle(results, stepped + planned, outcomes)
-            else:
-                pending = self._settle(results, planned, outcomes)
+            whole, pending = self._settle_first(results, planned, outcomes, run, plans)
             for _ in range(MAX_ATTEMPTS - 1):
                 if not pending:
                     break
@@ -346,7 +341,8 @@ class CommandService(BatchSurface):
                     if isinstance(r, KvLedgerError):
                         for hook in self.on_reject:
                             hook(command(i), r)
-            return Results(results)  # type: ignore[arg-type]  # the loops above fill every slot
+            # the loops above fill every slot but the run's, written whole
+            return Results(results[len(whole):], whole)  # type: ignore[arg-type]
 
         return wait
 
@@ -402,6 +398,21 @@ class CommandService(BatchSurface):
             local.update(plan.states)
             planned.append((i, plan))
         return planned
+
+    def _settle_first(self, results: list[Receipt | KvLedgerError | None], planned: list[tuple[int, Plan]],
+                      outcomes: Sequence[Receipt | Rejection], run: RunPlan | None, plans: dict[int, Plan]
+                      ) -> tuple[Sequence[Receipt], list[tuple[int, Plan]]]:
+        """Settle a commit's first outcomes: the run's receipts when the journal wrote it
+        whole (returned), then the planned operations'; or, the run's steps one by one
+        with them (`plans` learns theirs). Returns the operations to decide again."""
+        if run is not None and type(outcomes) is RunThen:  # the run written whole, then the others
+            self._settle_run(run, outcomes.run)
+            return outcomes.run, self._settle(results, planned, outcomes.rest)
+        if run is not None:  # its steps settle, and are retried, one by one
+            stepped = run.plans()
+            plans.update(stepped)
+            planned = stepped + planned
+        return (), self._settle(results, planned, outcomes)
 
     def _settle_run(self, run: RunPlan, receipts: RunReceipts) -> None:
         """Record a run the journal wrote whole, the batch's only operations: fresh ids

@@ -18,11 +18,11 @@ journal and the same answers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
+from kvledger.journal.contract import Guard, HeadFacts, Operation, Rejection, StreamWrite
 from kvledger.journal.step_values import DecodeStep
 from kvledger.schemas.decode_fingerprint import chain_fingerprint
 from kvledger.schemas.events import ForwardCall
@@ -134,3 +134,20 @@ class RunReceipts(Positional[Receipt]):
     def event_ids(self) -> list[str]:
         """Every event id of the run, in order (what reading each receipt's would give)."""
         return [e for i in range(len(self.run)) for e in self.run.event_ids(i)]
+
+
+class RunThen(Positional[Receipt | Rejection]):
+    """The answer to a run written whole followed by other operations in its commit: the
+    run's receipts (built when read), then the others' results, positional over both."""
+
+    __slots__ = ("run", "rest")
+
+    def __init__(self, run: RunReceipts, rest: Sequence[Receipt | Rejection]) -> None:
+        self.run, self.rest = run, rest
+
+    def __len__(self) -> int:
+        return len(self.run) + len(self.rest)
+
+    def _at(self, i: int) -> Receipt | Rejection:
+        k = len(self.run)
+        return self.run[i] if i < k else self.rest[i - k]

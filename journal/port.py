@@ -63,7 +63,7 @@ from kvledger.journal.contract import (
     StoredEvent,
     StoredReceipt,
 )
-from kvledger.journal.decode_run import DecodeRun, RunReceipts
+from kvledger.journal.decode_run import DecodeRun, RunReceipts, RunThen
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.journal.step_values import DecodeStep, FoldItem, StepColumns, StepRun, StepValues
 from kvledger.schemas.events import Event
@@ -239,6 +239,7 @@ __all__ = [
     "LogReader",
     "Recorder",
     "RunReceipts",
+    "RunThen",
     "STEP_VERSIONS",
     "Snapshot",
     "StepColumns",

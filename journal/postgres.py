@@ -263,6 +263,22 @@ class PostgresStatements(Statements):
         "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING h.handle_id"
     )
 
+    # guard_all's rows, all or none in one statement: each update also asks that every
+    # guard holds (the handles are distinct, so all hold when all match).
+    GUARD_ALL = (
+        "WITH v AS (SELECT * FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
+        "AS v(h, g, s, p, ng, ns, np, nc, ph)) "
+        "UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, stream_position = v.np, "
+        "committed_length = v.nc, lifecycle = v.ph, last_record = %(rlast)b::bigint FROM v "
+        "WHERE h.handle_id = v.h AND h.generation = v.g AND h.snapshot_version = v.s AND h.stream_position = v.p "
+        "AND (SELECT count(*) FROM kvl_heads k JOIN v w ON k.handle_id = w.h AND k.generation = w.g "
+        "AND k.snapshot_version = w.s AND k.stream_position = w.p) = %(n)b::bigint"
+    )
+
+    def guard_all(self, cur: Any, rows: list[tuple[StreamWrite, Guard]], last_record: int) -> bool:
+        cur.execute(self.GUARD_ALL, {**_guarded_update_params(rows), "n": len(rows), "rlast": last_record})
+        return bool(cur.rowcount == len(rows))
+
     points_heads = False  # insert_record sets every head's last_record in one statement
 
     def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]],
@@ -361,7 +377,8 @@ class PostgresStatements(Statements):
     def insert_record(self, cur: Any, row: RecordRow, pointed: AbstractSet[str] = frozenset()) -> None:
         last, first, chain_, body, handles, prev, runs = row
         cur.execute(self.INSERT_RECORD_ALL, {
-            "last": last, "first": first, "chain": chain_, "body": body, "prev": prev, "h": _texts(handles),
+            "last": last, "first": first, "chain": chain_, "body": body, "prev": prev,
+            "h": _texts([h for h in handles if h not in pointed]),
             "rf": _int8s([r[0] for r in runs]), "rl": _int8s([r[1] for r in runs])})
         faults.fault("mid_batch")  # the record and its lookup rows are written, the manifests not yet
 

@@ -4,12 +4,13 @@ The algorithm lives here; journal.sqlite and journal.postgres supply the few
 statements whose best form differs (per-row statements in-process vs. one set-based
 statement per batch over the network). All SQL uses bound parameters.
 
-One transaction per `append` call:
-  1. take the writer lock and read the last global position (gapless, commit-ordered);
+One transaction per `append` call, holding the writer lock from its first statement:
+  1. read the last record: positions are gapless and commit-ordered, records chained;
   2. look up receipts: a retry returns its original receipt, a changed retry is CONFLICT;
   3. guarded head updates, per round of operations on disjoint handles; an operation
      with a failed guard writes nothing (savepoint when an operation spans handles);
-  4. insert events with their global positions, receipts and manifests;
+  4. insert the record (events and receipts), its lookup rows and manifests; a decode
+     run's from its columns, a record of its own beside the commit's other operations;
   5. commit. Nothing is acknowledged before the commit returns.
 
 journal.batching decides what it can before the statements (validation, chains, rounds,
@@ -30,19 +31,13 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import URL
 
 from kvledger.journal import faults, tuning
-from kvledger.journal.batching import (
-    answer_stored,
-    apply_rounds,
-    batch_ids,
-    resolve_repeats,
-    validate,
-)
+from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
 from kvledger.journal.connection import ConnectionLock, make_engine
 from kvledger.journal.contract import Guard, HeadFacts, ImportTables, Operation, Rejection, StreamWrite
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
-from kvledger.journal.port import DecodeRun, Journal, Snapshot
+from kvledger.journal.port import DecodeRun, Journal, RunReceipts, RunThen, Snapshot
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
 from kvledger.journal.run_writer import SMALL, id_runs_of, run_record, validate_run
 from kvledger.journal.sql_import import load_import
@@ -122,9 +117,7 @@ class SqlJournal(Journal):
                          f"`kvledger init --db URL` to migrate it to {SCHEMA_REVISION}")
             raise KvLedgerError(ErrorCode.NOT_MIGRATED, f"{self.display_url} has {state}",
                                 revision=revision, journal_tables=sorted(tables or ()))
-        # Records of decode steps are packed and read with numpy (journal.blocks). Its slow
-        # import belongs to opening the journal, not to the first commit of decode steps,
-        # which a serving loop waits on.
+        # numpy (journal.blocks) loads with the journal, not at the first decode commit a serving loop waits on
         from kvledger.journal import blocks  # noqa: F401  # imported for its side effect: numpy loaded
 
     # -- writing -----------------------------------------------------------------
@@ -141,20 +134,22 @@ class SqlJournal(Journal):
 
     def append_run(self, run: DecodeRun, operations: Sequence[Operation], *, defer: bool = False
                    ) -> Callable[[], Sequence[Receipt | Rejection]]:
-        """The run as one block from its columns (journal.run_writer) when it is all the
-        batch (PostgreSQL: in its one-statement append); the general path (the port's
-        default) when not."""
-        if operations or len(run) <= SMALL:
+        """The run as one block from its columns (journal.run_writer), then `operations`, a
+        worker's arrivals and finishes, by the general path as a record of their own in the
+        same transaction; a run alone goes first to PostgreSQL's one-statement append."""
+        if len(run) <= SMALL:
             return super().append_run(run, operations, defer=defer)
         validate_run(run)
-        intents = run.operation_ids() if faults.INTENTS else []
-        if self.sql.speculative:  # one statement when it holds; the general path when not
-            results: Sequence[Receipt | Rejection] = self._now(
-                intents, lambda cur: self._append(cur, run.operations()), partial(self._run_speculative, run))
-            return lambda: results
-        if defer and self.sql.deferred_commit:
-            return self._deferred(intents, lambda cur: self._append_run(cur, run))
-        results = self._now(intents, lambda cur: self._append_run(cur, run))
+        for op in operations:
+            validate(op)
+        intents = [*run.operation_ids(), *(op.operation_id for op in operations)] if faults.INTENTS else []
+        if self.sql.speculative and not operations:  # one statement when it holds; the general path when not
+            results = self._now(intents, lambda cur: self._append(cur, run.operations()),
+                                partial(self._run_speculative, run))
+        elif defer and self.sql.deferred_commit:
+            return self._deferred(intents, partial(self._append_run, run=run, rest=operations))
+        else:
+            results = self._now(intents, partial(self._append_run, run=run, rest=operations))
         return lambda: results
 
     def _now(self, intents: list[str], body: Callable[[Any], R], speculative: Callable[[], R | None] | None = None
@@ -338,7 +333,6 @@ class SqlJournal(Journal):
         return False
 
     def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
-        # A few steps a batch, no per-event helper calls: the Python a publication pays on top of the database's.
         op_ids, event_ids, known = batch_ids(ops)
         last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, known.runs)
         results: list[Receipt | Rejection | None] = [None] * len(ops)
@@ -376,26 +370,35 @@ class SqlJournal(Journal):
         fault("before_commit")
         return results  # type: ignore[return-value]  # stored, rejected, build_record or the retry loop filled each slot
 
-    def _append_run(self, cur: Any, run: DecodeRun) -> Sequence[Receipt | Rejection]:
-        """The run's transaction: its block, when no id of it is stored and every guard
-        holds (one statement for all of them); otherwise the general path decides its
-        operations, in the same transaction."""
-        runs = id_runs_of(run)
-        last, chain = self.sql.last_record(cur)
-        written = None
-        if not self.sql.ids_stored(cur, runs):
-            prevs = self._last_records(cur, zip(run.handle_ids, run.guards))
-            written = run_record(run, last, chain, time.time_ns(), prevs, runs)
+    def _append_run(self, cur: Any, run: DecodeRun, rest: Sequence[Operation] = ()) -> Sequence[Receipt | Rejection]:
+        """The run's block, then `rest` as the general path's record; when the block does not hold, the
+        general path for all of it, one record (so a refused step's phantom heads fence what follows)."""
+        done = self._run_block(cur, run)
+        if done is None:
+            return self._append(cur, [*run.operations(), *rest])  # which refuses what failed
+        if not rest:
+            fault("before_commit")
+            return done
+        tails = self._uncommitted  # the run's, which the general path's record would drop
+        after = self._append(cur, rest)
+        self._uncommitted = {**tails, **self._uncommitted}
+        return RunThen(done, after)
+
+    def _run_block(self, cur: Any, run: DecodeRun) -> RunReceipts | None:
+        """The run's block record, when no id of it is stored and every guard holds (one
+        statement for all of them); None, with nothing written, otherwise."""
+        runs, (last, chain) = id_runs_of(run), self.sql.last_record(cur)
+        written = None if self.sql.ids_stored(cur, runs) else run_record(
+            run, last, chain, time.time_ns(), self._last_records(cur, zip(run.handle_ids, run.guards)), runs)
         if written is None:
-            return self._append(cur, run.operations())
+            return None
         fault("before_update")
         if not self.sql.guard_all(cur, run.writes(), written.record.last_position):
-            return self._append(cur, run.operations())  # which refuses what failed
+            return None
         fault("after_update")
         self._uncommitted = written.tails
         self._committed, self._committed_chain = written.record.last_position, written.record.chain
         self.sql.insert_record(cur, written.record, frozenset(run.handle_ids))  # guard_all pointed each
-        fault("before_commit")
         return written.receipts
 
     def _prevs(self, cur: Any, ops: Sequence[Operation], indexes: list[int],

@@ -73,9 +73,37 @@ def _call(kind: str | None, call_ids: dict[str, str], numbers: tuple[int, ...]) 
     return ForwardCall(call_ids[kind], index, size, new_pad, key_extent, threads)
 
 
-def _journal(url: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[str, list], list]:
+def _arrival(h: str, txn: str) -> list[c.Command | c.Relative]:
+    """A request's arrival: its allocation and the start of its prefill."""
+    return [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT), reserved_capacity=40),
+            c.Relative(c.BeginAppend(handle_id=h, txn_id=txn, kind="prefill", base_generation=None,
+                                     base_snapshot_version=None, interval_start=0, interval_count=len(PROMPT),
+                                     token_ids=PROMPT, cache_positions=(0, 1, 2, 3), mask_key_extent=len(PROMPT),
+                                     cache_abi_sha256=""))]
+
+
+def _started(service: CommandService, handles: list[str]) -> dict[str, str]:
+    """The handles allocated and their prefills started, in one commit: each one's txn."""
+    txn = {h: ids.new_id() for h in handles}
+    cmds = [_arrival(h, txn[h]) for h in handles]
+    service.execute_many([a for a, _ in cmds] + [b for _, b in cmds])
+    return txn
+
+
+def _decoding(journal: Journal, handles: list[str]) -> tuple[CommandService, DecodeBatch]:
+    """A service with `handles` started, and a batch of one decode step each."""
+    service = CommandService(journal, clock=ManualClock().at(5.0))
+    txn = _started(service, handles)
+    abi = service.state(handles[0]).cache_abi_sha256
+    return service, _batch([(h, txn[h], service.state(h), 7 + i, ids.new_id(), None) for i, h in enumerate(handles)],
+                           abi)
+
+
+def _journal(url: str, columns: bool, rounds: list[list[dict]], extra: bool = False) -> tuple[dict[str, list], list]:
     """The tables of a journal the rounds were written to, each a batch of one step a
-    handle, and every answer; `columns` False: runs appended as their operations."""
+    handle, and every answer; `columns` False: runs appended as their operations. With
+    `extra`, each round's commit also allocates a handle and starts its prefill (a
+    worker's arrival beside its decode steps); the tables are then its events."""
     n = len(rounds[0])
     handles = [f"run-{i}" for i in range(n)]
     with open_or_create_journal(url) as journal:
@@ -84,13 +112,8 @@ def _journal(url: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[st
         service = CommandService(journal, clock=ManualClock().at(5.0))
         other = CommandService(journal, clock=ManualClock().at(6.0), source_instance="other")
         txn = {h: ids.new_id() for h in handles}
-        out: list = list(service.execute_many(
-            [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT), reserved_capacity=40)
-             for h in handles] +
-            [c.Relative(c.BeginAppend(handle_id=h, txn_id=txn[h], kind="prefill", base_generation=None,
-                                      base_snapshot_version=None, interval_start=0, interval_count=len(PROMPT),
-                                      token_ids=PROMPT, cache_positions=(0, 1, 2, 3),
-                                      mask_key_extent=len(PROMPT), cache_abi_sha256="")) for h in handles]))
+        cmds = [_arrival(h, txn[h]) for h in handles]
+        out: list = list(service.execute_many([a for a, _ in cmds] + [b for _, b in cmds]))
         abi = service.state(handles[0]).cache_abi_sha256
         counter = itertools.count()
         for steps in rounds:
@@ -105,14 +128,16 @@ def _journal(url: str, columns: bool, rounds: list[list[dict]]) -> tuple[dict[st
             rows = [(h, txn[h], service.state(h), x["token"], _txn(x["txn"], next(counter)), x["digest"],
                      x["workspace"], _call(x["call"], call_ids, x["call_numbers"])) for h, x in zip(handles, steps)]
             batch = _batch(rows, abi)
-            results = service.execute_steps(batch)
+            arrivals = _arrival(f"new-{len(out)}", ids.new_id()) if extra else []
+            results = service.submit_batch(batch, arrivals, defer=False)()
             for h, nxt_step, r in zip(handles, batch.next_txn_ids, results):
                 if not isinstance(r, KvLedgerError):
                     txn[h] = nxt_step
                 elif h in moved:
                     txn[h] = moved[h]
             out += [(r.code, r.message) if isinstance(r, KvLedgerError) else r for r in results]
-    return _tables(url), out
+        stored = ({"events": list(journal.read_raw()), "heads": journal.heads()} if extra else None)
+    return stored or _tables(url), out
 
 
 def _tables(url: str) -> dict[str, list]:
@@ -128,12 +153,16 @@ def _tables(url: str) -> dict[str, list]:
                     for row in pg.execute(q).fetchall()] for t, q in queries.items()}
 
 
+@pytest.mark.parametrize("extra", [False, True], ids=["alone", "beside_arrivals"])
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
-def test_a_run_from_its_columns_stores_what_its_operations_store(kind, request):
-    """SQLite writes a run's block in its transaction; PostgreSQL in its one-statement append."""
+def test_a_run_from_its_columns_stores_what_its_operations_store(kind, extra, request):
+    """SQLite writes a run's block in its transaction; PostgreSQL in its one-statement
+    append. Beside other commands (`extra`), the run is a record from its columns and
+    the others the general path's record after it, in one transaction, against all of
+    it by the general path in one record: the same events byte for byte, heads, answers."""
     pg = request.getfixturevalue("pg_admin") if kind == "postgres" else None
 
-    @settings(max_examples=25 if pg is None else 10, deadline=None,
+    @settings(max_examples=(25 if pg is None else 10) // (2 if extra else 1), deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(rounds=batches)
     def check(rounds: list[list[dict]]) -> None:
@@ -143,10 +172,33 @@ def test_a_run_from_its_columns_stores_what_its_operations_store(kind, request):
                 same_ids(mp)
                 fixed_commit_time(mp)
                 url = f"sqlite:///{d}/{columns}.db" if pg is None else pg.create()
-                runs[columns] = _journal(url, columns, rounds)
+                runs[columns] = _journal(url, columns, rounds, extra)
             assert runs[True] == runs[False]
 
     check()
+
+
+def test_a_run_beside_an_arrival_is_written_from_its_columns(tmp_path):
+    """The commit's run is its own record, from its columns (its answer built when
+    read), and the arrival the general path's record after it, in one transaction."""
+    from kvledger.journal.port import RunReceipts
+
+    handles = [f"mixed-{i}" for i in range(4)]
+    with open_or_create_journal(f"sqlite:///{tmp_path}/m.db") as journal:
+        service, batch = _decoding(journal, handles)
+        [arrival, _] = _arrival("arrival", ids.new_id())
+        results = service.submit_batch(batch, [arrival], defer=False)()
+        run, rest = results.parts()
+        assert type(run) is RunReceipts and len(run) == len(handles) and len(rest) == 1
+        assert results.refused() == [] and results[-1] == journal.receipt(arrival.operation_id or rest[0].operation_id)
+        con = sqlite3.connect(f"{tmp_path}/m.db")
+        try:
+            records = con.execute("SELECT first_position, last_position FROM kvl_records ORDER BY 1").fetchall()
+        finally:
+            con.close()
+        first = run[0].first_global_position
+        assert records[-2:] == [(first, first + 3 * len(handles) - 1), (first + 3 * len(handles),) * 2]
+        assert service.state(handles[0]).stream_position == run[0].handles[0].stream_position
 
 
 def test_a_run_written_whole_builds_each_receipt_when_read(tmp_path, monkeypatch):
@@ -160,17 +212,7 @@ def test_a_run_written_whole_builds_each_receipt_when_read(tmp_path, monkeypatch
     monkeypatch.setattr(decode_run, "chain_fingerprint", lambda *a: computed.append(a[0]) or real(*a))
     handles = [f"lazy-{i}" for i in range(4)]
     with open_or_create_journal(f"sqlite:///{tmp_path}/k.db") as journal:
-        service = CommandService(journal, clock=ManualClock().at(5.0))
-        txn = {h: ids.new_id() for h in handles}
-        service.execute_many(
-            [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=PROMPT), reserved_capacity=40)
-             for h in handles] +
-            [c.Relative(c.BeginAppend(handle_id=h, txn_id=txn[h], kind="prefill", base_generation=None,
-                                      base_snapshot_version=None, interval_start=0, interval_count=len(PROMPT),
-                                      token_ids=PROMPT, cache_positions=(0, 1, 2, 3),
-                                      mask_key_extent=len(PROMPT), cache_abi_sha256="")) for h in handles])
-        abi = service.state(handles[0]).cache_abi_sha256
-        batch = _batch([(h, txn[h], service.state(h), 7 + i, ids.new_id(), None) for i, h in enumerate(handles)], abi)
+        service, batch = _decoding(journal, handles)
         results = service.execute_steps(batch)
         assert results.refused() == [] and len(results) == len(handles)
         assert computed == []  # nothing read a receipt yet
