@@ -49,6 +49,8 @@ NOTES = {
     "journal_tokens_per_s_sqlite_b256": "as journal_tokens_per_s_sqlite with 256 decode steps a transaction: "
                                         "what a commit's fixed cost (the fsync, the statements) leaves at a "
                                         "GPU node's batch",
+    "journal_tokens_per_s_sqlite_arrivals": "as journal_tokens_per_s_sqlite with one request arriving (its "
+                                            "allocation) in each commit, as a serving worker's commits mostly are",
     "journal_ceiling_vs_off": "near-free model, batch 64: the journal's cost is nearly all there is; each side "
                               "in its best set-up of torch's pool (whole, or less a core) and, on, writer (thread "
                               "or process): ceiling_setup_on / _off",
@@ -162,9 +164,9 @@ class Lockstep:
             return self._step_chains()
         self.send(self.next_batch())
 
-    def send(self, steps: Any) -> None:
-        """Commit one batch of next_batch's through the service."""
-        results = self.service.execute_steps(steps)
+    def send(self, steps: Any, cmds: list[Any] | None = None) -> None:
+        """Commit one batch of next_batch's through the service, and `cmds` after it."""
+        results = self.service.submit_batch(steps, cmds, defer=False)() if cmds else self.service.execute_steps(steps)
         # as a worker checks a commit (engine.port.Results); older commits' lists (bench.ab)
         refused = (results.refused() if hasattr(results, "refused")
                    else [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)])
@@ -199,6 +201,11 @@ class Lockstep:
             steps = self.batch(tuple(handles), tuple(txns), tuple(positions), tuple(outputs), tuple(tokens),
                                tuple(nxt), tuple(rows), abis)
         return steps
+
+    def arrival(self, k: int) -> list[Any]:
+        """A request arriving: its allocation, as a worker's commit carries it beside its steps."""
+        h = f"{self.handles[0]}-arrival-{k}"
+        return [self.c.Allocate(handle_id=h, manifest=_manifest(h, self.layers, (1, 2, 3), 8), reserved_capacity=16)]
 
     def _step_chains(self) -> None:
         c, chains, layers = self.c, [], self.layers
@@ -241,16 +248,18 @@ class GcClock:
 
 
 def chain_rate(url: str, layers: int, steps: int, repeats: int,
-               collector: GcClock | None = None, batch: int = BATCH) -> tuple[float, int]:
+               collector: GcClock | None = None, batch: int = BATCH, arrivals: bool = False) -> tuple[float, int]:
     """Best tokens/s of `steps` lockstep steps, over `repeats` fresh groups of handles in
     one journal; returns it with the tokens written. `collector` times the garbage
-    collector during the timed steps; `batch` handles decode, one step each a commit."""
-    rates, tokens = group_rates(url, layers, steps, repeats, collector, batch)
+    collector during the timed steps; `batch` handles decode, one step each a commit;
+    `arrivals`: each commit also allocates a new request's handle."""
+    rates, tokens = group_rates(url, layers, steps, repeats, collector, batch, arrivals)
     return best_rate(rates), tokens
 
 
 def group_rates(url: str, layers: int, steps: int, repeats: int,
-                collector: GcClock | None = None, batch: int = BATCH) -> tuple[list[float], int]:
+                collector: GcClock | None = None, batch: int = BATCH, arrivals: bool = False
+                ) -> tuple[list[float], int]:
     """chain_rate's tokens/s of each group, and the tokens written."""
     from contextlib import nullcontext
 
@@ -265,10 +274,11 @@ def group_rates(url: str, layers: int, steps: int, repeats: int,
             group.step()  # the prefill publication: not a decode step
             # built before the clock starts: a worker builds its batch; this times the service alone
             batches = [] if group.chains else [group.next_batch() for _ in range(steps)]
+            extra = [group.arrival(k) if arrivals else None for k in range(len(batches))]
             with collector or nullcontext():
                 t0 = time.perf_counter()
-                for b in batches:
-                    group.send(b)
+                for b, cmds in zip(batches, extra):
+                    group.send(b, cmds)
                 for _ in range(steps if group.chains else 0):  # chains (older commits, bench.ab) build as they go
                     group.step()
                 rates.append(batch * steps / (time.perf_counter() - t0))
@@ -440,6 +450,8 @@ def run(ctx: Context) -> dict[str, Any]:
     decoded = BATCH * steps * repeats
     out["journal_tokens_per_s_sqlite_b256"] = round(chain_rate(ctx.sqlite_journal_url("tokens_b256"), 32, steps,
                                                                repeats, batch=256)[0])
+    out["journal_tokens_per_s_sqlite_arrivals"] = round(chain_rate(ctx.sqlite_journal_url("tokens_arrivals"), 32,
+                                                                   steps, repeats, arrivals=True)[0])
     out["journal_gc_us_per_token"] = round(collector.seconds / decoded * 1e6, 2)
     out["journal_gc_collections_per_1k_tokens"] = round(collector.collections / decoded * 1000, 2)
     try:
