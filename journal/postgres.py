@@ -43,6 +43,20 @@ _PIPELINE = psycopg.Pipeline.is_supported()
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
+# The guarded head update's parts, one text for every statement that moves heads: each
+# row's guard and new head from the bound columns, the new head's columns, a guard held.
+_HEAD_ROWS = ("unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
+              "AS v(h, g, s, p, ng, ns, np, nc, ph)")
+_NEW_HEAD = ("generation = v.ng, snapshot_version = v.ns, stream_position = v.np, committed_length = v.nc, "
+             "lifecycle = v.ph")
+
+
+def _guard_held(head: str, row: str) -> str:
+    """The condition that the head `head` is at the guard of the row `row` (table aliases)."""
+    return (f"{head}.handle_id = {row}.h AND {head}.generation = {row}.g "
+            f"AND {head}.snapshot_version = {row}.s AND {head}.stream_position = {row}.p")
+
+
 def _append_if(legacy: bool) -> str:
     """The one-statement append (PostgresStatements.append_if): the guarded head updates,
     a verdict, and the record with its lookup rows. The verdict is true only if every
@@ -54,12 +68,8 @@ def _append_if(legacy: bool) -> str:
     head updates included, rolls back and nothing is committed. `legacy`: the ids and the
     last position are looked for in the one-row-per-event tables too."""
     return (
-        "WITH u AS (UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
-        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph, last_record = %(rlast)b::bigint "
-        "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
-        "AS v(h, g, s, p, ng, ns, np, nc, ph) "
-        "WHERE h.handle_id = v.h AND h.generation = v.g "
-        "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING 1), "
+        f"WITH u AS (UPDATE kvl_heads AS h SET {_NEW_HEAD}, last_record = %(rlast)b::bigint "
+        f"FROM {_HEAD_ROWS} WHERE {_guard_held('h', 'v')} RETURNING 1), "
         "verdict AS (SELECT (SELECT count(*) FROM u) = %(n)b::bigint "
         "AND coalesce((SELECT max(last_position) FROM kvl_records), "
         + ("(SELECT max(global_position) FROM kvl_events), " if legacy else "")
@@ -254,25 +264,16 @@ class PostgresStatements(Statements):
 
     # A join on unnest (no `handle_id = ANY(handles)` filter: in a generic plan a scan
     # would test every head against the whole array, one comparison per element).
-    GUARDED_UPDATE_SET = (
-        "UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, "
-        "stream_position = v.np, committed_length = v.nc, lifecycle = v.ph "
-        "FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
-        "AS v(h, g, s, p, ng, ns, np, nc, ph) "
-        "WHERE h.handle_id = v.h AND h.generation = v.g "
-        "AND h.snapshot_version = v.s AND h.stream_position = v.p RETURNING h.handle_id"
-    )
+    GUARDED_UPDATE_SET = (f"UPDATE kvl_heads AS h SET {_NEW_HEAD} FROM {_HEAD_ROWS} "
+                          f"WHERE {_guard_held('h', 'v')} RETURNING h.handle_id")
 
     # guard_all's rows, all or none in one statement: each update also asks that every
     # guard holds (the handles are distinct, so all hold when all match).
     GUARD_ALL = (
-        "WITH v AS (SELECT * FROM unnest(%(h)b, %(g)b, %(s)b, %(p)b, %(ng)b, %(ns)b, %(np)b, %(nc)b, %(ph)b) "
-        "AS v(h, g, s, p, ng, ns, np, nc, ph)) "
-        "UPDATE kvl_heads AS h SET generation = v.ng, snapshot_version = v.ns, stream_position = v.np, "
-        "committed_length = v.nc, lifecycle = v.ph, last_record = %(rlast)b::bigint FROM v "
-        "WHERE h.handle_id = v.h AND h.generation = v.g AND h.snapshot_version = v.s AND h.stream_position = v.p "
-        "AND (SELECT count(*) FROM kvl_heads k JOIN v w ON k.handle_id = w.h AND k.generation = w.g "
-        "AND k.snapshot_version = w.s AND k.stream_position = w.p) = %(n)b::bigint"
+        f"WITH v AS (SELECT * FROM {_HEAD_ROWS}) "
+        f"UPDATE kvl_heads AS h SET {_NEW_HEAD}, last_record = %(rlast)b::bigint FROM v "
+        f"WHERE {_guard_held('h', 'v')} "
+        f"AND (SELECT count(*) FROM kvl_heads k JOIN v w ON {_guard_held('k', 'w')}) = %(n)b::bigint"
     )
 
     def guard_all(self, cur: Any, rows: list[tuple[StreamWrite, Guard]], last_record: int) -> bool:
