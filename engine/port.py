@@ -9,7 +9,7 @@ dict of states) or delegate (the acking wrapper's properties).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, Self, runtime_checkable
 
 from kvledger.engine import commands as c
@@ -18,40 +18,30 @@ from kvledger.journal.port import Journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
-from kvledger.schemas.positional import Positional
+from kvledger.schemas.positional import Then
 from kvledger.schemas.receipts import Receipt
 
 
-class Results(Positional[Receipt | KvLedgerError]):
+class Results(Then[Receipt | KvLedgerError]):
     """A batch's results, positional: the receipts of a decode run the journal wrote whole
     (journal.port.RunReceipts, each built when read), for the batch's first steps, then
     one result for each other step and command. `refused()` finds the refusals without
     building a receipt: a decoding worker asks only that of most of its commits."""
 
-    __slots__ = ("_run", "_rest")
+    __slots__ = ()
+    run: Sequence[Receipt]
 
     def __init__(self, rest: Sequence[Receipt | KvLedgerError], run: Sequence[Receipt] = ()) -> None:
-        self._run, self._rest = run, rest
-
-    def __len__(self) -> int:
-        return len(self._run) + len(self._rest)
-
-    def _at(self, i: int) -> Receipt | KvLedgerError:
-        k = len(self._run)
-        return self._run[i] if i < k else self._rest[i - k]
-
-    def __iter__(self) -> Iterator[Receipt | KvLedgerError]:
-        yield from self._run
-        yield from self._rest
+        super().__init__(run, rest)
 
     def parts(self) -> tuple[Sequence[Receipt], Sequence[Receipt | KvLedgerError]]:
         """The run's receipts and the results after them, as given."""
-        return self._run, self._rest
+        return self.run, self.rest
 
     def refused(self) -> list[tuple[int, KvLedgerError]]:
         """(index, error) of every refused step or command, in order."""
-        k = len(self._run)
-        return [(k + j, r) for j, r in enumerate(self._rest) if isinstance(r, KvLedgerError)]
+        k = len(self.run)
+        return [(k + j, r) for j, r in enumerate(self.rest) if isinstance(r, KvLedgerError)]
 
 
 # Called for each commit with its receipt and the events it wrote, after it is durable.

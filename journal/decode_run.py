@@ -26,7 +26,7 @@ from kvledger.journal.contract import Guard, HeadFacts, Operation, Rejection, St
 from kvledger.journal.step_values import DecodeStep
 from kvledger.schemas.decode_fingerprint import chain_fingerprint
 from kvledger.schemas.events import ForwardCall
-from kvledger.schemas.positional import Positional
+from kvledger.schemas.positional import Positional, Then
 from kvledger.schemas.receipts import HandleResult, Receipt
 
 GAPS = (1, 1, 1)  # an operation's three event ids follow its own
@@ -136,18 +136,12 @@ class RunReceipts(Positional[Receipt]):
         return [e for i in range(len(self.run)) for e in self.run.event_ids(i)]
 
 
-class RunThen(Positional[Receipt | Rejection]):
+class RunThen(Then[Receipt | Rejection]):
     """The answer to a run written whole followed by other operations in its commit: the
     run's receipts (built when read), then the others' results, positional over both."""
 
-    __slots__ = ("run", "rest")
+    __slots__ = ()
+    run: RunReceipts
 
     def __init__(self, run: RunReceipts, rest: Sequence[Receipt | Rejection]) -> None:
-        self.run, self.rest = run, rest
-
-    def __len__(self) -> int:
-        return len(self.run) + len(self.rest)
-
-    def _at(self, i: int) -> Receipt | Rejection:
-        k = len(self.run)
-        return self.run[i] if i < k else self.rest[i - k]
+        super().__init__(run, rest)

@@ -3,7 +3,7 @@ indexing, negative indexes and slices as a list's, over one `_at(i)` of 0 <= i <
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeVar, overload
 
 T = TypeVar("T", covariant=True)
@@ -31,3 +31,24 @@ class Positional(Sequence[T]):
         if not 0 <= i < n:
             raise IndexError(i)
         return self._at(i)
+
+
+class Then(Positional[T]):
+    """`run`'s items, then `rest`'s, as one sequence: a batch's answers, its decode run's
+    first (built when read: journal.port.RunReceipts) and each other operation's after."""
+
+    __slots__ = ("run", "rest")
+
+    def __init__(self, run: Sequence[T], rest: Sequence[T]) -> None:
+        self.run, self.rest = run, rest
+
+    def __len__(self) -> int:
+        return len(self.run) + len(self.rest)
+
+    def _at(self, i: int) -> T:
+        k = len(self.run)
+        return self.run[i] if i < k else self.rest[i - k]
+
+    def __iter__(self) -> Iterator[T]:
+        yield from self.run
+        yield from self.rest
