@@ -68,7 +68,7 @@ def pack_matrix(m: np.ndarray, digests: bytes) -> bytes:
     (journal.run_writer)."""
     n = len(m)
     flat = np.ascontiguousarray(m, "<i8").tobytes()
-    return _block(flat, n, _few_columns(m.tolist()) if n <= FEW else _columns(flat, n), digests)
+    return _block(flat, n, _few_columns(m.tolist()) if n <= FEW else _matrix_columns(m), digests)
 
 
 def _block(flat: bytes, n: int, columns: list[bytes], digests: bytes) -> bytes:
@@ -79,9 +79,13 @@ def _block(flat: bytes, n: int, columns: list[bytes], digests: bytes) -> bytes:
 
 def _columns(flat: bytes, n: int) -> list[bytes]:
     """The widths and the width groups' bytes of n steps' values (`flat`, as int64)."""
-    m = np.frombuffer(flat, "<i8").reshape(n, VALUES)
-    top = (m ^ (m >> 63)).max(axis=0)  # as _width: a column's widest value, less the sign
-    widths = (1 + (top >= 1 << 7) + 2 * (top >= 1 << 15) + 4 * (top >= 1 << 31)).astype(np.uint8).tobytes()
+    return _matrix_columns(np.frombuffer(flat, "<i8").reshape(n, VALUES))
+
+
+def _matrix_columns(m: np.ndarray) -> list[bytes]:
+    """_columns of the steps' values as the rows of `m` (n x 30, int64)."""
+    # as _width, a column's widest value less the sign; its width from a table: fewer array calls
+    widths = bytes([_BYTES[v.bit_length()] for v in (m ^ (m >> 63)).max(axis=0).tolist()])
     cols = m.T
     return [widths, *(cols[g].astype(f"<i{w}").tobytes() for w in _WIDTHS if (g := _group(widths, w)))]
 

@@ -35,6 +35,9 @@ SMALL = 2
 _NO_DIGEST = "0" * 64  # a step without a digest stores blocks.NO_DIGEST (its flag says which)
 
 
+_FEW_PREFIXES = 8  # up to this many a run's prefixes are numbered by masks, more by sorting
+
+
 class RunWritten(NamedTuple):
     record: RecordRow
     receipts: RunReceipts
@@ -78,17 +81,44 @@ def _hex_column(column: Sequence[str], size: int) -> bytes | None:
         return None
 
 
-def _numbered(slots: list[np.ndarray]) -> tuple[np.ndarray, list[str]]:
-    """Each slot's prefix (uint64) numbered in order of first appearance, read step by step
-    and in slot order within a step, as a Context numbers them; and the prefixes in that
-    order, as their 16 hex digits."""
+def _numbered(slots: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """Each prefix (uint64) of `slots` (k x n) numbered in order of first appearance, read
+    step by step and in slot order within a step, as a Context numbers them; and the
+    prefixes in that order, as their 16 hex digits."""
     import numpy as np
 
-    unique, first = np.unique(np.stack(slots, axis=1).ravel(), return_index=True)
-    by_first = np.argsort(first)
-    number = np.empty(len(unique), np.int64)
-    number[by_first] = np.arange(len(unique))
-    return number[np.searchsorted(unique, np.stack(slots))], [f"{v:016x}" for v in unique[by_first].tolist()]
+    order = list(dict.fromkeys(slots.T.ravel().tolist()))
+    if len(order) <= _FEW_PREFIXES:  # one process's ids share a prefix: a mask a prefix
+        number = np.zeros(slots.shape, np.int64)
+        for k, v in enumerate(order[1:], 1):
+            number[slots == v] = k
+    else:
+        first = np.array(order, np.uint64)
+        by_value = np.argsort(first)
+        number = by_value[np.searchsorted(first[by_value], slots)]
+    return number, [f"{v:016x}" for v in order]
+
+
+def _template(n: int) -> np.ndarray:
+    """A run's n x 30 values with what is the same in every run of n steps filled in: the
+    stream index, the op counter's and the gaps' differences (a copy, the caller's own)."""
+    found = _templates.get(n)
+    if found is None:
+        import numpy as np
+
+        from kvledger.journal.blocks import VALUES
+
+        found = np.zeros((n, VALUES), np.int64)
+        found[:, 0] = np.arange(n)
+        found[1:, 23] = 4
+        found[:, 24:27] = 1
+        if len(_templates) > 64:  # a cache: batch sizes come and go
+            _templates.clear()
+        _templates[n] = found
+    return found.copy()
+
+
+_templates: dict[int, np.ndarray] = {}
 
 
 def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs: dict[str, int],
@@ -98,7 +128,7 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
     None: a step is not in the block path's form."""
     import numpy as np  # only once a record holds a step: the journal's API imports no numpy
 
-    from kvledger.journal.blocks import VALUES, pack_matrix
+    from kvledger.journal.blocks import pack_matrix
 
     n = len(run)
     seq, mono, wall = run.local_sequence, run.monotonic_ns, run.observed_wall_time
@@ -107,12 +137,12 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
     if (op is None or publish is None or start is None
             or not (0 <= seq and seq + 3 * n < _U64 and 0 <= mono < _U64 and 0 <= wall < _U64)):
         return None
-    txns = np.stack([np.frombuffer(publish, ">u8").reshape(n, 2), np.frombuffer(start, ">u8").reshape(n, 2)])
-    m = np.zeros((n, VALUES), np.int64)
+    txns = np.frombuffer(publish + start, ">u8").reshape(2, n, 2)  # [publish, start] x step x (prefix, counter)
+    m = _template(n)
     # A step names its prefixes in this order, as StepWriter numbers them: publish txn,
     # start txn, call, the op's. A step without a call stands the op's in the call's slot:
     # the op's own slot comes next, so the order of first appearances is the same.
-    slots = [txns[0, :, 0], txns[1, :, 0], np.full(n, int.from_bytes(op), np.uint64)]
+    op_prefix = int.from_bytes(op)
     called = [i for i, k in enumerate(run.calls) if k is not None]
     if called:
         calls = [k for k in run.calls if k is not None]
@@ -121,17 +151,19 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
         if raw is None or set(map(type, itertools.chain.from_iterable(numbers))) != {int}:
             return None
         call_ids = np.frombuffer(raw, ">u8").reshape(len(called), 2)
-        prefix = slots[2].copy()
-        prefix[called] = call_ids[:, 0]
-        slots.insert(2, prefix)
+        slots = np.full((4, n), op_prefix, np.uint64)
+        slots[2, called] = call_ids[:, 0]
         try:
             m[called, 13:18] = numbers
         except OverflowError:  # a count past int64: not a block's
             return None
         m[called, 19] = 1
         m[called, 29] = np.diff(call_ids[:, 1], prepend=np.uint64(0)).view(np.int64)  # from the last call's
+    else:
+        slots = np.full((3, n), op_prefix, np.uint64)
+    slots[:2] = txns[:, :, 0]
     numbers_of, prefixes = _numbered(slots)
-    m[:, 2], m[:, 3], m[:, 1] = numbers_of[0], numbers_of[1], numbers_of[-1]
+    m[:, 1:4] = numbers_of[[-1, 0, 1]].T
     if called:
         m[called, 4] = numbers_of[2][called]
 
@@ -143,26 +175,24 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
     digests = _hex_column([_NO_DIGEST if d is None else d for d in run.rows_sha256], 32)
     if digests is None:
         return None
+    guards = run.guards
     streams = [(h, r, g.generation, run.source_instance, abis[abi])
-               for h, r, g, abi in zip(run.handle_ids, run.request_ids, run.guards, run.cache_abis)]
+               for h, r, g, abi in zip(run.handle_ids, run.request_ids, guards, run.cache_abis)]
     try:
-        m[:, 5:7] = np.array([(g.stream_position + 1, g.snapshot_version) for g in run.guards], np.int64)
-        m[:, 7:13] = np.array([run.committed, run.accepted, run.layers, run.workspace, run.outputs, run.tokens],
+        m[:, 5:13] = np.array([[g.stream_position + 1 for g in guards], [g.snapshot_version for g in guards],
+                               run.committed, run.accepted, run.layers, run.workspace, run.outputs, run.tokens],
                               np.int64).T
     except OverflowError:  # a count past int64: not a block's
         return None
     if m[:, 5:18].min() < 0:
         return None
-    m[:, 0] = np.arange(n)
     m[:, 18] = [d is not None for d in run.rows_sha256]
     # differences from the step before (the first's from zero), as StepWriter stores them
     dmono = _wrap(mono)
     m[0, 20:24] = (_wrap(seq - 3), dmono, _wrap(wall - dmono), _wrap(run.first_counter))
-    m[1:, 23] = 4
-    m[:, 24:27] = 1
     counters = txns[:, :, 1]
     m[0, 27:29] = [_wrap(int(c)) for c in counters[:, 0]]
-    m[1:, 27:29] = np.diff(counters, axis=1).T.view(np.int64)
+    m[1:, 27:29] = (counters[:, 1:] - counters[:, :-1]).T.view(np.int64)  # modulo 2**64, as _wrap
     first_position = last + 1
     body = encode_record([pack_matrix(m, digests)],
                          [_encode(Context(first_position, now, prefixes, streams))], FORMAT)

@@ -262,3 +262,23 @@ def test_a_runs_guarded_head_updates_move_every_head_or_none(db_url, stale):
 
 class LookedAt(Exception):
     pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 20).flatmap(lambda pool: st.lists(
+    st.lists(st.integers(0, pool - 1), min_size=3, max_size=3), min_size=1, max_size=40)))
+def test_a_runs_prefixes_are_numbered_in_order_of_first_appearance(steps):
+    """run_writer._numbered, by masks (a few prefixes) or by sorting (many), numbers them
+    as a Context does: step by step, slot by slot within a step, first seen first."""
+    import numpy as np
+
+    from kvledger.journal.run_writer import _numbered
+
+    values = [[(0xF1 << 56) + 977 * v for v in row] for row in steps]  # past int64: uint64 only
+    order: dict[int, int] = {}
+    for row in values:
+        for v in row:
+            order.setdefault(v, len(order))
+    numbers, prefixes = _numbered(np.array(values, np.uint64).T)
+    assert numbers.T.tolist() == [[order[v] for v in row] for row in values]
+    assert prefixes == [f"{v:016x}" for v in order]
