@@ -44,6 +44,7 @@ from kvledger.journal.sql_import import load_import
 from kvledger.journal.statements import Statements, T
 from kvledger.journal.step_values import FoldItem
 from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, too_new
+from kvledger.journal.tails import Tails
 from kvledger.journal.url import parse_url, redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
@@ -84,12 +85,7 @@ class SqlJournal(Journal):
         self._predicted_chain = self._committed_chain = b""
         self._misses = 0
         self._skip = 0
-        # handle -> (stream position, the committed record holding that event): a record
-        # names the one before it on each stream (stream_prev); when an operation's guard
-        # expects that position, this is its head's last record (positions never repeat),
-        # so the single-statement append needs no read. Only committed records go in.
-        self._tails: dict[str, tuple[int, int]] = {}
-        self._uncommitted: dict[str, tuple[int, int]] = {}
+        self._tails = Tails()  # so that the single-statement append needs no read
         try:
             self.engine = make_engine(url)
             self._proxy = self.engine.raw_connection()
@@ -169,7 +165,7 @@ class SqlJournal(Journal):
                         return fast
                 results = self.sql.transaction(body)
                 self._predicted, self._predicted_chain = self._committed, self._committed_chain
-                self._remember()
+                self._tails.commit()
                 fault("after_commit")
                 return results
             except KvLedgerError:
@@ -224,7 +220,7 @@ class SqlJournal(Journal):
             waited = True
             try:
                 committed.result()
-                self._remember()
+                self._tails.commit()
             except Exception as exc:  # noqa: BLE001 - a failed COMMIT acknowledges nothing
                 with contextlib.suppress(Exception):
                     self.conn.execute("ROLLBACK")
@@ -262,7 +258,7 @@ class SqlJournal(Journal):
             updates.append((w, w.expected))
         if len(handles) != len(ops) or len(op_ids) != len(ops):
             return None
-        prevs = self._cached_prevs([(w.handle_id, g) for w, g in updates])
+        prevs = self._tails.records([(w.handle_id, g) for w, g in updates])
         if prevs is None:
             return None
         last = self._predicted
@@ -280,16 +276,16 @@ class SqlJournal(Journal):
         """_append_speculative of a run, its record built from its columns."""
         if self._backing_off():
             return None
-        prevs = self._cached_prevs(zip(run.handle_ids, run.guards))
+        prevs = self._tails.records(zip(run.handle_ids, run.guards))
         if prevs is None:
             return None
         last = self._predicted
         assert last is not None
-        self._uncommitted = {}
+        self._tails.pending = {}
         written = run_record(run, last, self._predicted_chain, time.time_ns(), prevs, id_runs_of(run))
         if written is None:
             return None
-        self._uncommitted = written.tails
+        self._tails.pending = written.tails
         receipts = written.receipts
         ok = self._speculate(run.writes(), written.record, lambda: (run.operation_ids(), receipts.event_ids()), last)
         return receipts if ok else None
@@ -301,22 +297,6 @@ class SqlJournal(Journal):
             return True
         return False
 
-    def _cached_prevs(self, guards: Iterable[tuple[str, Guard]]) -> dict[str, int] | None:
-        """Each handle's last record, from this connection's cache, when every one is
-        known at the stream position its guard expects; None otherwise: the general path
-        reads them."""
-        prevs: dict[str, int] = {}
-        for h, g in guards:
-            if (record := self._cached_record(h, g)) is None:
-                return None
-            prevs[h] = record
-        return prevs
-
-    def _cached_record(self, handle_id: str, expected: Guard) -> int | None:
-        """The handle's last record from _tails, if cached at the stream position `expected` names."""
-        tail = self._tails.get(handle_id)
-        return tail[1] if tail is not None and tail[0] == expected.stream_position else None
-
     def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
                    ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
         """The one-statement append of a record holding the operations and events whose ids
@@ -324,7 +304,7 @@ class SqlJournal(Journal):
         fault("before_update")
         if self.sql.append_if(updates, record, ids, last):
             self._predicted, self._predicted_chain, self._misses = record.last_position, record.chain, 0
-            self._remember()
+            self._tails.commit()
             return True
         # Another writer moved the journal (or a guard failed, or this is a retry): back
         # off exponentially so a contended journal does not pay a wasted round trip each time.
@@ -332,9 +312,12 @@ class SqlJournal(Journal):
         self._skip = (1 << self._misses) - 1
         return False
 
-    def _append(self, cur: Any, ops: Sequence[Operation]) -> list[Receipt | Rejection]:
+    def _append(self, cur: Any, ops: Sequence[Operation], after: tuple[int, bytes] | None = None
+                ) -> list[Receipt | Rejection]:
+        """The general path; `after`: the last record's position and chain, if this
+        transaction wrote it (None: read)."""
         op_ids, event_ids, known = batch_ids(ops)
-        last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, known.runs)
+        last, chain, stored, taken = self.sql.begin_append(cur, op_ids, event_ids, known.runs, after)
         results: list[Receipt | Rejection | None] = [None] * len(ops)
         # The heads that operations of this batch would have left but will not: a later
         # operation whose base is one was decided on a state that never existed, and is
@@ -379,9 +362,9 @@ class SqlJournal(Journal):
         if not rest:
             fault("before_commit")
             return done
-        tails = self._uncommitted  # the run's, which the general path's record would drop
-        after = self._append(cur, rest)
-        self._uncommitted = {**tails, **self._uncommitted}
+        tails = self._tails.pending  # the run's, which the general path's record would drop
+        after = self._append(cur, rest, (self._committed, self._committed_chain))  # the run's record is the last
+        self._tails.pending = {**tails, **self._tails.pending}
         return RunThen(done, after)
 
     def _run_block(self, cur: Any, run: DecodeRun) -> RunReceipts | None:
@@ -396,7 +379,7 @@ class SqlJournal(Journal):
         if not self.sql.guard_all(cur, run.writes(), written.record.last_position):
             return None
         fault("after_update")
-        self._uncommitted = written.tails
+        self._tails.pending = written.tails
         self._committed, self._committed_chain = written.record.last_position, written.record.chain
         self.sql.insert_record(cur, written.record, frozenset(run.handle_ids))  # guard_all pointed each
         return written.receipts
@@ -420,7 +403,7 @@ class SqlJournal(Journal):
                 continue
             if expected is None:
                 prevs[h] = PREV_NONE  # created by this batch
-            elif (record := self._cached_record(h, expected)) is not None:
+            elif (record := self._tails.record(h, expected)) is not None:
                 prevs[h] = record
             else:
                 unknown[h] = None
@@ -428,20 +411,13 @@ class SqlJournal(Journal):
             prevs.update(self.sql.last_records(cur, list(unknown)))
         return prevs
 
-    def _remember(self) -> None:
-        """The record just committed is now each handle's it wrote (see _tails)."""
-        if len(self._tails) > 1 << 16:  # a cache: handles come and go
-            self._tails.clear()
-        self._tails.update(self._uncommitted)
-        self._uncommitted = {}
-
     def _record(self, ops: Sequence[Operation], indexes: Iterable[int], results: list[Receipt | Rejection | None],
                 base: Base, known: Known | None = None) -> tuple[RecordRow | None, dict[str, bytes], int]:
         """build_record's record, manifest rows and last position; the handles it writes
-        wait in _uncommitted for the commit."""
-        self._uncommitted = {}  # a refused earlier attempt (the fast path) committed nothing
+        wait in the tails' pending for the commit."""
+        self._tails.pending = {}  # a refused earlier attempt (the fast path) committed nothing
         written = build_record(ops, indexes, results, base, known)
-        self._uncommitted = written.tails
+        self._tails.pending = written.tails
         return written.record, written.manifests, written.position
 
     # -- reading -----------------------------------------------------------------

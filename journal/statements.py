@@ -88,13 +88,14 @@ class Statements(VerifyReads):
         table of them must be looked in."""
         raise NotImplementedError
 
-    def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str], runs: list[tuple[int, int]]
+    def begin_append(self, cur: Any, operation_ids: list[str], event_ids: list[str], runs: list[tuple[int, int]],
+                     after: tuple[int, bytes] | None = None
                      ) -> tuple[int, bytes, dict[str, tuple[str, bytes]], set[str]]:
         """In a write transaction (which holds the writer lock): the last global position,
-        the chain digest the next record links to, the stored receipts of `operation_ids`
-        and which of `event_ids` the journal already holds (`runs`: all their id keys,
-        records.id_runs)."""
-        last, chain = self.last_record(cur)
+        the chain digest the next record links to (`after`, when the caller wrote that
+        record in this transaction), the stored receipts of `operation_ids` and which of
+        `event_ids` the journal already holds (`runs`: all their id keys, records.id_runs)."""
+        last, chain = self.last_record(cur) if after is None else after
         return last, chain, *self.find_ids(cur, operation_ids, event_ids, runs)
 
     def last_records(self, cur: Any, handles: list[str]) -> dict[str, int]:

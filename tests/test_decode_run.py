@@ -187,7 +187,12 @@ def test_a_run_beside_an_arrival_is_written_from_its_columns(tmp_path):
     with open_or_create_journal(f"sqlite:///{tmp_path}/m.db") as journal:
         service, batch = _decoding(journal, handles)
         [arrival, _] = _arrival("arrival", ids.new_id())
+        statements: list[str] = []
+        journal.conn.set_trace_callback(statements.append)  # the SQLite journal's one connection
         results = service.submit_batch(batch, [arrival], defer=False)()
+        journal.conn.set_trace_callback(None)
+        # the arrival's record follows the run's, which this transaction wrote: read once, before the run
+        assert sum("FROM kvl_records ORDER BY last_position DESC" in q for q in statements) == 1
         run, rest = results.parts()
         assert type(run) is RunReceipts and len(run) == len(handles) and len(rest) == 1
         assert results.refused() == [] and results[-1] == journal.receipt(arrival.operation_id or rest[0].operation_id)
