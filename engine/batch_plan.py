@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_block
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Operation
@@ -22,14 +21,14 @@ from kvledger.journal.port import DecodeRun
 from kvledger.schemas.decode_batch import DecodeBatch
 
 
-def plan_step(s: HandleState, after: HandleState, batch: DecodeBatch, i: int, local_sequence: int,
+def plan_step(s: HandleState, batch: DecodeBatch, i: int, local_sequence: int,
               source_instance: str, mono: int, wall: int) -> Operation | None:
-    """The operation of step i of `batch`, decided on the handle in state `s` to leave
-    `after` (its events' local sequence numbers follow `local_sequence`), or None: a run
-    of one step, as an Operation."""
+    """The operation of step i of `batch`, a plain step (engine.decide_batch) decided on
+    the handle in state `s` (its events' local sequence numbers follow `local_sequence`),
+    or None: a run of one step, as an Operation."""
     if not runnable(batch, i):
         return None
-    run = plan_run(batch, i, [s], [after], local_sequence, source_instance, mono, wall)
+    run = plan_run(batch, i, [s], local_sequence, source_instance, mono, wall)
     return None if run is None else run.operation(0)
 
 
@@ -39,13 +38,14 @@ def runnable(batch: DecodeBatch, i: int) -> bool:
     return type(batch.tokens[i]) is int and type(batch.workspace(i)) is int
 
 
-def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], afters: Sequence[HandleState],
-             local_sequence: int, source_instance: str, mono: int, wall: int) -> DecodeRun | None:
+def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], local_sequence: int,
+             source_instance: str, mono: int, wall: int) -> DecodeRun | None:
     """The run of the batch's plain steps start, start + 1, ...: one for each state in
-    `befores` (distinct handles, each step `runnable`), decided to leave the state in
-    `afters`; their events' local sequence numbers follow `local_sequence`. None when its
-    ids cannot be one block (seeded). The run's columns are the batch's, sliced, but for
-    those the states give (a plain step's output index is len(s.outputs): plain_after)."""
+    `befores` (distinct handles, each step `runnable` and plain: engine.decide_batch), its
+    events' local sequence numbers following `local_sequence`. None when its ids cannot be
+    one block (seeded). The run's columns are the batch's, sliced, but for those the
+    states give (a plain step's output index is len(s.outputs): plain_after); the head a
+    plain step leaves follows from the one it was decided on (DecodeRun.head)."""
     n = len(befores)
     block = new_block(4 * n)
     if block is None:
@@ -56,7 +56,9 @@ def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], aft
     calls = (None,) * n if batch.call_ids is None else tuple(map(batch.call, range(start, start + n)))
     return DecodeRun(
         source_instance, mono, wall, prefix, first, local_sequence + 1, batch.handle_ids[at],
-        tuple(s.request_id for s in befores), batch.cache_abi_sha256[at], tuple(map(guard, befores)),
-        tuple(map(head, afters)), batch.txn_ids[at], batch.next_txn_ids[at], batch.positions[at],
+        tuple(s.request_id for s in befores), batch.cache_abi_sha256[at], tuple(s.generation for s in befores),
+        tuple(s.snapshot_version for s in befores), tuple(s.stream_position for s in befores),
+        tuple(s.prefix_identity_sha256 for s in befores), batch.txn_ids[at], batch.next_txn_ids[at],
+        batch.positions[at],
         tuple(s.open_txns[0].interval_count for s in befores), tuple(s.num_layers for s in befores),
         (0,) * n if ws is None else ws[at], batch.rows_sha256[at], batch.output_indexes[at], batch.tokens[at], calls)

@@ -260,7 +260,7 @@ class CommandService(BatchSurface):
             h = handles[i]
             s = local[h] if h in local else self.state(h)
             op = None if after is None or s is None else plan_step(
-                s, after, steps, i, self.local_sequence, self.source_instance, mono, wall)
+                s, steps, i, self.local_sequence, self.source_instance, mono, wall)
             if op is None:  # the general path gives its refusal, or stamps its events
                 given[i] = c.batch_step(steps, i)
                 planned += self._decide(given, results, (i,), local)
@@ -291,7 +291,7 @@ class CommandService(BatchSurface):
             afters.append(after)
         if not afters:
             return None
-        run = plan_run(steps, 0, befores, afters, self.local_sequence, self.source_instance, mono, wall)
+        run = plan_run(steps, 0, befores, self.local_sequence, self.source_instance, mono, wall)
         if run is None:
             return None
         self.local_sequence += 3 * len(afters)

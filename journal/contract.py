@@ -10,7 +10,7 @@ rejected while the others commit. The guarded head update is the linearization p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -53,6 +53,31 @@ class StreamWrite(msgspec.Struct, frozen=True, gc=False):
     expected: Guard | None  # None: the stream must not exist yet
     head: HeadFacts
     events: tuple[Event, ...]
+
+
+class HeadMoves(NamedTuple):
+    """Guarded head updates as columns: row i moves handle_ids[i] from the head it expects
+    (generation, snapshot, position) to the new one, if that is the head it finds. What a
+    backend's guarded update binds; a decode run gives its own without a struct a step."""
+
+    handle_ids: Sequence[str]
+    generations: Sequence[int]
+    snapshots: Sequence[int]
+    positions: Sequence[int]
+    new_generations: Sequence[int]
+    new_snapshots: Sequence[int]
+    new_positions: Sequence[int]
+    committed: Sequence[int]
+    lifecycles: Sequence[str]
+
+
+def head_moves(rows: Sequence[tuple[StreamWrite, Guard]]) -> HeadMoves:
+    """The columns of guarded writes given as (write, the guard it expects) pairs."""
+    if not rows:
+        return HeadMoves((), (), (), (), (), (), (), (), ())
+    return HeadMoves(*zip(*[(w.handle_id, g.generation, g.snapshot_version, g.stream_position, w.head.generation,
+                             w.head.snapshot_version, w.head.stream_position, w.head.committed_length,
+                             w.head.lifecycle) for w, g in rows]))
 
 
 class Check(msgspec.Struct, frozen=True, gc=False):

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from kvledger.journal.contract import Guard, HeadFacts, Operation, Rejection, StreamWrite
+from kvledger.journal.contract import Guard, HeadFacts, HeadMoves, Operation, Rejection, StreamWrite
 from kvledger.journal.step_values import DecodeStep
 from kvledger.schemas.decode_fingerprint import chain_fingerprint
 from kvledger.schemas.events import ForwardCall
@@ -30,6 +30,7 @@ from kvledger.schemas.positional import Positional, Then
 from kvledger.schemas.receipts import HandleResult, Receipt
 
 GAPS = (1, 1, 1)  # an operation's three event ids follow its own
+ACTIVE = "ACTIVE"  # the lifecycle a plain step finds and leaves
 
 
 class DecodeRun(msgspec.Struct, frozen=True, gc=False):
@@ -42,8 +43,12 @@ class DecodeRun(msgspec.Struct, frozen=True, gc=False):
     handle_ids: tuple[str, ...]
     request_ids: tuple[str, ...]
     cache_abis: tuple[str, ...]
-    guards: tuple[Guard, ...]  # each handle's head the step was decided on
-    heads: tuple[HeadFacts, ...]  # the head it leaves
+    # the head each step was decided on (its guard); it leaves the snapshot after it and
+    # the stream three events on, its committed length `committed`, ACTIVE (a plain step's)
+    generations: tuple[int, ...]
+    snapshots: tuple[int, ...]
+    positions: tuple[int, ...]
+    prefix_identities: tuple[str, ...]  # the head row's
     publish_txns: tuple[str, ...]
     start_txns: tuple[str, ...]
     committed: tuple[int, ...]  # the committed length after the publication: where the start's row goes
@@ -68,26 +73,36 @@ class DecodeRun(msgspec.Struct, frozen=True, gc=False):
         return [self.operation_id(i) for i in range(len(self))]
 
     def step(self, i: int) -> DecodeStep:
-        g = self.guards[i]
         return DecodeStep(
-            0, self.handle_ids[i], self.request_ids[i], g.generation, self.source_instance, self.cache_abis[i],
-            g.stream_position + 1, self.local_sequence + 3 * i, self.monotonic_ns, self.observed_wall_time,
-            self.prefix, self.first_counter + 4 * i, GAPS, self.publish_txns[i], self.start_txns[i],
-            g.snapshot_version, self.committed[i], self.accepted[i], self.layers[i], self.workspace[i],
-            self.rows_sha256[i], self.outputs[i], self.tokens[i], self.calls[i])
+            0, self.handle_ids[i], self.request_ids[i], self.generations[i], self.source_instance,
+            self.cache_abis[i], self.positions[i] + 1, self.local_sequence + 3 * i, self.monotonic_ns,
+            self.observed_wall_time, self.prefix, self.first_counter + 4 * i, GAPS, self.publish_txns[i],
+            self.start_txns[i], self.snapshots[i], self.committed[i], self.accepted[i], self.layers[i],
+            self.workspace[i], self.rows_sha256[i], self.outputs[i], self.tokens[i], self.calls[i])
 
     def event_ids(self, i: int) -> tuple[str, str, str]:
         n = self.first_counter + 4 * i
         return f"{self.prefix}{n + 1:016x}", f"{self.prefix}{n + 2:016x}", f"{self.prefix}{n + 3:016x}"
 
-    def writes(self) -> list[tuple[StreamWrite, Guard]]:
-        """Each step's write (its events left to the run) with the guard it expects."""
-        return [(StreamWrite(h, g, x, ()), g) for h, g, x in zip(self.handle_ids, self.guards, self.heads)]
+    def guard(self, i: int) -> Guard:
+        return Guard(self.generations[i], self.snapshots[i], self.positions[i])
+
+    def head(self, i: int) -> HeadFacts:
+        """The head step i leaves."""
+        return HeadFacts(self.request_ids[i], self.generations[i], self.snapshots[i] + 1, self.positions[i] + 3,
+                         self.committed[i], ACTIVE, self.prefix_identities[i], self.cache_abis[i])
+
+    def moves(self) -> HeadMoves:
+        """Every step's guarded head update, as columns."""
+        n = len(self)
+        return HeadMoves(self.handle_ids, self.generations, self.snapshots, self.positions, self.generations,
+                         [v + 1 for v in self.snapshots], [p + 3 for p in self.positions], self.committed,
+                         (ACTIVE,) * n)
 
     def operation(self, i: int) -> Operation:
         """Step i as the Operation a single planned step is (engine.batch_plan)."""
         return Operation(self.operation_id(i), self.fingerprint(i),
-                         (StreamWrite(self.handle_ids[i], self.guards[i], self.heads[i], ()),),
+                         (StreamWrite(self.handle_ids[i], self.guard(i), self.head(i), ()),),
                          derived=True, stamped=True, step=self.step(i))
 
     def operations(self) -> list[Operation]:
@@ -95,8 +110,7 @@ class DecodeRun(msgspec.Struct, frozen=True, gc=False):
 
     def fingerprint(self, i: int) -> str:
         """Step i's fingerprint: its chain command's, from the values its events hold."""
-        g = self.guards[i]
-        return chain_fingerprint(self.handle_ids[i], g.generation, g.snapshot_version, self.rows_sha256[i],
+        return chain_fingerprint(self.handle_ids[i], self.generations[i], self.snapshots[i], self.rows_sha256[i],
                                  self.publish_txns[i], self.workspace[i], self.outputs[i], self.tokens[i],
                                  self.cache_abis[i], self.committed[i], self.calls[i], self.start_txns[i])
 
@@ -120,11 +134,10 @@ class RunReceipts(Positional[Receipt]):
         built = self._built[i]
         if built is None:
             run, first = self.run, self.first + 3 * i
-            x = run.heads[i]
             built = self._built[i] = Receipt(
                 run.operation_id(i), run.fingerprint(i),
-                (HandleResult(run.handle_ids[i], x.generation, x.snapshot_version, x.stream_position,
-                              x.committed_length),),
+                (HandleResult(run.handle_ids[i], run.generations[i], run.snapshots[i] + 1, run.positions[i] + 3,
+                              run.committed[i]),),
                 run.event_ids(i), first, first + 2, self.now)
         return built
 

@@ -33,7 +33,7 @@ from psycopg.adapt import Dumper
 from psycopg.pq import Format, TransactionStatus
 
 from kvledger.journal import faults, tuning
-from kvledger.journal.contract import Guard, Integrity, StreamWrite
+from kvledger.journal.contract import Guard, HeadMoves, Integrity, StreamWrite, head_moves
 from kvledger.journal.keys import stab
 from kvledger.journal.record_rows import RecordRow
 from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T, _head_columns
@@ -233,7 +233,7 @@ class PostgresStatements(Statements):
                 self._function = False
         return self._function
 
-    def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
+    def append_if(self, updates: HeadMoves, record: RecordRow,
                   ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
         params = _guarded_update_params(updates)
         rlast, rfirst, chain_, body, _, prev, runs = record
@@ -241,7 +241,7 @@ class PostgresStatements(Statements):
         params.update(
             lo=_int8s(lo), hi=_int8s(hi), a=_int8s(a), rf=_int8s([r[0] for r in runs]),
             rl=_int8s([r[1] for r in runs]), prev=prev, rlast=rlast, rfirst=rfirst, chain=chain_, body=body,
-            n=len(updates), last=last,
+            n=len(updates.handle_ids), last=last,
         )
         legacy = self.has_event_rows(self.conn)
         if legacy:
@@ -276,9 +276,10 @@ class PostgresStatements(Statements):
         f"AND (SELECT count(*) FROM kvl_heads k JOIN v w ON {_guard_held('k', 'w')}) = %(n)b::bigint"
     )
 
-    def guard_all(self, cur: Any, rows: list[tuple[StreamWrite, Guard]], last_record: int) -> bool:
-        cur.execute(self.GUARD_ALL, {**_guarded_update_params(rows), "n": len(rows), "rlast": last_record})
-        return bool(cur.rowcount == len(rows))
+    def guard_all(self, cur: Any, moves: HeadMoves, last_record: int) -> bool:
+        n = len(moves.handle_ids)
+        cur.execute(self.GUARD_ALL, {**_guarded_update_params(moves), "n": n, "rlast": last_record})
+        return bool(cur.rowcount == n)
 
     points_heads = False  # insert_record sets every head's last_record in one statement
 
@@ -286,7 +287,7 @@ class PostgresStatements(Statements):
                        last_record: int | None = None) -> set[str]:
         if not rows:
             return set()
-        cur.execute(self.GUARDED_UPDATE_SET, _guarded_update_params(rows))
+        cur.execute(self.GUARDED_UPDATE_SET, _guarded_update_params(head_moves(rows)))
         return {r[0] for r in cur.fetchall()}
 
     def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]:
@@ -384,14 +385,10 @@ class PostgresStatements(Statements):
         faults.fault("mid_batch")  # the record and its lookup rows are written, the manifests not yet
 
 
-def _guarded_update_params(rows: list[tuple[StreamWrite, Guard]]) -> dict[str, Any]:
-    h, g, s, p, ng, ns, np_, nc, ph = zip(*[
-        (w.handle_id, g.generation, g.snapshot_version, g.stream_position, w.head.generation,
-         w.head.snapshot_version, w.head.stream_position, w.head.committed_length, w.head.lifecycle)
-        for w, g in rows
-    ])
-    return {"h": _texts(h), "g": _int8s(g), "s": _int8s(s), "p": _int8s(p), "ng": _int8s(ng),
-            "ns": _int8s(ns), "np": _int8s(np_), "nc": _int8s(nc), "ph": _texts(ph)}
+def _guarded_update_params(m: HeadMoves) -> dict[str, Any]:
+    return {"h": _texts(m.handle_ids), "g": _int8s(m.generations), "s": _int8s(m.snapshots),
+            "p": _int8s(m.positions), "ng": _int8s(m.new_generations), "ns": _int8s(m.new_snapshots),
+            "np": _int8s(m.new_positions), "nc": _int8s(m.committed), "ph": _texts(m.lifecycles)}
 
 
 # -- arrays ---------------------------------------------------------------------------

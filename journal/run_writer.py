@@ -50,19 +50,15 @@ def _wrap(v: int) -> int:
 
 
 def validate_run(run: DecodeRun) -> None:
-    """INVALID_ARGUMENT unless the run's columns line up and each head ends three events
-    after its guard, on distinct handles (batching.validate's checks of a step)."""
+    """INVALID_ARGUMENT unless the run's columns line up, on distinct handles (batching.validate's
+    checks of a step; a step's head follows from its guard, three events on)."""
     n = len(run.handle_ids)
-    columns = (run.request_ids, run.cache_abis, run.guards, run.heads, run.publish_txns, run.start_txns,
-               run.committed, run.accepted, run.layers, run.workspace, run.rows_sha256, run.outputs, run.tokens,
-               run.calls)
+    columns = (run.request_ids, run.cache_abis, run.generations, run.snapshots, run.positions,
+               run.prefix_identities, run.publish_txns, run.start_txns, run.committed, run.accepted, run.layers,
+               run.workspace, run.rows_sha256, run.outputs, run.tokens, run.calls)
     if any(len(col) != n for col in columns) or len(set(run.handle_ids)) != n:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "a decode run's columns differ in length, or name a "
                             "handle twice")
-    for h, g, x in zip(run.handle_ids, run.guards, run.heads):
-        if x.stream_position != g.stream_position + 3:
-            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"decode run: head of {h} does not end at its "
-                                "last event")
 
 
 def id_runs_of(run: DecodeRun) -> list[tuple[int, int]]:
@@ -175,13 +171,13 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
     digests = _hex_column([_NO_DIGEST if d is None else d for d in run.rows_sha256], 32)
     if digests is None:
         return None
-    guards = run.guards
-    streams = [(h, r, g.generation, run.source_instance, abis[abi])
-               for h, r, g, abi in zip(run.handle_ids, run.request_ids, guards, run.cache_abis)]
+    source = run.source_instance
+    streams = [(h, r, g, source, abis[abi])
+               for h, r, g, abi in zip(run.handle_ids, run.request_ids, run.generations, run.cache_abis)]
     try:
-        m[:, 5:13] = np.array([[g.stream_position + 1 for g in guards], [g.snapshot_version for g in guards],
-                               run.committed, run.accepted, run.layers, run.workspace, run.outputs, run.tokens],
-                              np.int64).T
+        m[:, 5:13] = np.array([run.positions, run.snapshots, run.committed, run.accepted, run.layers, run.workspace,
+                               run.outputs, run.tokens], np.int64).T
+        m[:, 5] += 1  # the step's first event's position
     except OverflowError:  # a count past int64: not a block's
         return None
     if m[:, 5:18].min() < 0:
@@ -200,5 +196,5 @@ def run_record(run: DecodeRun, last: int, previous_chain: bytes, now: int, prevs
     position = last + 3 * n
     record = RecordRow(position, first_position, chain(previous_chain, body), body, handles,
                        pack_prev([prevs.get(h, PREV_NONE) for h in handles]), runs)
-    return RunWritten(record, RunReceipts(run, first_position, now), {h: (x.stream_position, position)
-                                                                   for h, x in zip(handles, run.heads)})
+    return RunWritten(record, RunReceipts(run, first_position, now), {h: (p + 3, position)
+                                                                   for h, p in zip(handles, run.positions)})

@@ -33,7 +33,16 @@ from sqlalchemy.engine import URL
 from kvledger.journal import faults, tuning
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
 from kvledger.journal.connection import ConnectionLock, make_engine
-from kvledger.journal.contract import Guard, HeadFacts, ImportTables, Operation, Rejection, StreamWrite
+from kvledger.journal.contract import (
+    Guard,
+    HeadFacts,
+    HeadMoves,
+    ImportTables,
+    Operation,
+    Rejection,
+    StreamWrite,
+    head_moves,
+)
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
@@ -258,7 +267,7 @@ class SqlJournal(Journal):
             updates.append((w, w.expected))
         if len(handles) != len(ops) or len(op_ids) != len(ops):
             return None
-        prevs = self._tails.records([(w.handle_id, g) for w, g in updates])
+        prevs = self._tails.records([(w.handle_id, g.stream_position) for w, g in updates])
         if prevs is None:
             return None
         last = self._predicted
@@ -267,7 +276,7 @@ class SqlJournal(Journal):
         record, _, _ = self._record(ops, range(len(ops)), results,
                                     Base(last, self._predicted_chain, time.time_ns(), set(), prevs))
         assert record is not None  # every operation writes an event
-        if not self._speculate(updates, record, lambda: (list(op_ids), [  # build_record made each receipt
+        if not self._speculate(head_moves(updates), record, lambda: (list(op_ids), [  # build_record made each receipt
                 e for r in results if isinstance(r, Receipt) for e in r.event_ids]), last):
             return None
         return results  # type: ignore[return-value]  # build_record filled every slot
@@ -276,7 +285,7 @@ class SqlJournal(Journal):
         """_append_speculative of a run, its record built from its columns."""
         if self._backing_off():
             return None
-        prevs = self._tails.records(zip(run.handle_ids, run.guards))
+        prevs = self._tails.records(zip(run.handle_ids, run.positions))
         if prevs is None:
             return None
         last = self._predicted
@@ -287,7 +296,7 @@ class SqlJournal(Journal):
             return None
         self._tails.pending = written.tails
         receipts = written.receipts
-        ok = self._speculate(run.writes(), written.record, lambda: (run.operation_ids(), receipts.event_ids()), last)
+        ok = self._speculate(run.moves(), written.record, lambda: (run.operation_ids(), receipts.event_ids()), last)
         return receipts if ok else None
 
     def _backing_off(self) -> bool:
@@ -297,7 +306,7 @@ class SqlJournal(Journal):
             return True
         return False
 
-    def _speculate(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
+    def _speculate(self, updates: HeadMoves, record: RecordRow,
                    ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
         """The one-statement append of a record holding the operations and events whose ids
         `ids()` gives."""
@@ -372,11 +381,11 @@ class SqlJournal(Journal):
         statement for all of them); None, with nothing written, otherwise."""
         runs, (last, chain) = id_runs_of(run), self.sql.last_record(cur)
         written = None if self.sql.ids_stored(cur, runs) else run_record(
-            run, last, chain, time.time_ns(), self._last_records(cur, zip(run.handle_ids, run.guards)), runs)
+            run, last, chain, time.time_ns(), self._last_records(cur, zip(run.handle_ids, run.positions)), runs)
         if written is None:
             return None
         fault("before_update")
-        if not self.sql.guard_all(cur, run.writes(), written.record.last_position):
+        if not self.sql.guard_all(cur, run.moves(), written.record.last_position):
             return None
         fault("after_update")
         self._tails.pending = written.tails
@@ -391,11 +400,11 @@ class SqlJournal(Journal):
         heads): from _tails when its first write's guard expects the position cached (if
         the guard holds, that is the head's; if not, the operation is refused and the
         pointer goes unused), else read from the heads."""
-        return self._last_records(cur, ((w.handle_id, w.expected) for i in indexes if results[i] is None
-                                        for w in ops[i].writes))
+        return self._last_records(cur, ((w.handle_id, None if w.expected is None else w.expected.stream_position)
+                                        for i in indexes if results[i] is None for w in ops[i].writes))
 
-    def _last_records(self, cur: Any, writes: Iterable[tuple[str, Guard | None]]) -> dict[str, int]:
-        """_prevs of (handle, the guard its first write names) pairs."""
+    def _last_records(self, cur: Any, writes: Iterable[tuple[str, int | None]]) -> dict[str, int]:
+        """_prevs of (handle, the stream position its first write's guard names) pairs."""
         prevs: dict[str, int] = {}
         unknown: dict[str, None] = {}  # in order, and a set
         for h, expected in writes:

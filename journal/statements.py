@@ -9,13 +9,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
+from itertools import repeat
 from typing import Any, TypeVar
 
 import msgspec
 
 from kvledger.journal import faults
 from kvledger.journal.audit import audit_record, decode_record
-from kvledger.journal.contract import Guard, StreamWrite
+from kvledger.journal.contract import Guard, HeadMoves, StreamWrite, head_moves
 from kvledger.journal.keys import PREV_INDEXED, PREV_NONE, id_keys, id_runs, stab, stable_key, unpack_prev
 from kvledger.journal.manifests import allocation_manifest, manifest_ref_position, unpack_manifest
 from kvledger.journal.readback import Damage, Record
@@ -82,7 +83,7 @@ class Statements(VerifyReads):
     def existing_tables(self, names: tuple[str, ...]) -> set[str]: ...
 
     # Only where speculative is set.
-    def append_if(self, updates: list[tuple[StreamWrite, Guard]], record: RecordRow,
+    def append_if(self, updates: HeadMoves, record: RecordRow,
                   ids: Callable[[], tuple[list[str], list[str]]], last: int) -> bool:
         """`ids()`: the operation ids and event ids of the record, asked for only where a
         table of them must be looked in."""
@@ -159,7 +160,7 @@ class Statements(VerifyReads):
         savepoint (guard_all); when not every guard held, the rows are redone one by one
         to learn which failed. `last_record`: the last position of the record this commit
         will write, if known, stored as each updated head's last_record."""
-        sql, params = self._guarded(rows, last_record)
+        sql, params = self._guarded(head_moves(rows), last_record)
         if len(rows) >= 4 and self._all_held(cur, sql, params):
             return {w.handle_id for w, _ in rows}
         ok = set()
@@ -169,21 +170,19 @@ class Statements(VerifyReads):
                 ok.add(w.handle_id)
         return ok
 
-    def guard_all(self, cur: Any, rows: list[tuple[StreamWrite, Guard]], last_record: int) -> bool:
-        """guarded_update of every row or none: True if every guard held; False, with
+    def guard_all(self, cur: Any, moves: HeadMoves, last_record: int) -> bool:
+        """guarded_update of every move or none: True if every guard held; False, with
         nothing changed, if not."""
-        return self._all_held(cur, *self._guarded(rows, last_record))
+        return self._all_held(cur, *self._guarded(moves, last_record))
 
-    def _guarded(self, rows: list[tuple[StreamWrite, Guard]], last_record: int | None
-                 ) -> tuple[str, list[tuple[Any, ...]]]:
-        """GUARDED_UPDATE (setting last_record, if given) and its parameters for `rows`."""
+    def _guarded(self, m: HeadMoves, last_record: int | None) -> tuple[str, list[tuple[Any, ...]]]:
+        """GUARDED_UPDATE (setting last_record, if given) and its parameters for the moves."""
         sql = self.GUARDED_UPDATE
-        at: tuple[int, ...] = ()
+        at: tuple[Any, ...] = ()
         if last_record is not None:
-            sql, at = sql.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD), (last_record,)
-        return self.q(sql), [(w.head.generation, w.head.snapshot_version, w.head.stream_position,
-                              w.head.committed_length, w.head.lifecycle, *at, w.handle_id, g.generation,
-                              g.snapshot_version, g.stream_position) for w, g in rows]
+            sql, at = sql.replace(self.SET_LIFECYCLE, self.SET_LIFECYCLE_AND_RECORD), (repeat(last_record),)
+        return self.q(sql), list(zip(m.new_generations, m.new_snapshots, m.new_positions, m.committed,
+                                     m.lifecycles, *at, m.handle_ids, m.generations, m.snapshots, m.positions))
 
     def _all_held(self, cur: Any, sql: str, params: list[tuple[Any, ...]]) -> bool:
         """`sql` for every row of `params` in one executemany under a savepoint: a summed

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvledger.journal.contract import Guard
-
 Tail = tuple[int, int]  # (a stream position, the committed record holding that event)
 
 
@@ -24,17 +22,17 @@ class Tails:
         self._committed: dict[str, Tail] = {}
         self.pending: dict[str, Tail] = {}
 
-    def record(self, handle_id: str, expected: Guard) -> int | None:
-        """The handle's last record, if cached at the stream position `expected` names."""
+    def record(self, handle_id: str, position: int) -> int | None:
+        """The handle's last record, if cached at the stream position its guard expects."""
         tail = self._committed.get(handle_id)
-        return tail[1] if tail is not None and tail[0] == expected.stream_position else None
+        return tail[1] if tail is not None and tail[0] == position else None
 
-    def records(self, guards: Iterable[tuple[str, Guard]]) -> dict[str, int] | None:
-        """`record` of every (handle, guard); None unless every one is cached: the general
-        path reads them."""
+    def records(self, expected: Iterable[tuple[str, int]]) -> dict[str, int] | None:
+        """`record` of every (handle, position); None unless every one is cached: the
+        general path reads them."""
         found: dict[str, int] = {}
-        for h, g in guards:
-            if (record := self.record(h, g)) is None:
+        for h, p in expected:
+            if (record := self.record(h, p)) is None:
                 return None
             found[h] = record
         return found

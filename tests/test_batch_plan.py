@@ -172,7 +172,7 @@ def test_a_plain_steps_operation_is_its_chains(journal, states, monkeypatch):
             service = CommandService(journal, clock=ManualClock().at(MONO / 1e6), local_sequence=40)
             monkeypatch.setattr(ids, "_prefix", "5eed0000000000aa")
             monkeypatch.setattr(ids, "_counter", itertools.count(1 << 40))
-            op = plan_step(s, after, batch, 0, service.local_sequence, service.source_instance, MONO,
+            op = plan_step(s, batch, 0, service.local_sequence, service.source_instance, MONO,
                            service.clock.wall_ns())
             assert op is not None and op.step is not None
             monkeypatch.setattr(ids, "_counter", itertools.count(1 << 40))

@@ -237,7 +237,7 @@ def test_a_runs_guarded_head_updates_move_every_head_or_none(db_url, stale):
     record when every guard holds; one stale guard, first or last, leaves every head as
     it was."""
     from kvledger.journal.builders import allocate_op, head
-    from kvledger.journal.contract import Guard, HeadFacts, StreamWrite
+    from kvledger.journal.contract import Guard, HeadFacts, StreamWrite, head_moves
 
     handles = [f"guarded-{i}" for i in range(5)]
     with open_or_create_journal(db_url) as journal:
@@ -248,7 +248,7 @@ def test_a_runs_guarded_head_updates_move_every_head_or_none(db_url, stale):
         sql, seen = journal.sql, {}
 
         def look(cur):
-            seen["held"] = sql.guard_all(cur, rows, 77)
+            seen["held"] = sql.guard_all(cur, head_moves(rows), 77)
             seen["after"] = dict(sql.last_record_rows(cur, handles))
             seen["facts"] = {h: HeadFacts(*sql.heads(cur, None, h)[0][1:]) for h in handles}
             raise LookedAt  # rolled back: nothing of it is the test's journal's
