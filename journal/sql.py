@@ -94,7 +94,7 @@ class SqlJournal(Journal):
         self._predicted_chain = self._committed_chain = b""
         self._misses = 0
         self._skip = 0
-        self._tails = Tails()  # so that the single-statement append needs no read
+        self._tails = Tails()  # each handle's last committed record: a new record's stream_prev, unread
         try:
             self.engine = make_engine(url)
             self._proxy = self.engine.raw_connection()
