@@ -133,11 +133,11 @@ class RunReceipts(Positional[Receipt]):
     def _at(self, i: int) -> Receipt:
         built = self._built[i]
         if built is None:
-            run, first = self.run, self.first + 3 * i
+            run, first, x = self.run, self.first + 3 * i, self.run.head(i)
             built = self._built[i] = Receipt(
                 run.operation_id(i), run.fingerprint(i),
-                (HandleResult(run.handle_ids[i], run.generations[i], run.snapshots[i] + 1, run.positions[i] + 3,
-                              run.committed[i]),),
+                (HandleResult(run.handle_ids[i], x.generation, x.snapshot_version, x.stream_position,
+                              x.committed_length),),
                 run.event_ids(i), first, first + 2, self.now)
         return built
 
