@@ -318,10 +318,15 @@ class CommandService(BatchSurface):
 
         def wait() -> Results:
             outcomes = first() if first is not None else []
-            if run is not None and not planned and type(outcomes) is RunReceipts:  # the batch, written whole
+            whole: Sequence[Receipt]
+            pending: list[tuple[int, Plan]]
+            if run is not None and not planned and type(outcomes) is RunReceipts:  # the run alone, written whole
                 self._settle_run(run, outcomes)
-                return Results((), outcomes)
-            whole, pending = self._settle_first(results, planned, outcomes, run, plans)
+                if len(outcomes) == len(results):
+                    return Results((), outcomes)
+                whole, pending = outcomes, []  # the rest were refused when decided
+            else:
+                whole, pending = self._settle_first(results, planned, outcomes, run, plans)
             for _ in range(MAX_ATTEMPTS - 1):
                 if not pending:
                     break

@@ -226,3 +226,18 @@ def test_a_step_that_names_its_current_base_goes_by_the_lane(backend, tmp_path, 
     runs = _both(backend, tmp_path, request, monkeypatch, _three_steps(named))
     assert _without_lanes(runs[True]) == _without_lanes(runs[False])
     assert runs[True][3] == 3 * len(HANDLES) and not any(isinstance(o, tuple) for o in runs[True][2])
+
+
+def test_a_step_refused_beside_a_run_written_whole_keeps_its_answer(db_url):
+    """The batch's leading plain steps are written whole, as one run; the last step
+    names a base the handle never had and is refused when decided, with nothing else
+    to write: every step still has its answer, the refusal in its place."""
+    with open_or_create_journal(db_url) as journal:
+        service = CommandService(journal, clock=ManualClock().at(5.0))
+        runner = Runner(service)
+        last = len(HANDLES) - 1
+        steps = runner.steps(0, lambda i, row: row.update(base=(0, 99)) if i == last else None)
+        results = service.execute_steps(steps)
+    assert len(results) == len(HANDLES)
+    assert not any(isinstance(r, KvLedgerError) for r in results[:last])
+    assert isinstance(results[last], KvLedgerError) and results[last].code.value == "STALE_BASE"
