@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvledger.engine import lanes as ln
 from kvledger.engine.ids import new_block
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Operation
@@ -62,3 +63,25 @@ def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], loc
         batch.positions[at],
         tuple(s.open_txns[0].interval_count for s in befores), tuple(s.num_layers for s in befores),
         (0,) * n if ws is None else ws[at], batch.rows_sha256[at], batch.output_indexes[at], batch.tokens[at], calls)
+
+
+def plan_lanes(batch: DecodeBatch, held: ln.Columns, local_sequence: int, source_instance: str, mono: int,
+               wall: int) -> DecodeRun | None:
+    """plan_run of every step of `batch`, decided in the lanes (engine.lanes: `held`, its
+    handles' columns there): the same run, its states' columns gathered by slot. None
+    when a step is not `runnable` or its ids cannot be one block."""
+    n = len(batch)
+    ws = batch.workspace_bytes
+    if set(map(type, batch.tokens)) != {int} or (ws is not None and set(map(type, ws)) != {int}):
+        return None
+    block = new_block(4 * n)
+    if block is None:
+        return None
+    prefix, first = block
+    calls = (None,) * n if batch.call_ids is None else tuple(map(batch.call, range(n)))
+    return DecodeRun(
+        source_instance, mono, wall, prefix, first, local_sequence + 1, batch.handle_ids, held.objs_of(ln.REQUEST),
+        batch.cache_abi_sha256, held.ints_of(ln.G), held.ints_of(ln.V), held.ints_of(ln.P),
+        held.objs_of(ln.PREFIX), batch.txn_ids, batch.next_txn_ids, batch.positions, held.ints_of(ln.COUNT),
+        held.ints_of(ln.LAYERS), (0,) * n if ws is None else ws, batch.rows_sha256, batch.output_indexes,
+        batch.tokens, calls)

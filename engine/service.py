@@ -18,17 +18,19 @@ from typing import TYPE_CHECKING, Self
 import msgspec
 
 from kvledger.engine import commands as c
-from kvledger.engine.batch_plan import plan_run, plan_step, runnable
+from kvledger.engine import lanes
+from kvledger.engine.batch_plan import plan_lanes, plan_run, plan_step, runnable
 from kvledger.engine.chain import apply
 from kvledger.engine.decide import Draft
-from kvledger.engine.decide_batch import decide_batch
+from kvledger.engine.decide_batch import decide_batch, plain_after
 from kvledger.engine.evolve import fold
 from kvledger.engine.heads import guard, head
 from kvledger.engine.ids import new_id
+from kvledger.engine.plans import Plan, RunPlan
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook, Results
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Operation, Rejection, StreamWrite
-from kvledger.journal.port import STEP_VERSIONS, DecodeRun, Journal, RunReceipts, RunThen
+from kvledger.journal.port import STEP_VERSIONS, Journal, RunReceipts, RunThen
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -67,72 +69,6 @@ class ManualClock:
 
     def wall_ns(self) -> int:
         return self.WALL_EPOCH_NS + self.ns
-
-
-@dataclass(slots=True)  # one a decode step: slots make it cheaper to build and read
-class Plan:
-    # As decided: bound, with its operation id. None for a plain step of a decode batch, whose
-    # bound chain is built by command() only if a retry or a refusal hook needs it.
-    cmd: c.Command | None
-    planned: Operation | tuple[DecodeRun, int]  # its operation, or the run and index it is a step of
-    states: dict[str, HandleState]
-    stamped: list[ev.Event]  # its events; empty when op.step holds them as values
-    chain: c.Chain | Callable[[], c.Chain] | None = None  # a plain step's chain, or how to build it
-
-    @property
-    def op(self) -> Operation:
-        """Its operation (a run's step's built here, once: for retries, hooks and messages)."""
-        if isinstance(self.planned, tuple):
-            run, i = self.planned
-            self.planned = run.operation(i)
-        return self.planned
-
-    @property
-    def events(self) -> list[ev.Event]:
-        """Its events; a plain step's are built here, once (for hooks and strict checks)."""
-        if self.op.step is not None and not self.stamped:
-            self.stamped = list(self.op.step.events())
-        return self.stamped
-
-    def command(self) -> c.Command:
-        if self.cmd is None:
-            chain = self.chain() if callable(self.chain) else self.chain
-            base = self.op.writes[0].expected
-            assert chain is not None and base is not None  # a plain step keeps its chain, and writes an existing handle
-            self.cmd = msgspec.structs.replace(_bound(chain, base.generation, base.snapshot_version),
-                                               operation_id=self.op.operation_id)
-        return self.cmd
-
-    def handles(self) -> tuple[str, ...]:
-        if isinstance(self.planned, tuple):
-            return (self.planned[0].handle_ids[self.planned[1]],)
-        return (self.op.writes[0].handle_id,) if self.cmd is None else c.handles_of(self.cmd)
-
-    def wrote(self, r: Receipt) -> bool:
-        """`r` is this plan's commit, not an earlier one's receipt answered to a retry of
-        its operation id (event ids are unique: the first tells them apart)."""
-        if isinstance(self.planned, tuple):
-            return r.event_ids[:1] == (self.planned[0].first_event_id(self.planned[1]),)
-        if self.op.step is not None:
-            return r.event_ids[:1] == (self.op.step.first_event_id,)
-        return r.event_ids == tuple([e.event_id for e in self.stamped])
-
-
-@dataclass(slots=True)
-class RunPlan:
-    """A batch's leading plain steps as one run: the run, the batch, and the state each
-    step leaves (step i of the batch, the run's step i). A step's Plan is made only when
-    the run is not written whole (each step then settles, and is retried, as an
-    operation) or a hook wants its events."""
-
-    run: DecodeRun
-    steps: DecodeBatch
-    afters: list[HandleState]
-
-    def plans(self) -> list[tuple[int, Plan]]:
-        return [(i, Plan(None, (self.run, i), {self.steps.handle_ids[i]: after}, [],
-                         partial(c.batch_chain, self.steps, i)))
-                for i, after in enumerate(self.afters)]
 
 
 class BatchSurface(ABC):
@@ -193,7 +129,7 @@ class CommandService(BatchSurface):
     clock: Clock = field(default_factory=SystemClock)
     on_commit: list[CommitHook] = field(default_factory=list)
     on_reject: list[RejectHook] = field(default_factory=list)
-    states: dict[str, HandleState] = field(default_factory=dict)
+    states: lanes.States = field(default_factory=lanes.States)
     local_sequence: int = 0
     # Commands from outside (the public API) are checked against the events' schema before
     # anything is decided or written: a field outside it would poison every later replay.
@@ -250,12 +186,15 @@ class CommandService(BatchSurface):
         results: list[Receipt | KvLedgerError | None] = [None] * len(given)
         planned: list[tuple[int, Plan]] = []
         mono, wall = self.clock.monotonic_ns(), self.clock.wall_ns()
+        run = self._lane_run(steps, cmds, mono, wall) if n >= lanes.FEW else None
+        if run is not None:  # every step plain: the commands after it are decided as ever
+            return self._commit(given, results, self._decide(given, results, range(n, len(given))), defer, run)
         handles = steps.handle_ids
         states = {h: self.state(h) for h in handles}
         decided = decide_batch(steps, states, mono)
         local: dict[str, HandleState | None] = {}  # as the steps before leave a handle
         run = self._run(steps, states, decided.plain, local, mono, wall)
-        for i in range(0 if run is None else len(run.afters), n):
+        for i in range(0 if run is None else len(run.run), n):
             after = decided.plain[i]
             h = handles[i]
             s = local[h] if h in local else self.state(h)
@@ -271,6 +210,36 @@ class CommandService(BatchSurface):
                 planned.append((i, Plan(None, op, {h: after}, [], partial(c.batch_chain, steps, i))))
         planned += self._decide(given, results, range(n, len(given)))
         return self._commit(given, results, planned, defer, run)
+
+    def _lane_run(self, steps: DecodeBatch, cmds: Sequence[c.Command | c.Relative], mono: int, wall: int
+                  ) -> RunPlan | None:
+        """The whole batch as one run decided in the lanes (engine.lanes), or None: a step
+        that is not plain there, or a command acting on a step's handle."""
+        if cmds:
+            on = set(steps.handle_ids)
+            if any(not on.isdisjoint(c.handles_of(x.command if isinstance(x, c.Relative) else x)) for x in cmds):
+                return None
+        held = self.states.decide(steps, self.state)
+        if held is None:
+            return None
+        run = plan_lanes(steps, held, self.local_sequence, self.source_instance, mono, wall)
+        if run is None:
+            return None
+        self.local_sequence += 3 * len(steps)
+        return RunPlan(run, steps, None, held)
+
+    def _afters(self, run: RunPlan) -> list[HandleState]:
+        """The state each step of the run leaves, the lanes' run's built from the states
+        its steps were decided on (taken out of the lanes)."""
+        if run.afters is None:
+            steps, mono = run.steps, run.run.monotonic_ns
+            run.afters = []
+            for i, h in enumerate(steps.handle_ids):
+                after = plain_after(self.states[h], steps.txn_ids[i], steps.output_indexes[i], steps.tokens[i],
+                                    steps.next_txn_ids[i], steps.positions[i], steps.cache_abi_sha256[i], mono)
+                assert after is not None  # the lanes decided each step plain
+                run.afters.append(after)
+        return run.afters
 
     def _run(self, steps: DecodeBatch, states: Mapping[str, HandleState | None], plain: Sequence[HandleState | None],
              local: dict[str, HandleState | None], mono: int, wall: int) -> RunPlan | None:
@@ -414,7 +383,7 @@ class CommandService(BatchSurface):
             self._settle_run(run, outcomes.run)
             return outcomes.run, self._settle(results, planned, outcomes.rest)
         if run is not None:  # its steps settle, and are retried, one by one
-            stepped = run.plans()
+            stepped = run.plans(self._afters(run))
             plans.update(stepped)
             planned = stepped + planned
         return (), self._settle(results, planned, outcomes)
@@ -422,10 +391,13 @@ class CommandService(BatchSurface):
     def _settle_run(self, run: RunPlan, receipts: RunReceipts) -> None:
         """Record a run the journal wrote whole, the batch's only operations: fresh ids
         (the journal found none stored), so each step wrote its receipt."""
-        handles = run.steps.handle_ids
-        self.states.update(zip(handles, run.afters))
+        if run.held is not None:
+            self.states.lanes.settle(run.held, run.steps, run.run.monotonic_ns)
+        else:
+            assert run.afters is not None  # a run not of the lanes carries its states
+            self.states.update(zip(run.steps.handle_ids, run.afters))
         if self.on_commit:
-            for k, (_, plan) in enumerate(run.plans()):
+            for k, (_, plan) in enumerate(run.plans(None)):
                 receipt = receipts[k]
                 for hook in self.on_commit:
                     hook(receipt, plan.events)
@@ -528,14 +500,6 @@ class CommandService(BatchSurface):
 # A step's values rebuild its events at the port's STEP_VERSIONS: at any other, a decode
 # batch's steps are stamped as events, checked as any other operation's.
 _STAMPED = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in DECODE_CHAIN) == STEP_VERSIONS
-
-
-def _bound(chain: c.Chain, generation: int, snapshot_version: int) -> c.Chain:
-    """A Relative decode chain bound as bind_current binds a chain: its first step, the
-    publish, takes the base (whatever base it carried); the later ones follow from it."""
-    first, *rest = chain.steps
-    publish = msgspec.structs.replace(first, base_generation=generation, base_snapshot_version=snapshot_version)
-    return msgspec.structs.replace(chain, steps=(publish, *rest))
 
 
 def _decodable(event: ev.Event) -> None:

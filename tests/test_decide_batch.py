@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.engine import commands as c
-from kvledger.engine import ids
+from kvledger.engine import ids, lanes
 from kvledger.engine.decide_batch import decide_batch
 from kvledger.engine.service import CommandService, ManualClock
 from kvledger.journal import open_journal
@@ -175,7 +175,7 @@ def _compare(services: tuple[CommandService, CommandService], example: int,
                 service.execute_many(cmds)
         seen: dict[str, list] = {"batch": [], "chains": []}
         for _ in range(rounds):
-            batch = _batch(services[0], handles, picks)
+            batch = _batch(services[1], handles, picks)  # the chains' side: reading takes no handle out of the lanes
             states = {h: services[1].state(h) for h in handles}
             decided = decide_batch(batch, states, services[1].clock.monotonic_ns())
             ids._counter = counters["batch"]
@@ -190,7 +190,67 @@ def _compare(services: tuple[CommandService, CommandService], example: int,
                 else:
                     assert not isinstance(chains[i], tuple), (i, chains[i], batch)
         assert seen["batch"] == seen["chains"]
-        raws = [list(service.journal.read_raw()) for service in services]
-        assert raws[0] == raws[1]
+        _same_journal_and_states(services, handles)
+    finally:
+        ids._prefix, ids._counter = saved
+
+
+def _same_journal_and_states(services: tuple[CommandService, CommandService], handles: list[str]) -> None:
+    """Both journals the same event for event, and each handle's state the same on both
+    sides and as a fresh fold of the journal reads it (the lanes' states built whole)."""
+    raws = [list(service.journal.read_raw()) for service in services]
+    assert raws[0] == raws[1]
+    fresh = CommandService(services[0].journal)
+    states = [{h: service.state(h) for h in handles} for service in (*services, fresh)]
+    assert states[0] == states[1] == states[2]
+
+
+# mostly plain steps, so that whole batches are decided in the lanes
+PLAIN_OFF = ("none",) * 6 + OFF[3:]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(situations=st.lists(st.tuples(st.sampled_from(("decoding",) * 4 + SITUATIONS), st.integers(0, 3)),
+                           min_size=1, max_size=8),
+       rounds=st.lists(st.tuples(st.lists(st.tuples(st.integers(0, 7), st.sampled_from(PLAIN_OFF),
+                                                    st.integers(0, 60_000), st.booleans(), st.booleans()),
+                                          min_size=1, max_size=8),
+                                 st.sampled_from(("none", "none", "read", "finish")), st.integers(0, 7)),
+                       min_size=1, max_size=5))
+def test_batches_decided_in_the_lanes_leave_what_their_chains_leave(template, monkeypatch, situations, rounds):
+    """Every batch of one or more steps on distinct handles goes to the lanes
+    (engine.lanes.FEW at 1); between batches a handle's state is read, or a command
+    finishes a handle the batch does not step (in its commit), taking it out of the
+    lanes: the results, the journal and every handle's state are the chains'."""
+    fixed_commit_time(monkeypatch)
+    monkeypatch.setattr(lanes, "FEW", 1)
+    example = next(_examples)
+    handles = [f"l{example}-{j}" for j in range(len(situations))]
+    saved = ids._prefix, ids._counter
+    counters = {name: itertools.count((example + 1) << 24) for name in ("batch", "chains")}
+    ids._prefix = "5eed0000000000bb"
+    try:
+        setup = [cmds for h, (situation, decoded) in zip(handles, situations) for cmds in _setup(h, situation, decoded)]
+        with _services(template, example) as services:
+            for name, service in zip(counters, services):
+                ids._counter = counters[name]
+                for cmds in setup:
+                    service.execute_many(cmds)
+            for picks, action, which in rounds:
+                distinct = {j % len(handles): (j % len(handles), *rest) for j, *rest in picks}
+                batch = _batch(services[1], handles, list(distinct.values()))
+                other = handles[which % len(handles)]
+                cmds: list[c.Command | c.Relative] = []
+                if action == "finish" and other not in batch.handle_ids:
+                    cmds = [c.Relative(c.Finish(handle_id=other, base_generation=None))]
+                ids._counter = counters["batch"]
+                got = [_outcome(r) for r in services[0].submit_batch(batch, cmds)()]
+                ids._counter = counters["chains"]
+                want = [_outcome(r) for r in services[1].execute_many(
+                    [c.batch_step(batch, i) for i in range(len(batch))] + cmds)]
+                assert got == want
+                if action == "read":
+                    assert services[0].state(other) == services[1].state(other)
+            _same_journal_and_states(services, handles)
     finally:
         ids._prefix, ids._counter = saved
