@@ -345,7 +345,7 @@ class CommandService(BatchSurface):
         # Not for commands from outside, which are checked one by one below first.
         new = [] if strict else [h for i in todo if type(cmd := cmds[i]) is c.Allocate
                                  and type(h := cmd.handle_id) is str and h not in self.states]
-        if len(new) > 1:
+        if new:
             found = self.journal.existing(new)
             local.update((h, None) for h in new if h not in found)
         for i in todo:

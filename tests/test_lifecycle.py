@@ -359,6 +359,26 @@ def test_a_batch_of_allocations_reads_once_and_decides_each_against_the_journal(
     assert service.state("A").stream_position == 1 == service.state("B").stream_position
 
 
+def test_a_lone_allocation_asks_which_handles_exist_and_reads_no_stream(ledger, monkeypatch):
+    """One allocation of a handle the service has not seen is decided on the same one
+    existence read as a batch of them (a stream read is three statements on PostgreSQL)."""
+    from kvledger.engine import commands as c
+    from kvledger.engine.service import CommandService
+
+    from factories import make_manifest
+
+    journal = ledger.journal
+    service = CommandService(journal, clock=ManualClock())
+    reads: list[str] = []
+    asked: list[list[str]] = []
+    real_read, real_existing = journal.read_stream, journal.existing
+    monkeypatch.setattr(journal, "read_stream", lambda h, after=0: reads.append(h) or real_read(h, after))
+    monkeypatch.setattr(journal, "existing", lambda hs: asked.append(list(hs)) or real_existing(hs))
+    [r] = service.execute_many([c.Allocate(handle_id="L", manifest=make_manifest(request_id="L"),
+                                           reserved_capacity=8)])
+    assert not isinstance(r, KvLedgerError) and reads == [] and asked == [["L"]]
+
+
 def test_a_handle_created_by_another_writer_after_the_read_takes_none_of_the_batch(ledger, db_url, monkeypatch):
     """The race the batched read leaves open: another writer creates X after the service
     found it absent. The allocation is refused by the guarded write, and the start the
