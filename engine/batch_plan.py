@@ -39,6 +39,18 @@ def runnable(batch: DecodeBatch, i: int) -> bool:
     return type(batch.tokens[i]) is int and type(batch.workspace(i)) is int
 
 
+def all_runnable(batch: DecodeBatch) -> bool:
+    """`runnable` of every step of `batch`, a column at a time."""
+    ws = batch.workspace_bytes
+    return set(map(type, batch.tokens)) == {int} and (ws is None or set(map(type, ws)) == {int})
+
+
+# What a run takes from the states its steps were decided on, in DecodeRun's order: request
+# ids, generations, snapshots, stream positions, prefix identities, the open append's rows, layers.
+StateColumns = tuple[Sequence[str], Sequence[int], Sequence[int], Sequence[int], Sequence[str], Sequence[int],
+                     Sequence[int]]
+
+
 def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], local_sequence: int,
              source_instance: str, mono: int, wall: int) -> DecodeRun | None:
     """The run of the batch's plain steps start, start + 1, ...: one for each state in
@@ -47,22 +59,11 @@ def plan_run(batch: DecodeBatch, start: int, befores: Sequence[HandleState], loc
     one block (seeded). The run's columns are the batch's, sliced, but for those the
     states give (a plain step's output index is len(s.outputs): plain_after); the head a
     plain step leaves follows from the one it was decided on (DecodeRun.head)."""
-    n = len(befores)
-    block = new_block(4 * n)
-    if block is None:
-        return None
-    prefix, first = block
-    at = slice(start, start + n)
-    ws = batch.workspace_bytes
-    calls = (None,) * n if batch.call_ids is None else tuple(map(batch.call, range(start, start + n)))
-    return DecodeRun(
-        source_instance, mono, wall, prefix, first, local_sequence + 1, batch.handle_ids[at],
-        tuple(s.request_id for s in befores), batch.cache_abi_sha256[at], tuple(s.generation for s in befores),
-        tuple(s.snapshot_version for s in befores), tuple(s.stream_position for s in befores),
-        tuple(s.prefix_identity_sha256 for s in befores), batch.txn_ids[at], batch.next_txn_ids[at],
-        batch.positions[at],
-        tuple(s.open_txns[0].interval_count for s in befores), tuple(s.num_layers for s in befores),
-        (0,) * n if ws is None else ws[at], batch.rows_sha256[at], batch.output_indexes[at], batch.tokens[at], calls)
+    states = (tuple(s.request_id for s in befores), tuple(s.generation for s in befores),
+              tuple(s.snapshot_version for s in befores), tuple(s.stream_position for s in befores),
+              tuple(s.prefix_identity_sha256 for s in befores),
+              tuple(s.open_txns[0].interval_count for s in befores), tuple(s.num_layers for s in befores))
+    return _run(batch, slice(start, start + len(befores)), states, local_sequence, source_instance, mono, wall)
 
 
 def plan_lanes(batch: DecodeBatch, held: ln.Columns, local_sequence: int, source_instance: str, mono: int,
@@ -70,18 +71,27 @@ def plan_lanes(batch: DecodeBatch, held: ln.Columns, local_sequence: int, source
     """plan_run of every step of `batch`, decided in the lanes (engine.lanes: `held`, its
     handles' columns there): the same run, its states' columns gathered by slot. None
     when a step is not `runnable` or its ids cannot be one block."""
-    n = len(batch)
-    ws = batch.workspace_bytes
-    if set(map(type, batch.tokens)) != {int} or (ws is not None and set(map(type, ws)) != {int}):
+    if not all_runnable(batch):
         return None
+    states = (held.objs_of(ln.REQUEST), held.ints_of(ln.G), held.ints_of(ln.V), held.ints_of(ln.P),
+              held.objs_of(ln.PREFIX), held.ints_of(ln.COUNT), held.ints_of(ln.LAYERS))
+    return _run(batch, slice(0, len(batch)), states, local_sequence, source_instance, mono, wall)
+
+
+def _run(batch: DecodeBatch, at: slice, states: StateColumns, local_sequence: int, source_instance: str,
+         mono: int, wall: int) -> DecodeRun | None:
+    """The run of the batch's steps `at` (a tuple's whole slice is the tuple itself), decided
+    on states whose columns are `states`; None when its ids cannot be one block."""
+    n = at.stop - at.start
     block = new_block(4 * n)
     if block is None:
         return None
     prefix, first = block
-    calls = (None,) * n if batch.call_ids is None else tuple(map(batch.call, range(n)))
+    requests, generations, snapshots, positions, prefixes, accepted, layers = states
+    ws = batch.workspace_bytes
+    calls = (None,) * n if batch.call_ids is None else tuple(map(batch.call, range(at.start, at.stop)))
     return DecodeRun(
-        source_instance, mono, wall, prefix, first, local_sequence + 1, batch.handle_ids, held.objs_of(ln.REQUEST),
-        batch.cache_abi_sha256, held.ints_of(ln.G), held.ints_of(ln.V), held.ints_of(ln.P),
-        held.objs_of(ln.PREFIX), batch.txn_ids, batch.next_txn_ids, batch.positions, held.ints_of(ln.COUNT),
-        held.ints_of(ln.LAYERS), (0,) * n if ws is None else ws, batch.rows_sha256, batch.output_indexes,
-        batch.tokens, calls)
+        source_instance, mono, wall, prefix, first, local_sequence + 1, batch.handle_ids[at], tuple(requests),
+        batch.cache_abi_sha256[at], tuple(generations), tuple(snapshots), tuple(positions), tuple(prefixes),
+        batch.txn_ids[at], batch.next_txn_ids[at], batch.positions[at], tuple(accepted), tuple(layers),
+        (0,) * n if ws is None else ws[at], batch.rows_sha256[at], batch.output_indexes[at], batch.tokens[at], calls)

@@ -269,8 +269,10 @@ def _existing(h: str, state_of: Callable[[str], HandleState | None]) -> HandleSt
     return s
 
 
-def handles_of(cmd: Command) -> tuple[str, ...]:
-    """The handles a command reads (and possibly writes)."""
+def handles_of(cmd: Command | Relative) -> tuple[str, ...]:
+    """The handles a command (a Relative one: its command) reads, and possibly writes."""
+    if isinstance(cmd, Relative):
+        cmd = cmd.command
     if isinstance(cmd, Fork):
         return (cmd.parent_handle_id, *cmd.child_handle_ids)
     if isinstance(cmd, Reorder):

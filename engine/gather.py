@@ -54,7 +54,7 @@ def take_steps(steps: dict[str, list[c.Step]], cmds: Sequence[c.Command | c.Rela
     """Of each handle's steps (what a producer would send as its chain), the decode steps
     (decode_shape) on handles no command of `cmds` acts on, as one DecodeBatch, taken
     out of `steps`: no chain is built for them."""
-    others = {h for cmd in cmds for h in c.handles_of(cmd.command if isinstance(cmd, c.Relative) else cmd)}
+    others = {h for cmd in cmds for h in c.handles_of(cmd)}
     batch = BatchBuilder()
     for h in [h for h, st in steps.items() if h not in others and add_step(batch, st)]:
         del steps[h]

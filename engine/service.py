@@ -217,7 +217,7 @@ class CommandService(BatchSurface):
         that is not plain there, or a command acting on a step's handle."""
         if cmds:
             on = set(steps.handle_ids)
-            if any(not on.isdisjoint(c.handles_of(x.command if isinstance(x, c.Relative) else x)) for x in cmds):
+            if any(not on.isdisjoint(c.handles_of(x)) for x in cmds):
                 return None
         held = self.states.decide(steps, self.state)
         if held is None:
