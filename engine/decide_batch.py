@@ -65,19 +65,28 @@ def decide_batch(batch: DecodeBatch, states: Mapping[str, HandleState | None], m
     return BatchDecision(plain, refused)
 
 
+def admits(s: HandleState) -> bool:
+    """Whether a plain step may be decided on state `s`, whatever the step: plain_after's
+    half that asks of the state alone (engine.lanes holds such states as columns)."""
+    if s.lifecycle != "ACTIVE" or len(s.open_txns) != 1:
+        return False
+    t = s.open_txns[0]
+    # the publication leaves logits ready only when its rows reach the last token
+    return (t.kind != "verify" and t.kind != "repair" and t.base_snapshot_version == s.snapshot_version
+            and t.interval_start + t.interval_count == len(s.prompt) + len(s.outputs))
+
+
 def plain_after(s: HandleState, txn_id: str, output_index: int, token: int, next_txn_id: str, at: int,
                 cache_abi_sha256: str, monotonic_ns: int) -> HandleState | None:
     """The state a plain decode step leaves, or None (not the plain case: the general
     path decides it): publish the running append `txn_id`, emit `token` as output
     `output_index`, start `next_txn_id` at position `at`. The base was checked."""
-    if s.lifecycle != "ACTIVE" or len(s.open_txns) != 1:
+    if not admits(s):
         return None
     txn = s.open_txns[0]
     v = s.snapshot_version
     t = txn.interval_start + txn.interval_count
-    if (txn_id != txn.txn_id or txn.kind == "verify" or txn.kind == "repair" or txn.base_snapshot_version != v
-            # the publication leaves logits ready only when its rows reach the last token
-            or t != len(s.prompt) + len(s.outputs) or output_index != len(s.outputs) or at != t
+    if (txn_id != txn.txn_id or output_index != len(s.outputs) or at != t
             or cache_abi_sha256 != s.cache_abi_sha256 or t + 1 > s.reserved_capacity
             or next_txn_id in s.aborted_txn_ids):
         return None

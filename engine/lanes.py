@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from msgspec.structs import replace
 
+from kvledger.engine.decide_batch import admits
 from kvledger.engine.state import HandleState, OpenTxn, grown
 from kvledger.schemas.decode_batch import DecodeBatch
 
@@ -38,16 +39,6 @@ INTS = 9
 # the rows of Lanes._objs: the open append's txn, the cache ABI, the request, the prefix identity
 TXN, ABI, REQUEST, PREFIX = range(4)
 OBJS = 4
-
-
-def admits(s: HandleState) -> bool:
-    """Whether `s` is a state a plain step may be decided on from its columns alone: what
-    plain_after asks of a state whatever the step (the step's own values are the columns')."""
-    if s.lifecycle != "ACTIVE" or len(s.open_txns) != 1:
-        return False
-    t = s.open_txns[0]
-    return (t.kind != "verify" and t.kind != "repair" and t.base_snapshot_version == s.snapshot_version
-            and t.interval_start + t.interval_count == len(s.prompt) + len(s.outputs))
 
 
 class Lanes:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from msgspec.structs import replace
 
-from kvledger.engine.decide_batch import plain_after
-from kvledger.engine.lanes import Lanes, States, admits
+from kvledger.engine.decide_batch import admits, plain_after
+from kvledger.engine.lanes import Lanes, States
 from kvledger.engine.state import HandleState, OpenTxn
 from kvledger.schemas.decode_batch import BatchBuilder
 
@@ -76,6 +76,9 @@ def test_a_next_txn_once_aborted_or_counts_past_int64_keep_a_handle_out():
     assert not lanes.admit([_state("b", reserved_capacity=2**64)]) and "b" not in lanes
     assert not admits(_state("c", lifecycle="FINISHED")) and not admits(_state("d", open_txns=()))
     assert not admits(_state("e", open_txns=(OpenTxn("e-t0", "verify", 2, 0, 3, PROMPT),)))
+    assert not admits(_state("f", open_txns=(OpenTxn("f-t0", "repair", 2, 0, 3, PROMPT),)))
+    assert not admits(_state("g", open_txns=(OpenTxn("g-t0", "prefill", 1, 0, 3, PROMPT),)))  # not at its base
+    assert not admits(_state("h", open_txns=(OpenTxn("h-t0", "prefill", 2, 0, 2, PROMPT[:2]),)))  # short of the end
 
 
 def test_reading_a_handle_in_the_lanes_takes_it_out():
