@@ -268,18 +268,20 @@ class PostgresStatements(Statements):
                           f"WHERE {_guard_held('h', 'v')} RETURNING h.handle_id")
 
     # guard_all's rows, all or none in one statement: each update also asks that every
-    # guard holds (the handles are distinct, so all hold when all match).
+    # guard holds (the handles are distinct, so all hold when all match). The verdict is
+    # the rows it returns: in a pipeline a row count is unknown until a result is fetched.
     GUARD_ALL = (
         f"WITH v AS (SELECT * FROM {_HEAD_ROWS}) "
         f"UPDATE kvl_heads AS h SET {_NEW_HEAD}, last_record = %(rlast)b::bigint FROM v "
         f"WHERE {_guard_held('h', 'v')} "
-        f"AND (SELECT count(*) FROM kvl_heads k JOIN v w ON {_guard_held('k', 'w')}) = %(n)b::bigint"
+        f"AND (SELECT count(*) FROM kvl_heads k JOIN v w ON {_guard_held('k', 'w')}) = %(n)b::bigint "
+        "RETURNING 1"
     )
 
     def guard_all(self, cur: Any, moves: HeadMoves, last_record: int) -> bool:
         n = len(moves.handle_ids)
         cur.execute(self.GUARD_ALL, {**_guarded_update_params(moves), "n": n, "rlast": last_record})
-        return bool(cur.rowcount == n)
+        return len(cur.fetchall()) == n
 
     points_heads = False  # insert_record sets every head's last_record in one statement
 

@@ -4,15 +4,43 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from conftest import BACKEND_NAMES
 
+from kvledger.engine import commands as c
+from kvledger.engine import ids
+from kvledger.engine.service import CommandService, ManualClock
 from kvledger.journal import Check, Guard, Operation, Rejection, StreamWrite
 from kvledger.migrations.storage import open_or_create_journal
+from kvledger.replay import verify_journal
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
+from kvledger.schemas.decode_batch import BatchBuilder
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
 from factories import allocate_op, envelope, guard_of, head, publish_op
+from lifecycle_helpers import make_manifest
+
+
+@pytest.fixture(params=[*BACKEND_NAMES, "postgres_pipeline"] if "postgres" in BACKEND_NAMES else BACKEND_NAMES)
+def backend(request, monkeypatch):
+    """Every backend, and PostgreSQL once more as a remote server is written to: its
+    statements pipelined, each result known only when fetched (the server here is on
+    loopback, where they go one by one)."""
+    if request.param != "postgres_pipeline":
+        return request.param
+    from kvledger.journal.postgres import _PIPELINE, PostgresStatements
+
+    if not _PIPELINE:
+        pytest.skip("libpq without pipeline mode")
+    real = PostgresStatements.__init__
+
+    def init(self, conn):
+        real(self, conn)
+        self.pipeline = True
+
+    monkeypatch.setattr(PostgresStatements, "__init__", init)
+    return "postgres"
 
 
 @pytest.fixture
@@ -96,7 +124,6 @@ def test_batch_checks_each_guard_on_its_own(journal):
     assert all(journal.head(h).snapshot_version == 1 for h in handles)
     # A refused operation moves the record's end from where the guarded updates pointed
     # the heads: each head still names its own last record (verify), and streams read whole.
-    from kvledger.replay import verify_journal
 
     assert [f for f in verify_journal(journal).findings if f.code == "TAMPERED"] == []
     for h in handles:
@@ -419,7 +446,6 @@ def test_a_stream_read_follows_its_chain_from_any_position(journal, db_url):
     varying shape, by two connections in turn (PostgreSQL's one-statement append knows a
     previous record only from its own commits): every suffix of every stream reads back,
     and verify finds the chain whole."""
-    from kvledger.replay import verify_journal
 
     other = open_or_create_journal(db_url)
     try:
@@ -454,3 +480,39 @@ def test_a_check_on_a_head_another_connection_moved_is_stale_after_any_read(db_u
             [refused] = a.append([Operation(f"fork{len(a.heads())}", "fp", child.writes, (Check("H", stale),),
                                             child.manifests)])
             assert isinstance(refused, Rejection) and refused.code == ErrorCode.STALE_BASE
+
+
+def test_a_decode_run_beside_an_arrival_commits_whole(db_url):
+    """A worker's usual commit: a decode step on each of several handles (a backend with
+    a run path writes them from their columns) and an arrival beside them, in one
+    transaction: every answer a receipt, each stream read back along its chain, the
+    journal verified; as another connection reads it too."""
+    prompt = (3, 1, 4, 1)
+    handles = [f"run-{i}" for i in range(4)]
+
+    def arrival(h: str, txn: str) -> list[c.Command | c.Relative]:
+        return [c.Allocate(handle_id=h, manifest=make_manifest(request_id=h, prompt=prompt), reserved_capacity=40),
+                c.Relative(c.BeginAppend(handle_id=h, txn_id=txn, kind="prefill", base_generation=None,
+                                         base_snapshot_version=None, interval_start=0, interval_count=len(prompt),
+                                         token_ids=prompt, cache_positions=(0, 1, 2, 3),
+                                         mask_key_extent=len(prompt), cache_abi_sha256=""))]
+
+    with open_or_create_journal(db_url) as journal:
+        service = CommandService(journal, clock=ManualClock().at(5.0))
+        txn = {h: ids.new_id() for h in handles}
+        starts = [arrival(h, txn[h]) for h in handles]
+        assert service.execute_many([a for a, _ in starts] + [b for _, b in starts]).refused() == []
+        abi = service.state(handles[0]).cache_abi_sha256
+        for k in range(2):
+            batch = BatchBuilder()
+            for i, h in enumerate(handles):
+                batch.add(h, txn[h], len(prompt) + k, k, 7 + i, txn.setdefault(f"next-{h}", ids.new_id()), None, abi)
+            steps = batch.build()
+            results = service.submit_batch(steps, arrival(f"arrival-{k}", ids.new_id()), defer=False)()
+            assert results.refused() == [] and len(results) == len(handles) + 2
+            txn.update({h: txn.pop(f"next-{h}") for h in handles})
+    with open_or_create_journal(db_url) as journal:
+        assert verify_journal(journal).findings == []
+        fresh = CommandService(journal)
+        assert [len(fresh.state(h).outputs) for h in handles] == [2] * len(handles)
+        assert [e.event_type for e in journal.read_stream("arrival-1")] == ["request_allocate", "append_start"]
