@@ -11,7 +11,8 @@ the inserts; commit.
 Over a network such a transaction runs in pipeline mode (statements whose results are
 not needed travel with the next one whose results are: three round trips for the
 general path). On a loopback or Unix-socket connection a round trip costs less than
-psycopg's pipeline bookkeeping, so there statements go one by one.
+psycopg's pipeline bookkeeping, so there statements go one by one
+(journal.tuning.pipelined; KVLEDGER_PG_PIPELINE=on or off decides instead).
 
 Columns travel as one array parameter each, in binary (see `_arrays`): a text-format
 bytea array costs the client a hex encoding of every body, and the server parses
@@ -40,7 +41,6 @@ from kvledger.journal.statements import EventRow, ReceiptRow, Statements, T, _he
 from kvledger.journal.verify_reads import Row
 
 _PIPELINE = psycopg.Pipeline.is_supported()
-_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
 # The guarded head update's parts, one text for every statement that moves heads: each
@@ -119,7 +119,7 @@ class PostgresStatements(Statements):
             conn.rollback()
         conn.autocommit = True  # reads see the newest commit; writes open their own txn
         host = conn.info.host or ""
-        self.pipeline = _PIPELINE and not (host.startswith("/") or host in _LOCAL_HOSTS)
+        self.pipeline = _PIPELINE and tuning.pipelined(host)
         if conn.info.encoding not in ("utf-8", "utf8"):  # _texts sends UTF-8
             conn.execute("SET client_encoding TO 'UTF8'")
         _register_arrays(conn)

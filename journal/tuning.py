@@ -3,7 +3,8 @@ changing anything it writes or returns. Each says why in one line; the figures t
 justified them are in docs/decisions/cpu-placement.md and the commits that added them.
 
 `KVLEDGER_TUNING=off` turns them all off: no thread or process is pinned to a CPU, no
-wait polls before it sleeps, nothing is frozen and the collector is never paused.
+wait polls before it sleeps, nothing is frozen, the collector is never paused, and
+PostgreSQL's statements are not pipelined unless `KVLEDGER_PG_PIPELINE=on`.
 Journals, outputs and digests are the same either way; only speed differs. The switch
 is read once a process; unset, empty or `on` means on. The CLI refuses any other value
 as it starts (INVALID_ARGUMENT); a library caller gets one logged warning and tuning on.
@@ -44,10 +45,11 @@ def _read() -> tuple[bool, str | None]:
 
 
 def check() -> None:
-    """Refuse a KVLEDGER_TUNING that is neither on nor off (the CLI, as it starts)."""
-    _, bad = _read()
-    if bad is not None:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, bad)
+    """Refuse a KVLEDGER_TUNING that is neither on nor off, or a KVLEDGER_PG_PIPELINE
+    that is not on, off or auto (the CLI, as it starts)."""
+    for bad in (_read()[1], _pipeline_switch()[1]):
+        if bad is not None:
+            raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, bad)
     enabled()
 
 
@@ -202,6 +204,40 @@ def _polled(gen: Generator[Any, Any, Any], fd: int) -> Generator[Any, Any, Any]:
             state = gen.send((yield state))
         except StopIteration as done:
             return done.value
+
+
+# -- PostgreSQL pipelining ------------------------------------------------------------------
+# Why: over a network a round trip costs more than psycopg's pipeline bookkeeping; over a
+# loopback or a Unix socket it costs less (decisions/postgres-storage.md).
+PIPELINE_ENV = "KVLEDGER_PG_PIPELINE"
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+_warned = False
+
+
+def _pipeline_switch() -> tuple[bool | None, str | None]:
+    """KVLEDGER_PG_PIPELINE: True (on), False (off) or None (auto, unset), and why a value
+    was not understood."""
+    raw = os.environ.get(PIPELINE_ENV, "")
+    value = raw.strip().lower()
+    if value in ("on", "off"):
+        return value == "on", None
+    if value in ("", "auto"):
+        return None, None
+    return None, f"{PIPELINE_ENV}={raw[:40]!r}: expected 'on', 'off' or 'auto'"
+
+
+def pipelined(host: str) -> bool:
+    """Whether a PostgreSQL connection to `host` (a name, an address, or a Unix socket's
+    directory) pipelines its statements: as KVLEDGER_PG_PIPELINE says; when auto, unless
+    the host is loopback or a socket, or tuning is off. Read at each connection."""
+    global _warned
+    forced, bad = _pipeline_switch()
+    if bad is not None and not _warned:
+        _warned = True
+        logging.getLogger("kvledger.tuning").warning("%s; auto", bad)
+    if forced is not None:
+        return forced
+    return enabled() and not (host.startswith("/") or host in _LOOPBACK)
 
 
 # -- the cyclic collector ------------------------------------------------------------------

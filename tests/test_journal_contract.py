@@ -25,21 +25,15 @@ from lifecycle_helpers import make_manifest
 @pytest.fixture(params=[*BACKEND_NAMES, "postgres_pipeline"] if "postgres" in BACKEND_NAMES else BACKEND_NAMES)
 def backend(request, monkeypatch):
     """Every backend, and PostgreSQL once more as a remote server is written to: its
-    statements pipelined, each result known only when fetched (the server here is on
-    loopback, where they go one by one)."""
+    statements pipelined, each result known only when fetched (KVLEDGER_PG_PIPELINE=on:
+    the server here is on loopback, where they go one by one)."""
     if request.param != "postgres_pipeline":
         return request.param
-    from kvledger.journal.postgres import _PIPELINE, PostgresStatements
+    from kvledger.journal.postgres import _PIPELINE
 
     if not _PIPELINE:
         pytest.skip("libpq without pipeline mode")
-    real = PostgresStatements.__init__
-
-    def init(self, conn):
-        real(self, conn)
-        self.pipeline = True
-
-    monkeypatch.setattr(PostgresStatements, "__init__", init)
+    monkeypatch.setenv("KVLEDGER_PG_PIPELINE", "on")
     return "postgres"
 
 

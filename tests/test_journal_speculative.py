@@ -25,17 +25,11 @@ def pg_url(pg_admin):
 def pipelined(request, monkeypatch):
     """Loopback connections send statements one by one; remote ones pipeline them.
     Run both ways here (the server is on loopback)."""
-    from kvledger.journal.postgres import _PIPELINE, PostgresStatements
+    from kvledger.journal.postgres import _PIPELINE
 
     if request.param and not _PIPELINE:
         pytest.skip("libpq without pipeline mode")
-    real = PostgresStatements.__init__
-
-    def init(self, conn):
-        real(self, conn)
-        self.pipeline = request.param
-
-    monkeypatch.setattr(PostgresStatements, "__init__", init)
+    monkeypatch.setenv("KVLEDGER_PG_PIPELINE", "on" if request.param else "off")
     return request.param
 
 
@@ -109,9 +103,11 @@ def test_a_fast_append_is_one_statement_that_commits_itself(pg_url, monkeypatch)
 def test_the_general_path_takes_its_lock_with_begin(pg_url, monkeypatch):
     """An append the one statement cannot take (here, creations) opens its transaction
     and takes the writer lock in one query, sends no lock of its own after it, and
-    writes its record with the record's lookup rows in one statement."""
+    writes its record with the record's lookup rows in one statement (statements one by
+    one, as on loopback: a pipeline sends BEGIN as psycopg's own)."""
     import psycopg
 
+    monkeypatch.setenv("KVLEDGER_PG_PIPELINE", "off")
     with open_or_create_journal(pg_url) as a:
         a.append([allocate_op("warm")])
         sent = []

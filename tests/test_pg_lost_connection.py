@@ -58,11 +58,12 @@ def _cut_while_waiting(url: str, admin: psycopg.Connection, proc: subprocess.Pop
     return position
 
 
-def _check_one_coded_line(proc: subprocess.Popen[str]) -> None:
+def _check_one_coded_line(proc: subprocess.Popen[str], url: str) -> None:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert len(err.splitlines()) == 1 and err.endswith("\n"), err
-    assert err.startswith("DATABASE_UNREACHABLE: PostgreSQL at 127.0.0.1:"), err
+    host = psycopg.conninfo.conninfo_to_dict(conninfo(url))["host"]  # KVLEDGER_TEST_POSTGRES_URL's, if set
+    assert err.startswith(f"DATABASE_UNREACHABLE: PostgreSQL at {host}:"), err
     assert "Traceback" not in err and out == ""
 
 
@@ -80,7 +81,7 @@ def test_a_session_lost_during_demo_is_one_coded_line_and_nothing_unacknowledged
             # with one (locking kvl_heads then kvl_records did, against a writer between them)
             admin.execute("LOCK TABLE kvl_events IN ACCESS EXCLUSIVE MODE")
             position = _cut_while_waiting(url, admin, proc)
-        _check_one_coded_line(proc)
+        _check_one_coded_line(proc, url)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -101,7 +102,7 @@ def test_a_session_lost_during_a_read_is_one_coded_line(pg_admin, tmp_path, comm
         proc = _start(url, *command, cwd=tmp_path)
         try:
             _cut_while_waiting(url, admin, proc)
-            _check_one_coded_line(proc)
+            _check_one_coded_line(proc, url)
         finally:
             if proc.poll() is None:
                 proc.kill()

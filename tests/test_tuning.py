@@ -72,6 +72,25 @@ def test_a_bad_switch_is_refused_where_the_cli_starts(tmp_path, monkeypatch, cap
         tuning.check()
 
 
+def test_the_pipeline_switch_decides_over_the_host(tmp_path, monkeypatch, capsys):
+    """KVLEDGER_PG_PIPELINE: on or off whatever the host; auto (or unset) pipelines a
+    connection to a host that is neither loopback nor a Unix socket, with tuning on; any
+    other value is refused where the CLI starts."""
+    hosts = ("db.internal", "10.0.0.7", "127.0.0.1", "localhost", "::1", "/run/postgresql")
+    remote = tuning.enabled()
+    for value, expected in (("", (remote, remote, False, False, False, False)),
+                            ("auto", (remote, remote, False, False, False, False)),
+                            (" ON ", (True,) * 6), ("off", (False,) * 6)):
+        monkeypatch.setenv("KVLEDGER_PG_PIPELINE", value)
+        assert tuple(map(tuning.pipelined, hosts)) == expected, value
+        tuning.check()
+    monkeypatch.setenv("KVLEDGER_PG_PIPELINE", "yes")
+    assert main(["init", "--db", f"sqlite:///{tmp_path}/j.db"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("INVALID_ARGUMENT: KVLEDGER_PG_PIPELINE='yes'"), err
+    assert not (tmp_path / "j.db").exists()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=12))
 def test_any_switch_value_is_on_off_or_a_coded_refusal(value):
