@@ -19,6 +19,7 @@ from kvledger.engine import commands as c
 from kvledger.engine import ids
 from kvledger.engine.service import CommandService, ManualClock
 from kvledger.journal.port import Journal
+from kvledger.journal.postgres import _PIPELINE
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.decode_batch import BatchBuilder, DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
@@ -154,13 +155,17 @@ def _tables(url: str) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("extra", [False, True], ids=["alone", "beside_arrivals"])
-@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+@pytest.mark.parametrize("kind", ["sqlite", "postgres", "postgres_pipeline"])
 def test_a_run_from_its_columns_stores_what_its_operations_store(kind, extra, request):
     """SQLite writes a run's block in its transaction; PostgreSQL in its one-statement
     append. Beside other commands (`extra`), the run is a record from its columns and
     the others the general path's record after it, in one transaction, against all of
-    it by the general path in one record: the same events byte for byte, heads, answers."""
-    pg = request.getfixturevalue("pg_admin") if kind == "postgres" else None
+    it by the general path in one record: the same events byte for byte, heads, answers.
+    `postgres_pipeline`: the run's statements pipelined, as to a remote server, against
+    its operations sent one by one."""
+    pg = request.getfixturevalue("pg_admin") if kind.startswith("postgres") else None
+    if kind == "postgres_pipeline" and not _PIPELINE:
+        pytest.skip("libpq without pipeline mode")
 
     @settings(max_examples=(25 if pg is None else 10) // (2 if extra else 1), deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -171,6 +176,8 @@ def test_a_run_from_its_columns_stores_what_its_operations_store(kind, extra, re
             for columns in (True, False):
                 same_ids(mp)
                 fixed_commit_time(mp)
+                if kind == "postgres_pipeline":
+                    mp.setenv("KVLEDGER_PG_PIPELINE", "on" if columns else "off")
                 url = f"sqlite:///{d}/{columns}.db" if pg is None else pg.create()
                 runs[columns] = _journal(url, columns, rounds, extra)
             assert runs[True] == runs[False]
