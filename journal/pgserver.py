@@ -33,10 +33,11 @@ def find_bin() -> Path | None:
 
 def conninfo(url: str | URL, **override: str | int | None) -> str:
     """The libpq conninfo of a SQLAlchemy PostgreSQL URL (psycopg cannot read the
-    `postgresql+psycopg://` form), with fields overridden by keyword, e.g. dbname=."""
-    u = make_url(url)
-    fields: dict[str, str | int | None] = {"host": u.host, "port": u.port, "user": u.username,
-                                 "password": u.password, "dbname": u.database}
+    `postgresql+psycopg://` form), as the journal's engine reads it: the query's libpq
+    options too (a Unix socket's directory as `host`, `sslmode`, ...); fields overridden
+    by keyword, e.g. dbname=."""
+    u = make_url(url).set(drivername="postgresql+psycopg")
+    _, fields = u.get_dialect()().create_connect_args(u)
     fields.update(override)
     return psycopg.conninfo.make_conninfo("", **fields)  # None values are left out
 

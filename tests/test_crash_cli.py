@@ -72,6 +72,20 @@ def test_crash_test_trials_with_postgres_statements_pipelined(pg_admin):
     assert r["acknowledged_writes_checked"] > 10 * trials and r["crash_moments"]["crashed"] >= trials - 5
 
 
+def test_crash_test_over_a_unix_socket(pg_admin):
+    """A URL that names the server by its socket's directory (libpq's `?host=/dir`) is the
+    server the trials' scratch databases are made on too, not the default socket."""
+    server = pg_admin.server
+    if server is None:
+        pytest.skip("KVLEDGER_TEST_POSTGRES_URL names the server: no socket of the tests' own")
+    url = f"postgresql+psycopg://postgres@/postgres?host={server.dir / 'sock'}&port={server.port}"
+    p = _kvledger("crash-test", "--db", url, "--trials", "2", "--seed", "7", "--json")
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
+    r = json.loads(p.stdout)
+    _no_violation(r, 2)
+    assert r["backend"] == "postgresql" and r["acknowledged_writes_checked"] > 0
+
+
 def test_crash_test_text_report_and_bad_input(tmp_path):
     p = _kvledger("crash-test", "--db", f"sqlite:///{tmp_path}/c.db", "--trials", "3", "--seed", "1")
     assert p.returncode == 0, p.stderr[-2000:]

@@ -60,6 +60,19 @@ def test_redact_hides_every_credential_and_keeps_the_rest(url):
             assert f"{key}={quote_plus(value)}" in shown  # harmless options stay readable
 
 
+def test_the_admin_connection_keeps_the_urls_libpq_options():
+    """What the journal's engine reads from a URL, the admin connections of crash-test's
+    and the tests' scratch databases read too: a Unix socket's directory and port given
+    in the query, TLS options; only what is overridden changes."""
+    from kvledger.journal.pgserver import conninfo as admin_conninfo
+
+    info = psycopg.conninfo.conninfo_to_dict(admin_conninfo(
+        f"postgresql://kv:{SECRET}@/kv?host=/run/postgresql&port=5433&sslmode=verify-full&sslrootcert=/etc/ca.pem",
+        dbname="scratch"))
+    assert info == {"host": "/run/postgresql", "port": "5433", "user": "kv", "password": SECRET, "dbname": "scratch",
+                    "sslmode": "verify-full", "sslrootcert": "/etc/ca.pem"}
+
+
 def test_a_password_with_an_unencoded_at_is_refused_without_echo():
     for url in (f"postgresql+psycopg://u:ab@{SECRET}@127.0.0.1:1/db",
                 f"postgresql+psycopg://u:ab@c/{SECRET}@127.0.0.1:1/db",
