@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 from test_replay_workload import write_workload
 
 from kvledger import Ledger
@@ -129,9 +130,9 @@ def _copy_database(request, url: str, tmp_path: Path) -> str:
         shutil.copyfile(sqlite_file(url), copy)
         return f"sqlite:///{copy}"
     admin = request.getfixturevalue("pg_admin").scratch
-    name = f"{url.rsplit('/', 1)[1]}_backup"
+    name = f"{make_url(url).database}_backup"
     with admin.connect() as conn:  # names built here, not input
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{url.rsplit("/", 1)[1]}"')
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{make_url(url).database}"')
     return admin.url(name)
 
 
@@ -145,7 +146,7 @@ def _restore(request, url: str, backup: str) -> None:
         shutil.copyfile(sqlite_file(backup), path)
         return
     admin = request.getfixturevalue("pg_admin").scratch
-    name, copy = url.rsplit("/", 1)[1], backup.rsplit("/", 1)[1]
+    name, copy = make_url(url).database, make_url(backup).database
     with admin.connect() as conn:  # names built here, not input
         conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{copy}"')

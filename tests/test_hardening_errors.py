@@ -103,7 +103,8 @@ def test_malformed_sqlite_urls_are_bad_database_url(tmp_path, url):
 def dead_and_wrong(pg_admin, tmp_path):
     """A PostgreSQL URL whose server is not there, and one whose database does not exist."""
     u = make_url(pg_admin.admin_url)
-    return (u.set(port=1, database="kvl").render_as_string(hide_password=False),
+    dead = u.update_query_dict({"port": "1"}) if "port" in u.query else u.set(port=1)  # libpq's ?host=/dir&port=
+    return (dead.set(database="kvl").render_as_string(hide_password=False),
             u.set(database="kvl_no_such_db").render_as_string(hide_password=False))
 
 

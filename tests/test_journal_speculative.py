@@ -230,13 +230,10 @@ def test_binary_arrays_round_trip(pg_admin):
     """The hand-built binary array parameters read back as the values they carry."""
     import psycopg
 
+    from kvledger.journal.pgserver import conninfo
     from kvledger.journal.postgres import _byteas, _int4s, _int8s, _register_arrays, _texts
 
-    url = pg_admin.create(migrated=False)
-    from sqlalchemy.engine import make_url
-
-    u = make_url(url)
-    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database) as conn:
+    with psycopg.connect(conninfo(pg_admin.create(migrated=False))) as conn:
         _register_arrays(conn)
         texts = ["a", None, "é✓", "", 'q"\\', "NULL"]
         ints = [0, -1, 2**63 - 1, -(2**63), 42]
