@@ -122,6 +122,10 @@ class PostgresStatements(Statements):
         self.pipeline = _PIPELINE and tuning.pipelined(host)
         if conn.info.encoding not in ("utf-8", "utf8"):  # _texts sends UTF-8
             conn.execute("SET client_encoding TO 'UTF8'")
+        # A write reads the journal's tail only once it holds the writers' lock, which READ
+        # COMMITTED's statement snapshots see; a database whose default is REPEATABLE READ
+        # or SERIALIZABLE would decide on a snapshot taken before the lock was granted.
+        conn.execute("SET default_transaction_isolation TO 'read committed'")
         _register_arrays(conn)
 
     def transaction(self, fn: Callable[[Any], T]) -> T:
