@@ -62,6 +62,12 @@ def _retry_busy(fn: Callable[[], Any], seconds: float = 60.0) -> Any:
             time.sleep(0.005)
 
 
+def lost(conn: Any) -> bool:
+    """Whether the server ended this driver connection (a restart, an idle timeout, a
+    terminated session): psycopg marks it closed or broken; SQLite's are never lost so."""
+    return getattr(conn, "broken", False) is True or getattr(conn, "closed", False) is True
+
+
 class ConnectionLock:
     """The lock of the journal's one connection: reentrant, as the journal's own methods
     nest. Between append_deferred and its wait the connection is mid-COMMIT on the

@@ -32,7 +32,7 @@ from sqlalchemy.engine import URL
 
 from kvledger.journal import faults, tuning
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
-from kvledger.journal.connection import ConnectionLock, make_engine
+from kvledger.journal.connection import ConnectionLock, lost, make_engine
 from kvledger.journal.contract import (
     Guard,
     HeadFacts,
@@ -531,6 +531,19 @@ class SqlJournal(Journal):
             raise KvLedgerError(
                 ErrorCode.INVALID_ARGUMENT, "journal opened in another process; open it after fork()"
             )
+        if lost(self.conn):  # the call that found it out raised (an append's outcome unknown): connect again
+            with self._lock:
+                self._reconnect()
+
+    def _reconnect(self) -> None:
+        release(self._proxy)  # invalidated: the pool resets nothing on a dead connection
+        try:
+            self._proxy = self.engine.raw_connection()
+            self.conn = self._proxy.driver_connection
+            self.sql = type(self.sql)(self.conn)
+        except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
+            raise self._driver_error(exc) from None
+        self._predicted, self._tails = None, Tails()  # what the lost session knew may not have committed
 
     def _driver_error(self, exc: BaseException) -> BaseException:
         """The coded error for a driver error; anything else (a bug) as it is."""

@@ -20,6 +20,11 @@ import psycopg
 import pytest
 
 from kvledger.journal.pgserver import conninfo
+from kvledger.migrations.storage import open_or_create_journal
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.receipts import Receipt
+
+from factories import allocate_op, guard_of, publish_op
 
 pytestmark = pytest.mark.postgres
 
@@ -107,3 +112,29 @@ def test_a_session_lost_during_a_read_is_one_coded_line(pg_admin, tmp_path, comm
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+@pytest.mark.parametrize("end", ["terminated", "idle_timeout"])
+def test_a_journal_connects_again_after_its_session_ended(pg_admin, end):
+    """The server ends an idle journal's session (an operator's pg_terminate_backend, an
+    idle_session_timeout, a restart): the call that finds it out raises its coded error,
+    as a lost connection's outcome is unknown, and the next call connects again, where
+    the same operation lands once."""
+    url = pg_admin.create()
+    with psycopg.connect(conninfo(url), autocommit=True) as admin:
+        if end == "idle_timeout":  # the scratch database's own name: no input reaches the statement
+            admin.execute(f"ALTER DATABASE \"{admin.info.dbname}\" SET idle_session_timeout = '300ms'")
+        with open_or_create_journal(url) as j:
+            j.append([allocate_op("h")])
+            base = guard_of(j.head("h"))
+            if end == "terminated":
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            time.sleep(0.6)
+            with pytest.raises(KvLedgerError) as lost:
+                j.append([publish_op("h", base, "p1")])
+            assert lost.value.code in (ErrorCode.DATABASE_UNREACHABLE, ErrorCode.DATABASE_ERROR)
+            [landed] = j.append([publish_op("h", base, "p1")])
+            assert isinstance(landed, Receipt)
+            assert j.append([publish_op("h", base, "p1")]) == [landed]  # a retry: its stored receipt
+            assert [e.stream_position for e in j.read_stream("h")] == [1, 2]
