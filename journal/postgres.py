@@ -124,8 +124,12 @@ class PostgresStatements(Statements):
             conn.execute("SET client_encoding TO 'UTF8'")
         # A write reads the journal's tail only once it holds the writers' lock, which READ
         # COMMITTED's statement snapshots see; a database whose default is REPEATABLE READ
-        # or SERIALIZABLE would decide on a snapshot taken before the lock was granted.
-        conn.execute("SET default_transaction_isolation TO 'read committed'")
+        # or SERIALIZABLE would decide on a snapshot taken before the lock was granted. And
+        # an acknowledged commit is durable: not under a database's synchronous_commit=off.
+        [(_, durable)] = conn.execute("SELECT set_config('default_transaction_isolation', 'read committed', false), "
+                                    "current_setting('synchronous_commit')").fetchall()
+        if durable == "off":
+            conn.execute("SET synchronous_commit TO on")
         _register_arrays(conn)
 
     def transaction(self, fn: Callable[[Any], T]) -> T:
