@@ -37,6 +37,9 @@ from kvledger.journal.port import Journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 log = logging.getLogger("kvledger.kv_events")
+# A journal error a database restart, a dropped session or a busy lock gives; each retried for up to RETRY_S.
+TRANSIENT = frozenset({ErrorCode.DATABASE_UNREACHABLE, ErrorCode.DATABASE_ERROR, ErrorCode.DATABASE_BUSY})
+RETRY_S = 60.0
 
 FLUSH_OPS = 4096  # decided batches that wait for a busy committer before the receiving waits too
 FLUSH_BYTES = 8 << 20  # the same in their events' bytes; and the most one commit takes
@@ -325,13 +328,28 @@ class _Committer:
                     self.pending -= 1
 
     def _append(self, taken: Taken) -> None:
-        for r in self.journal.append(taken.ops):
+        for r in self._appended(taken):
             if isinstance(r, Rejection):
                 raise KvLedgerError(ErrorCode(r.code), f"{r.handle_id}: {r.message} (another recorder "
                                                        "writes this stream?)")
         now = time.monotonic_ns()
         self.summary.last_commit_ns = now
         self.committed.add(taken, now)
+
+    def _appended(self, taken: Taken) -> list[Any]:
+        """The group appended, through a database that restarts or drops the session:
+        asked again (its operation ids make a retry land once) for up to RETRY_S, while
+        the receiving loop waits (the publisher's ring then replays what it missed)."""
+        deadline, pause = time.monotonic() + RETRY_S, 0.05
+        while True:
+            try:
+                return self.journal.append(taken.ops)
+            except KvLedgerError as exc:
+                if exc.code not in TRANSIENT or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("the journal did not take a group (%s); asking again in %.2f s", exc, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 2.0)
 
 
 def receive_messages(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],

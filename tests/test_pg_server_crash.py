@@ -65,7 +65,7 @@ def test_acknowledged_writes_survive_a_server_crash(server, tmp_path, default):
                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not acks.exists() or acks.read_text().count("\n") < 200:  # well into its commits
+        while not acks.exists() or acks.read_text().count("\n") < 100:  # well into its commits
             assert writer.poll() is None, writer.communicate()[1][-2000:]
             assert time.monotonic() < deadline, "the writer made no progress"
             time.sleep(0.01)
@@ -80,3 +80,32 @@ def test_acknowledged_writes_survive_a_server_crash(server, tmp_path, default):
         assert [op for op in acked if j.receipt(op) is None] == []
         positions = [p for p, _ in j.read_raw()]
         assert positions == list(range(1, len(positions) + 1)) and len(positions) >= 8 + len(acked)
+
+
+def test_the_kv_events_recorder_rides_out_a_server_crash(server):
+    """`kvledger kv-events record` into PostgreSQL while the server crashes and restarts:
+    the group being appended is asked again until the server is back (its operation ids
+    land it once), the receiving loop waits meanwhile, and every batch the publisher sent
+    is journaled exactly once."""
+    pytest.importorskip("zmq")
+    from kv_publisher import Publisher, Workload
+    from kv_recording import check_exactly_once, publish_batches, record_cli, stream_events, wait_for
+
+    url = server.create_database("recorder")
+    init_database(url)
+    pub = Publisher("vllm")
+    published: dict[tuple[int, int], list] = {}
+    w = Workload(3)
+    try:
+        recorder = record_cli(url, pub, "--idle-exit", "2")
+        time.sleep(1.5)  # the CLI starts and connects
+        publish_batches(pub, w, 200, published, pace=50)
+        wait_for(url, 150)
+        _crash_and_restart(server)
+        publish_batches(pub, w, 200, published, pace=50)
+        _, err = recorder.communicate(timeout=120)
+    finally:
+        pub.close()
+    assert recorder.returncode == 0, err.decode()[-2000:]
+    assert b"the journal did not take a group" in err  # it met the crash
+    check_exactly_once(stream_events(url), published)
