@@ -113,7 +113,7 @@ def drive(journal: Journal, loop: Loop, idle_exit: float | None, *, stop: Stop,
     try:
         rec = loop.rec
         committed = Committed(msgspec.structs.replace(rec.summary))
-        loop.committer = _Committer(journal, rec.summary, committed)
+        loop.committer = _Committer(journal, rec.summary, committed, stop)
         if watch is not None:
             watch(rec, committed)
         try:
@@ -286,8 +286,8 @@ class _Committer:
     is the backpressure on the receiving loop. A failure is raised by the next submit or
     by close."""
 
-    def __init__(self, journal: Journal, summary: Summary, committed: Committed) -> None:
-        self.journal, self.summary, self.committed = journal, summary, committed
+    def __init__(self, journal: Journal, summary: Summary, committed: Committed, stop: Stop) -> None:
+        self.journal, self.summary, self.committed, self.stop = journal, summary, committed, stop
         self.queue: queue.Queue[Taken | None] = queue.Queue(maxsize=1)
         self.lock = threading.Lock()
         self.pending = 0  # groups submitted and not yet appended
@@ -339,13 +339,14 @@ class _Committer:
     def _appended(self, taken: Taken) -> list[Any]:
         """The group appended, through a database that restarts or drops the session:
         asked again (its operation ids make a retry land once) for up to RETRY_S, while
-        the receiving loop waits (the publisher's ring then replays what it missed)."""
+        the receiving loop waits (the publisher's ring then replays what it missed); not
+        once the recorder is told to stop."""
         deadline, pause = time.monotonic() + RETRY_S, 0.05
         while True:
             try:
                 return self.journal.append(taken.ops)
             except KvLedgerError as exc:
-                if exc.code not in TRANSIENT or time.monotonic() + pause > deadline:
+                if exc.code not in TRANSIENT or self.stop.stopped or time.monotonic() + pause > deadline:
                     raise
                 log.warning("the journal did not take a group (%s); asking again in %.2f s", exc, pause)
                 time.sleep(pause)

@@ -6,9 +6,12 @@ durable: the journal's sessions commit durably whatever the database's default."
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -44,13 +47,21 @@ def server():
     pg.stop()
 
 
-def _crash_and_restart(pg: ThrowawayPostgres) -> None:
+def _crash(pg: ThrowawayPostgres) -> None:
     assert pg.bin is not None and pg.dir is not None
-    data = str(pg.dir / "data")
-    pg._run(str(pg.bin / "pg_ctl"), "-D", data, "-m", "immediate", "stop")
-    pg._run(str(pg.bin / "pg_ctl"), "-D", data, "-l", str(pg.dir / "log"), "-w", "-t", "60", "-o",
+    pg._run(str(pg.bin / "pg_ctl"), "-D", str(pg.dir / "data"), "-m", "immediate", "stop")
+
+
+def _start(pg: ThrowawayPostgres) -> None:
+    assert pg.bin is not None and pg.dir is not None
+    pg._run(str(pg.bin / "pg_ctl"), "-D", str(pg.dir / "data"), "-l", str(pg.dir / "log"), "-w", "-t", "60", "-o",
             f"-c listen_addresses=127.0.0.1 -c port={pg.port} -c unix_socket_directories={pg.dir / 'sock'}",
             "start")
+
+
+def _crash_and_restart(pg: ThrowawayPostgres) -> None:
+    _crash(pg)
+    _start(pg)
 
 
 @pytest.mark.parametrize("default", ["on", "off"], ids=["synchronous_commit_on", "synchronous_commit_off"])
@@ -82,30 +93,63 @@ def test_acknowledged_writes_survive_a_server_crash(server, tmp_path, default):
         assert positions == list(range(1, len(positions) + 1)) and len(positions) >= 8 + len(acked)
 
 
+@contextlib.contextmanager
+def _recording(server: ThrowawayPostgres, name: str, *args: str) -> Iterator[tuple[str, Callable[[int], None],
+                                                                                 subprocess.Popen[bytes], dict]]:
+    """A recorder (`kvledger kv-events record *args`) on a reference publisher into a new
+    PostgreSQL journal `name`, 100 batches in: (its URL, publish(n), the recorder, what was
+    published). The publisher closes as the block ends."""
+    pytest.importorskip("zmq")
+    from kv_publisher import Publisher, Workload
+    from kv_recording import publish_batches, record_cli, wait_for
+
+    url = server.create_database(name)
+    init_database(url)
+    pub, w = Publisher("vllm"), Workload(3)
+    published: dict[tuple[int, int], list] = {}
+
+    def publish(n: int) -> None:
+        publish_batches(pub, w, n, published, pace=50)
+
+    try:
+        recorder = record_cli(url, pub, *args)
+        time.sleep(1.5)  # the CLI starts and connects
+        publish(100)
+        wait_for(url, 80)
+        yield url, publish, recorder, published
+    finally:
+        pub.close()
+
+
 def test_the_kv_events_recorder_rides_out_a_server_crash(server):
     """`kvledger kv-events record` into PostgreSQL while the server crashes and restarts:
     the group being appended is asked again until the server is back (its operation ids
     land it once), the receiving loop waits meanwhile, and every batch the publisher sent
     is journaled exactly once."""
-    pytest.importorskip("zmq")
-    from kv_publisher import Publisher, Workload
-    from kv_recording import check_exactly_once, publish_batches, record_cli, stream_events, wait_for
+    from kv_recording import check_exactly_once, stream_events
 
-    url = server.create_database("recorder")
-    init_database(url)
-    pub = Publisher("vllm")
-    published: dict[tuple[int, int], list] = {}
-    w = Workload(3)
-    try:
-        recorder = record_cli(url, pub, "--idle-exit", "2")
-        time.sleep(1.5)  # the CLI starts and connects
-        publish_batches(pub, w, 200, published, pace=50)
-        wait_for(url, 150)
+    with _recording(server, "recorder", "--idle-exit", "2") as (url, publish, recorder, published):
         _crash_and_restart(server)
-        publish_batches(pub, w, 200, published, pace=50)
+        publish(200)
         _, err = recorder.communicate(timeout=120)
-    finally:
-        pub.close()
     assert recorder.returncode == 0, err.decode()[-2000:]
     assert b"the journal did not take a group" in err  # it met the crash
     check_exactly_once(stream_events(url), published)
+
+
+def test_a_recorder_told_to_stop_while_the_database_is_down_stops(server):
+    """SIGTERM while the server is down: the recorder stops asking the journal again and
+    ends at once with the database's coded error, not after its retry window."""
+    try:
+        with _recording(server, "stopping") as (_, publish, recorder, _):
+            _crash(server)
+            publish(100)
+            time.sleep(1.0)  # it meets the outage and asks again
+            asked = time.monotonic()
+            recorder.send_signal(signal.SIGTERM)
+            _, err = recorder.communicate(timeout=120)
+            took = time.monotonic() - asked
+    finally:
+        _start(server)
+    assert recorder.returncode == 2 and b"DATABASE_UNREACHABLE" in err, err.decode()[-2000:]
+    assert took < 15, took  # the retry window is 60 s
