@@ -55,6 +55,7 @@ class ThrowawayPostgres:
         self.bin = find_bin()
         self.dir: Path | None = None
         self.port = 0
+        self.options = ""  # the server's -o options, as start() gave them (a restart gives them again)
 
     def _run(self, *cmd: str) -> None:
         argv = list(cmd)
@@ -79,6 +80,7 @@ class ThrowawayPostgres:
                 "-c shared_buffers=128MB")
         if not self.fsync:
             opts += " -c synchronous_commit=off -c full_page_writes=off"
+        self.options = opts
         self._run(str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.dir / "log"),
                   "-o", opts, "-w", "-t", "60", "start")
         return self

@@ -53,10 +53,10 @@ def _crash(pg: ThrowawayPostgres) -> None:
 
 
 def _start(pg: ThrowawayPostgres) -> None:
+    """The crashed server started again on its data, with the options it first had."""
     assert pg.bin is not None and pg.dir is not None
-    pg._run(str(pg.bin / "pg_ctl"), "-D", str(pg.dir / "data"), "-l", str(pg.dir / "log"), "-w", "-t", "60", "-o",
-            f"-c listen_addresses=127.0.0.1 -c port={pg.port} -c unix_socket_directories={pg.dir / 'sock'}",
-            "start")
+    pg._run(str(pg.bin / "pg_ctl"), "-D", str(pg.dir / "data"), "-l", str(pg.dir / "log"), "-o", pg.options,
+            "-w", "-t", "60", "start")
 
 
 def _crash_and_restart(pg: ThrowawayPostgres) -> None:
