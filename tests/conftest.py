@@ -38,6 +38,17 @@ def _placement_stays_in_its_test():
         os.sched_setaffinity(0, _AFFINITY)
 
 
+def pipelined_postgres(mp: pytest.MonkeyPatch, on: bool) -> None:
+    """PostgreSQL's statements pipelined (`on`: as to a remote server) or sent one by one,
+    whatever the server's address (KVLEDGER_PG_PIPELINE, for this test and the processes it
+    starts); without libpq's pipeline mode a pipelined test is skipped."""
+    from kvledger.journal.postgres import _PIPELINE
+
+    if on and not _PIPELINE:
+        pytest.skip("libpq without pipeline mode")
+    mp.setenv("KVLEDGER_PG_PIPELINE", "on" if on else "off")
+
+
 class PgAdmin:
     """Creates one fresh database per test, migrated ones from a migrated template."""
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import pipelined_postgres
 
 from kvledger.journal import faults
 
@@ -58,14 +59,14 @@ def _no_violation(r: dict, trials: int) -> None:
             r["recovery_errors"], r["child_failures"]) == (0, 0, 0, 0, 0, 0)
 
 
-def test_crash_test_trials_with_postgres_statements_pipelined(pg_admin):
+def test_crash_test_trials_with_postgres_statements_pipelined(pg_admin, monkeypatch):
     """PostgreSQL as a remote server is written to: its statements pipelined
     (KVLEDGER_PG_PIPELINE=on; the test server is on loopback, where they go one by one).
     A verdict read before its statement's result arrived once broke the streams' chains
     at the first commit of decode steps beside an arrival."""
     trials = 12
-    p = _kvledger("crash-test", "--db", pg_admin.create(), "--trials", str(trials), "--seed", "5", "--json",
-                  env={"KVLEDGER_PG_PIPELINE": "on"})
+    pipelined_postgres(monkeypatch, True)
+    p = _kvledger("crash-test", "--db", pg_admin.create(), "--trials", str(trials), "--seed", "5", "--json")
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
     r = json.loads(p.stdout)
     _no_violation(r, trials)

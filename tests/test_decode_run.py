@@ -12,6 +12,7 @@ import tempfile
 
 import psycopg
 import pytest
+from conftest import pipelined_postgres
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,6 @@ from kvledger.engine import commands as c
 from kvledger.engine import ids
 from kvledger.engine.service import CommandService, ManualClock
 from kvledger.journal.port import Journal
-from kvledger.journal.postgres import _PIPELINE
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.decode_batch import BatchBuilder, DecodeBatch
 from kvledger.schemas.errors import KvLedgerError
@@ -164,8 +164,8 @@ def test_a_run_from_its_columns_stores_what_its_operations_store(kind, extra, re
     `postgres_pipeline`: the run's statements pipelined, as to a remote server, against
     its operations sent one by one."""
     pg = request.getfixturevalue("pg_admin") if kind.startswith("postgres") else None
-    if kind == "postgres_pipeline" and not _PIPELINE:
-        pytest.skip("libpq without pipeline mode")
+    if kind == "postgres_pipeline":
+        pipelined_postgres(request.getfixturevalue("monkeypatch"), True)
 
     @settings(max_examples=(25 if pg is None else 10) // (2 if extra else 1), deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -177,7 +177,7 @@ def test_a_run_from_its_columns_stores_what_its_operations_store(kind, extra, re
                 same_ids(mp)
                 fixed_commit_time(mp)
                 if kind == "postgres_pipeline":
-                    mp.setenv("KVLEDGER_PG_PIPELINE", "on" if columns else "off")
+                    pipelined_postgres(mp, columns)
                 url = f"sqlite:///{d}/{columns}.db" if pg is None else pg.create()
                 runs[columns] = _journal(url, columns, rounds, extra)
             assert runs[True] == runs[False]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from conftest import BACKEND_NAMES
+from conftest import BACKEND_NAMES, pipelined_postgres
 
 from kvledger.engine import commands as c
 from kvledger.engine import ids
@@ -29,11 +29,7 @@ def backend(request, monkeypatch):
     the server here is on loopback, where they go one by one)."""
     if request.param != "postgres_pipeline":
         return request.param
-    from kvledger.journal.postgres import _PIPELINE
-
-    if not _PIPELINE:
-        pytest.skip("libpq without pipeline mode")
-    monkeypatch.setenv("KVLEDGER_PG_PIPELINE", "on")
+    pipelined_postgres(monkeypatch, True)
     return "postgres"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import pipelined_postgres
 
 from kvledger.journal import Rejection
 from kvledger.migrations.storage import open_or_create_journal
@@ -25,11 +26,7 @@ def pg_url(pg_admin):
 def pipelined(request, monkeypatch):
     """Loopback connections send statements one by one; remote ones pipeline them.
     Run both ways here (the server is on loopback)."""
-    from kvledger.journal.postgres import _PIPELINE
-
-    if request.param and not _PIPELINE:
-        pytest.skip("libpq without pipeline mode")
-    monkeypatch.setenv("KVLEDGER_PG_PIPELINE", "on" if request.param else "off")
+    pipelined_postgres(monkeypatch, request.param)
     return request.param
 
 
@@ -107,7 +104,7 @@ def test_the_general_path_takes_its_lock_with_begin(pg_url, monkeypatch):
     one, as on loopback: a pipeline sends BEGIN as psycopg's own)."""
     import psycopg
 
-    monkeypatch.setenv("KVLEDGER_PG_PIPELINE", "off")
+    pipelined_postgres(monkeypatch, False)
     with open_or_create_journal(pg_url) as a:
         a.append([allocate_op("warm")])
         sent = []
