@@ -14,7 +14,8 @@ from kvledger.journal.record_rows import Known
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.schemas.decode_fingerprint import DECODE_CHAIN
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
-from kvledger.schemas.events import CURRENT_VERSION
+from kvledger.schemas.events import CURRENT_VERSION, Event
+from kvledger.schemas.ids import MAX_ID, id_problem
 from kvledger.schemas.receipts import Receipt, receipt_decoder
 
 
@@ -316,12 +317,20 @@ _STEP_VERSIONS_CURRENT = tuple(CURRENT_VERSION[cls.event_type] for cls in DECODE
 
 
 def _invalid(op: Operation, msg: str) -> KvLedgerError:
-    return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"operation {op.operation_id}: {msg}")
+    return KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"operation {op.operation_id[:64]}: {msg}")
+
+
+def _bad_id(op: Operation, what: str, value: str, problem: str) -> KvLedgerError:
+    """INVALID_ARGUMENT, or FIELD_TOO_LARGE for an id over its length (the reader's code,
+    and PostgreSQL's for its column)."""
+    code = ErrorCode.FIELD_TOO_LARGE if len(value) > MAX_ID else ErrorCode.INVALID_ARGUMENT
+    return KvLedgerError(code, f"operation {op.operation_id[:64]}: {what} {value[:64]!r} {problem}")
 
 
 def validate(op: Operation) -> None:
     if not op.writes:
         raise _invalid(op, "writes nothing")
+    _check_ids(op)
     seen: set[str] = set()
     for w in op.writes:
         handle = w.handle_id
@@ -353,6 +362,33 @@ def validate(op: Operation) -> None:
                           f"{CURRENT_VERSION[ev.event_type]}")
         if w.head.stream_position != position:
             raise _invalid(op, f"head of {handle} does not end at its last event")
+
+
+def _check_ids(op: Operation) -> None:
+    """Refuse an id the reader would refuse (or PostgreSQL's columns would): acknowledged,
+    it would fail every later read of the journal, on any backend."""
+    if (problem := id_problem(op.operation_id)) is not None:
+        raise _bad_id(op, "its operation id", op.operation_id, problem)
+    for check in op.checks:
+        if (problem := id_problem(check.handle_id)) is not None:
+            raise _bad_id(op, "the handle id it checks", check.handle_id, problem)
+    for w in op.writes:
+        if (problem := id_problem(w.handle_id)) is not None:
+            raise _bad_id(op, "handle id", w.handle_id, problem)
+        if (problem := id_problem(w.head.request_id)) is not None:
+            raise _bad_id(op, "its head's request id", w.head.request_id, problem)
+        for ev in w.events:
+            if (id_problem(ev.event_id) or id_problem(ev.request_id) or id_problem(ev.source_instance)
+                    or (ev.operation_id is not None and id_problem(ev.operation_id))):
+                raise _envelope_problem(op, ev)
+
+
+def _envelope_problem(op: Operation, ev: Event) -> KvLedgerError:
+    for name in ("event_id", "request_id", "source_instance", "operation_id"):
+        value = getattr(ev, name)
+        if value is not None and (problem := id_problem(value)) is not None:
+            return _bad_id(op, f"event {ev.event_id[:64]!r}: its {name}", value, problem)
+    raise AssertionError("called for an event with a bad id")
 
 
 def stored_receipt(op: Operation, fingerprint: str, body: bytes) -> Receipt | Rejection:

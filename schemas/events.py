@@ -13,11 +13,12 @@ from typing import Annotated, ClassVar, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from kvledger.schemas.ids import MAX_ID
 from kvledger.schemas.kv_events import KvEventsBatch, KvEventsGap, KvEventsRestart
 from kvledger.schemas.manifest import Manifest
 
 # Bounds keep a forged or corrupt line from becoming an unbounded allocation.
-Id = Annotated[str, Meta(min_length=1, max_length=256)]
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID)]
 # A lowercase hex sha256. msgspec checks a `pattern` with Python's `re` on every decode
 # (most of a publish event's decode), so the length is bounded in
 # C here and the alphabet checked by `_hex` from the owning struct's __post_init__.
