@@ -43,6 +43,7 @@ from kvledger.adapters.kv_events_wire import (
     split_live,
     split_replay,
 )
+from kvledger.engine.ids import instance_name
 from kvledger.journal.contract import Guard, HeadFacts, Operation, StreamWrite
 from kvledger.schemas import events as ev
 from kvledger.schemas import kv_events as kv
@@ -149,6 +150,7 @@ class Recorder:
                  gap_reason: str = "no replay endpoint", live_duplicates: bool = True,
                  max_held_bytes: int = MAX_HELD_BYTES, frames: int | None = None) -> None:
         self.endpoint, self.topic = endpoint, topic
+        self.source = instance_name(SOURCE)  # this recording's clock: a recording resumed later is another source
         self.topic_bytes = topic.encode()
         self.frame_count = frames  # a live message's frames (3: vLLM, 2: SGLang; None: either)
         self.replayable = replayable
@@ -194,7 +196,7 @@ class Recorder:
         else:
             self.ops, self.ops_bytes, summary = [], 0, msgspec.structs.replace(self.summary)
         oldest = min([p.received_ns for p in pending], default=0)
-        return Taken(_operations(pending, group), summary, oldest)
+        return Taken(_operations(pending, group, self.source), summary, oldest)
 
     def stop(self) -> None:
         """At exit: every held batch is journaled, each hole below one as a gap."""
@@ -478,7 +480,7 @@ class Taken(msgspec.Struct, frozen=True, gc=False):
     oldest_received_ns: int
 
 
-def _operations(pending: list[_Pending], most: int) -> list[Operation]:
+def _operations(pending: list[_Pending], most: int, source: str) -> list[Operation]:
     """Consecutive writes of one stream, up to `most`, as one operation: its guard is the
     first write's, its head the last's, its id the first write's (stream, epoch, seq) and
     how many follow, so a retry of the same group is recognized and any other overlap is
@@ -495,7 +497,7 @@ def _operations(pending: list[_Pending], most: int) -> list[Operation]:
         events = tuple(p.cls(
             event_id=f"kv:{p.key}:{p.what}", stream_id=p.sid, stream_position=p.head.stream_position,
             schema_version=CURRENT_VERSION[p.cls.event_type], request_id=p.sid, handle_generation=p.head.generation,
-            operation_id=op_id, source_instance=SOURCE, monotonic_ns=p.monotonic_ns, observed_wall_time=p.wall_ns,
+            operation_id=op_id, source_instance=source, monotonic_ns=p.monotonic_ns, observed_wall_time=p.wall_ns,
             payload=p.payload) for p in group)
         fingerprint = first.fingerprint if len(group) == 1 else \
             f"{len(group)}:{zlib.crc32(''.join(p.fingerprint for p in group).encode()):08x}:{group[-1].fingerprint}"

@@ -1,4 +1,4 @@
-"""Unique ids for events, operations, transactions and model calls.
+"""Unique ids for events, operations, transactions, model calls and source instances.
 
 A random 64-bit process prefix and a counter: unique like uuid4 for our purposes, but
 without a getrandom() syscall per id (the worker makes several per token). The
@@ -39,6 +39,13 @@ _next: Callable[[], str] = _unique
 def new_id() -> str:
     """32 hex characters, unique across processes and forks."""
     return _next()
+
+
+def instance_name(component: str) -> str:
+    """A source_instance for one run of `component`: the component and 8 random hex
+    digits. A source's monotonic clock and local_sequence are its own, never compared
+    with another's (spec), so a run after a restart or a reboot must be another source."""
+    return f"{component}-{os.urandom(4).hex()}"
 
 
 def new_block(count: int) -> tuple[str, int] | None:

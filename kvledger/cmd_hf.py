@@ -46,6 +46,7 @@ def generate(args: argparse.Namespace) -> tuple[str, str, list[int], list[int], 
     import torch
 
     from kvledger.adapters.hf import journaled_generate
+    from kvledger.engine.ids import instance_name
     from kvledger.journal import resolve_url
     from kvledger.ledger import Ledger
     from kvledger.worker.loading import read_config, require_context
@@ -64,7 +65,7 @@ def generate(args: argparse.Namespace) -> tuple[str, str, list[int], list[int], 
                               "do_sample": args.do_sample, "seed": args.seed if args.do_sample else None,
                               "cache_implementation": None}
     url = resolve_url(args.db)
-    with Ledger.open(url, source_instance="kvledger-generate-hf") as ledger:
+    with Ledger.open(url, source_instance=instance_name("kvledger-generate-hf")) as ledger:
         first = ledger.journal.last_position()
         ids = torch.tensor([prompt], device=args.device)
         out = journaled_generate(model, ledger=ledger, input_ids=ids, request_ids=[handle], **kwargs)

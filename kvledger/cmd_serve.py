@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, get_args
 
 from kvledger.args import JsonDoc
 from kvledger.cli import add_slo_arguments
+from kvledger.engine.ids import instance_name
 from kvledger.engine.remote import WRITERS
 from kvledger.journal import redact, resolve_url
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
@@ -261,7 +262,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _make_room(args)
     with open_or_create_journal(url) as journal:
         first = journal.last_position()
-        with command_service(journal, writer=args.writer, source_instance="kvledger-generate") as service:
+        source = instance_name("kvledger-generate")
+        with command_service(journal, writer=args.writer, source_instance=source) as service:
             worker = Worker(model, service=service, artifact=artifact, max_running=1, capacity=capacity,
                             prefill_chunk=PREFILL_CHUNK, prefill_tokens=PREFILL_CHUNK, device=args.device)
             worker.submit(RequestSpec(request_id=handle, prompt=prompt, max_new_tokens=args.max_new_tokens))

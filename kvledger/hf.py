@@ -27,8 +27,9 @@ def journaled_generate(model: Any, *args: Any, ledger: HasService | str, **kwarg
     journal is opened or touched; kvledger.adapters.hf.run says what is journaled."""
     call, options = prepare(model, *args, **kwargs)
     if isinstance(ledger, str):
+        from kvledger.engine.ids import instance_name
         from kvledger.ledger import Ledger
 
-        with Ledger.open(ledger, source_instance="kvledger-hf") as opened:
+        with Ledger.open(ledger, source_instance=instance_name("kvledger-hf")) as opened:
             return run(model, call, options, opened)
     return run(model, call, options, ledger)

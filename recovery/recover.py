@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvledger.engine import commands as c
+from kvledger.engine.ids import instance_name
 from kvledger.engine.service import CommandService
 from kvledger.engine.state import HandleState
 from kvledger.journal.port import Journal
@@ -113,7 +114,7 @@ def verify_findings(journal: Journal) -> list[PlainFinding]:
 def recover(journal: Journal, *, served: tuple[Transformer, ArtifactIdentity] | None = None,
             model_dir: str | None = None,
             device: str = "cpu", continue_requests: bool = True, verify_after: bool = True,
-            source_instance: str = SOURCE, display: str | None = None) -> RecoveryReport:
+            source_instance: str | None = None, display: str | None = None) -> RecoveryReport:
     """Recover `journal` after a crash (see the module docstring). `served`: an already
     loaded model and its artifact (load_model's pair); otherwise `model_dir` is loaded
     (None: the default small random model) in the dtype the handles' cache schema names."""
@@ -124,7 +125,8 @@ def recover(journal: Journal, *, served: tuple[Transformer, ArtifactIdentity] | 
     if report.verify_findings:  # a journal that breaks its own rules is not continued
         return _done(report, journal, t0, verify_after=False)
 
-    service = CommandService(journal, source_instance=source_instance)
+    # this run's clock is its own: a second recovery (after a reboot) is another source
+    service = CommandService(journal, source_instance=source_instance or instance_name(SOURCE))
     # KV-event streams (an engine's prefix cache, kvledger kv-events) are no handles to continue
     live = sorted(h for h, f in journal.heads().items() if f.lifecycle not in ("RELEASED", KV_LIFECYCLE))
     report.live_handles = live

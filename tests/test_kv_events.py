@@ -177,7 +177,8 @@ def test_block_pool_projection_matches_an_independent_model_at_20_positions(tmp_
 def test_the_recorder_journals_the_same_bytes_from_either_form_of_a_batch(dialect):
     """The live recorder hands the Recorder each batch's events already as JSON
     (decode_batch_encoded); the journal's bytes are those of the kv events themselves,
-    through held batches, a gap and a restart too."""
+    through held batches, a gap and a restart too (each recording's clocks and source
+    name its own)."""
     from kvledger.adapters.kv_events_recorder import Recorder
     from kvledger.adapters.kv_events_wire import decode_batch, decode_batch_encoded
     from kvledger.schemas.codec import encode_event
@@ -193,7 +194,7 @@ def test_the_recorder_journals_the_same_bytes_from_either_form_of_a_batch(dialec
         for seq, payload in first + restarted:
             rec.message(seq, payload, decode(payload), replayed=False)
         bodies.append([encode_event(msgspec.structs.replace(e, global_position=i + 1, monotonic_ns=0,
-                                                            observed_wall_time=0))
+                                                            observed_wall_time=0, source_instance="-"))
                        for i, e in enumerate(e for op in rec.take() for wr in op.writes for e in wr.events)])
         summaries.append(rec.summary)
     assert bodies[0] == bodies[1] and summaries[0] == summaries[1]
@@ -338,3 +339,32 @@ def test_serve_replays_any_seq_and_a_snapshot_plus_replay_rebuilds_the_block_set
     for _, events in tail:
         _client_apply(pools, events)
     assert {k: v for k, v in pools.items() if v} == {k: set(v) for k, v in resident(full, sid).items()}
+
+
+def test_a_recorder_resuming_a_stream_after_a_reboot_is_another_source(tmp_path, monkeypatch):
+    """A monotonic clock is its process's, never compared across processes (spec). A
+    recording that resumes a stream after its host rebooted (the clock starting again near
+    zero) stamps its own source_instance: verify finds no TIME_REGRESSION between the two."""
+    import kvledger.adapters.kv_events_recorder as recorder
+    from kvledger.adapters.kv_events_wire import decode_batch
+
+    from kv_publisher import encode
+
+    url = new_db(tmp_path)
+    w = Workload(3)
+    batches = [(i, encode("vllm", 1.0 + i, w.batch(), 0)) for i in range(20)]
+    with open_journal(url) as j:
+        for part, booted_ns in ((batches[:10], 9 * 10**14), (batches[10:], 10**9)):  # then a reboot
+            with monkeypatch.context() as m:
+                m.setattr(recorder.time, "monotonic_ns", iter(range(booted_ns, booted_ns + 10**6)).__next__)
+                rec = recorder.Recorder("tcp://127.0.0.1:1", "kv", j.heads(), replayable=False)
+                for seq, payload in part:
+                    rec.message(seq, payload, decode_batch(payload), replayed=False)
+                ops = rec.take()
+            j.append(ops)
+        got = [e for e in j.read_all() if isinstance(e, ev.KvEventsBatchEvent)]
+    assert [e.payload.seq for e in got] == list(range(20))
+    first, second = {e.source_instance for e in got[:10]}, {e.source_instance for e in got[10:]}
+    assert len(first) == len(second) == 1 and first != second
+    assert all(x.startswith(recorder.SOURCE + "-") for x in first | second)
+    verify_clean(url)
