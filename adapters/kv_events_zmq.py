@@ -33,13 +33,10 @@ __all__ = ["Committed", "Deciding", "Loop", "RecordOptions", "Say", "Stop", "Sum
            "receive_messages", "record"]
 from kvledger.adapters.kv_events_wire import seq_bytes
 from kvledger.journal.contract import Rejection
-from kvledger.journal.port import Journal
+from kvledger.journal.port import Journal, retried
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 log = logging.getLogger("kvledger.kv_events")
-# A journal error a database restart, a dropped session or a busy lock gives; each retried for up to RETRY_S.
-TRANSIENT = frozenset({ErrorCode.DATABASE_UNREACHABLE, ErrorCode.DATABASE_ERROR, ErrorCode.DATABASE_BUSY})
-RETRY_S = 60.0
 
 FLUSH_OPS = 4096  # decided batches that wait for a busy committer before the receiving waits too
 FLUSH_BYTES = 8 << 20  # the same in their events' bytes; and the most one commit takes
@@ -341,16 +338,7 @@ class _Committer:
         asked again (its operation ids make a retry land once) for up to RETRY_S, while
         the receiving loop waits (the publisher's ring then replays what it missed); not
         once the recorder is told to stop."""
-        deadline, pause = time.monotonic() + RETRY_S, 0.05
-        while True:
-            try:
-                return self.journal.append(taken.ops)
-            except KvLedgerError as exc:
-                if exc.code not in TRANSIENT or self.stop.stopped or time.monotonic() + pause > deadline:
-                    raise
-                log.warning("the journal did not take a group (%s); asking again in %.2f s", exc, pause)
-                time.sleep(pause)
-                pause = min(2 * pause, 2.0)
+        return retried(lambda: self.journal.append(taken.ops), what="a group", stopped=lambda: self.stop.stopped)
 
 
 def receive_messages(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], KvLedgerError | None],

@@ -38,7 +38,7 @@ from kvledger.engine.port import CommandPort, CommitHook, RejectHook, Results
 from kvledger.engine.service import BatchSurface, CommandService, SystemClock
 from kvledger.engine.state import HandleState
 from kvledger.journal import open_journal, tuning
-from kvledger.journal.port import DecodeRun, Journal, RunReceipts
+from kvledger.journal.port import DecodeRun, Journal, RunReceipts, retried
 from kvledger.schemas.decode_batch import DecodeBatch
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
@@ -247,7 +247,7 @@ class RemoteService(BatchSurface):
                     on_reject(cmd, r)
 
     def state(self, handle_id: str, *, refresh: bool = False) -> HandleState | None:
-        return fold(self.journal.read_stream(handle_id))
+        return fold(retried(lambda: self.journal.read_stream(handle_id), what="a read"))
 
     def close(self) -> None:
         """Close the pipe and wait for the writer: it finishes any batch it holds and exits."""

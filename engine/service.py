@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, NoReturn, Self, TypeVar
 
 import msgspec
 
@@ -30,7 +30,7 @@ from kvledger.engine.plans import Plan, RunPlan
 from kvledger.engine.port import Clock, CommandPort, CommitHook, RejectHook, Results
 from kvledger.engine.state import HandleState
 from kvledger.journal.contract import Check, Operation, Rejection, StreamWrite
-from kvledger.journal.port import STEP_VERSIONS, Journal, RunReceipts, RunThen
+from kvledger.journal.port import RETRY_S, STEP_VERSIONS, TRANSIENT, Journal, RunReceipts, RunThen, retried
 from kvledger.schemas import events as ev
 from kvledger.schemas.canonical import canonical_json
 from kvledger.schemas.codec import decode_event, encode_event
@@ -41,6 +41,8 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
 MAX_ATTEMPTS = 64
+
+T = TypeVar("T")
 
 
 class SystemClock:
@@ -135,6 +137,10 @@ class CommandService(BatchSurface):
     # anything is decided or written: a field outside it would poison every later replay.
     # The worker's own commands are built valid and skip the cost.
     strict: bool = False
+    # How long a call the database left unanswered (journal.port.TRANSIENT: a restart, a
+    # lost session, a busy lock) is asked again, a commit with the same operations; 0:
+    # raised at once, the outcome of a commit then unknown and the caller's to retry.
+    retry_s: float = RETRY_S
 
     # -- state -------------------------------------------------------------------
 
@@ -143,7 +149,7 @@ class CommandService(BatchSurface):
         if cached is not None and not refresh:
             return cached
         after = cached.stream_position if cached is not None else 0
-        state = fold(self.journal.read_stream(handle_id, after=after), cached)
+        state = fold(self._retried(lambda: self.journal.read_stream(handle_id, after=after)), cached)
         if state is not None:
             self.states[handle_id] = state
         return state
@@ -306,7 +312,8 @@ class CommandService(BatchSurface):
                 if not again:
                     pending = []
                     break
-                pending = self._settle(results, again, self.journal.append([p.op for _, p in again]))
+                append = partial(self.journal.append, [p.op for _, p in again])
+                pending = self._settle(results, again, self._retried(append, what="a commit"))
             for i, p in pending:
                 results[i] = KvLedgerError(ErrorCode.STALE_BASE, f"{p.op.operation_id}: gave up after "
                                                                  f"{MAX_ATTEMPTS} contended attempts")
@@ -323,14 +330,25 @@ class CommandService(BatchSurface):
     def _send(self, planned: list[tuple[int, Plan]], defer: bool, run: RunPlan | None
               ) -> Callable[[], Sequence[Receipt | Rejection]]:
         """Append the run and the planned operations after it; the function that waits
-        for the outcomes."""
-        if run is not None:
-            return self.journal.append_run(run.run, [p.op for _, p in planned], defer=defer)
+        for the outcomes. A commit a restarting database or a lost session left unknown
+        is sent again, the same operations, until it lands (journal.port.retried)."""
         ops = [p.op for _, p in planned]
-        if defer:
-            return self.journal.append_deferred(ops)
-        outcomes = self.journal.append(ops)
-        return lambda: outcomes
+
+        def send(defer: bool) -> Callable[[], Sequence[Receipt | Rejection]]:
+            if run is not None:
+                return self.journal.append_run(run.run, ops, defer=defer)
+            if defer:
+                return self.journal.append_deferred(ops)
+            outcomes = self.journal.append(ops)
+            return lambda: outcomes
+
+        try:
+            first = send(defer)
+        except KvLedgerError as exc:
+            if exc.code not in TRANSIENT:
+                raise
+            first = partial(_reraise, exc)  # asked again when waited for
+        return lambda: self._retried(first, lambda: send(False)(), what="a commit")
 
     def _decide(self, cmds: list[c.Command | c.Relative | None], results: list[Receipt | KvLedgerError | None],
                 todo: Sequence[int], local: dict[str, HandleState | None] | None = None) -> list[tuple[int, Plan]]:
@@ -346,7 +364,7 @@ class CommandService(BatchSurface):
         new = [] if strict else [h for i in todo if type(cmd := cmds[i]) is c.Allocate
                                  and type(h := cmd.handle_id) is str and h not in self.states]
         if new:
-            found = self.journal.existing(new)
+            found = self._retried(lambda: self.journal.existing(new))
             local.update((h, None) for h in new if h not in found)
         for i in todo:
             cmd = cmds[i]
@@ -436,9 +454,13 @@ class CommandService(BatchSurface):
                 pending.append((i, plan))
         return pending
 
+    def _retried(self, call: Callable[[], T], again: Callable[[], T] | None = None, what: str = "a read") -> T:
+        return retried(call, again, what=what, seconds=self.retry_s)
+
     def _explain(self, cmd: c.Command, exc: KvLedgerError) -> Receipt | KvLedgerError:
         """A command that no longer decides may be a retry of one already committed."""
-        receipt = None if cmd.operation_id is None else self.journal.receipt(cmd.operation_id)
+        op_id = cmd.operation_id
+        receipt = None if op_id is None else self._retried(lambda: self.journal.receipt(op_id))
         if receipt is None:
             return exc
         if receipt.fingerprint == cmd.fingerprint():
@@ -500,6 +522,10 @@ class CommandService(BatchSurface):
 # A step's values rebuild its events at the port's STEP_VERSIONS: at any other, a decode
 # batch's steps are stamped as events, checked as any other operation's.
 _STAMPED = tuple(ev.CURRENT_VERSION[cls.event_type] for cls in DECODE_CHAIN) == STEP_VERSIONS
+
+
+def _reraise(exc: KvLedgerError) -> NoReturn:
+    raise exc
 
 
 def _decodable(event: ev.Event) -> None:

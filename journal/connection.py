@@ -68,6 +68,15 @@ def lost(conn: Any) -> bool:
     return getattr(conn, "broken", False) is True or getattr(conn, "closed", False) is True
 
 
+def stuck(conn: Any) -> bool:
+    """Whether a connection a call just failed on is left unable to serve the next: a
+    command still in progress, a transaction open or failed (psycopg's transaction
+    status, IDLE when it can). Asked after a failure only: a deferred COMMIT in flight
+    on the committer thread is a command in progress too. SQLite's never are."""
+    info = getattr(conn, "info", None)
+    return info is not None and info.transaction_status.name != "IDLE"
+
+
 class ConnectionLock:
     """The lock of the journal's one connection: reentrant, as the journal's own methods
     nest. Between append_deferred and its wait the connection is mid-COMMIT on the

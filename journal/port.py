@@ -27,6 +27,9 @@ What an append promises, on every backend:
   receipt and writes nothing; the same id with another fingerprint is CONFLICT.
 - Reads return whole logical events with their envelope (schemas.events), whatever the
   backend stores; `read_raw` gives the stored JSON bodies that `export` writes.
+- A call that meets a restarting server, a lost session or a busy lock raises one of
+  TRANSIENT, an append's outcome then unknown; the journal connects again at the next
+  call, and the same operations land once (`retried` asks again for up to RETRY_S).
 
 Implementations, and adding one. `journal.backends.BACKENDS` is the one list of
 implementations (journal.sql.SqlJournal for SQLite and PostgreSQL, journal.nats.NatsJournal
@@ -49,8 +52,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from kvledger.journal.contract import (
     ChainAt,
@@ -66,8 +71,34 @@ from kvledger.journal.contract import (
 from kvledger.journal.decode_run import DecodeRun, RunReceipts, RunThen
 from kvledger.journal.step_values import VERSIONS as STEP_VERSIONS
 from kvledger.journal.step_values import DecodeStep, FoldItem, StepColumns, StepRun, StepValues
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.events import Event
 from kvledger.schemas.receipts import Receipt
+
+log = logging.getLogger("kvledger.journal")
+T = TypeVar("T")
+
+# What a database restart, a dropped session or a busy lock gives; asked again for up to RETRY_S.
+TRANSIENT = frozenset({ErrorCode.DATABASE_UNREACHABLE, ErrorCode.DATABASE_ERROR, ErrorCode.DATABASE_BUSY})
+RETRY_S = 60.0
+
+
+def retried(call: Callable[[], T], again: Callable[[], T] | None = None, *, what: str = "a call",
+            stopped: Callable[[], bool] = lambda: False, seconds: float = RETRY_S) -> T:
+    """call(), and while it raises a TRANSIENT error, `again` (or call) after a pause
+    (50 ms, doubling to 2 s) for up to `seconds`; the error once that is over, or at once
+    when `stopped()`. An append asked again with the same operations lands once."""
+    deadline, pause = time.monotonic() + seconds, 0.05
+    while True:
+        try:
+            return call()
+        except KvLedgerError as exc:
+            if exc.code not in TRANSIENT or stopped() or time.monotonic() + pause > deadline:
+                raise
+            log.warning("the journal did not take %s (%s); asking again in %.2f s", what, exc, pause)
+            time.sleep(pause)
+            pause = min(2 * pause, 2.0)
+            call = again or call
 
 
 class Recorder(abc.ABC):
@@ -239,6 +270,7 @@ __all__ = [
     "LogReader",
     "Recorder",
     "RunReceipts",
+    "RETRY_S",
     "RunThen",
     "STEP_VERSIONS",
     "Snapshot",
@@ -246,4 +278,6 @@ __all__ = [
     "StepRun",
     "StepValues",
     "StreamRecorder",
+    "TRANSIENT",
+    "retried",
 ]

@@ -32,7 +32,7 @@ from sqlalchemy.engine import URL
 
 from kvledger.journal import faults, tuning
 from kvledger.journal.batching import answer_stored, apply_rounds, batch_ids, resolve_repeats, validate
-from kvledger.journal.connection import ConnectionLock, lost, make_engine
+from kvledger.journal.connection import ConnectionLock, lost, make_engine, stuck
 from kvledger.journal.contract import (
     Guard,
     HeadFacts,
@@ -95,6 +95,7 @@ class SqlJournal(Journal):
         self._misses = 0
         self._skip = 0
         self._tails = Tails()  # each handle's last committed record: a new record's stream_prev, unread
+        self._stuck = False  # a failed call left the connection unable to serve another
         try:
             self.engine = make_engine(url)
             self._proxy = self.engine.raw_connection()
@@ -519,9 +520,12 @@ class SqlJournal(Journal):
     def _read(self, fn: Callable[[Any], T]) -> T:
         self._check_process()
         try:
-            return self.sql.read(fn)
-        except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
-            raise self._driver_error(exc) from None
+            return self._call(partial(self.sql.read, fn))
+        except KvLedgerError:
+            if not (self._stuck or lost(self.conn)):
+                raise
+        self._reconnect()  # the session is gone: a read has no outcome to lose, so it is read again
+        return self._call(partial(self.sql.read, fn))
 
     def _check_process(self) -> None:
         if self._proxy is None:
@@ -531,7 +535,7 @@ class SqlJournal(Journal):
             raise KvLedgerError(
                 ErrorCode.INVALID_ARGUMENT, "journal opened in another process; open it after fork()"
             )
-        if lost(self.conn):  # the call that found it out raised (an append's outcome unknown): connect again
+        if self._stuck or lost(self.conn):  # the failed call raised (an append's outcome unknown): connect again
             with self._lock:
                 self._reconnect()
 
@@ -544,11 +548,14 @@ class SqlJournal(Journal):
         except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
             raise self._driver_error(exc) from None
         self._predicted, self._tails = None, Tails()  # what the lost session knew may not have committed
+        self._stuck = False
 
     def _driver_error(self, exc: BaseException) -> BaseException:
-        """The coded error for a driver error; anything else (a bug) as it is."""
+        """The coded error for a driver error; anything else (a bug) as it is. A
+        connection the failure left stuck is replaced at the next call."""
         if isinstance(exc, KvLedgerError) or not is_driver_error(exc):
             return exc
+        self._stuck = self._stuck or stuck(self.conn)
         return translate(exc, self.url)
 
     # -- audit copies (replay/import, verify) --------------------------------------
@@ -557,12 +564,7 @@ class SqlJournal(Journal):
                       tables: Callable[[], ImportTables]) -> None:
         self._check_process()
         with self._lock:
-            try:
-                self.sql.transaction(partial(load_import, self.sql, events, tables, self.display_url))
-            except KvLedgerError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
-                raise self._driver_error(exc) from None
+            self._call(partial(self.sql.transaction, partial(load_import, self.sql, events, tables, self.display_url)))
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[Snapshot]:

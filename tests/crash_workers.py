@@ -163,7 +163,8 @@ def _race(url: str, process: int, race: Race, seed: int, log: _Log, go: str, fau
     with open_or_create_journal(url) as j:
         if race.mutant:
             unguard(j)
-        service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}")
+        # retry_s=0: a lost acknowledgement stays the history's info operation, not asked again
+        service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}", retry_s=0)
         log(type="ready", op=f"p{process}")
         _await(go)
         for n in range(race.n_ops):
@@ -197,7 +198,7 @@ def _race(url: str, process: int, race: Race, seed: int, log: _Log, go: str, fau
                 if status == "info":  # the connection may be gone: reopen, as a client would
                     j.close()
                     j = open_or_create_journal(url)
-                    service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}")
+                    service = CommandService(RecordingJournal(j, log), source_instance=f"racer-{process}", retry_s=0)
                 continue
             assert isinstance(r, Receipt)
             log(type="ok", op=key, t=time.monotonic_ns(),

@@ -1,6 +1,7 @@
 """A PostgreSQL session lost in the middle of a command (pg_terminate_backend on a real
-server) ends the command with exactly one coded line on stderr, never a traceback, and the
-journal holds nothing the command was not acknowledged.
+server): a read is read again on a new session; a commit, its outcome unknown, is sent
+again by the command service with the same operation ids (it lands once); verify, whose
+snapshot is lost with it, ends with exactly one coded line, never a traceback.
 
 The command is held at a known point: the test takes an ACCESS EXCLUSIVE lock on the
 journal's tables, waits until the command's session waits for it, ends that session, then
@@ -10,6 +11,7 @@ traceback (sqlalchemy.pool, "Exception during reset or similar"): ~30 lines befo
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,10 +75,17 @@ def _check_one_coded_line(proc: subprocess.Popen[str], url: str) -> None:
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
-def test_a_session_lost_during_demo_is_one_coded_line_and_nothing_unacknowledged(pg_admin, tmp_path, writer):
+def test_a_session_lost_during_demo_is_asked_again_and_the_run_completes(pg_admin, tmp_path, writer):
+    """The commit the lost session left unknown is sent again (its operation ids land it
+    once) once the journal has connected again: the demo finishes and journals what the
+    same demo journals undisturbed, and the journal verifies."""
+    argv = ("demo", "--requests", "200", "--max-new-tokens", "64", "--json", "--writer", writer)
+    calm = _start(pg_admin.create(), *argv, cwd=tmp_path)
+    out, err = calm.communicate(timeout=300)
+    assert calm.returncode == 0, err
+    expected = json.loads(out)
     url = pg_admin.create()
-    proc = _start(url, "demo", "--requests", "200", "--max-new-tokens", "64", "--json", "--writer", writer,
-                  cwd=tmp_path)
+    proc = _start(url, *argv, cwd=tmp_path)
     try:
         with psycopg.connect(conninfo(url)) as admin:
             admin.autocommit = True
@@ -86,25 +95,46 @@ def test_a_session_lost_during_demo_is_one_coded_line_and_nothing_unacknowledged
             # with one (locking kvl_heads then kvl_records did, against a writer between them)
             admin.execute("LOCK TABLE kvl_events IN ACCESS EXCLUSIVE MODE")
             position = _cut_while_waiting(url, admin, proc)
-        _check_one_coded_line(proc, url)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    with psycopg.connect(conninfo(url), autocommit=True) as conn:
-        # what the command was not acknowledged never reached the journal: nothing after the cut
-        assert conn.execute(LAST_POSITION).fetchone()[0] == position > 200
+    assert proc.returncode == 0, err
+    assert "the journal did not take a commit (DATABASE_UNREACHABLE" in err  # it met the cut
+    got = json.loads(out)
+    assert got["position"] > position > 200
+    for key in ("requests", "handles", "tokens", "cancelled", "events_written", "events_by_type", "appends_by_kind"):
+        assert got[key] == expected[key], key
     check = subprocess.run([sys.executable, "-m", "kvledger", "verify", "--db", url], capture_output=True, text=True,
                            timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-@pytest.mark.parametrize("command", [["replay", "--json"], ["verify"], ["export", "--out", "audit.jsonl"]])
-def test_a_session_lost_during_a_read_is_one_coded_line(pg_admin, tmp_path, command):
+@pytest.mark.parametrize("command", [["replay", "--json"], ["export", "--out", "audit.jsonl"]])
+def test_a_session_lost_during_a_read_is_read_again(pg_admin, tmp_path, command):
+    """A read has no outcome to lose: the journal reads it again on a new session."""
     url = pg_admin.create()
     with psycopg.connect(conninfo(url)) as admin:
         admin.execute("LOCK TABLE kvl_records IN ACCESS EXCLUSIVE MODE")  # before the command reads it
         proc = _start(url, *command, cwd=tmp_path)
+        try:
+            _cut_while_waiting(url, admin, proc)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert (tmp_path / "audit.jsonl").exists() if "export" in command else json.loads(out)["position"] == 0
+
+
+def test_a_session_lost_during_verify_is_one_coded_line(pg_admin, tmp_path):
+    """verify reads one snapshot of the whole journal: a lost session loses it (one coded line)."""
+    url = pg_admin.create()
+    with psycopg.connect(conninfo(url)) as admin:
+        admin.execute("LOCK TABLE kvl_records IN ACCESS EXCLUSIVE MODE")  # before the command reads it
+        proc = _start(url, "verify", cwd=tmp_path)
         try:
             _cut_while_waiting(url, admin, proc)
             _check_one_coded_line(proc, url)
@@ -138,3 +168,25 @@ def test_a_journal_connects_again_after_its_session_ended(pg_admin, end):
             assert isinstance(landed, Receipt)
             assert j.append([publish_op("h", base, "p1")]) == [landed]  # a retry: its stored receipt
             assert [e.stream_position for e in j.read_stream("h")] == [1, 2]
+
+
+@pytest.mark.parametrize("call", ["append", "read"])
+def test_a_connection_a_failed_call_left_mid_command_is_replaced(pg_admin, call):
+    """A call interrupted mid-command (its results never read) leaves the session unable
+    to serve another ("another command is already in progress") though the server never
+    ended it: the failed call raises its coded error, and the next call connects again; a
+    read, which has no outcome to lose, is read again at once."""
+    url = pg_admin.create()
+    with open_or_create_journal(url) as j:
+        j.append([allocate_op("h")])
+        base = guard_of(j.head("h"))
+        j.conn.pgconn.send_query(b"SELECT 1")  # sent, its result never read: as an interrupted call leaves it
+        if call == "read":
+            assert [e.stream_position for e in j.read_stream("h")] == [1]
+            return
+        with pytest.raises(KvLedgerError) as failed:
+            j.append([publish_op("h", base, "p1")])
+        assert failed.value.code in (ErrorCode.DATABASE_UNREACHABLE, ErrorCode.DATABASE_ERROR), failed.value
+        [landed] = j.append([publish_op("h", base, "p1")])
+        assert isinstance(landed, Receipt)
+        assert [e.stream_position for e in j.read_stream("h")] == [1, 2]

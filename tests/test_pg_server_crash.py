@@ -7,6 +7,7 @@ durable: the journal's sessions commit durably whatever the database's default."
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import subprocess
 import sys
@@ -64,6 +65,16 @@ def _crash_and_restart(pg: ThrowawayPostgres) -> None:
     _start(pg)
 
 
+def _crash_once(pg: ThrowawayPostgres, proc: subprocess.Popen, progressed: Callable[[], bool]) -> None:
+    """Crash the server and start it again once `progressed()`, `proc` still running."""
+    deadline = time.monotonic() + 120
+    while not progressed():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the writer made no progress"
+        time.sleep(0.01)
+    _crash_and_restart(pg)
+
+
 @pytest.mark.parametrize("default", ["on", "off"], ids=["synchronous_commit_on", "synchronous_commit_off"])
 def test_acknowledged_writes_survive_a_server_crash(server, tmp_path, default):
     name = f"crash_sync_{default}"  # names built here, not input
@@ -75,12 +86,7 @@ def test_acknowledged_writes_survive_a_server_crash(server, tmp_path, default):
     writer = subprocess.Popen([sys.executable, "-c", WRITER, url, str(acks), str(TESTS)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not acks.exists() or acks.read_text().count("\n") < 100:  # well into its commits
-            assert writer.poll() is None, writer.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "the writer made no progress"
-            time.sleep(0.01)
-        _crash_and_restart(server)
+        _crash_once(server, writer, lambda: acks.exists() and acks.read_text().count("\n") >= 100)  # well in
         _, err = writer.communicate(timeout=120)
     finally:
         if writer.poll() is None:
@@ -153,3 +159,42 @@ def test_a_recorder_told_to_stop_while_the_database_is_down_stops(server):
         _start(server)
     assert recorder.returncode == 2 and b"DATABASE_UNREACHABLE" in err, err.decode()[-2000:]
     assert took < 15, took  # the retry window is 60 s
+
+
+def _heads_at_least(conn: psycopg.Connection, n: int) -> bool:
+    return conn.execute("SELECT count(*) FROM kvl_heads").fetchone()[0] >= n
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_demo_rides_out_a_server_crash(server, tmp_path, writer):
+    """`kvledger demo` while the server crashes and restarts: the commit in flight, its
+    outcome unknown, is sent again with the same operation ids once the server is back
+    (each lands once), reads are read again; the run finishes, journals what the same run
+    journals undisturbed, and verifies."""
+    import json
+
+    argv = [sys.executable, "-m", "kvledger", "demo", "--requests", "200", "--max-new-tokens", "64", "--json",
+            "--writer", writer]
+    runs = {}
+    for name in ("calm", "crashed"):
+        url = server.create_database(f"demo_{writer}_{name}")  # names built here, not input
+        init_database(url)
+        proc = subprocess.Popen([*argv, "--db", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=tmp_path)
+        try:
+            if name == "crashed":
+                with psycopg.connect(conninfo(url), autocommit=True) as watch:
+                    _crash_once(server, proc, functools.partial(_heads_at_least, watch, 50))  # well into the run
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err[-2000:]
+        runs[name] = json.loads(out), url, err
+    (calm, _, _), (crashed, url, err) = runs["calm"], runs["crashed"]
+    assert "the journal did not take" in err  # it met the crash
+    for key in ("requests", "handles", "tokens", "cancelled", "events_written", "events_by_type", "appends_by_kind"):
+        assert crashed[key] == calm[key], key
+    check = subprocess.run([sys.executable, "-m", "kvledger", "verify", "--db", url], capture_output=True, text=True,
+                           timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -241,3 +241,31 @@ def test_a_step_refused_beside_a_run_written_whole_keeps_its_answer(db_url):
     assert len(results) == len(HANDLES)
     assert not any(isinstance(r, KvLedgerError) for r in results[:last])
     assert isinstance(results[last], KvLedgerError) and results[last].code.value == "STALE_BASE"
+
+
+@pytest.mark.parametrize("point", ["before_update", "after_commit"])
+def test_a_batch_whose_commit_outcome_was_lost_is_sent_again_and_lands_once(db_url, tmp_path, point):
+    """A decode batch's commit fails with its outcome unknown (DATABASE_UNREACHABLE): at
+    before_update nothing was written, at after_commit all of it was and only the
+    acknowledgement is lost. The service sends the same operations again: every step
+    is acknowledged, and each lands once."""
+    from kvledger.journal import faults
+    from kvledger.replay import verify_journal
+
+    log = tmp_path / "faults.log"
+    with open_or_create_journal(db_url) as journal:
+        service = CommandService(journal)
+        runner, results = Runner(service), []
+        faults.configure(f"{point}:raise@2", log=str(log))
+        try:
+            for k in range(4):
+                steps = runner.steps(k)
+                results += service.execute_steps(steps)
+                runner.advance(steps, results[-len(steps):])
+        finally:
+            faults.configure(None)
+        assert log.read_text().split()[0] == point  # it fired
+        assert all(type(r).__name__ == "Receipt" for r in results)
+        for h in HANDLES:  # its allocation, prefill start, then publish, emit, start per step
+            assert [e.stream_position for e in journal.read_stream(h)] == list(range(1, 2 + 1 + 3 * 4))
+        assert verify_journal(journal).ok

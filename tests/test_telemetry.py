@@ -183,6 +183,7 @@ def test_records_are_enqueued_only_after_their_commit_returned(tmp_path):
 
         journal.append = append
         telemetry.exporter.put = put
+        service.retry_s = 0  # the failed commit is the caller's, not asked again
         m = make_manifest(request_id="a")
         service.execute(c.Allocate(handle_id="a", manifest=m, reserved_capacity=8))
         fail_next["on"] = True
