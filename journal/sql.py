@@ -46,7 +46,7 @@ from kvledger.journal.contract import (
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
-from kvledger.journal.port import DecodeRun, Journal, RunReceipts, RunThen, Snapshot
+from kvledger.journal.port import DecodeRun, Journal, RunReceipts, RunThen, Snapshot, retried
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
 from kvledger.journal.run_writer import SMALL, id_runs_of, run_record, validate_run
 from kvledger.journal.sql_import import load_import
@@ -460,8 +460,7 @@ class SqlJournal(Journal):
                 remaining -= len(rows)
 
     def head(self, handle_id: str) -> HeadFacts | None:
-        found = self.heads(handle_id=handle_id)
-        return found.get(handle_id)
+        return self.heads(handle_id=handle_id).get(handle_id)
 
     def heads(
         self, *, prefix_identity_sha256: str | None = None, handle_id: str | None = None
@@ -493,12 +492,8 @@ class SqlJournal(Journal):
     def save_checkpoint(self, name: str, position: int, state: bytes) -> None:
         self._check_process()
         with self._lock:
-            try:
-                self.sql.transaction(
-                    lambda cur: self.sql.upsert_checkpoint(cur, name, position, state, time.time_ns())
-                )
-            except Exception as exc:  # noqa: BLE001 - any driver failure becomes a coded error (_driver_error)
-                raise self._driver_error(exc) from None
+            self._call(partial(self.sql.transaction, lambda cur: self.sql.upsert_checkpoint(cur, name, position, state,
+                                                                                            time.time_ns())))
 
     def load_checkpoint(self, name: str) -> tuple[int, bytes] | None:
         with self._lock:
@@ -524,7 +519,11 @@ class SqlJournal(Journal):
         except KvLedgerError:
             if not (self._stuck or lost(self.conn)):
                 raise
-        self._reconnect()  # the session is gone: a read has no outcome to lose, so it is read again
+        # the session is gone: a read has no outcome to lose, so it is read again on a new one
+        return retried(partial(self._read_anew, fn), what="a read")
+
+    def _read_anew(self, fn: Callable[[Any], T]) -> T:
+        self._reconnect()
         return self._call(partial(self.sql.read, fn))
 
     def _check_process(self) -> None:
