@@ -87,7 +87,11 @@ def test_acknowledged_writes_survive_a_server_crash(server, tmp_path, default):
                               stderr=subprocess.PIPE, text=True)
     try:
         _crash_once(server, writer, lambda: acks.exists() and acks.read_text().count("\n") >= 100)  # well in
-        _, err = writer.communicate(timeout=120)
+        try:  # it dies of the commit the crash cut, or, met in a read, rides it out (read again) and goes on
+            _, err = writer.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            writer.kill()
+            _, err = writer.communicate()
     finally:
         if writer.poll() is None:
             writer.kill()
@@ -173,28 +177,22 @@ def test_a_demo_rides_out_a_server_crash(server, tmp_path, writer):
     journals undisturbed, and verifies."""
     import json
 
-    argv = [sys.executable, "-m", "kvledger", "demo", "--requests", "200", "--max-new-tokens", "64", "--json",
-            "--writer", writer]
-    runs = {}
-    for name in ("calm", "crashed"):
-        url = server.create_database(f"demo_{writer}_{name}")  # names built here, not input
-        init_database(url)
-        proc = subprocess.Popen([*argv, "--db", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=tmp_path)
-        try:
-            if name == "crashed":
-                with psycopg.connect(conninfo(url), autocommit=True) as watch:
-                    _crash_once(server, proc, functools.partial(_heads_at_least, watch, 50))  # well into the run
-            out, err = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert proc.returncode == 0, err[-2000:]
-        runs[name] = json.loads(out), url, err
-    (calm, _, _), (crashed, url, err) = runs["calm"], runs["crashed"]
+    from demo_runs import assert_journaled_as_undisturbed, demo_argv
+
+    url = server.create_database(f"demo_{writer}")  # names built here, not input
+    init_database(url)
+    proc = subprocess.Popen(demo_argv(writer, url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        with psycopg.connect(conninfo(url), autocommit=True) as watch:
+            _crash_once(server, proc, functools.partial(_heads_at_least, watch, 30))  # well into the run
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
     assert "the journal did not take" in err  # it met the crash
-    for key in ("requests", "handles", "tokens", "cancelled", "events_written", "events_by_type", "appends_by_kind"):
-        assert crashed[key] == calm[key], key
+    assert_journaled_as_undisturbed(json.loads(out))
     check = subprocess.run([sys.executable, "-m", "kvledger", "verify", "--db", url], capture_output=True, text=True,
                            timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
