@@ -27,7 +27,7 @@ class GuardStatements(Protocol):
     def guarded_update(self, cur: Any, rows: list[tuple[StreamWrite, Guard]],
                        last_record: int | None = None) -> set[str]: ...
 
-    def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]: ...
+    def create_heads(self, cur: Any, writes: list[StreamWrite], last_record: int | None = None) -> set[str]: ...
 
     def check_heads(self, cur: Any, rows: list[tuple[str, Guard]]) -> set[str]: ...
 
@@ -65,15 +65,17 @@ def chains(ops: Sequence[Operation], indexes: list[int]) -> list[list[int]]:
     where each names as its base exactly the head the previous one writes (what the
     command service builds when one batch publishes, emits and starts on a handle)
     become one chain: sequentially they succeed or fail together anyway, and one
-    guarded update instead of one per operation is what makes them cheap."""
+    guarded update instead of one per operation is what makes them cheap. A chain may
+    start with the handle's creation (an arrival: its allocation and first append), one
+    insert of the head the chain leaves."""
     units: list[list[int]] = []
     tail: dict[str, tuple[list[int], HeadFacts]] = {}  # handle -> (open chain, head it leaves)
     for i in indexes:
         op = ops[i]
-        if len(op.writes) == 1 and not op.checks and op.writes[0].expected is not None:
+        if len(op.writes) == 1 and not op.checks:
             w = op.writes[0]
             chain = tail.get(w.handle_id)
-            if chain is not None and guard_of(chain[1]) == w.expected:
+            if chain is not None and w.expected is not None and guard_of(chain[1]) == w.expected:
                 unit = chain[0]
                 unit.append(i)
             else:
@@ -131,10 +133,13 @@ def round_guards(ops: Sequence[Operation], units: list[list[int]]) -> RoundGuard
     checks: list[tuple[str, Guard]] = []
     for unit in units:
         op = ops[unit[0]]
-        if len(unit) > 1:  # a chain: first base, last head
+        if len(unit) > 1:  # a chain: first base (or none: a create), last head
             first, last = op.writes[0], ops[unit[-1]].writes[0]
-            assert first.expected is not None  # chains joins only guarded writes
-            updates.append((StreamWrite(first.handle_id, first.expected, last.head, ()), first.expected))
+            whole = StreamWrite(first.handle_id, first.expected, last.head, ())
+            if first.expected is None:
+                creates.append(whole)
+            else:
+                updates.append((whole, first.expected))
             continue
         spans = spans or len(op.writes) + len(op.checks) > 1
         for w in op.writes:
@@ -176,7 +181,7 @@ def _failed_guards(sql: GuardStatements, cur: Any, guards: RoundGuards, last_rec
     within a round), else the handles whose update or create held and those whose check did."""
     ok = sql.guarded_update(cur, guards.updates, last_record)
     if guards.creates:
-        ok |= sql.create_heads(cur, guards.creates)
+        ok |= sql.create_heads(cur, guards.creates, last_record)
     checked = sql.check_heads(cur, guards.checks) if guards.checks else set()
     if len(ok) == len(guards.updates) + len(guards.creates) and len(checked) == len(guards.checks):
         return None

@@ -95,7 +95,7 @@ class HeadView:
                 ok.add(w.handle_id)
         return ok
 
-    def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]:
+    def create_heads(self, cur: Any, writes: list[StreamWrite], last_record: int | None = None) -> set[str]:
         ok = set()
         for w in writes:
             if w.handle_id not in self.heads:

@@ -300,7 +300,7 @@ class PostgresStatements(Statements):
         cur.execute(self.GUARDED_UPDATE_SET, _guarded_update_params(head_moves(rows)))
         return {r[0] for r in cur.fetchall()}
 
-    def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]:
+    def create_heads(self, cur: Any, writes: list[StreamWrite], last_record: int | None = None) -> set[str]:
         if not writes:
             return set()
         h, r, g, s, p, c, ph, pre, abi = zip(*[(w.handle_id, *_head_columns(w)) for w in writes])

@@ -356,7 +356,7 @@ class SqlJournal(Journal):
         if record is not None:
             pointed: set[str] = set()
             if self.sql.points_heads and record.last_position == predicted:  # nothing refused: the prediction held
-                pointed = {w.handle_id for i in pending for w in ops[i].writes if w.expected is not None}
+                pointed = {w.handle_id for i in pending for w in ops[i].writes}
             self.sql.insert_record(cur, record, pointed)
         if manifest_rows:
             self.sql.insert_manifests(cur, list(manifest_rows.items()))

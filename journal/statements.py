@@ -141,6 +141,11 @@ class Statements(VerifyReads):
         "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (handle_id) DO NOTHING"
     )
+    CREATE_HEAD_AT = (
+        "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
+        "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256, last_record) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (handle_id) DO NOTHING"
+    )
     CHECK_HEAD = (
         "SELECT 1 FROM kvl_heads WHERE handle_id = ? AND generation = ? "
         "AND snapshot_version = ? AND stream_position = ?"
@@ -201,10 +206,16 @@ class Statements(VerifyReads):
         one, or rows of the one-row-per-event tables to look in."""
         return bool(self.records_holding(cur, runs)) or self.has_event_rows(cur)
 
-    def create_heads(self, cur: Any, writes: list[StreamWrite]) -> set[str]:
-        sql, ok = self.q(self.CREATE_HEAD), set()
-        for w in writes:
-            cur.execute(sql, (w.handle_id, *_head_columns(w)))
+    def create_heads(self, cur: Any, writes: list[StreamWrite], last_record: int | None = None) -> set[str]:
+        """As guarded_update, for heads that must not exist yet (`last_record` as there)."""
+        sql = self.q(self.CREATE_HEAD if last_record is None else self.CREATE_HEAD_AT)
+        at = () if last_record is None else (last_record,)
+        params = [(w.handle_id, *_head_columns(w), *at) for w in writes]
+        if len(params) >= 4 and self._all_held(cur, sql, params):
+            return {w.handle_id for w in writes}
+        ok = set()
+        for w, p in zip(writes, params):
+            cur.execute(sql, p)
             if cur.rowcount == 1:
                 ok.add(w.handle_id)
         return ok
