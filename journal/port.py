@@ -87,13 +87,18 @@ def retried(call: Callable[[], T], again: Callable[[], T] | None = None, *, what
             stopped: Callable[[], bool] = lambda: False, seconds: float = RETRY_S) -> T:
     """call(), and while it raises a TRANSIENT error, `again` (or call) after a pause
     (50 ms, doubling to 2 s) for up to `seconds`; the error once that is over, or at once
-    when `stopped()`. An append asked again with the same operations lands once."""
+    when `stopped()`. An append asked again with the same operations lands once. An error
+    a retried() inside `call` waited out is raised at once: layers that each retry (the
+    command service over the journal's own reads) wait once between them, not once each."""
     deadline, pause = time.monotonic() + seconds, 0.05
     while True:
         try:
             return call()
         except KvLedgerError as exc:
-            if exc.code not in TRANSIENT or stopped() or time.monotonic() + pause > deadline:
+            if exc.code not in TRANSIENT or exc.waited_out or stopped():
+                raise
+            if time.monotonic() + pause > deadline:
+                exc.waited_out = True
                 raise
             log.warning("the journal did not take %s (%s); asking again in %.2f s", what, exc, pause)
             time.sleep(pause)

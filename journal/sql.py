@@ -46,7 +46,7 @@ from kvledger.journal.contract import (
 from kvledger.journal.driver_errors import is_driver_error, release, translate
 from kvledger.journal.faults import fault
 from kvledger.journal.keys import PREV_NONE
-from kvledger.journal.port import DecodeRun, Journal, RunReceipts, RunThen, Snapshot, retried
+from kvledger.journal.port import RETRY_S, DecodeRun, Journal, RunReceipts, RunThen, Snapshot, retried
 from kvledger.journal.record_rows import Base, Known, RecordRow, build_record
 from kvledger.journal.run_writer import SMALL, id_runs_of, run_record, validate_run
 from kvledger.journal.sql_import import load_import
@@ -96,6 +96,7 @@ class SqlJournal(Journal):
         self._skip = 0
         self._tails = Tails()  # each handle's last committed record: a new record's stream_prev, unread
         self._stuck = False  # a failed call left the connection unable to serve another
+        self.retry_s = RETRY_S  # how long a read rides out a lost session (_read)
         try:
             self.engine = make_engine(url)
             self._proxy = self.engine.raw_connection()
@@ -520,7 +521,7 @@ class SqlJournal(Journal):
             if not (self._stuck or lost(self.conn)):
                 raise
         # the session is gone: a read has no outcome to lose, so it is read again on a new one
-        return retried(partial(self._read_anew, fn), what="a read")
+        return retried(partial(self._read_anew, fn), what="a read", seconds=self.retry_s)
 
     def _read_anew(self, fn: Callable[[Any], T]) -> T:
         self._reconnect()

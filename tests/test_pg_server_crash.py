@@ -196,3 +196,31 @@ def test_a_demo_rides_out_a_server_crash(server, tmp_path, writer):
     check = subprocess.run([sys.executable, "-m", "kvledger", "verify", "--db", url], capture_output=True, text=True,
                            timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_read_the_journal_waited_out_is_not_waited_out_again(server):
+    """The server down: a command service's read of a stream goes to the journal, which
+    reads again for its window and gives up; the service, which asks a read again too,
+    raises it then instead of waiting a window of its own on top (both windows shortened
+    here: the journal's 1 s, the service's 4 s)."""
+    from kvledger.engine.service import CommandService
+    from kvledger.schemas.errors import ErrorCode, KvLedgerError
+
+    from factories import allocate_op
+
+    url = server.create_database("waited_out")
+    init_database(url)
+    try:
+        with open_or_create_journal(url) as j:
+            j.append([allocate_op("h")])
+            service = CommandService(j)
+            j.retry_s, service.retry_s = 1.0, 4.0
+            _crash(server)
+            asked = time.monotonic()
+            with pytest.raises(KvLedgerError) as lost:
+                service.state("h", refresh=True)
+            took = time.monotonic() - asked
+    finally:
+        _start(server)
+    assert lost.value.code is ErrorCode.DATABASE_UNREACHABLE
+    assert 0.5 <= took < 2.5, took  # asked again within the journal's window, and not after it
