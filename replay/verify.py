@@ -89,6 +89,7 @@ from kvledger.schemas import events as ev
 from kvledger.schemas import kv_events as kv
 from kvledger.schemas.codec import decode_event, noncanonical
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
+from kvledger.schemas.ids import id_problem
 from kvledger.schemas.receipts import Receipt
 
 # The public API as before the split: the finding codes are replay.findings'.
@@ -177,10 +178,11 @@ class Checker:
         if problem is not None:
             self._event_finding(e, NON_CANONICAL, f"body {problem}")
         for name in ("event_id", "stream_id", "request_id", "operation_id"):
-            # These become text columns, and PostgreSQL text cannot hold NUL: refused here
-            # (not by the decoder, which replay runs per event) so import never fails late.
-            if "\x00" in (getattr(e, name) or ""):
-                self._event_finding(e, ErrorCode.MALFORMED_EVENT.value, f"{name} contains a NUL character")
+            # The ids a journal stores (schemas.ids: PostgreSQL text cannot hold NUL): refused
+            # here, not by the decoder (which replay runs per event), so import never fails late.
+            value = getattr(e, name)
+            if value is not None and (problem := id_problem(value)) is not None:
+                self._event_finding(e, ErrorCode.MALFORMED_EVENT.value, f"{name} {problem}")
         if row is not None:
             for problem in column_problems(row, e, names(body).schema_version):
                 self._event_finding(e, COLUMN_MISMATCH, problem)

@@ -109,6 +109,8 @@ MALFORMED = {
     "unknown event type": (EMIT.replace(b'"output_emit"', b'"teleport"'), "UNKNOWN_EVENT_TYPE"),
     "an id too long": (EMIT.replace(b'"request_id":"A"', b'"request_id":"' + b"A" * 300 + b'"'),
                        "FIELD_TOO_LARGE"),
+    # decodes, but no journal could store it (PostgreSQL text holds no NUL): refused on every backend
+    "a NUL in an id": (EMIT.replace(b'"request_id":"A"', b'"request_id":"A\\u0000"'), "MALFORMED_EVENT"),
     "not an object": (b"[1,2,3]", "MALFORMED_EVENT"),
 }
 
