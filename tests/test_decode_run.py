@@ -294,3 +294,41 @@ def test_a_runs_prefixes_are_numbered_in_order_of_first_appearance(steps):
     numbers, prefixes = _numbered(np.array(values, np.uint64).T)
     assert numbers.T.tolist() == [[order[v] for v in row] for row in values]
     assert prefixes == [f"{v:016x}" for v in order]
+
+
+def test_a_forged_decode_step_is_refused_and_nothing_written(db_url):
+    """The port's check of an operation carrying a decode step's values (every backend
+    runs it before writing): a step not at its write's next position, one carrying a
+    global position, a head not three events on, a step beside events, a handle written
+    twice, a write of no events: INVALID_ARGUMENT naming the fault, nothing written; the
+    step as planned then commits."""
+    import msgspec
+
+    from kvledger.engine.batch_plan import plan_step
+    from kvledger.schemas.errors import ErrorCode
+    from kvledger.schemas.receipts import Receipt
+
+    replace = msgspec.structs.replace
+    with open_or_create_journal(db_url) as journal:
+        service, batch = _decoding(journal, ["f0", "f1"])
+        op = plan_step(service.state("f0"), batch, 0, 100, "forger", 1, 1)
+        assert op is not None and op.step is not None
+        x, [w] = op.step, op.writes
+        evented = replace(w, events=x.events())
+        forged = {
+            "is not at f0": replace(op, step=replace(x, stream_position=x.stream_position + 1)),
+            "global_position is assigned": replace(op, step=replace(x, global_position=9)),
+            "does not end at its last event": replace(op, writes=(replace(
+                w, head=replace(w.head, stream_position=w.head.stream_position + 1)),)),
+            "are its one write's events": replace(op, writes=(evented,)),
+            "writes f0 twice": replace(op, step=None, writes=(evented, evented)),
+            "has no events": replace(op, step=None),
+        }
+        before = (list(journal.read_raw()), journal.heads())
+        for fault, bad in forged.items():
+            with pytest.raises(KvLedgerError) as err:
+                journal.append([bad])
+            assert err.value.code is ErrorCode.INVALID_ARGUMENT and fault in err.value.message, (fault, err.value)
+        assert (list(journal.read_raw()), journal.heads()) == before
+        [ok] = journal.append([op])
+        assert isinstance(ok, Receipt) and journal.head("f0").stream_position == w.head.stream_position
