@@ -75,6 +75,9 @@ _PG_CONNECT = (
       "role \"", "pg_hba.conf", "fe_sendauth", "scram"),
      (E.DATABASE_AUTH_FAILED, "the server refused the credentials")),
     (("database \"",), (E.DATABASE_NOT_FOUND, "the database does not exist")),
+    # 'invalid sslmode value: "x"', 'invalid integer value "x" for connection option "y"':
+    # libpq checks option values only as it connects (url.parse_url checks their names)
+    ((' value: "', 'for connection option "'), (E.BAD_DATABASE_URL, "libpq refuses an option value of the URL")),
 )
 
 

@@ -174,6 +174,15 @@ def test_an_unreachable_server_is_reported_in_our_own_words():
                         "or the connection was lost (OperationalError)")
 
 
+@pytest.mark.parametrize("option", ["sslmode=nope", "keepalives=abc", "target_session_attrs=bogus"])
+def test_an_option_value_libpq_refuses_is_a_bad_url_not_an_unreachable_server(pg_admin, option):
+    """libpq checks an option's value only as it connects: a server that is up and a value
+    it cannot take is the URL's fault (BAD_DATABASE_URL, not retried), not the server's."""
+    url = f"{pg_admin.create()}?{option}"
+    line = refused(cli("verify", "--db", url), "BAD_DATABASE_URL")
+    assert line.endswith(": libpq refuses an option value of the URL (OperationalError)"), line
+
+
 # -- fuzz --------------------------------------------------------------------------------
 
 # Characters a secret may hold around its distinctive core: URL delimiters, percent
@@ -272,3 +281,30 @@ def test_fuzz_examples_as_subprocesses(fuzz_dirs):
 
 def lines_code(result: tuple[int, str, str]) -> str:
     return result[2].split(":", 1)[0]
+
+
+# -- refused before any connection, saying why -------------------------------------------
+
+@pytest.mark.parametrize("url, why", [
+    ("sqlite:////tmp/j\x00.db", "holds a NUL character"),  # from the API: argv holds no NUL
+    ("sqlite:////tmp/" + "x" * 300 + "/j.db", "the operating system refuses the file name"),  # over NAME_MAX
+    ("postgresql+psycopg://h/db?nosuchoption=1", "an unknown option"),
+    ("nats://127.0.0.1:4222/cell?timeout=1&timeout=2", "a repeated option"),
+    ("nats://127.0.0.1:4222/cell?colour=red", "an unknown option"),
+    ("nats://127.0.0.1:4222/cell?replicas=7", "replicas is 1 to 5"),
+    ("nats://127.0.0.1:4222/cell?timeout=0", "timeout is a number of seconds"),
+    ("nats://127.0.0.1:4222/cell?timeout=soon", "timeout is a number of seconds"),
+], ids=["nul", "long-name", "libpq-option", "repeated-option", "unknown-option", "replicas", "timeout-0",
+        "timeout-word"])
+def test_a_url_refused_before_any_connection_says_why(url, why):
+    with pytest.raises(KvLedgerError) as err:
+        parse_url(url)
+    assert err.value.code.value == "BAD_DATABASE_URL" and why in err.value.message, err.value
+
+
+def test_a_file_name_in_a_symlink_loop_is_a_bad_url(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(KvLedgerError) as err:
+        parse_url(f"sqlite:///{tmp_path}/a/j.db")
+    assert err.value.code.value == "BAD_DATABASE_URL" and "refuses the file name" in err.value.message
