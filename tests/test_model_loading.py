@@ -269,3 +269,57 @@ def test_any_config_json_loads_or_is_refused_with_a_code(changes, good, tmp_path
             assert exc.code.value == "INVALID_ARGUMENT" and "\n" not in str(exc)
             return
         assert theirs.config.get_text_config(decoder=True).num_hidden_layers == model.cfg.num_layers
+
+
+def _rewrite_header(edit) -> object:
+    """model.safetensors with its header JSON replaced by edit(header) (bytes: as is)."""
+    def apply(d: Path) -> None:
+        f = d / "model.safetensors"
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        new = edit(json.loads(raw[8:8 + n]))
+        new = new if isinstance(new, bytes) else json.dumps(new).encode()
+        f.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    return apply
+
+
+def _first(h: dict) -> str:
+    return next(k for k in h if k != "__metadata__")
+
+
+def _set(h: dict, name: str, **fields) -> dict:
+    h[name] = {**h[name], **fields}
+    return h
+
+
+def _gap(h: dict) -> dict:
+    """The last tensor's extent moved one element on: a gap before it, past the data."""
+    name = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+    a, b = h[name]["data_offsets"]
+    return _set(h, name, data_offsets=[a - 4, b - 4])
+
+
+# each forged header names the check that refuses it
+FORGED = {
+    "header_not_json": (_rewrite_header(lambda h: b"{not json"), "header is not JSON"),
+    "header_a_list": (_rewrite_header(lambda h: b"[1]"), "header is not a JSON object"),
+    "tensor_undescribed": (_rewrite_header(lambda h: {**h, _first(h): 5}), "is not described"),
+    "tensor_int8": (_rewrite_header(lambda h: _set(h, _first(h), dtype="I8")), "has dtype 'I8'"),
+    "tensor_shape_negative": (_rewrite_header(lambda h: _set(h, _first(h), shape=[-1])), "malformed shape"),
+    "tensor_shape_other": (_rewrite_header(lambda h: _set(h, _first(h), shape=[1])), "spans"),
+    "tensor_overlap": (_rewrite_header(_gap), "overlaps or leaves a gap"),
+    "tensor_in_two_files": (lambda d: shutil.copy(d / "model.safetensors", d / "copy.safetensors"),
+                            "in more than one weight file"),
+    "tensor_renamed": (_rewrite_header(lambda h: {("model.norm.weighs" if k == "model.norm.weight" else k): v
+                                                  for k, v in h.items()}), "the weights lack 'model.norm.weight'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_a_forged_safetensors_header_is_refused_by_its_check(case, good, tmp_path):
+    d = variant(good, tmp_path, case)
+    forge, why = FORGED[case]
+    forge(d)
+    with pytest.raises(KvLedgerError) as refused:
+        load_model(str(d))
+    assert refused.value.code.value == "INVALID_ARGUMENT" and why in refused.value.message, refused.value

@@ -233,6 +233,28 @@ def test_v1_append_start_that_is_not_valid_v1_is_malformed():
     assert e.value.code is ErrorCode.MALFORMED_EVENT
 
 
+def test_an_older_event_that_makes_no_current_one_is_refused():
+    """An older version's body is upcast, then held to the current event: a payload that
+    is no object, or an envelope the current event refuses, is MALFORMED_EVENT; a body
+    past MAX_EVENT_BYTES is FIELD_TOO_LARGE before it is parsed."""
+    from kvledger.journal.builders import envelope
+    from kvledger.schemas.codec import MAX_EVENT_BYTES, encode_event
+
+    start = ev.AppendStart(txn_id="t", kind="prefill", base_snapshot_version=0, interval_start=0, interval_count=1,
+                           token_ids=(1,), cache_positions=(0,), mask_key_extent=1, cache_abi_sha256="a" * 64)
+    d = msgspec.json.decode(encode_event(envelope(ev.AppendStartEvent, "h", 1, start)))
+    older = {**d, "schema_version": 2}
+    assert decode_event(msgspec.json.encode(older)).schema_version == 3  # upcast
+    for bad, why in (({**older, "payload": "x"}, "payload must be a JSON object"),
+                     ({**older, "stream_position": -1}, "stream_position")):
+        with pytest.raises(KvLedgerError) as e:
+            decode_event(msgspec.json.encode(bad))
+        assert e.value.code is ErrorCode.MALFORMED_EVENT and why in e.value.message
+    with pytest.raises(KvLedgerError) as e:
+        decode_event(b" " * (MAX_EVENT_BYTES + 1))
+    assert e.value.code is ErrorCode.FIELD_TOO_LARGE
+
+
 def test_every_event_type_has_a_payload_and_a_schema_entry():
     s = msgspec.json.schema(ev.Event)
     assert set(s["discriminator"]["mapping"]) == set(ev.EVENT_CLASSES) == {
