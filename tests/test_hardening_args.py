@@ -284,3 +284,39 @@ def test_argparse_refusals_are_one_coded_line(tmp_path, monkeypatch, capsys, arg
     assert out == "" and len(err.splitlines()) == 1 and "usage:" not in err, err
     assert err.startswith("INVALID_ARGUMENT: kvledger") and says in err, err
     assert not list(tmp_path.iterdir())
+
+
+# argv after --db, the files it names (TMP/NAME: written first) -> what the line says
+CONFLICTS = {
+    "incremental at a position": (["replay", "--incremental", "--at", "5"], {}, "not with --journal or --at"),
+    "incremental with a trajectory": (["replay", "--incremental", "--trajectory"], {}, "replay in full"),
+    "reconcile of nothing": (["reconcile"], {}, "takes --telemetry or --kv-index (one of them)"),
+    "reconcile of both": (["reconcile", "--telemetry", "TMP/t.jsonl", "--kv-index", "TMP/i.json"],
+                          {"t.jsonl": "", "i.json": "{}"}, "(one of them)"),
+    "an --at for telemetry": (["reconcile", "--telemetry", "TMP/t.jsonl", "--at", "3"], {"t.jsonl": ""},
+                              "--at is for --kv-index"),
+    "metrics not readable": (["reconcile", "--telemetry", "TMP/t.jsonl", "--metrics", "TMP/none.txt"],
+                             {"t.jsonl": ""}, "cannot read"),
+    "a kv index not there": (["reconcile", "--kv-index", "TMP/none.json"], {}, "cannot read"),
+    "a kv index of no streams": (["reconcile", "--kv-index", "TMP/i.json"], {"i.json": "[]"}, "expected {\"streams\""),
+    "a kv index at -1": (["reconcile", "--kv-index", "TMP/i.json"], {"i.json": '{"streams": {}, "position": -1}'},
+                         "position must be an integer >= 0"),
+    "a kv stream not an object": (["reconcile", "--kv-index", "TMP/i.json"], {"i.json": '{"streams": {"s": 5}}'},
+                                  "stream 's': expected"),
+    "a kv block's media not strings": (["reconcile", "--kv-index", "TMP/i.json"],
+                                       {"i.json": '{"streams": {"s": {"h": [1]}}}'}, "media must be a list of strings"),
+    "a kv index past the journal": (["reconcile", "--kv-index", "TMP/i.json", "--at", "999"],
+                                    {"i.json": '{"streams": {}}'}, "position 999 is past the end"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFLICTS))
+def test_arguments_that_do_not_go_together_are_one_line_saying_why(journal, capsys, tmp_path, case):
+    argv, files, says = CONFLICTS[case]
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [x.replace("TMP", str(tmp_path)) for x in argv]
+    before = fingerprint(journal)
+    line = refused(capsys, [argv[0], "--db", journal, *argv[1:]], "INVALID_ARGUMENT")
+    assert says in line, line
+    assert fingerprint(journal) == before
