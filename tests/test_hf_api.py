@@ -138,6 +138,7 @@ REFUSED = {
     "mtp": {"use_mtp": True},
     "token_healing": {"token_healing": True},
     "synced_gpus": {"synced_gpus": True},
+    "trust_remote_code": {"trust_remote_code": True, "_says": "trust_remote_code=True runs a decoding loop"},
     "assisted_beams": {"num_beams": 2, "prompt_lookup_num_tokens": 2},
     "assisted_batch": {"prompt_lookup_num_tokens": 2, "_ids": torch.tensor([[5, 6, 7], [5, 6, 8]])},
     "inputs_embeds": {"inputs_embeds": torch.zeros(1, 3, COMMON["hidden_size"]), "_ids": None},
@@ -195,7 +196,7 @@ def test_what_cannot_be_journaled_is_refused_before_any_work(case, ledger_kind, 
     URL's database is never created."""
     model = tiny("llama")
     kw = {"max_new_tokens": 3, **REFUSED[case]}
-    ids = kw.pop("_ids", IDS)
+    ids, says = kw.pop("_ids", IDS), kw.pop("_says", "")  # _says: the refusal is that check's, not a later one's
     for key, value in kw.pop("_model", {}).items():
         setattr(model.generation_config, key, value)
     for key in ("past_key_values", "cache"):
@@ -217,10 +218,23 @@ def test_what_cannot_be_journaled_is_refused_before_any_work(case, ledger_kind, 
                     journaled_generate(model, *args, ledger=ledger, **kw)
                 finally:
                     assert ledger.journal.last_position() == 0
-    assert refused.value.code.value == "INVALID_ARGUMENT", refused.value
+    assert refused.value.code.value == "INVALID_ARGUMENT" and says in refused.value.message, refused.value
     assert "\n" not in str(refused.value)
     if ledger_kind == "url":
         assert not db.exists()
+
+
+def test_positional_arguments_bind_as_generate_binds_them(tmp_path):
+    """Past generate's own positional parameters, or one also given by keyword: the
+    TypeError Python raises for any function, before the journal is touched."""
+    from kvledger.adapters.hf_args import NAMED
+
+    model, db = tiny("llama"), tmp_path / "j.db"
+    with pytest.raises(TypeError, match="at most"):
+        journaled_generate(model, IDS, *([None] * len(NAMED)), None, ledger=f"sqlite:///{db}")
+    with pytest.raises(TypeError, match="multiple values for argument 'inputs'"):
+        journaled_generate(model, IDS, inputs=IDS, ledger=f"sqlite:///{db}")
+    assert not db.exists()
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

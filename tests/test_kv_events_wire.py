@@ -50,6 +50,26 @@ def test_a_batch_the_journal_could_not_read_back_is_refused(payload):
     assert info.value.code == ErrorCode.MALFORMED_EVENT
 
 
+SHAPES = {
+    "a batch that is a number": (5, "payload is not an EventBatch"),
+    "an event that is a number": ([1.0, [7], 0], "a KV event is a map tagged by 'type'"),
+    "block hashes that are not a list": ([1.0, [_stored(block_hashes=5)], 0], "block_hashes is not a list"),
+}
+
+
+@pytest.mark.parametrize("payload, says", SHAPES.values(), ids=SHAPES.keys())
+def test_a_batch_of_another_shape_is_refused_saying_what(payload, says):
+    with pytest.raises(KvLedgerError) as info:
+        decode_batch(msgspec.msgpack.encode(payload))
+    assert info.value.code == ErrorCode.MALFORMED_EVENT and says in info.value.message
+
+
+def test_a_replay_reply_of_one_frame_is_refused():
+    with pytest.raises(KvLedgerError) as info:
+        split_replay([b"payload"])
+    assert info.value.code == ErrorCode.MALFORMED_EVENT and "at least 2 frames" in info.value.message
+
+
 def test_the_limits_themselves_are_accepted_and_read_back():
     """The refusals above are the limits, not one off: each field at its limit passes."""
     payload = [1.0, [_stored(medium="m" * 256, lora_name="n" * 256, parent_block_hash=b"\x03" * 256,

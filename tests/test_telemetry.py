@@ -504,3 +504,18 @@ def test_sampled_stream_keeps_whole_traces_and_proves_no_absence(tmp_path):
     assert rec.summary.in_scope == 6 * 40 < len(events)
     # metrics are never sampled
     assert _scalar(telemetry.metrics.scrape(), "kvledger_journal_events_total", event_type="finish") == 40
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"sample_rate": 0.0}, "sample_rate 0.0 not in (0, 1]"),
+    ({"sample_rate": 1.5}, "sample_rate 1.5 not in (0, 1]"),
+    ({"queue_size": 0}, "queue_size and block_size must be >= 1"),
+    ({"block_size": 0}, "queue_size and block_size must be >= 1"),
+])
+def test_a_telemetry_source_of_no_capacity_or_rate_is_refused(tmp_path, kwargs, says):
+    from kvledger.telemetry.producer import Telemetry
+
+    with pytest.raises(KvLedgerError) as info:
+        Telemetry(tmp_path / "t.jsonl", **kwargs)
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT and says in info.value.message
+    assert not (tmp_path / "t.jsonl").exists()
