@@ -430,3 +430,49 @@ def test_read_side_options_refuse_bad_values_in_one_coded_line(tmp_path, capsys,
     assert rc == 2 and out == ""
     one_coded_line(err, "INVALID_ARGUMENT")
     assert not list(tmp_path.iterdir())  # no database was created
+
+
+# -- each rule of verify, broken once in a sound trajectory ---------------------------------
+
+TRAJECTORY = (FIXTURES / "two_request_trajectory.jsonl").read_bytes().splitlines()
+# line (1-based), the bytes it holds, what they become -> the finding and what it says
+BROKEN = {
+    "b_token": (1, b'"b_token":64', b'"b_token":65', "B_TOKEN_MISMATCH", "b_token 65"),
+    "request": (1, b'"request_id":"A","handle_generation"', b'"request_id":"X","handle_generation"',
+                "REQUEST_MISMATCH", "request X, manifest names A"),
+    "capacity": (1, b'"reserved_capacity":8', b'"reserved_capacity":4', "CAPACITY_EXCEEDED",
+                 "[4, 5) exceeds reserved capacity 4"),
+    "txn twice": (8, b'"txn_id":"A-decode-1","kind"', b'"txn_id":"A-prefill","kind"', "DUPLICATE_TXN",
+                  "transaction A-prefill started twice"),
+    "cache positions": (8, b'"cache_positions":[4]', b'"cache_positions":[5]', "POSITION_MASK_MISMATCH",
+                        "do not cover [4, 5)"),
+    "mask extent": (8, b'"mask_key_extent":5', b'"mask_key_extent":4', "POSITION_MASK_MISMATCH",
+                    "mask key extent 4 < 5"),
+    "verify drafts": (8, b'"kind":"decode"', b'"kind":"verify"', "FRONTIER_MISMATCH", "verify drafts start at 4"),
+    "publish snapshot": (9, b'"result_snapshot_version":2', b'"result_snapshot_version":3', "SNAPSHOT_DISCONTINUITY",
+                         "1 -> 3"),
+    "accepted": (9, b'"accepted_count":1', b'"accepted_count":2', "REJECTED_SUFFIX", "accepts 2 of 1 staged rows"),
+    "committed": (9, b'"committed_length":5', b'"committed_length":6', "COMMITTED_LENGTH_MISMATCH",
+                  "committed length 6 != "),
+    "accepted fewer": (9, b'"accepted_count":1', b'"accepted_count":0', "COMMITTED_LENGTH_MISMATCH",
+                       "decode commits 0 of 1 staged rows"),
+    "output base": (7, b'"snapshot_version":1}', b'"snapshot_version":0}', "STALE_BASE", "output from snapshot 0"),
+    "generation": (15, b'"result_generation":1', b'"result_generation":0', "GENERATION_REGRESSION",
+                   "release moves generation 0 -> 0"),
+    "released": (15, b'"released_length":5', b'"released_length":4', "RELEASE_LENGTH_MISMATCH", "releases 4 of 5"),
+    "release snapshot": (15, b'"result_snapshot_version":3', b'"result_snapshot_version":5',
+                         "SNAPSHOT_DISCONTINUITY", "snapshot 2 -> 5"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_each_rule_finds_the_one_event_that_breaks_it(case, capsys, tmp_path):
+    n, old, new, code, says = BROKEN[case]
+    lines = list(TRAJECTORY)
+    assert old in lines[n - 1]
+    lines[n - 1] = lines[n - 1].replace(old, new, 1)
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    status, out, _ = cli(capsys, "verify", "--journal", str(path), "--json")
+    found = [f for f in json.loads(out)["findings"] if f["code"] == code]
+    assert status == 1 and any(says in f["message"] for f in found), (found, json.loads(out)["findings"][:4])
