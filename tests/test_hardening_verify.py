@@ -434,8 +434,8 @@ def test_read_side_options_refuse_bad_values_in_one_coded_line(tmp_path, capsys,
 
 # -- each rule of verify, broken once in a sound trajectory ---------------------------------
 
-TRAJECTORY = (FIXTURES / "two_request_trajectory.jsonl").read_bytes().splitlines()
-# line (1-based), the bytes it holds, what they become -> the finding and what it says
+# line (1-based) of two_request_trajectory.jsonl (or of runtime_trace.jsonl, its line given as "R9"), the
+# bytes it holds, what they become -> the finding and what it says
 BROKEN = {
     "b_token": (1, b'"b_token":64', b'"b_token":65', "B_TOKEN_MISMATCH", "b_token 65"),
     "request": (1, b'"request_id":"A","handle_generation"', b'"request_id":"X","handle_generation"',
@@ -463,12 +463,28 @@ BROKEN = {
     "release snapshot": (15, b'"result_snapshot_version":3', b'"result_snapshot_version":5',
                          "SNAPSHOT_DISCONTINUITY", "snapshot 2 -> 5"),
 }
+BROKEN.update({
+    "fork digest": ("R9", b'"manifest_sha256":"acc5', b'"manifest_sha256":"bcc5', "DIGEST_MISMATCH",
+                    "fork manifest_sha256 differs from the parent's"),
+    "fork b_token": ("R9", b'"b_token":64', b'"b_token":65', "B_TOKEN_MISMATCH", "fork b_token or layer count"),
+    "publish after failure": ("R8", b'"txn_id":"decode-2"', b'"txn_id":"decode-1"', "TXN_ABORTED",
+                              "publish of decode-1 after its failure"),
+    "failure of no start": ("R6", b'"txn_id":"decode-1"', b'"txn_id":"nope"', "FAILURE_WITHOUT_START",
+                            "failure of nope, which is not open"),
+    "failure's base": ("R6", b'"base_snapshot_version":1', b'"base_snapshot_version":0', "FAILURE_CHANGES_STATE",
+                       "failure claims base 0"),
+    "truncate grows": ("R10", b'"new_length":3', b'"new_length":9', "TRUNCATE_GROWS", "truncate to 9 > committed 5"),
+    "truncate outputs": ("R10", b'"output_count":0', b'"output_count":1', "COUNT_MISMATCH",
+                         "truncate keeps 1 outputs"),
+})
+SOURCES = {"": FIXTURES / "two_request_trajectory.jsonl", "R": FIXTURES / "runtime_trace.jsonl"}
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_each_rule_finds_the_one_event_that_breaks_it(case, capsys, tmp_path):
-    n, old, new, code, says = BROKEN[case]
-    lines = list(TRAJECTORY)
+    at, old, new, code, says = BROKEN[case]
+    source, n = (SOURCES["R"], int(at[1:])) if isinstance(at, str) else (SOURCES[""], at)
+    lines = source.read_bytes().splitlines()
     assert old in lines[n - 1]
     lines[n - 1] = lines[n - 1].replace(old, new, 1)
     path = tmp_path / "broken.jsonl"
