@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -19,11 +20,17 @@ def demo_argv(writer: str, url: str) -> list[str]:
     return [sys.executable, "-m", "kvledger", *DEMO, "--writer", writer, "--db", url]
 
 
+def demo_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with one torch thread: under pytest-xdist the cores are
+    shared, and a two-thread model's spinning OpenMP workers slowed a demo 2-4x there."""
+    return {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
+
+
 @functools.cache
 def undisturbed() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         run = subprocess.run(demo_argv("thread", f"sqlite:///{d}/calm.db"), capture_output=True, text=True,
-                             timeout=300, cwd=d)
+                             timeout=300, cwd=d, env=demo_env())
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(run.stdout)
     return {k: doc[k] for k in COMPARED}

@@ -26,6 +26,7 @@ from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
 
+from demo_runs import demo_env
 from factories import allocate_op, guard_of, publish_op
 
 pytestmark = pytest.mark.postgres
@@ -35,7 +36,7 @@ LAST_POSITION = ("SELECT coalesce((SELECT max(last_position) FROM kvl_records), 
 
 
 def _start(url: str, *argv: str, cwd: Path) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVLEDGER_LOG", "KVLEDGER_DEBUG")}
+    env = demo_env({k: v for k, v in os.environ.items() if k not in ("KVLEDGER_LOG", "KVLEDGER_DEBUG")})
     return subprocess.Popen([sys.executable, "-m", "kvledger", *argv, "--db", url], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
 

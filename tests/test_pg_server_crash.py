@@ -177,12 +177,12 @@ def test_a_demo_rides_out_a_server_crash(server, tmp_path, writer):
     journals undisturbed, and verifies."""
     import json
 
-    from demo_runs import assert_journaled_as_undisturbed, demo_argv
+    from demo_runs import assert_journaled_as_undisturbed, demo_argv, demo_env
 
     url = server.create_database(f"demo_{writer}")  # names built here, not input
     init_database(url)
     proc = subprocess.Popen(demo_argv(writer, url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path)
+                            cwd=tmp_path, env=demo_env())
     try:
         with psycopg.connect(conninfo(url), autocommit=True) as watch:
             _crash_once(server, proc, functools.partial(_heads_at_least, watch, 30))  # well into the run
