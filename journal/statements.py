@@ -136,12 +136,7 @@ class Statements(VerifyReads):
         "committed_length = ?, lifecycle = ? "
         "WHERE handle_id = ? AND generation = ? AND snapshot_version = ? AND stream_position = ?"
     )
-    CREATE_HEAD = (
-        "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
-        "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (handle_id) DO NOTHING"
-    )
-    CREATE_HEAD_AT = (
+    CREATE_HEAD = (  # last_record NULL when the caller does not know it (insert_record sets it)
         "INSERT INTO kvl_heads (handle_id, request_id, generation, snapshot_version, "
         "stream_position, committed_length, lifecycle, prefix_identity_sha256, cache_abi_sha256, last_record) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (handle_id) DO NOTHING"
@@ -208,9 +203,8 @@ class Statements(VerifyReads):
 
     def create_heads(self, cur: Any, writes: list[StreamWrite], last_record: int | None = None) -> set[str]:
         """As guarded_update, for heads that must not exist yet (`last_record` as there)."""
-        sql = self.q(self.CREATE_HEAD if last_record is None else self.CREATE_HEAD_AT)
-        at = () if last_record is None else (last_record,)
-        params = [(w.handle_id, *_head_columns(w), *at) for w in writes]
+        sql = self.q(self.CREATE_HEAD)
+        params = [(w.handle_id, *_head_columns(w), last_record) for w in writes]
         if len(params) >= 4 and self._all_held(cur, sql, params):
             return {w.handle_id for w in writes}
         ok = set()
