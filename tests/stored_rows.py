@@ -67,6 +67,17 @@ def sql(db_url: str, statement: str, **params) -> list[tuple]:
         engine.dispose()
 
 
+_HEAD_FACTS = ("request_id, generation, snapshot_version, stream_position, committed_length, lifecycle, "
+               "prefix_identity_sha256, cache_abi_sha256, last_record")  # kvl_heads but its key
+
+
+def copy_head(db_url: str, handle: str, as_handle: str) -> None:
+    """A head row for `as_handle` copied from `handle`'s (a head no stream of events leads
+    to: what a deleted record leaves, written by hand)."""
+    sql(db_url, f"INSERT INTO kvl_heads (handle_id, {_HEAD_FACTS}) SELECT :new, {_HEAD_FACTS} "  # constant columns
+        "FROM kvl_heads WHERE handle_id = :old", new=as_handle, old=handle)
+
+
 class StoredRecord(NamedTuple):
     last: int  # its last global position
     first: int

@@ -27,7 +27,7 @@ from kvledger.journal.record_format import GENESIS
 from kvledger.journal.tables import JOURNAL_TABLES
 
 from lifecycle_helpers import ManualClock
-from stored_rows import cli, one_coded_line, records, sql
+from stored_rows import cli, copy_head, one_coded_line, records, sql
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -344,22 +344,17 @@ def test_replay_refuses_a_journal_whose_last_records_were_deleted(db_url, capsys
     assert code == 0 and json.loads(out)["position"] == cut  # time travel reads what is there
 
 
-_HEAD_COLUMNS = ("request_id, generation, snapshot_version, stream_position, committed_length, lifecycle, "
-                 "prefix_identity_sha256, cache_abi_sha256, last_record")
-
-
 @pytest.mark.sql_storage("rewrites head rows: a NATS cell keeps its heads in its stream")
 @pytest.mark.parametrize("tamper, says", [
-    ("UPDATE kvl_heads SET stream_position = stream_position + 1 WHERE handle_id = "
-     "(SELECT min(handle_id) FROM kvl_heads)", "its last event at"),
-    (f"INSERT INTO kvl_heads (handle_id, {_HEAD_COLUMNS}) SELECT 'ghost', {_HEAD_COLUMNS} FROM kvl_heads "
-     "WHERE handle_id = (SELECT min(handle_id) FROM kvl_heads)", "and no event of it was read"),
+    (lambda url, h: sql(url, "UPDATE kvl_heads SET stream_position = stream_position + 1 WHERE handle_id = :h", h=h),
+     "its last event at"),
+    (lambda url, h: copy_head(url, h, "ghost"), "and no event of it was read"),
 ], ids=["a head past its events", "a head of no events"])
 def test_replay_refuses_a_head_row_its_events_do_not_reach(db_url, capsys, tamper, says):
     """A head row that no stream of events read leads to: its position past the stream's
     last event, or a stream with none at all (a record of its events deleted whole)."""
     grow(db_url, 1)
-    sql(db_url, tamper)
+    tamper(db_url, min(sql(db_url, "SELECT handle_id FROM kvl_heads"))[0])
     code, out, err = cli(capsys, "replay", "--db", db_url, "--json")
     assert code == 2 and out == ""
     line = one_coded_line(err, "CORRUPT_JOURNAL")

@@ -285,19 +285,15 @@ def test_adopt_without_ready_logits_recomputes_the_last_row(served, tmp_path):
         assert verify_findings(j) == []
 
 
-
 def test_a_journal_that_breaks_its_own_rules_is_not_continued(served, tmp_path):
     """A head row that no stream of events leads to (written by hand here): recovery's
     first verify finds it, and nothing is aborted, re-executed or written."""
-    from stored_rows import sql
+    from stored_rows import copy_head
 
-    head = ("request_id, generation, snapshot_version, stream_position, committed_length, lifecycle, "
-            "prefix_identity_sha256, cache_abi_sha256, last_record")
     url = f"sqlite:///{tmp_path}/cut.db"
     init_database(url)
     _serve(url, _specs("cut"), served, steps=3)  # open appends a recovery would abort
-    sql(url, f"INSERT INTO kvl_heads (handle_id, {head}) SELECT 'ghost', {head} FROM kvl_heads "
-             "WHERE handle_id = 'cut-0'")
+    copy_head(url, "cut-0", "ghost")
     with open_or_create_journal(url) as j:
         before = (list(j.read_raw()), j.heads())
         r = recover(j, served=served)
