@@ -16,11 +16,8 @@ from __future__ import annotations
 import logging
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
@@ -29,6 +26,9 @@ from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, VERSION_TABLE, me
 from kvledger.journal.url import redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+if TYPE_CHECKING:  # alembic is imported where a migration runs: opening a journal never needs it (~0.5 s)
+    from alembic.config import Config
+
 # pg_advisory_xact_lock key of `kvledger init` (any constant; this one names the purpose).
 _PG_INIT_LOCK = zlib.crc32(b"kvledger init") - 2**31
 
@@ -36,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def _config() -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(HERE))
     cfg.set_main_option("version_table", VERSION_TABLE)
@@ -43,11 +45,15 @@ def _config() -> Config:
 
 
 def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(_config()).get_current_head() or ""
 
 
 def known_revisions() -> tuple[str, ...]:
     """The revisions of migrations/versions, oldest first."""
+    from alembic.script import ScriptDirectory
+
     return tuple(reversed([s.revision for s in ScriptDirectory.from_config(_config()).walk_revisions()]))
 
 
@@ -107,6 +113,7 @@ def _tune_postgres(conn: Connection) -> None:
 
 
 def _migrate(conn: Connection, cfg: Config, revision: str) -> None:
+    from alembic import command
     from alembic.migration import MigrationContext
 
     context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
