@@ -8,6 +8,7 @@ import itertools
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,24 @@ from kvledger.journal.backends import BACKENDS, PENDING
 from kvledger.journal.pgserver import ScratchDatabases, ThrowawayPostgres, find_bin
 from kvledger.migrations.storage import init_database
 
+
+def _scratch_in_memory() -> None:
+    """Every scratch file of the run (pytest's tmp_path, the throwaway PostgreSQL and NATS
+    servers' data, what the tests' subprocesses write) on tmpfs, where the machine has
+    one with room: a durable commit there costs no device flush, and no test can tell a
+    flush from none (a kill -9 keeps the page cache; power loss is not tested). Set at
+    import, before pytest makes its base directory; KVLEDGER_TEST_TMPFS=off or an own
+    TMPDIR keeps the default."""
+    shm = Path("/dev/shm")
+    if os.environ.get("KVLEDGER_TEST_TMPFS") == "off" or "TMPDIR" in os.environ or not shm.is_dir():
+        return
+    room = os.statvfs(shm)
+    if room.f_bavail * room.f_frsize >= 8 << 30:
+        os.environ["TMPDIR"] = str(shm)  # inherited by every subprocess and server
+        tempfile.tempdir = None  # re-read by tempfile
+
+
+_scratch_in_memory()
 REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
 _names = itertools.count()
 _AFFINITY = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
@@ -59,6 +78,12 @@ class PgAdmin:
 
     def create(self, migrated: bool = True) -> str:
         return self.scratch.create(f"kvl_test_{os.getpid()}_{next(_names)}", migrated=migrated)
+
+    def discard(self, url: str) -> None:
+        """Drop a test's database once the test is done: the server's data stays small."""
+        from sqlalchemy.engine import make_url
+
+        self.scratch.drop(make_url(url).database)
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +132,10 @@ def _sqlite_journal(directory: Path, name: str, request) -> str:
 
 
 def _postgres_journal(directory: Path, name: str, request) -> str:
-    return request.getfixturevalue("pg_admin").create()
+    admin = request.getfixturevalue("pg_admin")
+    url = admin.create()
+    request.addfinalizer(lambda: admin.discard(url))
+    return url
 
 
 def _nats_journal(directory: Path, name: str, request) -> str:

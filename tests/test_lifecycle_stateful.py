@@ -6,6 +6,7 @@ Run longer with: python -m pytest -m slow tests/test_lifecycle_stateful.py
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.ledger.close()
+        shutil.rmtree(self.dir, ignore_errors=True)  # one directory an example: on tmpfs, memory
 
     def _name(self, prefix: str) -> str:
         self.n += 1
