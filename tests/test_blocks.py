@@ -186,16 +186,16 @@ def test_a_record_with_a_forged_step_is_damaged_at_that_step(db_url):
     assert bad.value.offset == 5 and len(bad.value.values) == 5
 
 
-def _lockstep_bodies(db_url: str, steps: int) -> list[bytes]:
-    """The records of 64 handles decoding `steps` steps in lockstep: an allocation's, a
-    prefill's, then one block of 64 steps a commit."""
+def _lockstep_bodies(db_url: str, steps: int, batch: int = 64) -> list[bytes]:
+    """The records of `batch` handles decoding `steps` steps in lockstep: an allocation's, a
+    prefill's, then one block of `batch` steps a commit."""
     from kvledger.engine.service import CommandService
     from kvledger.migrations.storage import open_or_create_journal
 
     from bench.tokens import Lockstep
 
     with open_or_create_journal(db_url) as journal:
-        run = Lockstep(CommandService(journal), 2, steps + 1, "pages")
+        run = Lockstep(CommandService(journal), 2, steps + 1, "pages", batch=batch)
         for _ in range(steps):
             run.step()
     return [r.body for r in records(db_url)]
@@ -227,9 +227,10 @@ def test_a_damaged_record_in_a_page_is_left_to_the_general_path(tmp_path, sqlite
     does (where the flip changes nothing it reads) or leaves it (None), which then names
     the damage; the page's other records read as before. The flips read bodies, whose
     format no backend changes: they are made once, on SQLite (the other tests here read
-    each backend's)."""
+    each backend's), of 16 handles (every column and frame part a block of 64 has, in a
+    fifth of the bytes)."""
     shutil.copyfile(sqlite_template, tmp_path / "journal.db")
-    bodies = _lockstep_bodies(f"sqlite:///{tmp_path}/journal.db", 3)[2:]
+    bodies = _lockstep_bodies(f"sqlite:///{tmp_path}/journal.db", 3, batch=16)[2:]
     good = [_read(r) for r in block_records(bodies)]
     target = bodies[1]
     left = 0

@@ -234,7 +234,7 @@ def test_a_flood_past_the_receive_hwm_shows_as_holes_that_are_replayed(tmp_path)
     taken all of it into its own memory, and dropped nothing."""
     url = new_db(tmp_path)
     published: dict[tuple[int, int], list[Any]] = {}
-    n = 10_000
+    n = 5_000
     with recording(url, "vllm", record={"rcvhwm": 50}, sndhwm=100, buffer_steps=n + 100) as (pub, out):
         w = Workload(45)
         publish_batches(pub, w, 10, published)
