@@ -54,6 +54,7 @@ import abc
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
@@ -81,6 +82,8 @@ T = TypeVar("T")
 # What a database restart, a dropped session or a busy lock gives; asked again for up to RETRY_S.
 TRANSIENT = frozenset({ErrorCode.DATABASE_UNREACHABLE, ErrorCode.DATABASE_ERROR, ErrorCode.DATABASE_BUSY})
 RETRY_S = 60.0
+# The errors a retried() asked again until its time was over: an outer retried() raises them at once.
+_WAITED_OUT: weakref.WeakSet[KvLedgerError] = weakref.WeakSet()
 
 
 def retried(call: Callable[[], T], again: Callable[[], T] | None = None, *, what: str = "a call",
@@ -95,10 +98,10 @@ def retried(call: Callable[[], T], again: Callable[[], T] | None = None, *, what
         try:
             return call()
         except KvLedgerError as exc:
-            if exc.code not in TRANSIENT or exc.waited_out or stopped():
+            if exc.code not in TRANSIENT or exc in _WAITED_OUT or stopped():
                 raise
             if time.monotonic() + pause > deadline:
-                exc.waited_out = True
+                _WAITED_OUT.add(exc)
                 raise
             log.warning("the journal did not take %s (%s); asking again in %.2f s", what, exc, pause)
             time.sleep(pause)

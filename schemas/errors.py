@@ -75,8 +75,6 @@ class KvLedgerError(Exception):
     control characters in it are escaped (see `one_line`); `message` keeps the raw text
     for JSON."""
 
-    waited_out = False  # asked again until its time was over (journal.port.retried): not again
-
     def __init__(self, code: ErrorCode, message: str, **details: object) -> None:
         super().__init__(f"{code.value}: {one_line(message)}")
         self.code = code
