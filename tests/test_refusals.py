@@ -95,6 +95,7 @@ def test_a_command_whose_parts_do_not_line_up_is_refused(ledger):
             permutation=[1, 0], bases=[b])
 
 
+@pytest.mark.sqlite_case("decide is pure: the states it is handed come from one journal, of any backend")
 def test_what_validation_or_the_journal_never_lets_through_is_refused_by_decide(ledger):
     """Defences behind the commands' validation, decided on states as the journal holds
     them: a negative length, a chain handed to decide whole, a prefill past the prompt
