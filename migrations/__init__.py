@@ -26,8 +26,9 @@ from kvledger.journal.tables import JOURNAL_TABLES, REVISIONS, VERSION_TABLE, me
 from kvledger.journal.url import redact
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
-if TYPE_CHECKING:  # alembic is imported where a migration runs: opening a journal never needs it (~0.5 s)
+if TYPE_CHECKING:  # alembic is imported where a migration runs: opening a journal never needs it
     from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 # pg_advisory_xact_lock key of `kvledger init` (any constant; this one names the purpose).
 _PG_INIT_LOCK = zlib.crc32(b"kvledger init") - 2**31
@@ -44,17 +45,19 @@ def _config() -> Config:
     return cfg
 
 
-def head_revision() -> str:
+def _scripts() -> ScriptDirectory:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(_config()).get_current_head() or ""
+    return ScriptDirectory.from_config(_config())
+
+
+def head_revision() -> str:
+    return _scripts().get_current_head() or ""
 
 
 def known_revisions() -> tuple[str, ...]:
     """The revisions of migrations/versions, oldest first."""
-    from alembic.script import ScriptDirectory
-
-    return tuple(reversed([s.revision for s in ScriptDirectory.from_config(_config()).walk_revisions()]))
+    return tuple(reversed([s.revision for s in _scripts().walk_revisions()]))
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
