@@ -27,7 +27,7 @@ from kvledger.journal.record_format import GENESIS
 from kvledger.journal.tables import JOURNAL_TABLES
 
 from lifecycle_helpers import ManualClock
-from stored_rows import cli, copy_head, one_coded_line, records, sql
+from stored_rows import cli, close_sessions, copy_head, one_coded_line, records, sql
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -129,6 +129,7 @@ def _copy_database(request, url: str, tmp_path: Path) -> str:
         copy = tmp_path / "backup.db"
         shutil.copyfile(sqlite_file(url), copy)
         return f"sqlite:///{copy}"
+    close_sessions()
     admin = request.getfixturevalue("pg_admin").scratch
     name = f"{make_url(url).database}_backup"
     with admin.connect() as conn:  # names built here, not input
