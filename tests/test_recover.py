@@ -25,6 +25,8 @@ from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.worker.loading import load_model
 from kvledger.worker.serving import RequestSpec, Worker
 
+from stored_rows import cli
+
 WORKER = {"capacity": 64, "prefill_chunk": 16, "prefill_tokens": 32, "max_running": 4}
 
 
@@ -192,7 +194,7 @@ def _state(pid: int) -> str:
 @pytest.mark.sqlite_case("a writer process killed with the demo, on SQLite: the thread case covers PostgreSQL",
                          writer="process")
 @pytest.mark.parametrize("writer", ["thread", "process"])
-def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
+def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer, capsys):
     rng = random.Random(os.getpid())
     threshold = rng.randint(20, 150)
     demo = subprocess.Popen([sys.executable, "-m", "kvledger", "demo", "--db", db_url, "--requests", "16",
@@ -220,8 +222,9 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
     r = json.loads(p.stdout)
     assert r["ok"] and r["position_before"] == killed_at and r["events_written"] > 0
     assert set(r["released"]) == set(live) and r["digest_mismatches"] == [] and r["verify_after"] == []
-    v = _cli("verify", "--db", db_url, "--json")
-    assert v.returncode == 0, v.stdout + v.stderr
+    # what follows the recovery runs in this process: the kill and recover were the processes'
+    code, out, err = cli(capsys, "verify", "--db", db_url, "--json")
+    assert code == 0, out + err
     with open_or_create_journal(db_url) as j:
         heads = j.heads()
         assert all(f.lifecycle == "RELEASED" for f in heads.values())
@@ -230,23 +233,23 @@ def test_kill_9_of_kvledger_demo_then_recover_and_verify(db_url, writer):
         for h in live:
             s = fold(j.read_stream(h))
             assert s.lifecycle == "RELEASED"
-    again = _cli("recover", "--db", db_url)
-    assert again.returncode == 0 and "nothing to recover" in again.stdout
+    code, out, _ = cli(capsys, "recover", "--db", db_url)
+    assert code == 0 and "nothing to recover" in out
 
 
-def test_recover_cli_errors_are_one_line_with_a_code(tmp_path):
-    p = _cli("recover", "--db", "mysql://nope/x")
-    assert p.returncode == 2 and p.stderr.startswith("BAD_DATABASE_URL")
+def test_recover_cli_errors_are_one_line_with_a_code(tmp_path, capsys):
+    code, _, err = cli(capsys, "recover", "--db", "mysql://nope/x")
+    assert code == 2 and err.startswith("BAD_DATABASE_URL")
     missing = tmp_path / "missing.db"
-    p = _cli("recover", "--db", f"sqlite:///{missing}")
-    assert p.returncode == 2 and p.stderr.startswith("DATABASE_NOT_FOUND") and not missing.exists()
+    code, _, err = cli(capsys, "recover", "--db", f"sqlite:///{missing}")
+    assert code == 2 and err.startswith("DATABASE_NOT_FOUND") and not missing.exists()
     init_database(f"sqlite:///{tmp_path}/x.db")
     # A --model that is not a checkpoint is refused when parsed, before recover writes
     # anything (aborting in-doubt appends comes before the model is loaded).
-    p = _cli("recover", "--db", f"sqlite:///{tmp_path}/x.db", "--model", str(tmp_path))
-    assert p.returncode == 2 and p.stderr.startswith("INVALID_ARGUMENT") and p.stderr.count("\n") == 1
-    p = _cli("recover", "--db", f"sqlite:///{tmp_path}/x.db")
-    assert p.returncode == 0  # no live handle: the model is never needed
+    code, _, err = cli(capsys, "recover", "--db", f"sqlite:///{tmp_path}/x.db", "--model", str(tmp_path))
+    assert code == 2 and err.startswith("INVALID_ARGUMENT") and err.count("\n") == 1
+    code, _, _ = cli(capsys, "recover", "--db", f"sqlite:///{tmp_path}/x.db")
+    assert code == 0  # no live handle: the model is never needed
 
 
 def test_adopt_without_ready_logits_recomputes_the_last_row(served, tmp_path):
