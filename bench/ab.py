@@ -236,7 +236,8 @@ def unpack(rev: str, into: Path) -> Path:
 def side(pkg: Path, cpu: int | None, groups: int, child: str = CHILD, batch: int = 64) -> subprocess.Popen[str]:
     """A child measuring with `pkg`'s code, on CPU `cpu` (None: on any); `batch`: the
     write path's steps a commit."""
-    env = {**os.environ, "PYTHONPATH": str(pkg)}
+    # TMPDIR: the run's own directory, removed at its end with the children's journals
+    env = {**os.environ, "PYTHONPATH": str(pkg), "TMPDIR": str(pkg.parent)}
     pin = [] if cpu is None else ["taskset", "-c", str(cpu)]
     return subprocess.Popen([*pin, sys.executable, "-c", child, str(pkg), str(ROOT), str(groups), str(batch)], env=env,
                             stdout=subprocess.PIPE, text=True,

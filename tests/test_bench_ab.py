@@ -6,6 +6,7 @@ the figures are not checked, only that both sides measured and the ratio is thei
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _ab(*args: str) -> subprocess.CompletedProcess[str]:
+def _ab(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "bench.ab", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, "TMPDIR": str(tmp)})
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,12 @@ def head() -> str:
 
 @pytest.mark.parametrize(("mode", "key"), [("--frames", "pairs_iteration_ms"),
                                          ("--publish", "pairs_us_per_publication")])
-def test_both_sides_measure(head, mode, key):
+def test_both_sides_measure(head, mode, key, tmp_path):
     """--frames: the ceiling's writer process; --publish: the generic batched path that
-    journal_vs_eventsourcing_sqlite times."""
-    proc = _ab(head, head, mode, "--pairs", "1", "--groups", "1", "--json")
+    journal_vs_eventsourcing_sqlite times. Nothing is left in the temporary directory."""
+    proc = _ab(head, head, mode, "--pairs", "1", "--groups", "1", "--json", tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []  # the unpacked sides and the children's journals
     result = json.loads(proc.stdout)
     [(a, b)] = result[key]
     assert a > 0 and b > 0
