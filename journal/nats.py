@@ -142,14 +142,14 @@ class NatsJournal(Journal):
             if faults.INTENTS:
                 faults.intend([op.operation_id for op in operations])
             unreachable_until = time.monotonic() + self.client.timeout
+            fetched = None  # a tail read in this call: the journal as it was at a moment of it
             for attempt in range(MAX_TRIES):
-                tail = self._tail or self._fetch_tail()
+                tail = self._tail or (fetched := self._fetch_tail())
                 results, batch, written = self._decide(operations, tail)
-                if batch is None:  # refused or answered: on the journal as it still is?
-                    if self._fetch_tail() == tail:
+                if batch is None:  # refused or answered: as of `tail`, if no head read was past it
+                    if (tail == fetched and not written) or (fetched := self._fetch_tail()) == tail:
                         return results
-                    self._forget()
-                    continue
+                    continue  # decided again as of the tail just read
                 faults.fault_unreachable("before_commit", self.display_url)
                 try:
                     ack = self.client.publish_batch(batch, COMMIT_WAIT)  # mid_batch: before its commit message
@@ -178,7 +178,8 @@ class NatsJournal(Journal):
     def _decide(self, ops: Sequence[Operation], tail: Tail
                 ) -> tuple[list[Receipt | Rejection], list[tuple[str, bytes, dict[str, str]]] | None, Any]:
         """The results of `ops` decided on the journal as of `tail`, and the batch that
-        commits them (None: nothing to write) with what _committed remembers of it."""
+        commits them with what _committed remembers of it (None: nothing to write, and
+        whether a head it read belongs to a record past `tail`)."""
         self._catch_up(tail.seq)
         op_ids, event_ids, known = batch_ids(ops)
         stored: dict[str, tuple[str, bytes]] = {}
@@ -203,8 +204,8 @@ class NatsJournal(Journal):
         if len(first_in_batch) + len(stored) < len(ops):
             resolve_repeats(ops, results, first_in_batch)
         record = written.record
-        if record is None:
-            return results, None, None  # type: ignore[return-value]  # every slot decided
+        if record is None:  # every slot decided
+            return results, None, any(hd.record > tail.seq for hd in heads.values())  # type: ignore[return-value]  # no None left
         msg_id = hashlib.sha256("\n".join(ops[i].operation_id for i in pending).encode()).hexdigest()
         batch = [(self.records_subject, record.body, {
             "Nats-Expected-Last-Subject-Sequence": str(tail.seq), "Nats-Msg-Id": f"kvl-{msg_id}",
