@@ -550,6 +550,20 @@ def test_a_check_on_a_head_another_connection_moved_is_stale_after_any_read(db_u
             assert isinstance(refused, Rejection) and refused.code == ErrorCode.STALE_BASE
 
 
+def test_a_base_another_connection_reached_is_decided_on_the_journal_as_it_is(db_url):
+    """A connection that knows a head as it was (it wrote it) is given the base another
+    connection's commit reached since: the operation is decided on the journal during
+    the call and commits, never refused on the state this connection knew before it."""
+    with open_or_create_journal(db_url) as a, open_or_create_journal(db_url) as b:
+        a.append([allocate_op("H")])
+        a.append([publish_op("H", guard_of(a.head("H")), "a-1")])
+        [moved] = b.append([publish_op("H", guard_of(b.head("H")), "b-1")])
+        assert isinstance(moved, Receipt)
+        [r] = a.append([publish_op("H", guard_of(b.head("H")), "a-2")])
+        assert isinstance(r, Receipt), r
+        assert a.head("H").snapshot_version == 3
+
+
 def test_a_decode_run_beside_an_arrival_commits_whole(db_url):
     """A worker's usual commit: a decode step on each of several handles (a backend with
     a run path writes them from their columns) and an arrival beside them, in one
