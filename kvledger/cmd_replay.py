@@ -313,9 +313,7 @@ def _anchor(text: str) -> Anchor:
     return parse(text)
 
 
-def _ns(ms: float) -> int:
-    if ms < 0:
-        raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"negative time {ms} ms")
+def _ns(ms: float) -> int:  # ms as args.millis parsed it: finite, 0 to MAX_MS
     return round(ms * MS)
 
 
