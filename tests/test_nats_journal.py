@@ -74,6 +74,26 @@ def test_a_retry_from_a_fresh_connection_is_answered_from_the_stream(nats_url): 
         assert again.last_position() == 2 and again.receipt("op-1") == original
 
 
+def test_a_retry_whose_commit_lands_inside_its_decision_is_answered(nats_url, monkeypatch):  # noqa: F811
+    """The same operation retried on a second connection while the first one's commit
+    lands between the retry's read of the last record and its read of the head: the
+    retry saw neither the stored operation (its ids are indexed up to that record) nor the
+    old head. It is decided again and answered with the receipt, never refused STALE_BASE
+    (a refusal on a head past the record it read is the journal at no moment)."""
+    with NatsJournal(nats_url) as first:
+        first.append([allocate_op("h1")])
+        op = publish_op("h1", guard_of(first.head("h1")), "op-1")
+        committed: list = []
+        with NatsJournal(nats_url) as again:
+            def lands_first(handles: list[str]) -> dict:
+                if not committed:
+                    committed.extend(first.append([op]))
+                return NatsJournal._read_heads(again, handles)
+            monkeypatch.setattr(again, "_read_heads", lands_first)
+            assert again.append([op]) == committed and isinstance(committed[0], Receipt)
+            assert again.last_position() == 2
+
+
 def test_ids_that_are_no_subject_token_are_hashed_apart(nats_url):  # noqa: F811
     with NatsJournal(nats_url) as j:
         odd = ["a.b", "a b", "*", ">", "a.b.c", "~x"]
