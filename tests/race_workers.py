@@ -19,15 +19,15 @@ def publisher(url: str, handle: str, worker: int, attempts: int, out) -> None:
     try:
         with open_or_create_journal(url) as j:
             for n in range(attempts):
-                base = guard_of(j.head(handle))
+                base, op_id = guard_of(j.head(handle)), f"w{worker}-{n}"
                 try:
-                    [r] = j.append([publish_op(handle, base, f"w{worker}-{n}")])
+                    [r] = j.append([publish_op(handle, base, op_id)])
                 except KvLedgerError as exc:
                     if exc.code is not ErrorCode.DATABASE_BUSY:
                         raise
-                    results.append((base.snapshot_version, False, exc.code.value, f"w{worker}-{n}"))
+                    results.append((base.snapshot_version, False, exc.code.value, op_id))
                     continue
-                results.append((base.snapshot_version, isinstance(r, Receipt), getattr(r, "code", None), None))
+                results.append((base.snapshot_version, isinstance(r, Receipt), getattr(r, "code", None), op_id))
     except BaseException as exc:  # said at once: the test waits on this queue
         out.put((worker, repr(exc)))
         raise

@@ -75,7 +75,7 @@ def _engine(db_url: str) -> Engine:
         url = parse_url(db_url)
         # pre-ping: a test may have restarted the server or dropped the session under it
         _ENGINES[db_url] = make_engine(url) if url.drivername.startswith("sqlite") else \
-            create_engine(url, pool_size=1, pool_pre_ping=True)
+            create_engine(url, pool_size=1, pool_pre_ping=True, connect_args={"connect_timeout": 5})  # make_engine's
     return _ENGINES[db_url]
 
 

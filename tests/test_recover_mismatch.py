@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.cli import main
+from stored_rows import cli
 
 pytest.importorskip("torch")
 
@@ -30,11 +30,10 @@ def test_a_digest_mismatch_is_reported_line_by_line_and_exits_1(tmp_path, capsys
     # second process would import torch again for the same recovery)
     text = subprocess.run([sys.executable, "-m", "kvledger", "recover", "--db", _copy(tmp_path, "text.db")],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    code = main(["recover", "--db", _copy(tmp_path, "json.db"), "--json"])
-    as_json = capsys.readouterr()
-    assert text.returncode == code == 1, text.stderr + as_json.err
+    code, out, err = cli(capsys, "recover", "--db", _copy(tmp_path, "json.db"), "--json")
+    assert text.returncode == code == 1, text.stderr + err
     assert "Traceback" not in text.stderr and "INTERNAL_ERROR" not in text.stderr, text.stderr
-    found = json.loads(as_json.out)["digest_mismatches"]
+    found = json.loads(out)["digest_mismatches"]
     # 19 here, the first at position 12; another CPU's kernels may reproduce fewer or more
     assert found and all(m["recorded"] != m["recomputed"] for m in found)
     lines = [x for x in text.stderr.splitlines() if x.startswith("DIGEST_MISMATCH: ")]
