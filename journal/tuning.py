@@ -241,7 +241,8 @@ def pipelined(host: str) -> bool:
 
 
 # -- the cyclic collector ------------------------------------------------------------------
-_frozen = False
+_frozen = False  # by freeze_heap
+_host_frozen = False  # by whoever else: seen by _heap_frozen
 
 
 def freeze_heap() -> None:
@@ -252,6 +253,16 @@ def freeze_heap() -> None:
     if not _frozen and enabled():
         _frozen = True
         gc.freeze()
+
+
+def _heap_frozen() -> bool:
+    """Whether this process's start-up heap is frozen, by freeze_heap or by its host.
+    gc.get_freeze_count walks the frozen objects (~50 ms for torch's 190k), so it is asked
+    only while there are none: a heap once frozen stays so."""
+    global _host_frozen
+    if not (_frozen or _host_frozen):
+        _host_frozen = gc.get_freeze_count() > 0
+    return _frozen or _host_frozen
 
 
 @contextlib.contextmanager
@@ -270,7 +281,7 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         if was:
-            if not gc.get_freeze_count():
+            if not _heap_frozen():
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()

@@ -304,11 +304,12 @@ def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
     assert errors[0][0].value == "CORRUPT_JOURNAL" and errors[0][2] == last - 3 * (64 - 10)
 
 
-def test_a_replay_leaves_its_projection_to_the_oldest_generation(journals):
+def test_a_replay_leaves_its_projection_to_the_oldest_generation(journals, monkeypatch):
     """After the fold and the report the collector is on again, and what they made is in
     the oldest generation: the next allocations start no young pass over it."""
     import gc
 
+    from kvledger.journal import tuning
     from kvledger.replay.run import replay_journal
 
     passes: list[int] = []
@@ -321,6 +322,8 @@ def test_a_replay_leaves_its_projection_to_the_oldest_generation(journals):
     # (tuning.freeze_heap); a replay-only process has none, which is the case tested here
     frozen = gc.get_freeze_count()
     gc.unfreeze()
+    monkeypatch.setattr(tuning, "_frozen", False)
+    monkeypatch.setattr(tuning, "_host_frozen", False)
     try:
         with open_journal(journals) as journal:
             assert gc.isenabled()

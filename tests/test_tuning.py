@@ -237,6 +237,32 @@ def test_poll_returns_when_ready_or_when_its_window_closes():
 
 
 @tuned
+@pytest.mark.parametrize("by", ["freeze_heap", "host"])
+def test_a_frozen_heap_is_counted_once_not_at_every_replay(monkeypatch, by):
+    """gc.get_freeze_count walks every frozen object (~50 ms for torch's): a paused
+    collector asks it only until it sees a frozen heap, and then never unfreezes it."""
+    import gc
+
+    calls: list[str] = []
+    frozen = [0]
+    monkeypatch.setattr(tuning, "_frozen", by == "freeze_heap")
+    monkeypatch.setattr(tuning, "_host_frozen", False)
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: calls.append("count") or frozen[0])
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+    if by == "host":
+        with tuning.collector_paused():
+            pass
+        assert calls == ["count", "freeze", "unfreeze"]  # nothing frozen: what it made goes old
+        calls.clear()
+        frozen[0] = 190_000  # the host freezes its start-up heap
+    for _ in range(3):
+        with tuning.collector_paused():
+            pass
+    assert calls == ([] if by == "freeze_heap" else ["count"])
+
+
+@tuned
 def test_polled_passes_the_generator_through():
     """polled yields what the wrapped generator waits for, sends it what the waiter found,
     and returns its result, also when it has nothing to wait for."""
