@@ -15,6 +15,8 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.pool import NullPool, StaticPool
 
+PG_CONNECT_TIMEOUT_S = 5  # a dead server is an error in seconds, not a hang
+
 
 def make_engine(url: URL) -> Engine:
     if url.drivername.startswith("sqlite"):
@@ -28,7 +30,7 @@ def make_engine(url: URL) -> Engine:
         return engine
     from kvledger.journal.postgres import polling_connect
 
-    engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+    engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S})
     event.listen(engine, "do_connect", polling_connect)
     return engine
 

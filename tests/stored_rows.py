@@ -19,6 +19,7 @@ from kvledger import migrations
 from kvledger.cli import main
 from kvledger.journal import make_engine, open_journal, parse_url
 from kvledger.journal.blocks import pack
+from kvledger.journal.connection import PG_CONNECT_TIMEOUT_S
 from kvledger.journal.contract import Operation
 from kvledger.journal.steps import StepReader, StepWriter
 from kvledger.journal.tables import JOURNAL_TABLES as TABLES
@@ -75,7 +76,7 @@ def _engine(db_url: str) -> Engine:
         url = parse_url(db_url)
         # pre-ping: a test may have restarted the server or dropped the session under it
         _ENGINES[db_url] = make_engine(url) if url.drivername.startswith("sqlite") else \
-            create_engine(url, pool_size=1, pool_pre_ping=True, connect_args={"connect_timeout": 5})  # make_engine's
+            create_engine(url, pool_size=1, pool_pre_ping=True, connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S})
     return _ENGINES[db_url]
 
 
