@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvledger.engine import WRITERS
 from kvledger.engine import commands as c
 from kvledger.engine.evolve import fold
 from kvledger.engine.port import CommandPort, CommitHook, RejectHook, Results
@@ -45,7 +46,6 @@ from kvledger.schemas.events import Event
 from kvledger.schemas.positional import Positional
 from kvledger.schemas.receipts import Receipt
 
-WRITERS = ("thread", "process")
 _LENGTH = struct.Struct(">I")
 
 

@@ -4,19 +4,30 @@ position, receipts, manifests and projection checkpoints, on SQLite and PostgreS
 journal.port says what a backend does, journal.backends lists the backends, and this
 package's names are the entry points the layers above use."""
 
-from kvledger.journal.backends import BACKENDS, open_journal
-from kvledger.journal.contract import (
-    Check,
-    Guard,
-    HeadFacts,
-    Operation,
-    Rejection,
-    StreamWrite,
-)
-from kvledger.journal.port import Journal
-from kvledger.journal.sql import SqlJournal, make_engine
-from kvledger.journal.tables import SCHEMA_REVISION
-from kvledger.journal.url import DEFAULT_URL, parse_url, redact, resolve_url
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvledger.schemas import lazy
+
+if TYPE_CHECKING:
+    from kvledger.journal.backends import BACKENDS, open_journal
+    from kvledger.journal.contract import Check, Guard, HeadFacts, Operation, Rejection, StreamWrite
+    from kvledger.journal.port import Journal
+    from kvledger.journal.sql import SqlJournal, make_engine
+    from kvledger.journal.tables import SCHEMA_REVISION
+    from kvledger.journal.url import DEFAULT_URL, parse_url, redact, resolve_url
+
+# Loaded when first used: a module of this layer (journal.tuning, journal.url) is imported
+# without the backends, and a command's parser and `--help` without SQLAlchemy.
+__getattr__ = lazy.exports(__name__, {
+    "backends": ("BACKENDS", "open_journal"),
+    "contract": ("Check", "Guard", "HeadFacts", "Operation", "Rejection", "StreamWrite"),
+    "port": ("Journal",),
+    "sql": ("SqlJournal", "make_engine"),
+    "tables": ("SCHEMA_REVISION",),
+    "url": ("DEFAULT_URL", "parse_url", "redact", "resolve_url"),
+})
 
 __all__ = [
     "BACKENDS",
@@ -36,3 +47,4 @@ __all__ = [
     "redact",
     "resolve_url",
 ]
+

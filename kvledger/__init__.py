@@ -9,7 +9,9 @@ writer process's `kvledger.engine.remote`) does not load the facade's dependenci
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvledger.schemas import lazy
 
 if TYPE_CHECKING:
     from kvledger.ledger import CacheLayout, Ledger, full_layers
@@ -18,16 +20,5 @@ if TYPE_CHECKING:
 __all__ = ["CacheLayout", "Ledger", "full_layers", "init_database", "open_or_create_journal"]
 __version__ = "0.1.0"
 
-_WHERE = {"CacheLayout": "kvledger.ledger", "Ledger": "kvledger.ledger", "full_layers": "kvledger.ledger",
-          "init_database": "kvledger.migrations.storage",
-          "open_or_create_journal": "kvledger.migrations.storage"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'kvledger' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy.exports(__name__, {"ledger": ("CacheLayout", "Ledger", "full_layers"),
+                                      "migrations.storage": ("init_database", "open_or_create_journal")})

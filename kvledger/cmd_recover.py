@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvledger import args as a
 from kvledger.args import DB_HELP
-from kvledger.engine.remote import WRITERS
+from kvledger.engine import WRITERS
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 if TYPE_CHECKING:

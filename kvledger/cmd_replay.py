@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from kvledger import args as a
 from kvledger.args import DB_HELP
 from kvledger.cli import add_slo_arguments
-from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 if TYPE_CHECKING:
@@ -132,6 +131,7 @@ def _source(p: argparse.ArgumentParser) -> None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     import msgspec
 
+    from kvledger.migrations.storage import open_existing_journal
     from kvledger.replay import WindowSpec, replay_incremental, replay_journal, replay_jsonl, to_json
 
     if args.incremental and (args.journal or args.at is not None):
@@ -186,6 +186,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import msgspec
 
+    from kvledger.migrations.storage import open_existing_journal
     from kvledger.replay import verify_journal, verify_jsonl
     from kvledger.replay.anchor import read_key
 
@@ -238,6 +239,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _reexecution(args: argparse.Namespace) -> dict[str, Any]:
     from kvledger.cmd_hf import reexecute
+    from kvledger.migrations.storage import open_existing_journal
     from kvledger.replay.sources import journal_events, jsonl_events
 
     if args.journal:
@@ -249,6 +251,7 @@ def _reexecution(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_head(args: argparse.Namespace) -> int:
     import msgspec
 
+    from kvledger.migrations.storage import open_existing_journal
     from kvledger.replay.anchor import current, read_key, sign
 
     key = read_key(args.key) if args.key else None  # read first: a bad key file opens no database
@@ -268,6 +271,7 @@ def _cmd_head(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from kvledger.migrations.storage import open_existing_journal
     from kvledger.replay import export_jsonl
 
     with open_existing_journal(args.db) as journal:

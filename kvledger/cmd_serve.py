@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, get_args
 
 from kvledger.args import JsonDoc
 from kvledger.cli import add_slo_arguments
+from kvledger.engine import WRITERS
 from kvledger.engine.ids import instance_name
-from kvledger.engine.remote import WRITERS
-from kvledger.journal import redact, resolve_url
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from kvledger.cmd_telemetry import demo_telemetry, finish_demo_telemetry
     from kvledger.demo import DemoOptions, run_demo
-    from kvledger.journal import tuning
+    from kvledger.journal import redact, resolve_url, tuning
     from kvledger.migrations.storage import open_or_create_journal
 
     url = resolve_url(args.db)
@@ -247,6 +246,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, "--runtime hf needs --model DIR")
         return print_generated(args, *generate(args))
     from kvledger.engine.remote import command_service
+    from kvledger.journal import resolve_url
     from kvledger.migrations.storage import open_or_create_journal
     from kvledger.worker.loading import load_model, require_context
     from kvledger.worker.serving import RequestSpec, Worker
@@ -279,6 +279,8 @@ def print_generated(args: argparse.Namespace, url: str, handle: str, prompt: tup
     """What `generate` prints, whichever runtime generated: the ids (or, with --json, the
     journal's part in it too)."""
     if args.json:
+        from kvledger.journal import redact
+
         print(json.dumps({"handle_id": handle, "prompt_ids": list(prompt), "output_ids": outputs,
                           "events_written": position - first, "journal": redact(url), "position": position}))
     else:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, TypedDict
 
 from kvledger import args as a
 from kvledger.args import DB_HELP
-from kvledger.migrations.storage import open_existing_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 if TYPE_CHECKING:
@@ -122,6 +121,7 @@ def finish_demo_telemetry(telemetry: Telemetry | None, args: argparse.Namespace)
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     import msgspec
 
+    from kvledger.migrations.storage import open_existing_journal
     from kvledger.replay.reconcile import reconcile
     from kvledger.replay.sources import journal_events, jsonl_bodies, jsonl_events
 
@@ -159,6 +159,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 def _reconcile_kv_index(args: argparse.Namespace) -> int:
     import msgspec
 
+    from kvledger.migrations.storage import open_existing_journal
     from kvledger.replay.kv_reconcile import parse_index, reconcile_index
     from kvledger.replay.sources import journal_events, jsonl_events
 

@@ -145,7 +145,7 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
     """Run `trials` crash trials against the backend of `db` (see the module docstring),
     with the worker's command service in its process or in a writer process (`writer`).
     Returns the report; `report["ok"]` is False on any violation."""
-    from kvledger.engine.remote import WRITERS
+    from kvledger.engine import WRITERS
 
     if writer not in WRITERS:
         raise KvLedgerError(ErrorCode.INVALID_ARGUMENT, f"writer must be one of {', '.join(WRITERS)}")

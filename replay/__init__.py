@@ -10,29 +10,50 @@ Imports schemas, journal and engine; nothing below imports replay.
     report.ledger.physical, report.peaks["instantaneous"].value
 """
 
-from kvledger.replay.archive import ImportSummary, derive_tables, export_jsonl, import_jsonl
-from kvledger.replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
-from kvledger.replay.metrics import (
-    RequestMetrics,
-    SavedWork,
-    WindowMetrics,
-    WindowSpec,
-    request_metrics,
-    saved_work,
-    window_metrics,
-)
-from kvledger.replay.projector import ProjectionState, Projector
-from kvledger.replay.report import HandleSnapshot, Report, build, snapshot_sha256, to_json
-from kvledger.replay.run import (
-    CHECKPOINT,
-    project,
-    replay_incremental,
-    replay_journal,
-    replay_jsonl,
-    resume,
-)
-from kvledger.replay.sources import journal_events, jsonl_bodies, jsonl_events
-from kvledger.replay.verify import Checker, Finding, VerifyResult, verify_bodies, verify_journal, verify_jsonl
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvledger.schemas import lazy
+
+if TYPE_CHECKING:
+    from kvledger.replay.archive import ImportSummary, derive_tables, export_jsonl, import_jsonl
+    from kvledger.replay.ledger import ByteTime, LedgerPoint, LedgerValues, Peak
+    from kvledger.replay.metrics import (
+        RequestMetrics,
+        SavedWork,
+        WindowMetrics,
+        WindowSpec,
+        request_metrics,
+        saved_work,
+        window_metrics,
+    )
+    from kvledger.replay.projector import ProjectionState, Projector
+    from kvledger.replay.report import HandleSnapshot, Report, build, snapshot_sha256, to_json
+    from kvledger.replay.run import (
+        CHECKPOINT,
+        project,
+        replay_incremental,
+        replay_journal,
+        replay_jsonl,
+        resume,
+    )
+    from kvledger.replay.sources import journal_events, jsonl_bodies, jsonl_events
+    from kvledger.replay.verify import Checker, Finding, VerifyResult, verify_bodies, verify_journal, verify_jsonl
+
+# Loaded when first used: the CLI's parser and a reader of one module (replay.metrics for
+# its SLO defaults) do not load the projector and numpy with them.
+__getattr__ = lazy.exports(__name__, {
+    "archive": ("ImportSummary", "derive_tables", "export_jsonl", "import_jsonl"),
+    "ledger": ("ByteTime", "LedgerPoint", "LedgerValues", "Peak"),
+    "metrics": ("RequestMetrics", "SavedWork", "WindowMetrics", "WindowSpec", "request_metrics", "saved_work",
+                "window_metrics"),
+    "projector": ("ProjectionState", "Projector"),
+    "report": ("HandleSnapshot", "Report", "build", "snapshot_sha256", "to_json"),
+    "run": ("CHECKPOINT", "project", "replay_incremental", "replay_journal", "replay_jsonl", "resume"),
+    "sources": ("journal_events", "jsonl_bodies", "jsonl_events"),
+    "verify": ("Checker", "Finding", "VerifyResult", "verify_bodies", "verify_journal", "verify_jsonl"),
+})
 
 __all__ = [
     "CHECKPOINT",
@@ -73,3 +94,4 @@ __all__ = [
     "verify_jsonl",
     "window_metrics",
 ]
+
