@@ -18,7 +18,8 @@ import uuid
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from kvledger.adapters import hf_args, hf_identity, hf_rows
 from kvledger.adapters.hf_journal import Plan, Tracker

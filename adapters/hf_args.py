@@ -191,7 +191,7 @@ def _own_cache(config: Any, gen_config: Any, kwargs: dict[str, Any], out: dict[s
 
 
 def _is_generation_config(value: Any) -> bool:
-    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import GenerationConfig
 
     return isinstance(value, GenerationConfig)
 

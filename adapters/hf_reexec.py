@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers.cache_utils import DynamicCache
 
 from kvledger.adapters import hf_identity, hf_rows
 from kvledger.schemas import events as ev
