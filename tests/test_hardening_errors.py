@@ -155,12 +155,12 @@ def test_a_driver_error_that_escapes_every_boundary_is_still_one_line(monkeypatc
     """The CLI's last resort: a psycopg error raised where no journal boundary caught it
     is translated (its text, which quotes a password, is not shown); any other exception
     is one INTERNAL_ERROR line."""
-    import kvledger.cmd_replay as cmd_replay
+    import kvledger.migrations.storage as storage  # what `verify` opens its journal with
 
     def leak(_args):
         raise psycopg.OperationalError('connection failed: password "Zq7XkPw2" rejected')
 
-    monkeypatch.setattr(cmd_replay, "open_existing_journal", lambda *_: leak(None))
+    monkeypatch.setattr(storage, "open_existing_journal", lambda *_: leak(None))
     line = refused(cli("verify", "--db", "postgresql+psycopg://u@127.0.0.1:1/x"), "DATABASE_UNREACHABLE",
                    "Zq7XkPw2")
     assert line.startswith("DATABASE_UNREACHABLE: PostgreSQL at 127.0.0.1:1, database x:")
@@ -168,7 +168,7 @@ def test_a_driver_error_that_escapes_every_boundary_is_still_one_line(monkeypatc
     def bug(*_):
         raise TypeError("Zq7XkPw2 in a bug's message")
 
-    monkeypatch.setattr(cmd_replay, "open_existing_journal", bug)
+    monkeypatch.setattr(storage, "open_existing_journal", bug)
     line = refused(cli("verify", "--db", "sqlite:///x.db"), "INTERNAL_ERROR", "Zq7XkPw2")
     assert "TypeError" in line and "KVLEDGER_DEBUG=1" in line
 
