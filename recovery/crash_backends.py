@@ -16,6 +16,8 @@ from kvledger.schemas.errors import KvLedgerError
 
 class Backend:
     name = ""
+    modules: tuple[str, ...] = ()  # what a trial's children import to open its journals
+
 
     def prepare(self) -> None: ...
     def fresh(self, k: int) -> str: raise NotImplementedError  # noqa: E704 - an abstract one-liner
@@ -29,6 +31,8 @@ class SqliteBackend(Backend):
     the named database (or in a temp directory)."""
 
     name = "sqlite"
+    modules = ("kvledger.journal.sql", "kvledger.journal.sqlite", "kvledger.journal.blocks",
+               "kvledger.journal.snapshot")
 
     def __init__(self, url: str, workdir: Path) -> None:
         self.dir = workdir / "journals"
@@ -65,6 +69,8 @@ class PostgresBackend(Backend):
     for the next trial; a failing one is kept and the next trial gets a new database."""
 
     name = "postgresql"
+    modules = ("kvledger.journal.sql", "kvledger.journal.postgres", "kvledger.journal.blocks",
+               "kvledger.journal.snapshot")
     TABLES = ", ".join(JOURNAL_TABLES)
 
     def __init__(self, url: str) -> None:
@@ -106,6 +112,7 @@ class NatsBackend(Backend):
     the servers' fsync policy cannot change what they check: the cells are made whatever it is."""
 
     name = "nats"
+    modules = ("kvledger.journal.nats", "kvledger.journal.nats_audit", "kvledger.journal.blocks")
 
     def __init__(self, url: str) -> None:
         self.named = url

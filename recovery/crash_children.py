@@ -78,10 +78,22 @@ def _model() -> tuple[Transformer, ArtifactIdentity]:
     return _MODEL
 
 
-def warm() -> None:
-    """Zygote warm-up: one torch thread, the model built and one call run, so a forked
+# What the trials' children run, imported by the zygote: a module a child imports is
+# imported again by every trial (the layers' packages load their modules when first used).
+CHILD_MODULES = ("kvledger.engine.remote", "kvledger.migrations.storage", "kvledger.recovery.recover",
+                 "kvledger.replay.run", "kvledger.replay.verify", "kvledger.worker.serving", "kvledger.worker.reexec")
+
+
+def warm(backend_modules: Sequence[str] = ()) -> None:
+    """Zygote warm-up: the children's modules imported (`backend_modules`: those that open
+    the trials' journals), one torch thread, the model built and one call run, so a forked
     child starts in milliseconds. No database is opened here."""
+    import importlib
+
     import torch
+
+    for name in (*CHILD_MODULES, *backend_modules):
+        importlib.import_module(name)
 
     from kvledger.worker.executor import Member, run_call, shape_of
     from kvledger.worker.kvstore import KVStore

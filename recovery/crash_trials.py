@@ -163,7 +163,7 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
         backend: Backend = (SqliteBackend(url, root) if name == "sqlite" else NatsBackend(url) if name == "nats"
                             else PostgresBackend(url))
         backend.prepare()  # first: an unreachable server is said before the model loads
-        warm()
+        warm(backend.modules)
     except BaseException:
         _drop_if_empty(root)
         raise

@@ -27,9 +27,12 @@ PROMPT = (5, 6, 7, 8)
 CAPACITY = 24
 
 
-PRELOAD = ["kvledger", "kvledger.migrations.storage", "engine.service", "journal", "replay.linearizability", "psycopg",
-           "sqlalchemy.dialects.postgresql.psycopg", "sqlalchemy.dialects.sqlite.pysqlite", "kvledger.journal.nats",
-           "nats"]
+# What a racer imports before its first operation (the forkserver skips a name it cannot
+# import, silently: keep these the installed names).
+PRELOAD = ["kvledger.migrations.storage", "kvledger.engine.service", "kvledger.replay.linearizability",
+           "kvledger.journal.sqlite", "kvledger.journal.postgres", "kvledger.journal.nats", "kvledger.journal.blocks",
+           "kvledger.journal.faults", "numpy", "psycopg", "sqlalchemy.dialects.postgresql.psycopg",
+           "sqlalchemy.dialects.sqlite.pysqlite", "nats"]
 
 
 def context():
