@@ -28,7 +28,18 @@ def default_level() -> str:
 
 class _Stderr(logging.Handler):
     """Writes to sys.stderr as it is when a record is written, not when this was made: a
-    caller (or pytest) may swap it between runs of kvledger.cli.main in one process."""
+    caller (or pytest) may swap it between runs of kvledger.cli.main in one process.
+    Its structlog formatter is made for the first record: most commands write none, and
+    structlog (with rich, which it loads when installed) is slow to import."""
+
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.formatter is None:
+            self.setFormatter(_formatter(self.tty))
+        return super().format(record)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -41,14 +52,24 @@ class _Stderr(logging.Handler):
 def configure(level: str = DEFAULT_LEVEL) -> None:
     """Install the CLI's handler on the root logger (replacing one an earlier call
     installed) and set the levels."""
+    handler = _Stderr(sys.stderr.isatty())
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Stderr)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    number = logging.getLevelNamesMapping()[level.upper()]
+    root.setLevel(max(number, logging.WARNING))
+    logging.getLogger("kvledger").setLevel(number)
+
+
+def _formatter(tty: bool) -> logging.Formatter:
     import structlog
 
-    tty = sys.stderr.isatty()
     # JSON: a traceback, if a record carries one, becomes one string field (the console
     # renderer formats it itself)
     render: list[Any] = ([structlog.dev.ConsoleRenderer()] if tty else
                          [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()])
-    formatter = structlog.stdlib.ProcessorFormatter(
+    return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[
             structlog.contextvars.merge_contextvars,
             structlog.stdlib.add_log_level,
@@ -62,15 +83,6 @@ def configure(level: str = DEFAULT_LEVEL) -> None:
             *render,
         ],
     )
-    handler = _Stderr()
-    handler.setFormatter(formatter)
-    root = logging.getLogger()
-    for old in [h for h in root.handlers if isinstance(h, _Stderr)]:
-        root.removeHandler(old)
-    root.addHandler(handler)
-    number = logging.getLevelNamesMapping()[level.upper()]
-    root.setLevel(max(number, logging.WARNING))
-    logging.getLogger("kvledger").setLevel(number)
 
 
 def _without_message(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
