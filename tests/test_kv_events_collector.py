@@ -329,19 +329,22 @@ def test_a_restarted_collector_asks_each_named_engine_from_its_cursor(db_url):
     assert scraped["kvledger_kv_events_gaps"] == 0 and scraped["kvledger_kv_events_last_committed_seq"] == -1
 
 
-def two_free_ports() -> int:
-    """A port P with P + 1 free too (vLLM puts rank 1 at the configured port + 1)."""
+def free_port_run(n: int) -> int:
+    """A port P with P + 1 ... P + n - 1 free too (vLLM puts rank r at the configured port
+    + r). One run for every port a test needs: two runs asked for one after the other can
+    overlap (a second P at the first P + 1), which once failed a bind."""
     import socket
 
     for _ in range(100):
         p = free_port()
-        with socket.socket() as s:
+        with contextlib.ExitStack() as held:
             try:
-                s.bind(("127.0.0.1", p + 1))
+                for k in range(1, n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p + k))
             except OSError:
                 continue
         return p
-    raise AssertionError("no two consecutive free ports")
+    raise AssertionError(f"no {n} consecutive free ports")
 
 
 def test_data_parallel_ranks_are_streams_of_their_own(db_url):
@@ -349,7 +352,8 @@ def test_data_parallel_ranks_are_streams_of_their_own(db_url):
     collector's port + r and binds its replay at the configured replay port + r. Both
     ranks publish the same seqs on the same topic; rank 1 loses a range its own replay
     socket serves."""
-    sub, replay = two_free_ports(), two_free_ports()
+    sub = free_port_run(4)
+    replay = sub + 2
     ranks = [Publisher("vllm", topic="kv", rank=r,
                        wiring=Wiring(f"tcp://127.0.0.1:{sub + r}", f"tcp://127.0.0.1:{replay + r}")) for r in (0, 1)]
     published: dict[int, dict[tuple[int, int], list[Any]]] = {0: {}, 1: {}}
