@@ -21,12 +21,20 @@ class Backend(NamedTuple):
     name: str  # what tests and messages call it
     schemes: tuple[str, ...]  # the URL backend names it opens (sqlalchemy's get_backend_name)
     opener: str  # "module:callable": opens a migrated journal from its URL string
+    # What reading, writing and auditing its journals imports when first done: a process
+    # that forks workers (crash trials, racing tests) imports these once, before the fork.
+    modules: tuple[str, ...] = ()
 
 
 BACKENDS: tuple[Backend, ...] = (
-    Backend("sqlite", ("sqlite",), "kvledger.journal.sql:open_journal"),
-    Backend("postgres", ("postgresql",), "kvledger.journal.sql:open_journal"),
-    Backend("nats", ("nats",), "kvledger.journal.nats:open_journal"),
+    Backend("sqlite", ("sqlite",), "kvledger.journal.sql:open_journal",
+            ("kvledger.journal.sql", "kvledger.journal.sqlite", "kvledger.journal.blocks",
+             "kvledger.journal.snapshot")),
+    Backend("postgres", ("postgresql",), "kvledger.journal.sql:open_journal",
+            ("kvledger.journal.sql", "kvledger.journal.postgres", "kvledger.journal.blocks",
+             "kvledger.journal.snapshot")),
+    Backend("nats", ("nats",), "kvledger.journal.nats:open_journal",
+            ("kvledger.journal.nats", "kvledger.journal.nats_audit", "kvledger.journal.blocks")),
 )
 # Backends that open journals but do not yet pass every test that takes `db_url`, so the
 # suite is not parametrized over them (tests/conftest.py adds one named in

@@ -16,8 +16,6 @@ from kvledger.schemas.errors import KvLedgerError
 
 class Backend:
     name = ""
-    modules: tuple[str, ...] = ()  # what a trial's children import to open its journals
-
 
     def prepare(self) -> None: ...
     def fresh(self, k: int) -> str: raise NotImplementedError  # noqa: E704 - an abstract one-liner
@@ -31,8 +29,6 @@ class SqliteBackend(Backend):
     the named database (or in a temp directory)."""
 
     name = "sqlite"
-    modules = ("kvledger.journal.sql", "kvledger.journal.sqlite", "kvledger.journal.blocks",
-               "kvledger.journal.snapshot")
 
     def __init__(self, url: str, workdir: Path) -> None:
         self.dir = workdir / "journals"
@@ -69,8 +65,6 @@ class PostgresBackend(Backend):
     for the next trial; a failing one is kept and the next trial gets a new database."""
 
     name = "postgresql"
-    modules = ("kvledger.journal.sql", "kvledger.journal.postgres", "kvledger.journal.blocks",
-               "kvledger.journal.snapshot")
     TABLES = ", ".join(JOURNAL_TABLES)
 
     def __init__(self, url: str) -> None:
@@ -112,7 +106,6 @@ class NatsBackend(Backend):
     the servers' fsync policy cannot change what they check: the cells are made whatever it is."""
 
     name = "nats"
-    modules = ("kvledger.journal.nats", "kvledger.journal.nats_audit", "kvledger.journal.blocks")
 
     def __init__(self, url: str) -> None:
         self.named = url

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvledger.journal import faults
+from kvledger.journal.backends import backend_of
 from kvledger.journal.url import parse_url, redact, resolve_url
 from kvledger.recovery.crash_backends import Backend, NatsBackend, PostgresBackend, SqliteBackend
 from kvledger.recovery.crash_children import (
@@ -163,7 +164,7 @@ def run_crash_test(db: str | None, *, trials: int = 50, seed: int = 0, workdir: 
         backend: Backend = (SqliteBackend(url, root) if name == "sqlite" else NatsBackend(url) if name == "nats"
                             else PostgresBackend(url))
         backend.prepare()  # first: an unreachable server is said before the model loads
-        warm(backend.modules)
+        warm(backend_of(parsed).modules)
     except BaseException:
         _drop_if_empty(root)
         raise

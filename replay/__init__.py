@@ -94,4 +94,3 @@ __all__ = [
     "verify_jsonl",
     "window_metrics",
 ]
-

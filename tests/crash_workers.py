@@ -16,6 +16,7 @@ import msgspec
 from kvledger.engine import commands as c
 from kvledger.engine.service import CommandService
 from kvledger.journal import faults
+from kvledger.journal.backends import BACKENDS
 from kvledger.migrations.storage import open_or_create_journal
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 from kvledger.schemas.receipts import Receipt
@@ -30,9 +31,8 @@ CAPACITY = 24
 # What a racer imports before its first operation (the forkserver skips a name it cannot
 # import, silently: keep these the installed names).
 PRELOAD = ["kvledger.migrations.storage", "kvledger.engine.service", "kvledger.replay.linearizability",
-           "kvledger.journal.sqlite", "kvledger.journal.postgres", "kvledger.journal.nats", "kvledger.journal.blocks",
-           "kvledger.journal.faults", "numpy", "psycopg", "sqlalchemy.dialects.postgresql.psycopg",
-           "sqlalchemy.dialects.sqlite.pysqlite", "nats"]
+           "kvledger.journal.faults", *dict.fromkeys(m for b in BACKENDS for m in b.modules), "psycopg",
+           "sqlalchemy.dialects.postgresql.psycopg", "sqlalchemy.dialects.sqlite.pysqlite", "nats"]
 
 
 def context():
