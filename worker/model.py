@@ -400,7 +400,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied: no lm_head module at all, so there is exactly one tensor to load and
-        # no parameter-aliasing subtleties under .to()/to_empty().
+        # no parameter-aliasing subtleties under .to() or a state-dict load.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope_table: Tensor | None = None  # fp32, not a buffer: .to(bf16) must not touch it
 
@@ -446,8 +446,13 @@ class Transformer(nn.Module):
         # Build on meta so construction neither allocates twice nor consumes global RNG.
         with torch.device("meta"):
             model = cls(cfg)
+        # torch.empty, not to_empty's empty_like: on meta tensors that imports sympy and
+        # torch.fx, 0.6 s of every process that loads a model.
+        model.load_state_dict({name: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                                 device=device) for name, t in model.state_dict().items()},
+                              assign=True)
         # Inference only: no autograd graph can pin cached K/V tensors.
-        return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
+        return model.eval().requires_grad_(False)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig = DEFAULT_CONFIG, seed: int = 0,
