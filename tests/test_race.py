@@ -3,12 +3,12 @@ no gap or duplicate, and a tailing reader sees every committed event once, in or
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections import Counter
 
 from kvledger.migrations.storage import open_or_create_journal
 
 import race_workers
+from crash_workers import context
 from factories import allocate_op
 
 WORKERS, ATTEMPTS = 4, 200
@@ -17,7 +17,7 @@ WORKERS, ATTEMPTS = 4, 200
 def test_racing_publishers_one_winner_per_base(db_url):
     with open_or_create_journal(db_url) as j:
         j.append([allocate_op("H")])
-    ctx = mp.get_context("spawn")
+    ctx = context()  # the racers' forkserver: its children start with the journal imported
     out, tail_out, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     reader = ctx.Process(target=race_workers.tailer, args=(db_url, stop, tail_out))
     reader.start()
