@@ -15,6 +15,8 @@ from conftest import pipelined_postgres
 
 from kvledger.journal import faults
 
+from budget import scaled
+
 TRIALS = 24  # 24 fault plans cover the 18 (point, action) pairs; CI's time budget sets no more
 
 
@@ -64,7 +66,7 @@ def test_crash_test_trials_with_postgres_statements_pipelined(pg_admin, monkeypa
     (KVLEDGER_PG_PIPELINE=on; the test server is on loopback, where they go one by one).
     A verdict read before its statement's result arrived once broke the streams' chains
     at the first commit of decode steps beside an arrival."""
-    trials = 12
+    trials = scaled(8, 12)  # 8: two SIGKILLs and an exit at each fault point
     pipelined_postgres(monkeypatch, True)
     p = _kvledger("crash-test", "--db", pg_admin.create(), "--trials", str(trials), "--seed", "5", "--json")
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]

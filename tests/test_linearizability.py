@@ -22,11 +22,12 @@ from kvledger.replay.linearizability import (
 )
 
 import crash_workers as cw
+from budget import scaled
 
-HISTORIES = 50
+HISTORIES = scaled(20, 50)
 # A NATS history costs ~4x a SQLite one (every racer's connection and operation is an R3
 # round trip): half as many there, where test_race and test_crash_nats race it too.
-NATS_HISTORIES = 25
+NATS_HISTORIES = scaled(10, 25)
 
 
 @pytest.fixture(scope="module")
