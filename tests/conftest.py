@@ -21,6 +21,7 @@ from nats_cluster import nats_cells, nats_cluster  # noqa: F401  # fixtures: NAT
 from kvledger.journal.backends import BACKENDS, PENDING
 from kvledger.journal.pgserver import ScratchDatabases, ThrowawayPostgres, find_bin
 from kvledger.migrations.storage import init_database
+from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
 
 def _scratch_in_memory() -> None:
@@ -184,6 +185,51 @@ def fresh_url(backend, tmp_path, request) -> Callable[[str], str]:
 def db_url(fresh_url) -> str:
     """A fresh, migrated journal database on the parametrized backend."""
     return fresh_url("journal")
+
+
+class _SessionScratch:
+    """The session's request, as a shared journal's scratch maker sees it. Its clean-up
+    runs as the session ends, which may be after its server's: a throwaway PostgreSQL or
+    NATS cluster that stopped took the journal with it, and there is nothing to drop."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+
+    def getfixturevalue(self, name: str) -> object:
+        return self._request.getfixturevalue(name)
+
+    def addfinalizer(self, drop: Callable[[], object]) -> None:
+        def after_the_server() -> None:
+            try:
+                drop()
+            except KvLedgerError as exc:
+                if exc.code is not ErrorCode.DATABASE_UNREACHABLE:
+                    raise
+
+        self._request.addfinalizer(after_the_server)
+
+
+@pytest.fixture(scope="session")
+def _shared_journals(request) -> tuple[dict[tuple[str, str], str], _SessionScratch]:
+    return {}, _SessionScratch(request)
+
+
+@pytest.fixture
+def shared_journal(backend, _shared_journals, tmp_path_factory, capsys) -> Callable[[str, Callable[[str], None]], str]:
+    """shared_journal(name, build) -> URL: a journal of the parametrized backend that
+    `build(url)` filled, made once per test process and name (a demo costs a test 1-6 s).
+    A test only reads it, or puts back what it edits (in a `finally`)."""
+    built, session = _shared_journals
+
+    def get(name: str, build: Callable[[str], None]) -> str:
+        if (backend, name) not in built:
+            url = scratch_maker(backend, tmp_path_factory.mktemp(name), session)(name)
+            build(url)
+            capsys.readouterr()  # what the build printed is not the test's output
+            built[backend, name] = url
+        return built[backend, name]
+
+    return get
 
 
 # The backends whose journals are SQL tables. A test marked `sql_storage(reason)` edits or

@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvledger.cli import main
 from kvledger.journal import open_journal
 from kvledger.journal.steps import StepRun, StepValues
 from kvledger.replay.metrics import WindowSpec
@@ -25,24 +26,35 @@ from kvledger.replay.sources import fold_items
 from kvledger.schemas.errors import KvLedgerError
 from kvledger.schemas.events import ForwardCall
 
-from stored_rows import cli
+from budget import scaled
 
 WINDOW = WindowSpec(slo_ttft_ns=10**7, slo_tbt_ns=10**6, width_ns=10**6)
 
 
-@pytest.fixture
-def journals(db_url, capsys):
-    """The url of a journal holding the demo's requests and a lockstep decode."""
+def _build(url: str) -> None:
+    """The demo's requests and a lockstep decode."""
     from kvledger.engine.service import CommandService
 
     from bench.tokens import Lockstep
 
-    code, _, err = cli(capsys, "demo", "--requests", "3", "--db", db_url, "--json")
-    assert code == 0, err
-    with open_journal(db_url) as journal:
+    assert main(["demo", "--requests", "3", "--db", url, "--json"]) == 0
+    with open_journal(url) as journal:
         run = Lockstep(CommandService(journal), 4, 8, "fold")
         for _ in range(6):
             run.step()
+
+
+@pytest.fixture
+def journals(shared_journal):
+    """The url of a journal holding the demo's requests and a lockstep decode: built once,
+    read by every test here."""
+    return shared_journal("steps", _build)
+
+
+@pytest.fixture
+def own_journal(db_url):
+    """The same journal, this test's own to edit."""
+    _build(db_url)
     return db_url
 
 
@@ -110,7 +122,8 @@ def test_read_fold_is_read_all_with_steps_whole_from_any_position(journals):
     a step that `after` cuts given as its remaining events."""
     with open_journal(journals) as journal:
         last = journal.last_position()
-        for after in [*range(0, 40), *range(40, last + 1, 7), last]:
+        # every cut in the first records, then a stride prime to a step's 3 events
+        for after in [*range(0, 40), *range(40, last + 1, scaled(31, 7)), last]:
             expanded = [e for x in journal.read_fold(after)
                         for e in (x.events() if type(x) in (StepRun, StepValues) else (x,))]
             assert expanded == list(journal.read_all(after)), after
@@ -265,7 +278,7 @@ def test_consecutive_records_fold_together(journals, monkeypatch):
 
 @pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 @pytest.mark.parametrize("forge", ["counter", "prefix"])
-def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
+def test_a_forged_step_in_held_runs_fails_as_its_event_does(own_journal, forge):
     """The last record's step 10 forged to publish a txn its handle never started, by its
     counter or its prefix (its block repacked with fresh CRCs, which a read checks; the
     chain is verify's): folded from held runs, it fails where, and as, its event does."""
@@ -277,7 +290,7 @@ def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
 
     from stored_rows import sql
 
-    last, body = sql(journals, "SELECT last_position, body FROM kvl_records ORDER BY last_position DESC LIMIT 1")[0]
+    last, body = sql(own_journal, "SELECT last_position, body FROM kvl_records ORDER BY last_position DESC LIMIT 1")[0]
     parts = unpack_record(bytes(body))
     block = parts.data[:parts.event_lengths[0]]
     m, digests = read(block)
@@ -292,8 +305,8 @@ def test_a_forged_step_in_held_runs_fails_as_its_event_does(journals, forge):
     data = forged + parts.data[len(block):]
     stored = pack_record(msgspec.structs.replace(parts, event_crcs=[zlib.crc32(forged), *parts.event_crcs[1:]],
                                                  data=data))
-    sql(journals, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=stored, p=last)
-    with open_journal(journals) as journal:
+    sql(own_journal, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=stored, p=last)
+    with open_journal(own_journal) as journal:
         errors = []
         for items in (journal.read_all(), journal.read_fold()):
             p = Projector()

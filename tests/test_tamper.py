@@ -12,6 +12,7 @@ import zlib
 import msgspec
 import pytest
 
+from kvledger.cli import main
 from kvledger.journal import open_journal
 from kvledger.journal.audit import decode_record, unpack_record
 from kvledger.journal.keys import pack_prev, unpack_prev
@@ -24,11 +25,15 @@ from stored_rows import cli, sql
 pytestmark = pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
 
 
+def _demo(url: str) -> None:
+    assert main(["demo", "--requests", "2", "--db", url, "--json"]) == 0
+
+
 @pytest.fixture
-def demo(db_url, capsys):
-    """A small demo journal, all of it in records: (url, records as (last, first, body))."""
-    code, _, err = cli(capsys, "demo", "--requests", "2", "--db", db_url, "--json")
-    assert code == 0, err
+def demo(shared_journal):
+    """A small demo journal, all of it in records: (url, records as (last, first, body)).
+    Each test puts back what it edits: the next one finds the demo's journal."""
+    db_url = shared_journal("tamper-demo", _demo)
     assert sql(db_url, "SELECT count(*) FROM kvl_events") == [(0,)]
     rows = sql(db_url, "SELECT last_position, first_position, body FROM kvl_records ORDER BY last_position")
     return db_url, [(last, first, bytes(body)) for last, first, body in rows]
@@ -222,7 +227,10 @@ def test_verify_exits_1_and_names_the_edited_event(demo, capsys):
     last, first, body = records[len(records) // 2]
     edited, named = edit_event(body, 1, rechecksum=False)
     sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=edited, p=last)
-    code, out, err = cli(capsys, "verify", "--db", db_url, "--json")
+    try:
+        code, out, err = cli(capsys, "verify", "--db", db_url, "--json")
+    finally:
+        sql(db_url, "UPDATE kvl_records SET body = :b WHERE last_position = :p", b=body, p=last)
     assert code == 1, err
     report = json.loads(out)
     assert [f["global_position"] for f in report["findings"] if f["code"] == "TAMPERED"][0] == first + named
