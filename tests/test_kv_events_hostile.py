@@ -315,12 +315,13 @@ def test_the_replay_retry_is_decided_from_what_the_replay_sent():
 def test_a_seq_outside_the_journal_range_is_skipped_and_counted(tmp_path, seq):
     """A publisher sends one batch at `seq`, then the next five: the recorder says the skip
     on stderr with its code, counts it, journals the five and exits 0; so does a second
-    run, which meets the same batch again."""
+    run, which meets the same batch again (once: the three seqs take one path there)."""
     url = new_db(tmp_path)
     w = Workload(46)
     pub = Publisher("vllm", answer_replays=False)
+    runs = 2 if seq == (1 << 63) - 1 else 1
     try:
-        for _ in range(2):
+        for _ in range(runs):
             rec = record_cli(url, pub, "--idle-exit", "1.5")
             _connected(pub)
             pub.send([b"kv", seq.to_bytes(8, "big", signed=True), encode("vllm", 1.0, w.batch(), 0)])
@@ -334,7 +335,7 @@ def test_a_seq_outside_the_journal_range_is_skipped_and_counted(tmp_path, seq):
             assert (s["skipped"], s["skipped_codes"], s["batches"]) == (1, {"MALFORMED_EVENT": 1}, 5)
     finally:
         pub.close()
-    assert sorted(e.payload.seq for e in stream_events(url)) == list(range(10))
+    assert sorted(e.payload.seq for e in stream_events(url)) == list(range(5 * runs))
     verify_clean(url)
 
 
