@@ -23,6 +23,8 @@ from kvledger.journal.pgserver import ScratchDatabases, ThrowawayPostgres, find_
 from kvledger.migrations.storage import init_database
 from kvledger.schemas.errors import ErrorCode, KvLedgerError
 
+import budget
+
 
 def _scratch_in_memory() -> None:
     """Every scratch file of the run (pytest's tmp_path, the throwaway PostgreSQL and NATS
@@ -239,6 +241,8 @@ SQL_BACKENDS = frozenset({"sqlite", "postgres"})
 
 
 def pytest_configure(config):
+    if budget.SCALE not in budget.SCALES:
+        raise pytest.UsageError(f"KVLEDGER_TEST_SCALE={budget.SCALE!r}: expected one of {', '.join(budget.SCALES)}")
     config.addinivalue_line("markers", "sql_storage(reason): runs on the SQL backends only, for the reason given")
     config.addinivalue_line("markers", "nats_case(reason, **params): on NATS, only the case with these other "
                             "parameters (none given: no case; the reason names the NATS test that covers it)")
