@@ -106,6 +106,18 @@ class StoredRecord(NamedTuple):
     chain: bytes  # the chain digest through it
 
 
+def _small_demo(url: str) -> None:
+    assert main(["demo", "--requests", "2", "--db", url, "--json"]) == 0
+
+
+def demo_records(shared_journal) -> tuple[str, list[tuple[int, int, bytes]]]:
+    """A two-request demo journal, built once per backend and test process for the tests
+    that damage its records one at a time and put each back: (url, records as (last,
+    first, body))."""
+    url = shared_journal("small-demo", _small_demo)
+    return url, [(r.last, r.first, r.body) for r in records(url)]
+
+
 def records(db_url: str) -> list[StoredRecord]:
     """Every stored record, in order, as the backend stores it: kvl_records' rows on SQL,
     the record messages of a NATS cell (their positions and chain in headers)."""

@@ -25,7 +25,7 @@ from kvledger.journal.readback import Damage
 from kvledger.journal.record_format import encode_record, pack_record
 
 from bench.hostile_records import frame, lists, raw_block, record5, rle_blocks
-from stored_rows import cli, one_coded_line, records, sql
+from stored_rows import cli, demo_records, one_coded_line, records, sql
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -54,11 +54,8 @@ BOMBS = {
 # -- the journal: a short demo, its records damaged one at a time -------------------------
 
 @pytest.fixture
-def demo(db_url, capsys):
-    code, _, err = cli(capsys, "demo", "--requests", "2", "--db", db_url, "--json")
-    assert code == 0, err
-    rows = sql(db_url, "SELECT last_position, first_position, body FROM kvl_records ORDER BY last_position")
-    return db_url, [(last, first, bytes(body)) for last, first, body in rows]
+def demo(shared_journal):
+    return demo_records(shared_journal)
 
 
 def run(*args: str) -> tuple[int, str, str]:

@@ -12,7 +12,6 @@ import zlib
 import msgspec
 import pytest
 
-from kvledger.cli import main
 from kvledger.journal import open_journal
 from kvledger.journal.audit import decode_record, unpack_record
 from kvledger.journal.keys import pack_prev, unpack_prev
@@ -20,23 +19,18 @@ from kvledger.journal.record_format import chain, pack_record
 from kvledger.journal.steps import MARK, is_row
 from kvledger.replay import verify_journal
 
-from stored_rows import cli, sql
+from stored_rows import cli, demo_records, sql
 
 pytestmark = pytest.mark.sql_storage("edits SQL rows in place: a NATS stream has no rows to edit")
-
-
-def _demo(url: str) -> None:
-    assert main(["demo", "--requests", "2", "--db", url, "--json"]) == 0
 
 
 @pytest.fixture
 def demo(shared_journal):
     """A small demo journal, all of it in records: (url, records as (last, first, body)).
     Each test puts back what it edits: the next one finds the demo's journal."""
-    db_url = shared_journal("tamper-demo", _demo)
+    db_url, records = demo_records(shared_journal)
     assert sql(db_url, "SELECT count(*) FROM kvl_events") == [(0,)]
-    rows = sql(db_url, "SELECT last_position, first_position, body FROM kvl_records ORDER BY last_position")
-    return db_url, [(last, first, bytes(body)) for last, first, body in rows]
+    return db_url, records
 
 
 def tampered(db_url: str) -> list[int | None]:
